@@ -1,0 +1,105 @@
+"""Configuration: one frozen dataclass per component, read once from TOML.
+
+Every option is documented in ``memspec.example.toml`` at the repository root.
+Precedence: command-line flag > environment (MEMSPEC_HOME) > config file > default.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memspec.errors import ConfigError
+from memspec.request import Limits
+from memspec.sessions import SessionConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10 (JetPack 6)
+    import tomli as tomllib
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """Which target to serve."""
+
+    target: str = "smollm2-135m"  # store name of the target model
+    variant: str = "q4"  # "q4" (fast, the GGUF's own 4-bit weights) or "fp32" (exact)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """The daemon's listening socket and request handling."""
+
+    listen: str = ""  # "unix:///path.sock" or "HOST:PORT"; "" = default Unix socket
+    socket_mode: int = 0o660  # permissions of the Unix socket
+    max_concurrent: int = 4  # requests generating at once
+    max_queue: int = 32  # requests waiting beyond those; more get RESOURCE_EXHAUSTED
+    grace_seconds: float = 30.0  # how long SIGTERM lets in-flight streams finish
+    watchdog: bool = True  # send WATCHDOG=1 to systemd when it asks for it
+
+
+@dataclass(frozen=True)
+class Config:
+    home: str = ""  # model store; "" = $MEMSPEC_HOME or the user's data dir
+    model: ModelConfig = field(default_factory=ModelConfig)
+    runtime: SessionConfig = field(default_factory=SessionConfig)
+    limits: Limits = field(default_factory=Limits)
+    server: ServerConfig = field(default_factory=ServerConfig)
+
+    @property
+    def store_home(self) -> Path | None:
+        if os.environ.get("MEMSPEC_HOME"):
+            return Path(os.environ["MEMSPEC_HOME"]).expanduser()
+        return Path(self.home).expanduser() if self.home else None
+
+
+_SECTIONS = {"model": ModelConfig, "runtime": SessionConfig, "limits": Limits, "server": ServerConfig}
+
+
+def _section(cls: type, name: str, values: Any) -> Any:
+    if not isinstance(values, dict):
+        raise ConfigError(f"[{name}] must be a table, got {type(values).__name__}")
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    unknown = sorted(set(values) - set(fields))
+    if unknown:
+        raise ConfigError(f"[{name}]: unknown option(s) {', '.join(unknown)}; known: {', '.join(fields)}")
+    out = {}
+    for key, val in values.items():
+        default = getattr(cls(), key)
+        if isinstance(default, tuple):
+            if not isinstance(val, list):
+                raise ConfigError(f"[{name}] {key} must be a list, got {val!r}")
+            val = tuple(val)
+        elif isinstance(default, bool) != isinstance(val, bool) or (
+            isinstance(default, (int, float)) and not isinstance(val, (int, float))
+        ) or (isinstance(default, str) and not isinstance(val, str)):
+            raise ConfigError(f"[{name}] {key} must be {type(default).__name__}, got {val!r}")
+        out[key] = val
+    return cls(**out)
+
+
+def load_config(path: str | Path | None = None) -> Config:
+    """Read a TOML config (or return the defaults when path is None)."""
+    if path is None:
+        return Config()
+    p = Path(path)
+    try:
+        data = tomllib.loads(p.read_text())
+    except OSError as exc:
+        raise ConfigError(f"cannot read config {p}: {exc.strerror}") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"config {p} is not valid TOML: {exc}") from None
+    unknown = sorted(set(data) - set(_SECTIONS) - {"home"})
+    if unknown:
+        raise ConfigError(f"config {p}: unknown section(s) {', '.join(unknown)}; known: home, {', '.join(_SECTIONS)}")
+    kwargs: dict[str, Any] = {k: _section(cls, k, data[k]) for k, cls in _SECTIONS.items() if k in data}
+    if "home" in data:
+        if not isinstance(data["home"], str):
+            raise ConfigError(f"config {p}: home must be a string path")
+        kwargs["home"] = data["home"]
+    return Config(**kwargs)

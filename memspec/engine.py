@@ -1,0 +1,185 @@
+"""The generation engine: prompt in, committed tokens and text out.
+
+`Engine.stream()` turns a checked request into a stream of `Chunk`s and one
+final `Completion`.  The decode loop underneath yields lists of committed token
+ids: one per step for target-only decoding, several per step once a draft
+proposes and the target verifies (memspec.speculative).  Everything about
+stopping (EOS, stop strings, max tokens, context end, cancellation), text and
+timing lives here, once, for both.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import numpy as np
+
+from memspec import sampling
+from memspec.errors import ContextOverflowError, InvalidRequestError
+from memspec.request import Chunk, Completion, GenerationRequest, Limits, SamplingParams, validate
+from memspec.sessions import DecoderSession, KVCache, SessionConfig
+from memspec.stopping import StopMatcher
+from memspec.store import Manifest, ModelStore
+from memspec.tokenizer import Tokenizer
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class TargetModel:
+    """The model whose output is the answer: session, tokenizer, end-of-sequence ids."""
+
+    name: str  # store name
+    variant: str  # "fp32", "q4", ...
+    session: DecoderSession
+    tokenizer: Tokenizer
+    eos_ids: frozenset[int]
+    manifest: Manifest | None = None
+
+    @classmethod
+    def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
+        m = store.get(name)
+        folder = Path(m.folder)
+        session = DecoderSession(m.variant_path(variant), config)
+        tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
+        eos = set(m.extra.get("eos_token_ids", []))
+        if tok.eos_token_id is not None:
+            eos.add(tok.eos_token_id)
+        return cls(name, variant, session, tok, frozenset(eos), m)
+
+
+def pick_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
+    """Greedy argmax, or a draw from the filtered distribution."""
+    if params.greedy:
+        return sampling.greedy(logits)
+    return sampling.sample(sampling.probabilities(logits, params.temperature, params.top_k, params.top_p), rng)
+
+
+class Engine:
+    """Runs requests against one target (and, later, a draft chosen per request)."""
+
+    def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter):
+        self.target = target
+        self.limits = limits
+        self.clock = clock
+
+    # -- prompt ---------------------------------------------------------------
+    def prompt_ids(self, req: GenerationRequest) -> list[int]:
+        tok = self.target.tokenizer
+        if req.messages is not None:
+            text = tok.apply_chat_template([{"role": r, "content": c} for r, c in req.messages])
+        elif req.raw:
+            text = req.prompt
+        else:
+            text = tok.apply_chat_template([{"role": "user", "content": req.prompt}])
+        ids = tok.encode(text)
+        if not ids:
+            raise InvalidRequestError("prompt: encodes to no tokens")
+        cap = self.target.session.max_context
+        if len(ids) >= cap:
+            raise ContextOverflowError(
+                f"prompt: {len(ids)} tokens do not fit the context of {cap} tokens "
+                f"(at least one token must be left to generate)"
+            )
+        return ids
+
+    # -- decode loops ------------------------------------------------------------
+    def _target_only(self, cache: KVCache, prompt: list[int], params: SamplingParams,
+                     rng: np.random.Generator) -> Iterator[list[int]]:
+        """One target forward per token."""
+        session = self.target.session
+        logits = session.forward(cache, prompt, keep=1)[-1]
+        while True:
+            tok = pick_token(logits, params, rng)
+            yield [tok]
+            if cache.length >= cache.capacity:
+                return
+            logits = session.forward(cache, [tok], keep=1)[-1]
+
+    def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest,
+              rng: np.random.Generator, stats: dict) -> Iterator[list[int]]:
+        """The decode loop for this request.  Speculative engines override this."""
+        return self._target_only(cache, prompt, req.sampling, rng)
+
+    # -- streaming ---------------------------------------------------------------
+    def stream(self, req: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Chunk | Completion]:
+        """Yield Chunks as tokens are committed, then one Completion."""
+        validate(req, self.limits)
+        t0 = self.clock()
+        prompt = self.prompt_ids(req)
+        cache = self.target.session.new_cache()
+        rng = np.random.default_rng(req.sampling.seed)
+        detok = self.target.tokenizer.detokenizer()
+        stops = StopMatcher(req.stop)
+        out: list[int] = []
+        text: list[str] = []
+        stats: dict = {}
+        t_first = None
+        finish = "length"
+        steps = self.steps(cache, prompt, req, rng, stats)
+        try:
+            for committed in steps:
+                if t_first is None:
+                    t_first = self.clock()
+                new, finish_now = self._accept(committed, out, req)
+                piece = stops.feed(detok.add(new)) if new else ""
+                if stops.hit:
+                    finish_now = "stop"
+                text.append(piece)
+                yield Chunk(piece, new)
+                if finish_now:
+                    finish = finish_now
+                    break
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    break
+        finally:
+            steps.close()
+        tail = stops.feed(detok.flush()) + stops.flush()
+        if tail:
+            text.append(tail)
+            yield Chunk(tail, [])
+        t_end = self.clock()
+        yield Completion(
+            prompt_token_ids=prompt, token_ids=out, text="".join(text), finish_reason=finish,
+            timings=self._timings(t0, t_first, t_end, len(prompt), len(out)), stats=stats,
+        )
+
+    def _accept(self, committed: list[int], out: list[int], req: GenerationRequest) -> tuple[list[int], str | None]:
+        """Append committed ids up to EOS / max_tokens; return (ids to show, finish reason or None)."""
+        new: list[int] = []
+        for tok in committed:
+            if tok in self.target.eos_ids:
+                out.append(tok)
+                return new, "eos"
+            out.append(tok)
+            new.append(tok)
+            if len(out) >= req.max_tokens:
+                return new, "length"
+        return new, None
+
+    def _timings(self, t0: float, t_first: float | None, t_end: float, n_prompt: int, n_out: int) -> dict:
+        t_first = t_first if t_first is not None else t_end
+        decode_s = max(t_end - t_first, 1e-9)
+        return {
+            "prompt_tokens": n_prompt,
+            "completion_tokens": n_out,
+            "ttft_ms": (t_first - t0) * 1e3,
+            "prefill_tok_per_s": n_prompt / max(t_first - t0, 1e-9),
+            "decode_ms": decode_s * 1e3,
+            "total_ms": (t_end - t0) * 1e3,
+            # the first token comes from the prefill; the rest from decode steps
+            "tok_per_s": (n_out - 1) / decode_s if n_out > 1 else 0.0,
+        }
+
+    def generate(self, req: GenerationRequest, cancel: threading.Event | None = None) -> Completion:
+        """Run a request to the end and return its Completion."""
+        result = None
+        for item in self.stream(req, cancel):
+            if isinstance(item, Completion):
+                result = item
+        return result

@@ -1,0 +1,26 @@
+"""Named exceptions.  Each layer raises these; the server maps them to gRPC codes
+and the CLI to messages and exit codes."""
+
+
+class MemspecError(Exception):
+    """Base class of every error memspec raises on purpose."""
+
+
+class ConfigError(MemspecError, ValueError):
+    """A configuration file or option is invalid."""
+
+
+class ModelFormatError(MemspecError, ValueError):
+    """A model file is missing, corrupt, or not in a layout memspec understands."""
+
+
+class ModelNotFoundError(MemspecError, LookupError):
+    """The model store has no model (or variant) by that name."""
+
+
+class InvalidRequestError(MemspecError, ValueError):
+    """A generation request has a bad field; the message names it and its allowed range."""
+
+
+class ContextOverflowError(InvalidRequestError):
+    """The prompt (plus what must be generated) does not fit in the context window."""

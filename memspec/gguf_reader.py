@@ -1,0 +1,176 @@
+"""Read a llama-architecture GGUF file: its hyper-parameters and its tensors.
+
+The GGUF stores weights the way llama.cpp wants them.  This module turns them
+back into the layout of the Hugging Face checkpoint (``W[out, in]``, Q and K
+rows in the non-interleaved rotary order) either as float32 or as raw
+quantized blocks for the 4-bit ONNX variant.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from memspec.errors import ModelFormatError
+
+# Bytes per 32-weight block (see ggml-common.h): Q4_1 = fp16 d, fp16 m, 16 nibbles;
+# Q8_0 = fp16 d, 32 int8.
+QK = 32
+Q4_1_BLOCK_BYTES = 20
+Q8_0_BLOCK_BYTES = 34
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    """Hyper-parameters of a llama decoder, as the GGUF metadata gives them."""
+
+    n_layers: int  # number of transformer blocks
+    hidden: int  # model width (embedding length)
+    n_heads: int  # query heads
+    n_kv_heads: int  # key/value heads (grouped-query attention)
+    head_dim: int  # width of one head
+    ffn: int  # SwiGLU inner width
+    vocab: int  # vocabulary size
+    rope_theta: float  # rotary base frequency
+    rms_eps: float  # RMSNorm epsilon
+    context_length: int  # longest context the model was trained for
+    tied_embeddings: bool  # LM head shares the token embedding
+
+
+@dataclass(frozen=True)
+class Q4Blocks:
+    """A Q4_1 matrix unpacked into MatMulNBits pieces.  w = d * (q - 8) + (m + 8 d)."""
+
+    q: np.ndarray  # (N, n_blocks, 32) uint8 in [0, 15]
+    d: np.ndarray  # (N, n_blocks) float32 scale
+    m: np.ndarray  # (N, n_blocks) float32 minimum
+
+
+@dataclass(frozen=True)
+class Q8Blocks:
+    """A Q8_0 matrix: w = d * q."""
+
+    q: np.ndarray  # (N, n_blocks, 32) int8
+    d: np.ndarray  # (N, n_blocks) float32 scale
+
+
+class GGUFModel:
+    """A llama GGUF opened for conversion."""
+
+    def __init__(self, path: str | Path):
+        import gguf  # conversion-only dependency
+
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFormatError(f"GGUF file not found: {self.path}")
+        try:
+            self._reader = gguf.GGUFReader(self.path)
+        except Exception as exc:  # gguf raises bare ValueError/struct errors
+            raise ModelFormatError(f"{self.path} is not a readable GGUF file: {exc}") from None
+        self._gguf = gguf
+        self._tensors = {t.name: t for t in self._reader.tensors}
+        self.config = self._read_config()
+
+    # -- metadata ---------------------------------------------------------
+    def field(self, key: str, default=None):
+        """Return one metadata value (decoded to str/int/float/list)."""
+        f = self._reader.fields.get(key)
+        if f is None:
+            return default
+        return f.contents()
+
+    def _require(self, key: str):
+        v = self.field(key)
+        if v is None:
+            raise ModelFormatError(f"{self.path.name}: metadata key {key!r} is missing")
+        return v
+
+    def _read_config(self) -> LlamaConfig:
+        arch = self.field("general.architecture")
+        if arch != "llama":
+            raise ModelFormatError(
+                f"{self.path.name}: architecture is {arch!r}, only 'llama' GGUF files can be converted"
+            )
+        n_heads = int(self._require("llama.attention.head_count"))
+        hidden = int(self._require("llama.embedding_length"))
+        emb = self._tensors.get("token_embd.weight")
+        if emb is None:
+            raise ModelFormatError(f"{self.path.name}: tensor 'token_embd.weight' is missing")
+        return LlamaConfig(
+            n_layers=int(self._require("llama.block_count")),
+            hidden=hidden,
+            n_heads=n_heads,
+            n_kv_heads=int(self.field("llama.attention.head_count_kv", n_heads)),
+            head_dim=int(self.field("llama.rope.dimension_count", hidden // n_heads)),
+            ffn=int(self._require("llama.feed_forward_length")),
+            vocab=int(emb.shape[1]),
+            rope_theta=float(self.field("llama.rope.freq_base", 10000.0)),
+            rms_eps=float(self._require("llama.attention.layer_norm_rms_epsilon")),
+            context_length=int(self.field("llama.context_length", 2048)),
+            tied_embeddings="output.weight" not in self._tensors,
+        )
+
+    # -- tensors ----------------------------------------------------------
+    def _tensor(self, name: str):
+        t = self._tensors.get(name)
+        if t is None:
+            raise ModelFormatError(f"{self.path.name}: tensor {name!r} is missing")
+        return t
+
+    def qtype(self, name: str) -> str:
+        """The ggml type name of a tensor ('F32', 'Q4_1', ...)."""
+        return self._tensor(name).tensor_type.name
+
+    def _row_order(self, name: str, n_rows: int) -> np.ndarray | None:
+        """Row permutation that undoes convert_hf_to_gguf's Q/K permute, else None."""
+        if name.endswith("attn_q.weight"):
+            heads = self.config.n_heads
+        elif name.endswith("attn_k.weight"):
+            heads = self.config.n_kv_heads
+        else:
+            return None
+        # GGUF row r = HF row perm[r] with perm = reshape(h, 2, hd/2).swapaxes(1, 2);
+        # the inverse reads HF rows back in (h, hd/2, 2) -> (h, 2, hd/2) order.
+        idx = np.arange(n_rows).reshape(heads, n_rows // heads // 2, 2).swapaxes(1, 2).reshape(-1)
+        return idx
+
+    def float32(self, name: str) -> np.ndarray:
+        """Dequantized tensor as float32, HF layout ((N, K) for matrices)."""
+        t = self._tensor(name)
+        w = self._gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32, copy=False)
+        if w.ndim == 2:
+            order = self._row_order(name, w.shape[0])
+            if order is not None:
+                w = w[order]
+        return np.ascontiguousarray(w)
+
+    def _raw_blocks(self, name: str, block_bytes: int) -> np.ndarray:
+        t = self._tensor(name)
+        data = np.asarray(t.data)
+        n_rows = data.shape[0]
+        blocks = data.reshape(n_rows, -1, block_bytes)
+        order = self._row_order(name, n_rows)
+        return blocks[order] if order is not None else blocks
+
+    def q4_1(self, name: str) -> Q4Blocks:
+        """Raw Q4_1 blocks of a matrix, rows in HF order."""
+        if self.qtype(name) != "Q4_1":
+            raise ModelFormatError(f"{name} is {self.qtype(name)}, expected Q4_1")
+        b = self._raw_blocks(name, Q4_1_BLOCK_BYTES)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
+        qs = b[..., 4:]
+        # ggml packs weight j in the low nibble of byte j and weight j+16 in the high one.
+        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
+        return Q4Blocks(q=q, d=d, m=m)
+
+    def q8_0(self, name: str) -> Q8Blocks:
+        """Raw Q8_0 blocks of a matrix, rows in HF order."""
+        if self.qtype(name) != "Q8_0":
+            raise ModelFormatError(f"{name} is {self.qtype(name)}, expected Q8_0")
+        b = self._raw_blocks(name, Q8_0_BLOCK_BYTES)
+        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
+        q = b[..., 2:].copy().view(np.int8)
+        return Q8Blocks(q=q, d=d)

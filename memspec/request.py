@@ -1,0 +1,114 @@
+"""What a client asks for, checked at the boundary, and what comes back."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from memspec.errors import InvalidRequestError
+
+ROLES = ("system", "user", "assistant")
+FINISH_REASONS = ("stop", "length", "eos", "cancelled")
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds every request is checked against (from the config)."""
+
+    max_tokens: int = 4096  # most new tokens one request may ask for
+    max_prompt_chars: int = 65536  # longest prompt text accepted
+    max_stop: int = 8  # most stop strings
+    max_stop_chars: int = 64  # longest stop string
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy; otherwise in (0, 2]
+    top_k: int = 0  # 0 = off; otherwise keep the k most likely tokens
+    top_p: float = 1.0  # nucleus mass in (0, 1]
+    seed: int | None = None  # seeds the request's own generator
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt: str | None = None  # raw text, or the user turn when chat is applied
+    messages: tuple[tuple[str, str], ...] | None = None  # ((role, content), ...) chat turns
+    raw: bool = False  # send `prompt` as is, without the chat template
+    max_tokens: int = 256  # most new tokens
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()  # generation ends before any of these strings
+    draft: str | None = None  # force one draft ("none" = target only)
+    policy: str | None = None  # draft-selection policy override
+
+
+def _bad(field_name: str, msg: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{field_name}: {msg}")
+
+
+def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
+    """Raise InvalidRequestError naming the first bad field and its allowed range."""
+    if (req.prompt is None) == (req.messages is None):
+        raise _bad("prompt", "give exactly one of prompt or messages")
+    if req.prompt is not None:
+        _check_text("prompt", req.prompt, limits)
+    else:
+        if not req.messages:
+            raise _bad("messages", "must hold at least one message")
+        for i, (role, content) in enumerate(req.messages):
+            if role not in ROLES:
+                raise _bad(f"messages[{i}].role", f"{role!r} is not one of {', '.join(ROLES)}")
+            _check_text(f"messages[{i}].content", content, limits, allow_empty=role != "user")
+        if req.raw:
+            raise _bad("raw", "raw applies to a prompt, not to chat messages")
+    if not 1 <= req.max_tokens <= limits.max_tokens:
+        raise _bad("max_tokens", f"{req.max_tokens} is out of range; allowed 1..{limits.max_tokens}")
+    s = req.sampling
+    if not (s.temperature == 0.0 or 0.0 < s.temperature <= 2.0) or s.temperature != s.temperature:
+        raise _bad("temperature", f"{s.temperature} is out of range; allowed 0 (greedy) or (0, 2]")
+    if not 0 <= s.top_k <= 1_000_000:
+        raise _bad("top_k", f"{s.top_k} is out of range; allowed 0 (off) or a positive count")
+    if not 0.0 < s.top_p <= 1.0:
+        raise _bad("top_p", f"{s.top_p} is out of range; allowed (0, 1]")
+    if s.seed is not None and not 0 <= s.seed < 2**64:
+        raise _bad("seed", f"{s.seed} is out of range; allowed 0..2^64-1")
+    if len(req.stop) > limits.max_stop:
+        raise _bad("stop", f"{len(req.stop)} stop strings; at most {limits.max_stop}")
+    for i, st in enumerate(req.stop):
+        if not st or len(st) > limits.max_stop_chars:
+            raise _bad(f"stop[{i}]", f"length {len(st)}; allowed 1..{limits.max_stop_chars} characters")
+
+
+def _check_text(name: str, text: str, limits: Limits, allow_empty: bool = False) -> None:
+    if not isinstance(text, str):
+        raise _bad(name, f"must be text, got {type(text).__name__}")
+    if not text.strip() and not allow_empty:
+        raise _bad(name, "is empty")
+    if len(text) > limits.max_prompt_chars:
+        raise _bad(name, f"{len(text)} characters; at most {limits.max_prompt_chars}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise _bad(name, f"is not valid UTF-8 ({exc.reason} at {exc.start})") from None
+
+
+@dataclass
+class Chunk:
+    """One streamed piece of output."""
+
+    text: str  # new text (may be empty while bytes of a character are pending)
+    token_ids: list[int]  # tokens committed in this step
+
+
+@dataclass
+class Completion:
+    """The end of a generation: the whole result and its stats."""
+
+    prompt_token_ids: list[int]
+    token_ids: list[int]  # generated ids only
+    text: str
+    finish_reason: str  # one of FINISH_REASONS
+    timings: dict[str, float]  # prefill_ms, ttft_ms, decode_ms, total_ms, tok_per_s, ...
+    stats: dict = field(default_factory=dict)  # speculative metrics (see memspec.metrics)

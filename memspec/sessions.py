@@ -1,0 +1,220 @@
+"""ONNX Runtime decoder sessions and their KV caches.
+
+A `DecoderSession` offers exactly what a speculative engine needs:
+
+    cache = session.new_cache()
+    logits = session.forward(cache, ids, keep=k)   # (k, V); cache.length += len(ids)
+    cache.truncate(n)                              # roll back to n committed tokens
+
+Two graph layouts are understood, read from the model's own inputs:
+
+* ``gqa`` (onnxruntime-genai, ours): past and present share one preallocated
+  buffer through IOBinding.  The attention mask's width tells GroupQueryAttention
+  where to write, so rollback is only a smaller `length`: stale slots past it
+  are overwritten by the next step and never attended to.
+* ``growing`` (optimum / HF export): present = past + new.  The cache keeps the
+  returned arrays and rollback slices them.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+import onnxruntime as ort
+
+from memspec.errors import ContextOverflowError, ModelFormatError
+
+PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How ONNX Runtime runs a model."""
+
+    providers: tuple[str, ...] = ("auto",)  # EP names, or "auto" = best that ORT reports
+    intra_op_threads: int = 0  # 0 = one per physical core
+    max_context: int = 2048  # KV capacity in tokens (prompt + generated)
+
+
+def resolve_providers(wanted: Sequence[str]) -> list[str]:
+    """Execution providers to use, from what this onnxruntime build reports at run time."""
+    available = ort.get_available_providers()
+    if not wanted or tuple(wanted) == ("auto",):
+        # TensorRT needs engine caches configured to be useful; auto takes CUDA, then CPU.
+        return [p for p in ("CUDAExecutionProvider", "CPUExecutionProvider") if p in available]
+    missing = [p for p in wanted if p not in available]
+    if missing:
+        raise ModelFormatError(
+            f"execution provider(s) {', '.join(missing)} are not in this onnxruntime build "
+            f"(available: {', '.join(available)})"
+        )
+    return list(wanted)
+
+
+def physical_cores() -> int:
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except Exception:
+        return os.cpu_count() or 1
+
+
+class KVCache:
+    """Per-request key/value state.  `length` is the number of committed tokens."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity  # most tokens the cache can hold
+        self.length = 0  # tokens whose K/V are valid and visible
+
+    def truncate(self, length: int) -> None:
+        """Roll back to `length` tokens (the next forward overwrites the rest)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return 0
+
+
+class SharedBufferCache(KVCache):
+    """One preallocated (1, kvh, capacity, hd) buffer per layer and per K/V."""
+
+    def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int, device: str = "cpu"):
+        super().__init__(capacity)
+        shape = (1, kv_heads, capacity, head_dim)
+        self.buffers = [
+            ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, device, 0) for _ in range(2 * n_layers)
+        ]
+        self._nbytes = 2 * n_layers * int(np.prod(shape)) * 4
+
+    @property
+    def nbytes(self) -> int:
+        return self._nbytes
+
+
+class GrowingCache(KVCache):
+    """Past arrays that grow with each step (optimum layout)."""
+
+    def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int):
+        super().__init__(capacity)
+        self.arrays = [np.zeros((1, kv_heads, 0, head_dim), np.float32) for _ in range(2 * n_layers)]
+
+    def truncate(self, length: int) -> None:
+        super().truncate(length)
+        self.arrays = [a[:, :, :length] for a in self.arrays]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.nbytes for a in self.arrays)
+
+
+class DecoderSession:
+    """One decoder model in ONNX Runtime, shapes read from the model itself."""
+
+    def __init__(self, path: str | Path, config: SessionConfig = SessionConfig()):
+        self.path = Path(path)
+        if not self.path.is_file():
+            raise ModelFormatError(f"model file not found: {self.path}")
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = config.intra_op_threads or physical_cores()
+        opts.log_severity_level = 3
+        # Do not keep freed memory in an arena: unloading a model must give RSS back.
+        opts.enable_cpu_mem_arena = False
+        self.providers = resolve_providers(config.providers)
+        try:
+            self.session = ort.InferenceSession(str(self.path), opts, providers=self.providers)
+        except Exception as exc:
+            raise ModelFormatError(f"onnxruntime cannot load {self.path}: {exc}") from None
+        self.device = "cuda" if self.session.get_providers()[0] != "CPUExecutionProvider" else "cpu"
+        self._read_layout(config.max_context)
+
+    def _read_layout(self, max_context: int) -> None:
+        inputs = {i.name: i for i in self.session.get_inputs()}
+        outputs = [o.name for o in self.session.get_outputs()]
+        if "input_ids" not in inputs or "logits" not in outputs:
+            raise ModelFormatError(f"{self.path.name} is not a decoder: it needs input_ids and logits")
+        self.past_names = sorted(
+            (n for n in inputs if n.startswith("past_key_values.")),
+            key=lambda n: (int(n.split(".")[1]), n.endswith("value")),
+        )
+        self.present_names = [n.replace("past_key_values.", "present.") for n in self.past_names]
+        if not self.past_names or any(n not in outputs for n in self.present_names):
+            raise ModelFormatError(f"{self.path.name}: past_key_values.* inputs and present.* outputs are required")
+        _, kv_heads, _, head_dim = inputs[self.past_names[0]].shape
+        logits_shape = self.session.get_outputs()[outputs.index("logits")].shape
+        self.vocab_size = int(logits_shape[-1]) if isinstance(logits_shape[-1], int) else None
+        self.n_layers = len(self.past_names) // 2
+        self.kv_heads, self.head_dim = int(kv_heads), int(head_dim)
+        self.has_keep = "logits_to_keep" in inputs
+        self.has_position_ids = "position_ids" in inputs
+        # Our converter marks graphs whose attention can share past/present buffers;
+        # any other decoder runs with a growing cache, which every layout supports.
+        meta = self.session.get_modelmeta().custom_metadata_map
+        self.layout = "gqa" if meta.get("memspec.kv_layout") == "shared_buffer" else "growing"
+        self.max_context = max_context
+
+    # -- caches -------------------------------------------------------------
+    def new_cache(self, capacity: int | None = None) -> KVCache:
+        cap = capacity or self.max_context
+        if self.layout == "gqa":
+            return SharedBufferCache(cap, self.n_layers, self.kv_heads, self.head_dim, self.device)
+        return GrowingCache(cap, self.n_layers, self.kv_heads, self.head_dim)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.kv_heads * self.head_dim * 4
+
+    # -- forward ------------------------------------------------------------
+    def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:
+        """Feed `ids` after the committed tokens; return logits of the last `keep` positions.
+
+        Returns (keep, V) float32.  cache.length advances by len(ids); call
+        cache.truncate() to commit fewer.
+        """
+        n = len(ids)
+        if n == 0:
+            raise ValueError("forward needs at least one token")
+        if cache.length + n > cache.capacity:
+            raise ContextOverflowError(
+                f"context overflow: {cache.length} cached + {n} new tokens > capacity {cache.capacity}"
+            )
+        keep = min(max(keep, 1), n)
+        if isinstance(cache, SharedBufferCache):
+            logits = self._forward_shared(cache, ids, keep)
+        else:
+            logits = self._forward_growing(cache, ids, keep)
+        cache.length += n
+        return logits
+
+    def _forward_shared(self, cache: SharedBufferCache, ids: Sequence[int], keep: int) -> np.ndarray:
+        total = cache.length + len(ids)
+        binding = self.session.io_binding()
+        binding.bind_cpu_input("input_ids", np.asarray([ids], dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
+        binding.bind_cpu_input("logits_to_keep", np.array(keep, dtype=np.int64))
+        binding.bind_output("logits", "cpu")  # first, so it is get_outputs()[0]
+        for name, present, buf in zip(self.past_names, self.present_names, cache.buffers):
+            binding.bind_ortvalue_input(name, buf)
+            binding.bind_ortvalue_output(present, buf)
+        self.session.run_with_iobinding(binding)
+        return binding.get_outputs()[0].numpy()[0]
+
+    def _forward_growing(self, cache: GrowingCache, ids: Sequence[int], keep: int) -> np.ndarray:
+        total = cache.length + len(ids)
+        feeds = {
+            "input_ids": np.asarray([ids], dtype=np.int64),
+            "attention_mask": np.ones((1, total), dtype=np.int64),
+        }
+        if self.has_keep:
+            feeds["logits_to_keep"] = np.array(keep, dtype=np.int64)
+        if self.has_position_ids:
+            feeds["position_ids"] = np.arange(cache.length, total, dtype=np.int64)[None, :]
+        feeds.update(zip(self.past_names, cache.arrays))
+        out = self.session.run(["logits", *self.present_names], feeds)
+        cache.arrays = out[1:]
+        return out[0][0, -keep:]

@@ -1,0 +1,61 @@
+"""A float64 NumPy llama forward pass: the reference the ONNX graphs are checked against.
+
+Written from the model's definition (RMSNorm, rotary half-rotation, grouped-query
+attention, SwiGLU, tied head) and kept deliberately plain: no cache tricks.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from memspec.gguf_reader import GGUFModel
+
+
+class ReferenceLlama:
+    def __init__(self, model: GGUFModel, n_layers: int | None = None):
+        self.cfg = c = model.config
+        self.n_layers = n_layers or c.n_layers
+        f = lambda n: model.float32(n).astype(np.float64)  # noqa: E731
+        self.emb = f("token_embd.weight")
+        self.norm = f("output_norm.weight")
+        self.layers = [
+            {k: f(f"blk.{i}.{k}.weight") for k in
+             ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
+            for i in range(self.n_layers)
+        ]
+
+    def _rms(self, x, w):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.cfg.rms_eps) * w
+
+    def _rope(self, x, pos):  # x: (heads, T, hd)
+        hd = self.cfg.head_dim
+        inv = 1.0 / (self.cfg.rope_theta ** (np.arange(0, hd, 2) / hd))
+        ang = pos[:, None] * inv[None, :]
+        cos, sin = np.cos(ang), np.sin(ang)
+        x1, x2 = x[..., : hd // 2], x[..., hd // 2:]
+        return np.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
+
+    def logits(self, ids: list[int]) -> np.ndarray:
+        """(T, V) float64 logits for every position of `ids`."""
+        c = self.cfg
+        T = len(ids)
+        x = self.emb[np.asarray(ids)]
+        pos = np.arange(T, dtype=np.float64)
+        mask = np.triu(np.full((T, T), -np.inf), 1)
+        rep = c.n_heads // c.n_kv_heads
+        for L in self.layers:
+            h = self._rms(x, L["attn_norm"])
+            q = (h @ L["attn_q"].T).reshape(T, c.n_heads, c.head_dim).transpose(1, 0, 2)
+            k = (h @ L["attn_k"].T).reshape(T, c.n_kv_heads, c.head_dim).transpose(1, 0, 2)
+            v = (h @ L["attn_v"].T).reshape(T, c.n_kv_heads, c.head_dim).transpose(1, 0, 2)
+            q, k = self._rope(q, pos), self._rope(k, pos)
+            k, v = np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)
+            s = q @ k.transpose(0, 2, 1) / np.sqrt(c.head_dim) + mask
+            p = np.exp(s - s.max(-1, keepdims=True))
+            p /= p.sum(-1, keepdims=True)
+            a = (p @ v).transpose(1, 0, 2).reshape(T, -1)
+            x = x + a @ L["attn_output"].T
+            h = self._rms(x, L["ffn_norm"])
+            g = h @ L["ffn_gate"].T
+            x = x + ((g / (1 + np.exp(-g))) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T
+        return self._rms(x, self.norm) @ self.emb.T

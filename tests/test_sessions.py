@@ -1,0 +1,119 @@
+"""The converted target in ONNX Runtime: exactness, multi-token steps, rollback."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memspec.errors import ContextOverflowError, ModelFormatError
+from memspec.sessions import DecoderSession, SessionConfig
+
+# A chat-formatted prompt and the start of its answer (greedy fp32 output).
+IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
+       19712, 8182, 2, 198, 1, 4093, 198, 1780, 314, 260, 3575, 282, 4649, 47, 2, 198, 1, 520, 9531,
+       198, 504, 3575, 282, 4649, 314, 7042, 30]
+
+
+@pytest.fixture(scope="module")
+def reference_logits(gguf_model):
+    from llama_reference import ReferenceLlama
+
+    return ReferenceLlama(gguf_model).logits(IDS)
+
+
+@pytest.fixture(scope="module", params=["fp32", "q4"])
+def session(request, model_store):
+    path = model_store.get("smollm2-135m").variant_path(request.param)
+    return request.param, DecoderSession(path, SessionConfig(max_context=128, intra_op_threads=2))
+
+
+def test_fp32_matches_float64_reference(model_store, reference_logits):
+    s = DecoderSession(model_store.get("smollm2-135m").variant_path("fp32"), SessionConfig(max_context=64))
+    out = s.forward(s.new_cache(), IDS, keep=len(IDS))
+    assert out.shape == reference_logits.shape
+    err = np.abs(out - reference_logits).max()
+    assert err < 1e-3, f"fp32 differs from the float64 reference by {err}"
+    assert (out.argmax(-1) == reference_logits.argmax(-1)).all()
+
+
+def test_q4_close_to_reference(model_store, reference_logits):
+    s = DecoderSession(model_store.get("smollm2-135m").variant_path("q4"), SessionConfig(max_context=64))
+    out = s.forward(s.new_cache(), IDS, keep=len(IDS))
+    # int8 activations (accuracy_level 4) move logits a little; the weights are the GGUF's own.
+    assert np.abs(out - reference_logits).mean() < 0.5
+    assert (out.argmax(-1) == reference_logits.argmax(-1)).mean() >= 0.9
+
+
+def test_layout_read_from_model(session):
+    _, s = session
+    assert (s.n_layers, s.kv_heads, s.head_dim, s.vocab_size) == (30, 3, 64, 49152)
+    assert s.layout == "gqa"
+
+
+def test_chunked_prefill_equals_one_shot(session):
+    _, s = session
+    full = s.forward(s.new_cache(), IDS, keep=len(IDS))
+    c = s.new_cache()
+    a = s.forward(c, IDS[:20], keep=20)
+    b = s.forward(c, IDS[20:], keep=len(IDS) - 20)
+    assert c.length == len(IDS)
+    np.testing.assert_allclose(np.concatenate([a, b]), full, atol=1e-4)
+
+
+def test_single_steps_equal_one_multi_token_step(session):
+    variant, s = session
+    c = s.new_cache()
+    s.forward(c, IDS[:30], keep=1)
+    multi = s.forward(c, IDS[30:38], keep=8)
+    c.truncate(30)
+    single = np.stack([s.forward(c, [t], keep=1)[0] for t in IDS[30:38]])
+    if variant == "fp32":
+        np.testing.assert_allclose(single, multi, atol=2e-4)
+    else:  # q4: the 1-row and k-row int8 kernels round differently
+        assert np.abs(single - multi).mean() < 0.3
+        assert (single.argmax(-1) == multi.argmax(-1)).mean() >= 0.875
+
+
+def test_rollback_overwrites_rejected_tokens(session):
+    _, s = session
+    c = s.new_cache()
+    s.forward(c, IDS[:30], keep=1)
+    want = s.forward(c, IDS[30:34], keep=4)
+    c.truncate(30)
+    s.forward(c, [7, 8, 9, 10, 11], keep=5)  # a rejected draft run
+    c.truncate(30)
+    got = s.forward(c, IDS[30:34], keep=4)
+    np.testing.assert_allclose(got, want, atol=1e-5)
+
+
+def test_keep_returns_last_rows(session):
+    _, s = session
+    all_rows = s.forward(s.new_cache(), IDS[:10], keep=10)
+    last3 = s.forward(s.new_cache(), IDS[:10], keep=3)
+    np.testing.assert_allclose(last3, all_rows[-3:], atol=1e-4)
+
+
+def test_context_overflow_is_refused(session):
+    _, s = session
+    c = s.new_cache(capacity=16)
+    s.forward(c, list(range(100, 110)), keep=1)
+    with pytest.raises(ContextOverflowError, match="10 cached \\+ 7 new tokens > capacity 16"):
+        s.forward(c, list(range(7)), keep=1)
+    assert c.length == 10
+
+
+def test_truncate_beyond_length_is_refused(session):
+    _, s = session
+    c = s.new_cache()
+    s.forward(c, [1, 2, 3], keep=1)
+    with pytest.raises(ValueError, match="length 3 to 5"):
+        c.truncate(5)
+
+
+def test_missing_and_bad_model_files(tmp_path):
+    with pytest.raises(ModelFormatError, match="not found"):
+        DecoderSession(tmp_path / "nope.onnx")
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ModelFormatError, match="cannot load"):
+        DecoderSession(bad)
