@@ -30,7 +30,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from memspec.gguf_reader import QK, GGUFModel, LlamaConfig
+from memspec.gguf_reader import QK, ArrayWeights, GGUFModel, LlamaConfig
 
 VARIANTS = ("fp32", "q4")
 MS = "com.microsoft"
@@ -66,7 +66,7 @@ class _Graph:
 class DecoderBuilder:
     """Turns one GGUF into one ONNX decoder variant."""
 
-    def __init__(self, model: GGUFModel, variant: str, max_positions: int | None = None):
+    def __init__(self, model: GGUFModel | ArrayWeights, variant: str, max_positions: int | None = None):
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
         self.m = model

@@ -174,3 +174,25 @@ class GGUFModel:
         d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
         q = b[..., 2:].copy().view(np.int8)
         return Q8Blocks(q=q, d=d)
+
+
+class ArrayWeights:
+    """Float32 weights held in memory under GGUF tensor names (a trained draft).
+
+    Offers the part of GGUFModel's interface that convert.DecoderBuilder uses,
+    so a model trained here is built into the same ONNX layout as the target.
+    """
+
+    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray]):
+        self.config = config
+        self._tensors = {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}
+
+    def qtype(self, name: str) -> str:
+        if name not in self._tensors:
+            raise ModelFormatError(f"tensor {name!r} is missing")
+        return "F32"
+
+    def float32(self, name: str) -> np.ndarray:
+        self.qtype(name)
+        return self._tensors[name]
+

@@ -1,0 +1,206 @@
+"""Tokenizer fidelity against llama.cpp golden fixtures, chat template, streaming detokenizer."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from memspec.errors import InvalidRequestError, MemspecError
+from memspec.tokenizer import (
+    ChatTemplateError,
+    Tokenizer,
+    TokenizerError,
+    build_tokenizer_json,
+    read_gguf_metadata,
+    write_tokenizer_files,
+)
+
+FIXTURES = Path(__file__).parent / "fixtures"
+GOLDEN_TOKENS: list[dict[str, Any]] = json.loads((FIXTURES / "golden_tokenization.json").read_text("utf-8"))["cases"]
+CASE_IDS = [f"{i}:{c['text'][:24]!r}" for i, c in enumerate(GOLDEN_TOKENS)]
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+
+@pytest.fixture(scope="module")
+def tokenizer(gguf_path: Path) -> Tokenizer:
+    return Tokenizer.from_gguf(gguf_path)
+
+
+# ------------------------------------------------------------------ encode/decode
+
+
+def test_fixture_file_is_substantial() -> None:
+    assert len(GOLDEN_TOKENS) >= 40
+    assert any("<|im_start|>" in c["text"] for c in GOLDEN_TOKENS)
+
+
+@pytest.mark.parametrize("case", GOLDEN_TOKENS, ids=CASE_IDS)
+def test_encode_matches_llama_cpp(tokenizer: Tokenizer, case: dict[str, Any]) -> None:
+    assert tokenizer.encode(case["text"]) == case["ids"]
+
+
+@pytest.mark.parametrize("case", GOLDEN_TOKENS, ids=CASE_IDS)
+def test_decode_roundtrip(tokenizer: Tokenizer, case: dict[str, Any]) -> None:
+    assert tokenizer.decode(case["ids"]) == case["text"]
+
+
+def test_build_from_gguf_is_fast(gguf_path: Path) -> None:
+    start = time.perf_counter()
+    Tokenizer.from_gguf(gguf_path)
+    assert time.perf_counter() - start < 2.0
+
+
+def test_special_tokens(tokenizer: Tokenizer) -> None:
+    assert tokenizer.vocab_size == 49152
+    assert tokenizer.eos_token_id == 2 and tokenizer.bos_token_id == 1
+    assert tokenizer.encode("<|im_start|><|im_end|><|endoftext|>") == [1, 2, 0]
+    assert set(range(17)) == tokenizer.special_token_ids
+    assert tokenizer.decode([1, 9519, 2], skip_special_tokens=True) == tokenizer.decode([9519])
+
+
+def test_no_bos_added(tokenizer: Tokenizer) -> None:
+    assert tokenizer.encode("") == []
+    assert tokenizer.encode("hi")[0] != tokenizer.bos_token_id
+
+
+def test_invalid_input_raises(tokenizer: Tokenizer) -> None:
+    with pytest.raises(TokenizerError, match="expects str, got bytes"):
+        tokenizer.encode(b"hi")  # type: ignore[arg-type]
+    with pytest.raises(TokenizerError, match="token id 49152 outside"):
+        tokenizer.decode([5, 49152])
+    assert issubclass(TokenizerError, MemspecError)
+
+
+def test_unsupported_pretokenizer_raises(gguf_path: Path) -> None:
+    meta = dict(read_gguf_metadata(gguf_path), **{"tokenizer.ggml.pre": "llama-bpe"})
+    with pytest.raises(TokenizerError, match="'llama-bpe'"):
+        build_tokenizer_json(meta)
+
+
+def test_fast_metadata_reader_matches_gguf_package(gguf_path: Path) -> None:
+    gguf = pytest.importorskip("gguf")
+    ours = read_gguf_metadata(gguf_path)
+    reader = gguf.GGUFReader(gguf_path)
+    for key, field in reader.fields.items():
+        if key.startswith(("tokenizer.", "general.")):
+            assert ours[key] == field.contents(), key
+
+
+def test_written_files_roundtrip(tokenizer: Tokenizer, gguf_path: Path, tmp_path: Path) -> None:
+    paths = write_tokenizer_files(gguf_path, tmp_path / "tok")
+    config = json.loads(paths["tokenizer_config.json"].read_text("utf-8"))
+    assert config["eos_token"] == "<|im_end|>" and config["eos_token_id"] == 2
+    assert config["bos_token"] == "<|im_start|>" and config["unk_token_id"] == 0 and config["pad_token_id"] == 2
+    assert config["add_bos_token"] is False and config["chat_template"].startswith("{% for message")
+    loaded = Tokenizer.from_file(paths["tokenizer.json"], paths["tokenizer_config.json"])
+    for case in GOLDEN_TOKENS:
+        assert loaded.encode(case["text"]) == case["ids"]
+
+
+def test_hf_decoder_agrees(gguf_path: Path) -> None:
+    from tokenizers import Tokenizer as HFTokenizer
+
+    hf = HFTokenizer.from_str(json.dumps(build_tokenizer_json(gguf_path)))
+    for case in GOLDEN_TOKENS:
+        assert hf.decode(case["ids"], skip_special_tokens=False) == case["text"]
+
+
+def test_logit_fixture_prompts_tokenize_identically(tokenizer: Tokenizer) -> None:
+    golden = json.loads((FIXTURES / "golden_logits.json").read_text("utf-8"))
+    assert golden["cases"]
+    for case in golden["cases"]:
+        assert tokenizer.encode(case["prompt_text"]) == case["ids"][: case["n_prompt"]]
+        assert len(case["ids"]) == len(case["argmax"]) == len(case["margin"]) == len(case["top1_logit"])
+
+
+# ------------------------------------------------------------------ chat template
+
+
+def test_chat_template_system_and_user(tokenizer: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi there"}]
+    assert tokenizer.apply_chat_template(messages) == (
+        "<|im_start|>system\nYou are terse.<|im_end|>\n"
+        "<|im_start|>user\nHi there<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_chat_template_default_system(tokenizer: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    assert tokenizer.apply_chat_template(messages, add_generation_prompt=False) == (
+        f"<|im_start|>system\n{DEFAULT_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\n2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n4<|im_end|>\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("messages", "match"),
+    [
+        ([{"role": "tool", "content": "x"}], r"role 'tool'; allowed roles: system, user, assistant"),
+        ([{"content": "x"}], r"messages\[0\] has role None"),
+        ([{"role": "user", "content": 3}], r"\['content'\] must be str, got int"),
+        ([], "non-empty list"),
+        ("hello", "non-empty list"),
+    ],
+)
+def test_chat_template_rejects_bad_messages(tokenizer: Tokenizer, messages: Any, match: str) -> None:
+    with pytest.raises(ChatTemplateError, match=match) as info:
+        tokenizer.apply_chat_template(messages)
+    assert isinstance(info.value, ValueError) and isinstance(info.value, InvalidRequestError)
+
+
+def test_chat_template_is_sandboxed(tokenizer: Tokenizer) -> None:
+    evil = Tokenizer(_tokenizer_json(tokenizer), {"chat_template": "{{ ''.__class__.__mro__[1].__subclasses__() }}"})
+    with pytest.raises(ChatTemplateError, match="SecurityError"):
+        evil.apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def test_missing_chat_template(tokenizer: Tokenizer) -> None:
+    with pytest.raises(ChatTemplateError, match="no chat_template"):
+        Tokenizer(_tokenizer_json(tokenizer), {}).apply_chat_template([{"role": "user", "content": "x"}])
+
+
+def _tokenizer_json(tokenizer: Tokenizer) -> dict[str, Any]:
+    return json.loads(tokenizer._hf.to_str())  # noqa: SLF001 - test helper
+
+
+# ------------------------------------------------------------- streaming decode
+
+
+@pytest.mark.parametrize("case", GOLDEN_TOKENS, ids=CASE_IDS)
+def test_incremental_deltas_concatenate_to_text(tokenizer: Tokenizer, case: dict[str, Any]) -> None:
+    detok = tokenizer.detokenizer()
+    deltas = [detok.add(i) for i in case["ids"]]
+    deltas.append(detok.flush())
+    assert "".join(deltas) == case["text"] == tokenizer.decode(case["ids"])
+    assert not any("\ufffd" in d for d in deltas)
+
+
+def test_emoji_split_across_tokens_is_held_back(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("ok 😀!")
+    assert [tokenizer.token_bytes(i) for i in ids] == [b"ok", b" \xf0\x9f\x98", b"\x80", b"!"]
+    detok = tokenizer.detokenizer()
+    assert [detok.add(i) for i in ids] == ["ok", " ", "😀", "!"]  # partial emoji bytes held back
+    assert detok.pending_bytes == 0 and detok.flush() == ""
+    ids = tokenizer.encode("👍🏽")  # two 4-byte code points over six tokens
+    assert [detok.add(i) for i in ids] == ["", "", "👍", "", "", "🏽"]
+
+
+def test_flush_replaces_incomplete_character(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("😀")
+    detok = tokenizer.detokenizer()
+    assert detok.add(ids[:-1]) == ""
+    assert detok.pending_bytes > 0
+    assert detok.flush() == "\ufffd"
+    assert detok.add(tokenizer.encode("fine")) == "fine"
+
+
+def test_detokenizer_skips_special_tokens(tokenizer: Tokenizer) -> None:
+    ids = tokenizer.encode("<|im_start|>assistant\nDone.<|im_end|>")
+    detok = tokenizer.detokenizer(skip_special_tokens=True)
+    assert detok.add(ids) + detok.flush() == "assistant\nDone."
