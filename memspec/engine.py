@@ -19,9 +19,12 @@ from typing import Callable, Iterator
 import numpy as np
 
 from memspec import sampling
+from memspec.drafts import Proposer
 from memspec.errors import ContextOverflowError, InvalidRequestError
+from memspec.metrics import SpecMetrics
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, SamplingParams, validate
 from memspec.sessions import DecoderSession, KVCache, SessionConfig
+from memspec.speculative import SpecConfig, speculative_steps
 from memspec.stopping import StopMatcher
 from memspec.store import Manifest, ModelStore
 from memspec.tokenizer import Tokenizer
@@ -62,10 +65,25 @@ def pick_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
 class Engine:
     """Runs requests against one target (and, later, a draft chosen per request)."""
 
-    def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter):
+    def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
+                 drafts: dict[str, Proposer] | None = None, default_draft: str | None = None,
+                 spec: SpecConfig = SpecConfig()):
         self.target = target
         self.limits = limits
         self.clock = clock
+        self.drafts: dict[str, Proposer] = dict(drafts or {})  # name -> loaded proposer
+        self.default_draft = default_draft  # used when a request names none; None = target only
+        self.spec = spec
+
+    def draft_for(self, req: GenerationRequest) -> Proposer | None:
+        """The proposer a request runs with (None = target only)."""
+        name = req.draft if req.draft else self.default_draft
+        if name in (None, "none"):
+            return None
+        if name not in self.drafts:
+            have = ", ".join(["none", *sorted(self.drafts)])
+            raise InvalidRequestError(f"draft: unknown draft {name!r}; available: {have}")
+        return self.drafts[name]
 
     # -- prompt ---------------------------------------------------------------
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
@@ -89,7 +107,7 @@ class Engine:
 
     # -- decode loops ------------------------------------------------------------
     def _target_only(self, cache: KVCache, prompt: list[int], params: SamplingParams,
-                     rng: np.random.Generator) -> Iterator[list[int]]:
+                     rng: np.random.Generator, metrics: SpecMetrics) -> Iterator[list[int]]:
         """One target forward per token."""
         session = self.target.session
         logits = session.forward(cache, prompt, keep=1)[-1]
@@ -98,17 +116,29 @@ class Engine:
             yield [tok]
             if cache.length >= cache.capacity:
                 return
+            t0 = self.clock()
             logits = session.forward(cache, [tok], keep=1)[-1]
+            metrics.record_step(None, 0, 0, 1, 0.0, self.clock() - t0)
 
     def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest,
-              rng: np.random.Generator, stats: dict) -> Iterator[list[int]]:
-        """The decode loop for this request.  Speculative engines override this."""
-        return self._target_only(cache, prompt, req.sampling, rng)
+              rng: np.random.Generator, metrics: SpecMetrics) -> Iterator[list[int]]:
+        """The decode loop for this request: speculative when a draft is chosen."""
+        proposer = self.draft_for(req)
+        if proposer is None:
+            yield from self._target_only(cache, prompt, req.sampling, rng, metrics)
+            return
+        state = proposer.begin(cache.capacity)
+        try:
+            yield from speculative_steps(self.target.session, cache, prompt, state, proposer.name,
+                                         req.sampling, rng, self.spec, metrics, self.clock)
+        finally:
+            state.close()
 
     # -- streaming ---------------------------------------------------------------
     def stream(self, req: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Chunk | Completion]:
         """Yield Chunks as tokens are committed, then one Completion."""
         validate(req, self.limits)
+        self.draft_for(req)  # an unknown draft is refused before any work
         t0 = self.clock()
         prompt = self.prompt_ids(req)
         cache = self.target.session.new_cache()
@@ -117,10 +147,10 @@ class Engine:
         stops = StopMatcher(req.stop)
         out: list[int] = []
         text: list[str] = []
-        stats: dict = {}
+        metrics = SpecMetrics()
         t_first = None
         finish = "length"
-        steps = self.steps(cache, prompt, req, rng, stats)
+        steps = self.steps(cache, prompt, req, rng, metrics)
         try:
             for committed in steps:
                 if t_first is None:
@@ -146,7 +176,7 @@ class Engine:
         t_end = self.clock()
         yield Completion(
             prompt_token_ids=prompt, token_ids=out, text="".join(text), finish_reason=finish,
-            timings=self._timings(t0, t_first, t_end, len(prompt), len(out)), stats=stats,
+            timings=self._timings(t0, t_first, t_end, len(prompt), len(out)), stats=metrics.to_dict(),
         )
 
     def _accept(self, committed: list[int], out: list[int], req: GenerationRequest) -> tuple[list[int], str | None]:

@@ -41,3 +41,42 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index from the (V,) distribution p (inverse CDF, one uniform)."""
     c = np.cumsum(p)
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), p.shape[-1] - 1))
+
+
+# -- speculative verification ------------------------------------------------------
+# p: (k+1, V) target distributions at each draft position (the last row is for
+#    the bonus token); q: (k, V) draft distributions the draft tokens were drawn
+#    from; draft: (k,) token ids.  All in the target's vocabulary.
+
+
+def verify_greedy(target_argmax: np.ndarray, draft: np.ndarray) -> tuple[int, int]:
+    """Accept draft tokens while they equal the target's argmax.
+
+    target_argmax: (k+1,) argmax of the target at each draft position.
+    Returns (n_accepted, next_token): the recovered token after a rejection,
+    or the bonus token when every draft token was accepted.
+    """
+    k = len(draft)
+    mismatch = np.nonzero(target_argmax[:k] != draft)[0]
+    n = int(mismatch[0]) if len(mismatch) else k
+    return n, int(target_argmax[n])
+
+
+def verify_sampled(p: np.ndarray, q: np.ndarray, draft: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
+    """The speculative-sampling rule; the committed tokens are distributed exactly as p.
+
+    Draft token i is accepted with probability min(1, p_i(x) / q_i(x)) (q >= p:
+    accept with probability p/q; q < p: always accept).  At the first rejection
+    the token is resampled from the residual max(p_i - q_i, 0), normalised.
+    If all k are accepted a bonus token is drawn from p_k.
+    """
+    k = len(draft)
+    for i in range(k):
+        x = int(draft[i])
+        if rng.random() * q[i, x] < p[i, x]:  # u < p/q without dividing by zero
+            continue
+        residual = np.maximum(p[i] - q[i], 0.0)
+        total = residual.sum()
+        # residual mass is 0 only when p == q, where a rejection cannot happen
+        return i, sample(residual / total if total > 0 else p[i], rng)
+    return k, sample(p[k], rng)

@@ -1,0 +1,208 @@
+"""Draft proposers: small ONNX drafts with their own vocabulary, and prompt lookup.
+
+A proposer is loaded once (`DraftModel`, shared by requests) and gives each
+request its own state (`begin()`), which keeps the draft's KV cache in step
+with the committed context: before each proposal it reuses the longest prefix
+it already has cached and feeds the rest ("catch-up"), so rejected draft
+tokens are rolled back and a fully accepted run is completed.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+import numpy as np
+
+from memspec import sampling
+from memspec.errors import ModelFormatError
+from memspec.request import SamplingParams
+from memspec.sessions import DecoderSession, SessionConfig
+from memspec.store import Manifest, ModelStore
+
+PROMPT_LOOKUP = "prompt-lookup"
+
+
+@dataclass(frozen=True)
+class DraftLimits:
+    """When a draft stops proposing early (GELATO / llama.cpp p_min)."""
+
+    p_min: float = 0.3  # stop when the draft's top probability falls below this
+    max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
+
+
+@dataclass
+class Proposal:
+    tokens: list[int]  # (k,) proposed target token ids
+    q: np.ndarray | None  # (k, V_target) draft distributions the tokens were drawn from (sampling only)
+    entropy: list[float]  # (k,) draft entropy at each position (nats)
+
+
+class DraftState(Protocol):
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal: ...
+
+    def close(self) -> None: ...
+
+
+class Proposer(Protocol):
+    name: str
+    nbytes: int
+
+    def begin(self, capacity: int) -> DraftState: ...
+
+
+# -- model drafts -----------------------------------------------------------------
+class DraftModel:
+    """An ONNX draft and the map between its vocabulary and the target's."""
+
+    def __init__(self, name: str, session: DecoderSession, to_target: np.ndarray, target_vocab: int,
+                 limits: DraftLimits = DraftLimits(), manifest: Manifest | None = None):
+        self.name = name
+        self.session = session
+        self.to_target = to_target  # (V_draft,) target id of each draft id
+        self.to_draft = np.full(target_vocab, self._unk_id(to_target), dtype=np.int64)  # (V_target,)
+        self.to_draft[to_target] = np.arange(len(to_target))
+        self.target_vocab = target_vocab
+        self.limits = limits
+        self.manifest = manifest
+        self.nbytes = manifest.total_bytes if manifest else session.path.stat().st_size
+
+    @staticmethod
+    def _unk_id(to_target: np.ndarray) -> int:
+        hits = np.nonzero(to_target == 0)[0]
+        return int(hits[0]) if len(hits) else 0
+
+    @classmethod
+    def load(cls, store: ModelStore, name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
+             limits: DraftLimits = DraftLimits()) -> "DraftModel":
+        m = store.get(name)
+        if m.role != "draft":
+            raise ModelFormatError(f"model {name!r} is a {m.role}, not a draft")
+        vocab_file = Path(m.folder) / m.extra.get("draft_vocab", "vocab.json")
+        try:
+            to_target = np.asarray(json.loads(vocab_file.read_text()), dtype=np.int64)
+        except (OSError, ValueError) as exc:
+            raise ModelFormatError(f"draft {name!r}: cannot read its vocabulary map {vocab_file}: {exc}") from None
+        if to_target.ndim != 1 or to_target.min() < 0 or to_target.max() >= target_vocab:
+            raise ModelFormatError(
+                f"draft {name!r} is not compatible with the target: its vocabulary map holds ids "
+                f"{to_target.min()}..{to_target.max()}, the target's vocabulary has {target_vocab}"
+            )
+        session = DecoderSession(m.variant_path(next(iter(m.variants))), config)
+        if session.vocab_size not in (None, len(to_target)):
+            raise ModelFormatError(
+                f"draft {name!r}: the model has {session.vocab_size} logits but its map has {len(to_target)} ids"
+            )
+        return cls(name, session, to_target, target_vocab, limits, m)
+
+    def begin(self, capacity: int) -> "ModelDraftState":
+        return ModelDraftState(self, capacity)
+
+
+class ModelDraftState:
+    """One request's draft cache."""
+
+    def __init__(self, draft: DraftModel, capacity: int):
+        self.d = draft
+        self.cache = draft.session.new_cache(capacity)
+        self.cached: list[int] = []  # target ids whose K/V are in the draft cache
+
+    def _catch_up(self, context: list[int]) -> np.ndarray:
+        """Roll back to the longest cached prefix of context, feed the rest; return last logits."""
+        n = 0
+        limit = min(len(self.cached), len(context) - 1)  # always feed at least the last token
+        while n < limit and self.cached[n] == context[n]:
+            n += 1
+        self.cache.truncate(n)
+        del self.cached[n:]
+        feed = context[n:]
+        logits = self.d.session.forward(self.cache, self.d.to_draft[feed].tolist(), keep=1)[-1]
+        self.cached.extend(feed)
+        return logits
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
+        k = min(k, self.cache.capacity - len(context))
+        if k <= 0:
+            return Proposal([], None, [])
+        logits = self._catch_up(context)
+        tokens, qs, ents = [], [], []
+        for i in range(k):
+            probs = sampling.probabilities(logits, 1.0) if params.greedy else sampling.probabilities(
+                logits, params.temperature, params.top_k, params.top_p)
+            ent = float(-(probs * np.log(np.maximum(probs, 1e-30))).sum())
+            if i > 0 and (probs.max() < self.d.limits.p_min or ent > self.d.limits.max_entropy):
+                break  # the draft is unsure: stop and let the target verify what we have
+            did = int(np.argmax(probs)) if params.greedy else sampling.sample(probs, rng)
+            tokens.append(int(self.d.to_target[did]))
+            ents.append(ent)
+            if not params.greedy:
+                q = np.zeros(self.d.target_vocab)
+                q[self.d.to_target] = probs
+                qs.append(q)
+            if i + 1 < k:
+                logits = self.d.session.forward(self.cache, [did], keep=1)[-1]
+                self.cached.append(tokens[-1])
+        return Proposal(tokens, np.stack(qs) if qs else None, ents)
+
+    def close(self) -> None:
+        self.cache = None
+
+
+# -- prompt lookup -------------------------------------------------------------------
+class PromptLookup:
+    """Zero-memory draft: continue the latest earlier occurrence of the context's last n-gram."""
+
+    name = PROMPT_LOOKUP
+    nbytes = 0
+
+    def __init__(self, target_vocab: int, max_ngram: int = 3, min_ngram: int = 1):
+        self.target_vocab = target_vocab
+        self.max_ngram = max_ngram
+        self.min_ngram = min_ngram
+
+    def begin(self, capacity: int) -> "PromptLookupState":
+        return PromptLookupState(self)
+
+
+class PromptLookupState:
+    def __init__(self, pl: PromptLookup):
+        self.pl = pl
+
+    def find(self, context: list[int], k: int) -> list[int]:
+        arr = np.asarray(context)
+        L = len(arr)
+        for n in range(min(self.pl.max_ngram, L - 1), self.pl.min_ngram - 1, -1):
+            pattern = arr[L - n:]
+            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+            hits = np.nonzero((windows == pattern).all(axis=1))[0]
+            hits = hits[hits + n < L]
+            if len(hits):
+                start = int(hits[-1]) + n
+                return arr[start: start + k].tolist()
+        return []
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
+        tokens = self.find(context, k) if k > 0 else []
+        q = None
+        if tokens and not params.greedy:
+            q = np.zeros((len(tokens), self.pl.target_vocab))  # deterministic proposal: q is one-hot
+            q[np.arange(len(tokens)), tokens] = 1.0
+        return Proposal(tokens, q, [0.0] * len(tokens))
+
+    def close(self) -> None:
+        pass
+
+
+def load_pool(store: ModelStore, target_name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
+              names: list[str] | None = None, limits: DraftLimits = DraftLimits()) -> dict[str, Proposer]:
+    """Prompt lookup plus every draft in the store made for `target_name` (or only `names`)."""
+    pool: dict[str, Proposer] = {PROMPT_LOOKUP: PromptLookup(target_vocab)}
+    for m in store.list():
+        if m.role != "draft" or m.extra.get("target") != target_name:
+            continue
+        if names is not None and m.name not in names:
+            continue
+        pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
+    return pool

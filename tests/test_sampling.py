@@ -1,0 +1,85 @@
+"""The probability maths of sampling and speculative verification, on literal arrays."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memspec import sampling
+
+
+def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:
+    """p-value of Pearson's chi-square test of counts against probs (cells with p=0 must be empty)."""
+    from scipy.stats import chisquare  # scipy comes with scikit-learn
+
+    assert counts[probs == 0].sum() == 0, "a token with probability 0 was drawn"
+    keep = probs > 0
+    n = counts.sum()
+    return float(chisquare(counts[keep], probs[keep] / probs[keep].sum() * n).pvalue)
+
+
+def test_greedy_accepts_matching_prefix():
+    assert sampling.verify_greedy(np.array([5, 6, 7, 8]), np.array([5, 6, 7])) == (3, 8)  # all + bonus
+    assert sampling.verify_greedy(np.array([5, 9, 7, 8]), np.array([5, 6, 7])) == (1, 9)  # recovered
+    assert sampling.verify_greedy(np.array([4, 6, 7, 8]), np.array([5, 6, 7])) == (0, 4)  # none
+    assert sampling.verify_greedy(np.array([3]), np.array([], dtype=np.int64)) == (0, 3)  # no draft
+
+
+def test_probabilities_filters():
+    logits = np.log(np.array([0.5, 0.3, 0.15, 0.05]))
+    np.testing.assert_allclose(sampling.probabilities(logits, 1.0), [0.5, 0.3, 0.15, 0.05])
+    np.testing.assert_allclose(sampling.probabilities(logits, 1.0, top_k=2), [0.625, 0.375, 0, 0])
+    np.testing.assert_allclose(sampling.probabilities(logits, 1.0, top_p=0.75), [0.625, 0.375, 0, 0])
+    np.testing.assert_allclose(sampling.probabilities(logits, 1.0, top_p=0.81), [0.5, 0.3, 0.15, 0] / np.float64(0.95))
+    sharp = sampling.probabilities(logits, 0.1)
+    assert sharp[0] > 0.99
+    with pytest.raises(ValueError, match="temperature must be > 0"):
+        sampling.probabilities(logits, 0.0)
+
+
+def test_sample_follows_distribution():
+    rng = np.random.default_rng(0)
+    p = np.array([0.1, 0.0, 0.6, 0.3])
+    counts = np.bincount([sampling.sample(p, rng) for _ in range(4000)], minlength=4)
+    assert chi_square_p(counts, p) > 1e-3
+
+
+P = np.array([[0.5, 0.2, 0.2, 0.1], [0.1, 0.1, 0.4, 0.4], [0.25, 0.25, 0.25, 0.25]])  # target rows
+Q = np.array([[0.1, 0.6, 0.2, 0.1], [0.7, 0.1, 0.1, 0.1]])  # draft rows, far from the target
+
+
+def first_token_counts(verify, n: int = 6000, seed: int = 1) -> np.ndarray:
+    """Counts of the first committed token when drafts are drawn from Q and verified against P."""
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(4, dtype=np.int64)
+    for _ in range(n):
+        draft = np.array([sampling.sample(Q[0], rng), sampling.sample(Q[1], rng)])
+        n_acc, nxt = verify(P, Q, draft, rng)
+        counts[draft[0] if n_acc > 0 else nxt] += 1
+    return counts
+
+
+def test_speculative_sampling_reproduces_target_distribution():
+    assert chi_square_p(first_token_counts(sampling.verify_sampled), P[0]) > 1e-3
+
+
+def wrong_resample_from_p(p, q, draft, rng):
+    """A classic bug: on rejection, resample from p instead of the residual max(p - q, 0)."""
+    for i, x in enumerate(draft):
+        if rng.random() * q[i, x] >= p[i, x]:
+            return i, sampling.sample(p[i], rng)
+    return len(draft), sampling.sample(p[len(draft)], rng)
+
+
+def wrong_accept_ratio(p, q, draft, rng):
+    """Another: accept with min(1, q/p) instead of min(1, p/q)."""
+    for i, x in enumerate(draft):
+        if rng.random() * p[i, x] >= q[i, x]:
+            res = np.maximum(p[i] - q[i], 0)
+            return i, sampling.sample(res / res.sum(), rng)
+    return len(draft), sampling.sample(p[len(draft)], rng)
+
+
+@pytest.mark.parametrize("wrong", [wrong_resample_from_p, wrong_accept_ratio])
+def test_wrong_rules_fail_the_same_test(wrong):
+    assert chi_square_p(first_token_counts(wrong), P[0]) < 1e-6

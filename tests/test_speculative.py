@@ -1,0 +1,210 @@
+"""The speculative loop on real ONNX sessions: small models built here, and the real target."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memspec import sampling
+from memspec.drafts import DraftLimits, DraftModel, PromptLookup
+from memspec.metrics import SpecMetrics
+from memspec.request import GenerationRequest, SamplingParams
+from memspec.sessions import DecoderSession, SessionConfig
+from memspec.speculative import SpecConfig, next_gamma, speculative_steps
+from test_sampling import chi_square_p
+from tiny_models import build_tiny
+
+V = 16
+PROMPT = [3, 1, 4, 1, 5]
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tiny")
+    cfg = SessionConfig(max_context=64, intra_op_threads=1)
+    target = DecoderSession(build_tiny(d / "target.onnx", seed=1, scale=0.1, vocab=V), cfg)
+    draft_session = DecoderSession(build_tiny(d / "draft.onnx", seed=2, scale=0.1, vocab=V), cfg)
+    return target, DraftModel("tiny-draft", draft_session, np.arange(V), V)
+
+
+def exact_second_token_distribution(target, params):
+    """P(t2) = sum_t1 P(t1) P(t2 | t1), from target-only forwards."""
+    c = target.new_cache()
+    p1 = sampling.probabilities(target.forward(c, PROMPT, keep=1)[-1], params.temperature)
+    p2 = np.zeros(V)
+    for t1 in range(V):
+        c.truncate(len(PROMPT))
+        p2 += p1[t1] * sampling.probabilities(target.forward(c, [t1], keep=1)[-1], params.temperature)
+    return p2
+
+
+def second_token_counts(tiny, n=2000, verify=None, monkeypatch=None):
+    target, draft = tiny
+    params = SamplingParams(temperature=1.0, seed=0)
+    if verify is not None:
+        monkeypatch.setattr(sampling, "verify_sampled", verify)
+    rng = np.random.default_rng(7)
+    counts = np.zeros(V, dtype=np.int64)
+    cfg = SpecConfig(gamma=3, adaptive=False)
+    for _ in range(n):
+        steps = speculative_steps(target, target.new_cache(), PROMPT, draft.begin(64), "d", params, rng,
+                                  cfg, SpecMetrics())
+        next(steps)  # t1 comes from the prefill
+        counts[next(steps)[0]] += 1  # t2 is the first token the draft-and-verify step commits
+        steps.close()
+    return counts, exact_second_token_distribution(target, params)
+
+
+def test_speculative_sampling_matches_target_on_onnx_models(tiny):
+    counts, p2 = second_token_counts(tiny)
+    assert chi_square_p(counts, p2) > 1e-3
+
+
+def test_wrong_acceptance_rule_fails_on_onnx_models(tiny, monkeypatch):
+    def accept_everything(p, q, draft, rng):
+        return len(draft), sampling.sample(p[len(draft)], rng)
+
+    counts, p2 = second_token_counts(tiny, verify=accept_everything, monkeypatch=monkeypatch)
+    assert chi_square_p(counts, p2) < 1e-6
+
+
+def greedy_target_only(target, prompt, n, capacity=64):
+    c = target.new_cache(capacity)
+    out = [int(target.forward(c, prompt, keep=1)[-1].argmax())]
+    while len(out) < n and c.length < c.capacity:
+        out.append(int(target.forward(c, [out[-1]], keep=1)[-1].argmax()))
+    return out
+
+
+@pytest.mark.parametrize("gamma", [1, 3, 8])
+def test_greedy_speculative_equals_target_only_on_onnx_models(tiny, gamma):
+    target, draft = tiny
+    m = SpecMetrics()
+    steps = speculative_steps(target, target.new_cache(), PROMPT, draft.begin(64), "d", SamplingParams(),
+                              np.random.default_rng(0), SpecConfig(gamma=gamma), m)
+    got = []
+    for committed in steps:
+        got.extend(committed)
+    want = greedy_target_only(target, PROMPT, len(got))
+    assert got == want
+    assert len(got) == 64 - len(PROMPT) + 1  # ran to the end of the context
+    assert m.num_draft_tokens == m.num_accepted_tokens + m.wasted_draft_tokens
+
+
+def test_full_acceptance_when_draft_is_the_target(tiny):
+    target, _ = tiny
+    same = DraftModel("self", target, np.arange(V), V, DraftLimits(p_min=0.0, max_entropy=np.inf))
+    m = SpecMetrics()
+    got = []
+    for committed in speculative_steps(target, target.new_cache(), PROMPT, same.begin(64), "self",
+                                       SamplingParams(), np.random.default_rng(0), SpecConfig(gamma=4, adaptive=False), m):
+        got.extend(committed)
+    assert got == greedy_target_only(target, PROMPT, len(got))
+    assert m.num_accepted_tokens == m.num_draft_tokens > 0
+    assert m.mean_acceptance_length > 4.5  # 4 accepted + bonus, except the last clipped step
+
+
+def test_next_gamma_backs_off_and_grows():
+    cfg = SpecConfig(gamma=4, gamma_min=1, gamma_max=6)
+    assert next_gamma(cfg, 4, 4, 4) == 5
+    assert next_gamma(cfg, 6, 6, 6) == 6
+    assert next_gamma(cfg, 4, 4, 1) == 3
+    assert next_gamma(cfg, 1, 1, 0) == 1
+    assert next_gamma(SpecConfig(adaptive=False), 4, 4, 0) == 4
+
+
+def test_prompt_lookup_finds_latest_ngram():
+    st = PromptLookup(100).begin(64)
+    assert st.find([1, 2, 3, 9, 1, 2, 3, 7, 8, 1, 2, 3], 3) == [7, 8, 1]
+    assert st.find([5, 6, 7], 3) == []
+    assert st.find([4, 4], 3) == [4]  # a repetition continues itself
+    assert st.find([1, 2, 1], 2) == [2, 1]
+
+
+# -- the real target ---------------------------------------------------------------
+PROMPTS = [
+    "Write a Python function that returns the n-th Fibonacci number.",
+    "What is 17 * 23? Think step by step.",
+    "Tell me a short story about a lighthouse keeper.",
+    "Summarise: The cat sat on the mat. The cat was happy. The mat was red.",
+    "Convert to JSON: name Alice, age 30, city Paris.",
+]
+
+
+@pytest.fixture(scope="module")
+def fp32_engine(model_store):
+    from memspec.drafts import load_pool
+    from memspec.engine import Engine, TargetModel
+
+    target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
+    pool = load_pool(model_store, "smollm2-135m", target.session.vocab_size, SessionConfig(max_context=512))
+    pool["self"] = DraftModel("self", target.session, np.arange(49152), 49152, DraftLimits(0.0, np.inf))
+    return Engine(target, drafts=pool)
+
+
+def test_every_draft_is_exact_with_fp32_target(fp32_engine):
+    e = fp32_engine
+    assert "prompt-lookup" in e.drafts
+    for prompt in PROMPTS:
+        base = e.generate(GenerationRequest(prompt=prompt, max_tokens=24, draft="none"))
+        for name in e.drafts:
+            r = e.generate(GenerationRequest(prompt=prompt, max_tokens=24, draft=name))
+            assert r.token_ids == base.token_ids, f"draft {name} changed the output for {prompt!r}"
+            assert r.text == base.text
+
+
+def test_eos_inside_accepted_run_and_max_tokens_mid_run(fp32_engine):
+    e = fp32_engine
+    q = "What is the capital of France?"
+    base = e.generate(GenerationRequest(prompt=q, max_tokens=64, draft="none"))
+    assert base.finish_reason == "eos" and base.token_ids[-1] == 2
+    r = e.generate(GenerationRequest(prompt=q, max_tokens=64, draft="self"))  # accepts whole runs, EOS among them
+    assert (r.token_ids, r.finish_reason) == (base.token_ids, "eos")
+    short = e.generate(GenerationRequest(prompt=q, max_tokens=3, draft="self"))
+    assert short.token_ids == base.token_ids[:3] and short.finish_reason == "length"
+
+
+def test_zero_acceptance_still_exact(fp32_engine):
+    class WrongDraft:
+        """Always proposes <|endoftext|>, which the target never picks here."""
+        name = "wrong"
+        nbytes = 0
+
+        def begin(self, capacity):
+            return self
+
+        def propose(self, context, k, params, rng):
+            from memspec.drafts import Proposal
+            return Proposal([0] * k, None, [0.0] * k)
+
+        def close(self):
+            pass
+
+    e = fp32_engine
+    e.drafts["wrong"] = WrongDraft()
+    prompt = PROMPTS[0]
+    base = e.generate(GenerationRequest(prompt=prompt, max_tokens=16, draft="none"))
+    r = e.generate(GenerationRequest(prompt=prompt, max_tokens=16, draft="wrong"))
+    assert r.token_ids == base.token_ids
+    assert r.stats["num_accepted_tokens"] == 0 and r.stats["num_drafts"] > 0
+    assert r.stats["mean_acceptance_length"] == 1.0
+
+
+def test_context_limit_mid_run(model_store):
+    from memspec.engine import Engine, TargetModel
+
+    target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=48))
+    e = Engine(target, drafts={"self": DraftModel("self", target.session, np.arange(49152), 49152, DraftLimits(0.0, np.inf))})
+    prompt = "Tell me a long story about dragons."
+    base = e.generate(GenerationRequest(prompt=prompt, max_tokens=200, draft="none"))
+    r = e.generate(GenerationRequest(prompt=prompt, max_tokens=200, draft="self"))
+    assert base.finish_reason == r.finish_reason == "length"
+    assert r.token_ids == base.token_ids
+    assert len(base.prompt_token_ids) + len(base.token_ids) == 48 + 1  # the last token is never fed
+
+
+def test_unknown_draft_is_refused(fp32_engine):
+    from memspec.errors import InvalidRequestError
+
+    with pytest.raises(InvalidRequestError, match="unknown draft 'nope'; available: none, "):
+        fp32_engine.generate(GenerationRequest(prompt="hi", draft="nope"))
