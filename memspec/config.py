@@ -16,6 +16,7 @@ from typing import Any
 from memspec.errors import ConfigError
 from memspec.request import Limits
 from memspec.sessions import SessionConfig
+from memspec.speculative import SpecConfig
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -41,6 +42,9 @@ class ServerConfig:
     max_queue: int = 32  # requests waiting beyond those; more get RESOURCE_EXHAUSTED
     grace_seconds: float = 30.0  # how long SIGTERM lets in-flight streams finish
     watchdog: bool = True  # send WATCHDOG=1 to systemd when it asks for it
+    memory_budget_mb: int = 0  # weights + KV caches admission may plan for; 0 = no budget (free memory only)
+    memory_headroom_mb: int = 256  # system memory admission leaves free for everything else
+    log_level: str = "info"  # "debug", "info", "warning" or "error" (JSON lines on stderr)
 
 
 @dataclass(frozen=True)
@@ -49,6 +53,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     runtime: SessionConfig = field(default_factory=SessionConfig)
     limits: Limits = field(default_factory=Limits)
+    speculative: SpecConfig = field(default_factory=SpecConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
 
     @property
@@ -58,7 +63,8 @@ class Config:
         return Path(self.home).expanduser() if self.home else None
 
 
-_SECTIONS = {"model": ModelConfig, "runtime": SessionConfig, "limits": Limits, "server": ServerConfig}
+_SECTIONS = {"model": ModelConfig, "runtime": SessionConfig, "limits": Limits, "speculative": SpecConfig,
+             "server": ServerConfig}
 
 
 def _section(cls: type, name: str, values: Any) -> Any:

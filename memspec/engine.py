@@ -75,6 +75,24 @@ class Engine:
         self.default_draft = default_draft  # used when a request names none; None = target only
         self.spec = spec
 
+    @classmethod
+    def from_config(cls, config, variant: str | None = None, with_drafts: bool = True) -> "Engine":
+        """The target (and the draft pool made for it) from the model store named by the config."""
+        from memspec.drafts import DraftLimits, load_pool
+
+        store = ModelStore(config.store_home)
+        target = TargetModel.load(store, config.model.target, variant or config.model.variant, config.runtime)
+        spec = config.speculative
+        drafts = {}
+        if with_drafts:
+            drafts = load_pool(store, target.name, target.session.vocab_size, config.runtime,
+                               limits=DraftLimits(spec.p_min, spec.max_entropy))
+        default = spec.draft if spec.draft != "none" else None
+        if default is not None and default not in drafts:
+            raise InvalidRequestError(f"[speculative] draft: {default!r} is not available "
+                                      f"(have: none, {', '.join(sorted(drafts))})")
+        return cls(target, config.limits, drafts=drafts, default_draft=default, spec=spec)
+
     def draft_for(self, req: GenerationRequest) -> Proposer | None:
         """The proposer a request runs with (None = target only)."""
         name = req.draft if req.draft else self.default_draft

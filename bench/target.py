@@ -1,0 +1,186 @@
+"""Target-only kernels of each variant, side by side with llama.cpp on the same GGUF.
+
+    python bench/target.py [--variant q4 --variant fp32] [--threads 2] [--json out.json]
+
+Per variant: load time and RSS, prefill tok/s and time to first token, decode
+tok/s (greedy, one token per step), and cost(k)/cost(1) for k = 1..16 (one
+target pass over k tokens against a single-token pass: what verification
+costs).  llama.cpp (llama-cpp-python, `pip install -e .[bench]`) runs the same
+token ids with the same thread count in a subprocess; the two are interleaved
+round by round so that machine noise hits both, and medians are reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+import psutil
+
+from memspec.sessions import DecoderSession, SessionConfig
+from memspec.store import ModelStore
+from memspec.tokenizer import Tokenizer
+
+TEXT = (
+    "The history of the lighthouse begins with fires lit on hilltops to guide ships. Later, towers were built "
+    "so that the light could be seen from farther away. The Pharos of Alexandria, completed around 280 BC, was "
+    "one of the Seven Wonders of the Ancient World. In the modern era, lighthouses used oil lamps, then "
+    "electric lamps with Fresnel lenses that concentrate the light into a beam. Today most lighthouses are "
+    "automated, and satellite navigation has reduced their importance, but many still stand as landmarks. "
+) * 8
+
+LLAMA_CPP_SCRIPT = r"""
+import json, sys, time
+from llama_cpp import Llama
+cfg = json.loads(sys.argv[1])
+llm = Llama(cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=512,
+            verbose=False, use_extra_bufts=False)  # AMX weight buffers SIGILL on some VMs
+ids = cfg["prompt"]
+out = {"prefill_s": [], "decode_s": []}
+for _ in range(cfg["repeats"]):
+    llm.reset()
+    t = time.perf_counter(); llm.eval(ids); out["prefill_s"].append(time.perf_counter() - t)
+    tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    t = time.perf_counter()
+    for _ in range(cfg["decode"]):
+        llm.eval([tok]); tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    out["decode_s"].append(time.perf_counter() - t)
+print(json.dumps(out))
+"""
+
+
+def rss_mb() -> float:
+    return psutil.Process().memory_info().rss / 2**20
+
+
+def median_ms(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t)
+    return statistics.median(times) * 1e3
+
+
+def bench_variant(path: Path, prompt: list[int], args) -> dict:
+    before = rss_mb()
+    t = time.perf_counter()
+    s = DecoderSession(path, SessionConfig(max_context=2048, intra_op_threads=args.threads))
+    load_s = time.perf_counter() - t
+    cache = s.new_cache()
+    s.forward(cache, prompt[:8], keep=1)  # warm-up
+    res = {"load_s": round(load_s, 3), "rss_mb": round(rss_mb() - before, 1)}
+
+    def prefill():
+        cache.truncate(0)
+        return s.forward(cache, prompt, keep=1)
+
+    res["prefill_ms"] = median_ms(prefill, args.repeats)
+    res["prefill_tok_per_s"] = len(prompt) / res["prefill_ms"] * 1e3
+    decode = []
+    for _ in range(args.repeats):
+        logits = prefill()
+        t = time.perf_counter()
+        for _ in range(args.decode_tokens):
+            logits = s.forward(cache, [int(logits[-1].argmax())], keep=1)
+        decode.append(time.perf_counter() - t)
+    res["decode_tok_per_s"] = args.decode_tokens / statistics.median(decode)
+    cache.truncate(0)
+    s.forward(cache, prompt[:256], keep=1)
+    base = cache.length
+    cost = {}
+    for k in range(1, args.max_k + 1):
+        def step():
+            cache.truncate(base)
+            s.forward(cache, prompt[256: 256 + k], keep=k)
+        cost[k] = median_ms(step, 3 * args.repeats)
+    res["cost_ms"] = {k: round(v, 3) for k, v in cost.items()}
+    res["cost_ratio"] = {k: round(v / cost[1], 3) for k, v in cost.items()}
+    return res
+
+
+def bench_llama_cpp(gguf: Path, prompt: list[int], args) -> dict | None:
+    cfg = {"gguf": str(gguf), "threads": args.threads, "prompt": prompt, "repeats": args.repeats,
+           "decode": args.decode_tokens}
+    proc = subprocess.run([sys.executable, "-c", LLAMA_CPP_SCRIPT, json.dumps(cfg)], capture_output=True, text=True)
+    if proc.returncode != 0:
+        print(f"llama.cpp run failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}", file=sys.stderr)
+        return None
+    raw = json.loads(proc.stdout.strip().splitlines()[-1])
+    pre = statistics.median(raw["prefill_s"])
+    return {"prefill_ms": pre * 1e3, "prefill_tok_per_s": len(prompt) / pre,
+            "decode_tok_per_s": args.decode_tokens / statistics.median(raw["decode_s"])}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--variant", action="append", choices=("fp32", "q4"))
+    ap.add_argument("--threads", type=int, default=psutil.cpu_count(logical=False) or 2)
+    ap.add_argument("--prompt-tokens", type=int, default=512)
+    ap.add_argument("--decode-tokens", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of memspec and llama.cpp")
+    ap.add_argument("--max-k", type=int, default=16)
+    ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--json", metavar="FILE")
+    args = ap.parse_args(argv)
+    variants = args.variant or ["q4", "fp32"]
+    store = ModelStore(os.environ.get("MEMSPEC_HOME"))
+    m = store.get("smollm2-135m")
+    tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
+    prompt = tok.encode(TEXT)[: args.prompt_tokens]
+    gguf = store.downloads_dir / m.provenance["gguf_file"]
+    rounds: dict[str, list[dict]] = {v: [] for v in variants}
+    rounds["llama.cpp"] = []
+    for r in range(args.rounds):
+        for v in variants:
+            rounds[v].append(bench_variant(m.variant_path(v), prompt, args))
+        if not args.no_llama_cpp:
+            lc = bench_llama_cpp(gguf, prompt, args)
+            if lc:
+                rounds["llama.cpp"].append(lc)
+    results = {name: _median_of(runs) for name, runs in rounds.items() if runs}
+    report(results, args, len(prompt))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"prompt_tokens": len(prompt), "threads": args.threads,
+                                               "results": results}, indent=2))
+    return 0
+
+
+def _median_of(runs: list[dict]) -> dict:
+    out = {}
+    for key, val in runs[0].items():
+        if isinstance(val, dict):
+            out[key] = {k: round(statistics.median(r[key][k] for r in runs), 3) for k in val}
+        else:
+            out[key] = round(statistics.median(r[key] for r in runs), 3)
+    return out
+
+
+def report(results: dict, args, n_prompt: int) -> None:
+    lc = results.get("llama.cpp")
+    print(f"\nprompt {n_prompt} tokens, decode {args.decode_tokens} tokens, {args.threads} threads, "
+          f"medians of {args.rounds} interleaved rounds x {args.repeats} repeats")
+    print(f"{'engine':<11} {'decode tok/s':>12} {'vs llama.cpp':>12} {'prefill tok/s':>13} {'vs llama.cpp':>12} "
+          f"{'TTFT ms':>8} {'load s':>7} {'RSS MB':>7}")
+    for name, r in results.items():
+        d_ratio = f"{r['decode_tok_per_s'] / lc['decode_tok_per_s']:.2f}x" if lc else "-"
+        p_ratio = f"{r['prefill_tok_per_s'] / lc['prefill_tok_per_s']:.2f}x" if lc else "-"
+        print(f"{name:<11} {r['decode_tok_per_s']:>12.1f} {d_ratio:>12} {r['prefill_tok_per_s']:>13.1f} "
+              f"{p_ratio:>12} {r['prefill_ms']:>8.1f} {r.get('load_s', float('nan')):>7.2f} "
+              f"{r.get('rss_mb', float('nan')):>7.0f}")
+    for name, r in results.items():
+        if "cost_ratio" in r:
+            ks = ", ".join(f"{k}:{v:.2f}" for k, v in r["cost_ratio"].items())
+            print(f"cost(k)/cost(1) {name}: {ks}")
+
+
+if __name__ == "__main__":
+    sys.exit(main())

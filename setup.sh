@@ -1,0 +1,14 @@
+#!/usr/bin/env bash
+# One command from a fresh clone to a working memspec:
+#   creates .venv, installs memspec with its test tools, pulls SmolLM2-135M into the
+#   model store (converted to ONNX: fp32 and q4), then answers one prompt.
+set -euo pipefail
+cd "$(dirname "$0")"
+PY=${PYTHON:-python3}
+if [ ! -x .venv/bin/python ]; then
+    "$PY" -m venv .venv
+fi
+.venv/bin/python -m pip install -q --upgrade pip
+.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/memspec pull smollm2-135m
+.venv/bin/memspec generate "What is the capital of France?"
