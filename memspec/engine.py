@@ -24,7 +24,7 @@ from memspec.errors import ContextOverflowError, InvalidRequestError
 from memspec.metrics import SpecMetrics
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, SamplingParams, validate
 from memspec.sessions import DecoderSession, KVCache, SessionConfig
-from memspec.speculative import SpecConfig, speculative_steps
+from memspec.speculative import DraftSelector, FixedDraft, SpecConfig, speculative_steps
 from memspec.stopping import StopMatcher
 from memspec.store import Manifest, ModelStore
 from memspec.tokenizer import Tokenizer
@@ -141,16 +141,20 @@ class Engine:
     def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest,
               rng: np.random.Generator, metrics: SpecMetrics) -> Iterator[list[int]]:
         """The decode loop for this request: speculative when a draft is chosen."""
-        proposer = self.draft_for(req)
-        if proposer is None:
+        select = self.selector(req, prompt, cache.capacity)
+        if select is None:
             yield from self._target_only(cache, prompt, req.sampling, rng, metrics)
             return
-        state = proposer.begin(cache.capacity)
         try:
-            yield from speculative_steps(self.target.session, cache, prompt, state, proposer.name,
-                                         req.sampling, rng, self.spec, metrics, self.clock)
+            yield from speculative_steps(self.target.session, cache, prompt, select, req.sampling, rng,
+                                         self.spec, metrics, self.clock)
         finally:
-            state.close()
+            select.close()
+
+    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int) -> DraftSelector | None:
+        """How this request picks its draft at each step (None = plain target-only decoding)."""
+        proposer = self.draft_for(req)
+        return FixedDraft(proposer.name, proposer.begin(capacity)) if proposer is not None else None
 
     # -- streaming ---------------------------------------------------------------
     def stream(self, req: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Chunk | Completion]:

@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
 from memspec import sampling
-from memspec.drafts import DraftState
+from memspec.drafts import DraftState, Proposal
 from memspec.metrics import SpecMetrics
 from memspec.request import SamplingParams
 from memspec.sessions import DecoderSession, KVCache
@@ -49,15 +49,40 @@ def next_gamma(cfg: SpecConfig, gamma: int, n_drafted: int, n_accepted: int) -> 
     return max(gamma - 1, cfg.gamma_min)
 
 
+class DraftSelector(Protocol):
+    """Chooses the draft for each step of one request (the scheduler's hook into the loop).
+
+    Called before every step with the committed context and the request's metrics
+    so far; returns (draft name, its state) or (None, None) for a target-only step,
+    which is how a request degrades mid-run when a draft must be given up.
+    """
+
+    def __call__(self, context: list[int], metrics: SpecMetrics) -> tuple[str | None, DraftState | None]: ...
+
+    def close(self) -> None: ...
+
+
+class FixedDraft:
+    """One draft for the whole request."""
+
+    def __init__(self, name: str, state: DraftState):
+        self.name, self.state = name, state
+
+    def __call__(self, context: list[int], metrics: SpecMetrics) -> tuple[str, DraftState]:
+        return self.name, self.state
+
+    def close(self) -> None:
+        self.state.close()
+
+
 def _pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
     if params.greedy:
         return sampling.greedy(logits)
     return sampling.sample(sampling.probabilities(logits, params.temperature, params.top_k, params.top_p), rng)
 
 
-def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int], draft: DraftState,
-                      draft_name: str, params: SamplingParams, rng: np.random.Generator,
-                      cfg: SpecConfig, metrics: SpecMetrics,
+def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int], select: DraftSelector,
+                      params: SamplingParams, rng: np.random.Generator, cfg: SpecConfig, metrics: SpecMetrics,
                       clock: Callable[[], float] = time.perf_counter) -> Iterator[list[int]]:
     """Yield the token ids committed at each step (1 .. k+1 per step)."""
     logits = target.forward(cache, prompt, keep=1)[-1]
@@ -69,7 +94,8 @@ def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int],
     while cache.length < cache.capacity:  # the pending last token must fit
         k = min(gamma, cache.capacity - cache.length - 1)
         t0 = clock()
-        prop = draft.propose(context, k, params, rng)
+        draft_name, draft = select(context, metrics)
+        prop = draft.propose(context, k, params, rng) if draft is not None else Proposal([], None, [])
         t1 = clock()
         feed = [context[-1], *prop.tokens]
         rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)

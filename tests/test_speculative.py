@@ -10,7 +10,7 @@ from memspec.drafts import DraftLimits, DraftModel, PromptLookup
 from memspec.metrics import SpecMetrics
 from memspec.request import GenerationRequest, SamplingParams
 from memspec.sessions import DecoderSession, SessionConfig
-from memspec.speculative import SpecConfig, next_gamma, speculative_steps
+from memspec.speculative import FixedDraft, SpecConfig, next_gamma, speculative_steps
 from test_sampling import chi_square_p
 from tiny_models import build_tiny
 
@@ -47,7 +47,7 @@ def second_token_counts(tiny, n=2000, verify=None, monkeypatch=None):
     counts = np.zeros(V, dtype=np.int64)
     cfg = SpecConfig(gamma=3, adaptive=False)
     for _ in range(n):
-        steps = speculative_steps(target, target.new_cache(), PROMPT, draft.begin(64), "d", params, rng,
+        steps = speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)), params, rng,
                                   cfg, SpecMetrics())
         next(steps)  # t1 comes from the prefill
         counts[next(steps)[0]] += 1  # t2 is the first token the draft-and-verify step commits
@@ -80,7 +80,7 @@ def greedy_target_only(target, prompt, n, capacity=64):
 def test_greedy_speculative_equals_target_only_on_onnx_models(tiny, gamma):
     target, draft = tiny
     m = SpecMetrics()
-    steps = speculative_steps(target, target.new_cache(), PROMPT, draft.begin(64), "d", SamplingParams(),
+    steps = speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)), SamplingParams(),
                               np.random.default_rng(0), SpecConfig(gamma=gamma), m)
     got = []
     for committed in steps:
@@ -96,7 +96,7 @@ def test_full_acceptance_when_draft_is_the_target(tiny):
     same = DraftModel("self", target, np.arange(V), V, DraftLimits(p_min=0.0, max_entropy=np.inf))
     m = SpecMetrics()
     got = []
-    for committed in speculative_steps(target, target.new_cache(), PROMPT, same.begin(64), "self",
+    for committed in speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("self", same.begin(64)),
                                        SamplingParams(), np.random.default_rng(0), SpecConfig(gamma=4, adaptive=False), m):
         got.extend(committed)
     assert got == greedy_target_only(target, PROMPT, len(got))
