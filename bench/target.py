@@ -38,19 +38,25 @@ TEXT = (
 
 LLAMA_CPP_SCRIPT = r"""
 import json, sys, time
+import numpy as np
+import llama_cpp
 from llama_cpp import Llama
 cfg = json.loads(sys.argv[1])
 llm = Llama(cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=512,
             verbose=False, use_extra_bufts=False)  # AMX weight buffers SIGILL on some VMs
 ids = cfg["prompt"]
+n_vocab = llm.n_vocab()
+def last_argmax():  # the last row of logits, read in place (llm.scores only holds n_batch rows)
+    ptr = llama_cpp.llama_get_logits_ith(llm._ctx.ctx, -1)
+    return int(np.ctypeslib.as_array(ptr, shape=(n_vocab,)).argmax())
 out = {"prefill_s": [], "decode_s": []}
 for _ in range(cfg["repeats"]):
     llm.reset()
     t = time.perf_counter(); llm.eval(ids); out["prefill_s"].append(time.perf_counter() - t)
-    tok = int(llm.scores[llm.n_tokens - 1].argmax())
+    tok = last_argmax()
     t = time.perf_counter()
     for _ in range(cfg["decode"]):
-        llm.eval([tok]); tok = int(llm.scores[llm.n_tokens - 1].argmax())
+        llm.eval([tok]); tok = last_argmax()
     out["decode_s"].append(time.perf_counter() - t)
 print(json.dumps(out))
 """
