@@ -6,6 +6,16 @@ target-only: a speculative run that changed a token is counted as a mismatch.
 Reported per policy and category: tok/s, speedup over target-only, mean
 acceptance length and wasted draft tokens.  `--json FILE` writes the `runs`
 list; `--png FILE` draws the speedups (needs matplotlib: `pip install -e .[bench]`).
+
+Scheduling policies (`bandit`, `memspec`, `oracle`, or any policy with
+`--budget-mb`) run as a stream instead: the workload shuffled into one mixed
+request stream, each policy in turn over the same stream with a fresh scheduler
+and working set under the same memory budget (real loads and evictions, the same
+target session), while a thread samples the process RSS.  Their `all` rows add
+peak RSS against the budget, load stalls, the ratio to bandit and the fraction
+of the oracle.  The oracle's table (fastest draft per prompt) comes from
+`--oracle-table`, else from a profiling pass: every draft over the stream,
+preloaded, decode tok/s per prompt.
 """
 
 from __future__ import annotations
@@ -19,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 from memspec.errors import InvalidRequestError, MemspecError
+from memspec.memory import MiB
 from memspec.request import GenerationRequest
 
 DEFAULT_WORKLOAD = "bench_prompts.jsonl"
@@ -193,16 +204,201 @@ def write_png(rows: list[dict], path: str) -> bool:
     return True
 
 
+# -- scheduling policies on one request stream ---------------------------------------------------
+SCHEDULED = ("bandit", "memspec", "oracle")
+
+
+@dataclass
+class PolicyRun:
+    """What one policy did over the whole stream, beside its Tally cells."""
+
+    peak_rss: int = 0  # bytes, sampled
+    stalls: int = 0
+    stall_ms: float = 0.0
+    counters: dict = field(default_factory=dict)
+
+
+def draft_sizes(store, target) -> dict[str, int]:
+    """Every draft made for the target, with its declared bytes (prompt lookup: 0)."""
+    from memspec.drafts import PROMPT_LOOKUP
+
+    sizes = {PROMPT_LOOKUP: 0}
+    for m in store.list():
+        if m.role == "draft" and m.extra.get("target") == target.name:
+            sizes[m.name] = m.total_bytes
+    return sizes
+
+
+def default_budget_mb(target_bytes: int, sizes: dict[str, int]) -> int:
+    """The target plus its two largest drafts: room for some drafts, not all of them."""
+    two = sum(sorted(sizes.values(), reverse=True)[:2])
+    return -(-(target_bytes + two) // MiB)
+
+
+def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str], max_tokens: int,
+               lookahead: int = 1, progress=None) -> tuple[dict, dict[str, PolicyRun], dict[str, list[int]]]:
+    """Each policy over the same stream with its own scheduler; returns (cells, runs, target-only outputs)."""
+    from memspec.memory import PsutilProbe, RssSampler, reclaim
+
+    cells: dict[tuple[str, str], Tally] = defaultdict(Tally)
+    runs: dict[str, PolicyRun] = {}
+    base: dict[int, list[int]] = {}
+    probe = PsutilProbe()
+    reqs = [GenerationRequest(prompt=w["prompt"], max_tokens=max_tokens) for w in workload]
+    engine.scheduler = None
+    engine.generate(reqs[0])  # warm-up, not counted: ONNX Runtime's first runs are slow
+    for policy in policies:
+        sched = make_scheduler(policy)
+        engine.scheduler = sched
+        reclaim()
+        try:
+            with RssSampler(probe) as rss:
+                for i, (item, req) in enumerate(zip(workload, reqs)):
+                    sched.hint(reqs[i + 1: i + 1 + lookahead])
+                    c = engine.generate(req)
+                    base.setdefault(i, c.token_ids)
+                    cells[(policy, item["category"])].add(c, mismatch=c.token_ids != base[i])
+                    if progress:
+                        progress(f"[{policy} {i + 1}/{len(workload)}] {item['category']}")
+            counters = sched.counters()
+            runs[policy] = PolicyRun(rss.peak_bytes, int(counters.get("stalls", 0)), counters.get("stall_ms", 0.0),
+                                     counters)
+        finally:
+            engine.scheduler = None
+            sched.close()
+    return cells, runs, base
+
+
+def profile_oracle(engine, make_scheduler, workload: list[dict], drafts: list[str], max_tokens: int,
+                   progress=None) -> dict[str, str]:
+    """{prompt: the draft (or 'none') with the best decode tok/s}, every draft preloaded."""
+    best: dict[str, tuple[float, str]] = {}
+    for name in ["none", *drafts]:
+        sched = make_scheduler("target-only" if name == "none" else f"fixed:{name}", budget_mb=0)
+        if name != "none":
+            sched.ws.preload(name)
+            sched.ws.wait_idle(timeout=600)
+        engine.scheduler = sched
+        try:
+            for i, w in enumerate(workload, 1):
+                c = engine.generate(GenerationRequest(prompt=w["prompt"], max_tokens=max_tokens))
+                tps = c.timings["tok_per_s"]
+                if tps > best.get(w["prompt"], (-1.0, ""))[0]:
+                    best[w["prompt"]] = (tps, name)
+                if progress:
+                    progress(f"[oracle profile {name} {i}/{len(workload)}]")
+        finally:
+            engine.scheduler = None
+            sched.close()
+    return {p: n for p, (_, n) in best.items()}
+
+
+def stream_rows(cells: dict, runs: dict[str, PolicyRun], policies: list[str], budget_mb: int) -> list[dict]:
+    """summarize() rows, with the stream's columns added to each policy's `all` row."""
+    rows = summarize(cells, policies)
+    alls = {r["policy"]: r for r in rows if r["category"] == "all"}
+    bandit = alls.get("bandit", {}).get("tok_per_s")
+    oracle = alls.get("oracle", {}).get("tok_per_s")
+    for policy, r in alls.items():
+        run_ = runs[policy]
+        r.update({
+            "peak_rss_mb": round(run_.peak_rss / MiB, 1), "budget_mb": budget_mb,
+            "load_stalls": run_.stalls, "load_stall_ms": round(run_.stall_ms, 1),
+            "ratio_vs_bandit": round(r["tok_per_s"] / bandit, 3) if bandit else None,
+            "fraction_of_oracle": round(r["tok_per_s"] / oracle, 3) if oracle else None,
+            "acceptance_rate": round(r["num_accepted_tokens"] / r["num_draft_tokens"], 3) if r["num_draft_tokens"] else 0.0,
+            "loads": int(run_.counters.get("loads", 0)), "evictions": int(run_.counters.get("evictions", 0)),
+            "hits": int(run_.counters.get("hits", 0)), "misses": int(run_.counters.get("misses", 0)),
+            "preloads": int(run_.counters.get("preloads", 0)), "switches": int(run_.counters.get("switches", 0)),
+        })
+    return rows
+
+
+def print_stream_table(rows: list[dict], out=sys.stdout) -> None:
+    alls = [r for r in rows if r["category"] == "all"]
+    w = max(len(r["policy"]) for r in alls) + 1
+
+    def opt(v, fmt):
+        return format(v, fmt) if v is not None else "-"
+
+    print(f"\n{'policy':<{w}} {'tok/s':>7} {'speedup':>8} {'vs bandit':>9} {'of oracle':>9} {'stalls':>6} "
+          f"{'stall ms':>9} {'peak RSS/budget MiB':>20} {'accept len':>10} {'accept':>7} {'mismatch':>8}", file=out)
+    for r in alls:
+        print(f"{r['policy']:<{w}} {r['tok_per_s']:>7.1f} {r['speedup_vs_target']:>7.2f}x "
+              f"{opt(r['ratio_vs_bandit'], '.2f'):>9} {opt(r['fraction_of_oracle'], '.2f'):>9} {r['load_stalls']:>6} "
+              f"{r['load_stall_ms']:>9.0f} {r['peak_rss_mb']:>11.0f} / {r['budget_mb']:<6} "
+              f"{r['mean_acceptance_length']:>10.2f} {r['acceptance_rate']:>7.2f} {r['mismatches_vs_target']:>8}",
+              file=out)
+    print("(budget: target + resident draft weights; peak RSS: the whole process, sampled)", file=out)
+
+
+def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tuple[list[dict], dict]:
+    import dataclasses
+
+    from memspec.drafts import DraftLimits
+    from memspec.engine import Engine, TargetModel
+    from memspec.scheduler import from_store, load_predictor
+    from memspec.store import ModelStore
+
+    config = args.config
+    store = ModelStore(config.store_home)
+    target = TargetModel.load(store, config.model.target, args.variant or config.model.variant, config.runtime)
+    engine = Engine(target, config.limits, spec=spec)
+    sizes = draft_sizes(store, target)
+    rec = target.manifest.variants.get(target.variant, {}) if target.manifest else {}
+    target_bytes = rec.get("bytes") or target.session.path.stat().st_size
+    budget = args.budget_mb if args.budget_mb is not None else default_budget_mb(target_bytes, sizes)
+    base_cfg = dataclasses.replace(config.scheduler, budget_mb=budget)
+    predictor = load_predictor(base_cfg.predictor) if "memspec" in policies else None
+    limits = DraftLimits(spec.p_min, spec.max_entropy)
+    progress = (lambda m: print(m, file=sys.stderr, flush=True))
+    oracle_table = None
+
+    def make_scheduler(policy: str, budget_mb: int = budget):
+        cfg = dataclasses.replace(base_cfg, policy=policy, budget_mb=budget_mb)
+        return from_store(cfg, store, target, config.runtime, limits, predictor=predictor, oracle_table=oracle_table)
+
+    for p in policies:
+        if p.startswith("fixed:") and p[6:] not in sizes:
+            raise InvalidRequestError(f"policies: unknown draft in {p!r}; drafts: {', '.join(sorted(sizes))}")
+        if p not in ("target-only", *SCHEDULED) and not p.startswith("fixed:"):
+            raise InvalidRequestError(f"policies: unknown policy {p!r}; known: target-only, fixed:DRAFT, "
+                                      f"{', '.join(SCHEDULED)}")
+    if "oracle" in policies:
+        if args.oracle_table:
+            from memspec.scheduler import load_oracle_table
+            oracle_table = load_oracle_table(args.oracle_table)
+        else:
+            oracle_table = profile_oracle(engine, make_scheduler, workload, sorted(sizes), args.max_tokens, progress)
+    print(f"budget {budget} MiB: target {target_bytes / MiB:.0f} MiB + drafts "
+          f"{', '.join(f'{n} {b / MiB:.1f}' for n, b in sorted(sizes.items()))} MiB", file=sys.stderr)
+    cells, runs, _ = run_stream(engine, make_scheduler, workload, policies, args.max_tokens, args.lookahead, progress)
+    rows = stream_rows(cells, runs, policies, budget)
+    info = {"budget_mb": budget, "target_bytes": target_bytes, "draft_bytes": sizes, "stream": True,
+            "lookahead": args.lookahead, "oracle_table": oracle_table,
+            "scheduler": dataclasses.asdict(base_cfg)}
+    return rows, {"engine": engine, "info": info}
+
+
+
 def add_arguments(b) -> None:
     b.add_argument("--workload", metavar="FILE", help="JSONL with prompt and category fields (default: built-in 48)")
     b.add_argument("--policies", default="all",
-                   help="comma-separated: target-only, fixed:DRAFT ...; 'all' = target-only and every draft fixed")
+                   help="comma-separated: target-only, fixed:DRAFT, bandit, memspec, oracle; 'all' = "
+                        "target-only and every draft fixed")
     b.add_argument("--variant", choices=("fp32", "q4"), help="target variant (default from config)")
     b.add_argument("--max-tokens", type=int, default=128, help="new tokens per request")
     b.add_argument("--limit", type=int, default=0, help="run only the first N prompts per category (0 = all)")
     b.add_argument("--shuffle", type=int, metavar="SEED", help="shuffle the request order with this seed")
     b.add_argument("--gamma", type=int, help="initial draft length (default from config: 5)")
     b.add_argument("--fixed-gamma", action="store_true", help="do not adapt the draft length")
+    b.add_argument("--budget-mb", type=int, metavar="N",
+                   help="memory budget for the target and resident drafts (scheduling policies; default: the "
+                        "target plus its two largest drafts); runs the policies as one shuffled stream")
+    b.add_argument("--oracle-table", metavar="FILE",
+                   help="fastest draft per prompt for the oracle (default: profile every draft first)")
+    b.add_argument("--lookahead", type=int, default=1, metavar="N",
+                   help="stream mode: requests the scheduler sees queued behind the running one (default 1)")
     b.add_argument("--json", metavar="FILE", help="write {config, runs} as JSON")
     b.add_argument("--png", metavar="FILE", help="write a chart of speedups")
 
@@ -222,29 +418,46 @@ def run_cli(args) -> int:
         workload = [w for group in kept.values() for w in group[: args.limit]]
     if args.shuffle is not None:
         random.Random(args.shuffle).shuffle(workload)
-    engine = Engine.from_config(args.config, args.variant, with_drafts=True)
-    spec = engine.spec
-    if args.gamma:
-        spec = dataclasses.replace(spec, gamma=args.gamma)
-    if args.fixed_gamma:
-        spec = dataclasses.replace(spec, adaptive=False)
-    engine.spec = spec
-    policies = (["target-only", *(f"fixed:{d}" for d in sorted(engine.drafts))] if args.policies == "all"
-                else [p.strip() for p in args.policies.split(",") if p.strip()])
-    for p in policies:
-        policy_draft(p, engine)  # refuse unknown policies before running anything
-    cells = run(engine, workload, policies, args.max_tokens,
-                progress=lambda m: print(m, file=sys.stderr, flush=True))
-    rows = summarize(cells, policies)
-    print_table(rows)
+    policies = None if args.policies == "all" else [p.strip() for p in args.policies.split(",") if p.strip()]
+    if policies is not None and (args.budget_mb is not None or any(p in SCHEDULED for p in policies)):
+        if "target-only" not in policies:
+            policies = ["target-only", *policies]
+        if args.shuffle is None:
+            random.Random(0).shuffle(workload)  # one mixed stream across categories
+        spec = _spec(args, args.config.speculative)
+        rows, ctx = run_stream_cli(args, policies, workload, spec)
+        engine, extra = ctx["engine"], ctx["info"]
+        print_table(rows)
+        print_stream_table(rows)
+    else:
+        engine = Engine.from_config(args.config, args.variant, with_drafts=True)
+        spec = engine.spec = _spec(args, engine.spec)
+        policies = policies or ["target-only", *(f"fixed:{d}" for d in sorted(engine.drafts))]
+        for p in policies:
+            policy_draft(p, engine)  # refuse unknown policies before running anything
+        cells = run(engine, workload, policies, args.max_tokens,
+                    progress=lambda m: print(m, file=sys.stderr, flush=True))
+        rows = summarize(cells, policies)
+        print_table(rows)
+        extra = {}
     if args.json:
         Path(args.json).write_text(json.dumps({
             "config": {"target": engine.target.name, "variant": engine.target.variant, "max_tokens": args.max_tokens,
-                       "spec": dataclasses.asdict(spec), "requests": len(workload)},
+                       "spec": dataclasses.asdict(spec), "requests": len(workload), **extra},
             "runs": rows}, indent=2))
     if args.png:
         write_png(rows, args.png)
     return 0 if all(r["mismatches_vs_target"] == 0 for r in rows) or engine.target.variant != "fp32" else 1
+
+
+def _spec(args, spec):
+    import dataclasses
+
+    if args.gamma:
+        spec = dataclasses.replace(spec, gamma=args.gamma)
+    if args.fixed_gamma:
+        spec = dataclasses.replace(spec, adaptive=False)
+    return spec
 
 
 __all__ = ["add_arguments", "run_cli", "load_workload", "run", "summarize", "MemspecError"]

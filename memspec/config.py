@@ -15,6 +15,7 @@ from typing import Any
 
 from memspec.errors import ConfigError
 from memspec.request import Limits
+from memspec.scheduler import SchedulerConfig
 from memspec.sessions import SessionConfig
 from memspec.speculative import SpecConfig
 
@@ -55,6 +56,7 @@ class Config:
     limits: Limits = field(default_factory=Limits)
     speculative: SpecConfig = field(default_factory=SpecConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
     def store_home(self) -> Path | None:
@@ -64,7 +66,7 @@ class Config:
 
 
 _SECTIONS = {"model": ModelConfig, "runtime": SessionConfig, "limits": Limits, "speculative": SpecConfig,
-             "server": ServerConfig}
+             "server": ServerConfig, "scheduler": SchedulerConfig}
 
 
 def _section(cls: type, name: str, values: Any) -> Any:

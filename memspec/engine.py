@@ -47,7 +47,7 @@ class TargetModel:
     def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
         m = store.get(name)
         folder = Path(m.folder)
-        session = DecoderSession(m.variant_path(variant), config)
+        session = DecoderSession(m.variant_path(variant), config, arena=True)  # pinned: never unloaded
         tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
         eos = set(m.extra.get("eos_token_ids", []))
         if tok.eos_token_id is not None:
@@ -63,17 +63,19 @@ def pick_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Genera
 
 
 class Engine:
-    """Runs requests against one target (and, later, a draft chosen per request)."""
+    """Runs requests against one target, with a draft per request: the one the request names
+    from `drafts`, or, with a scheduler, the one the scheduler's policy picks at each step."""
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
                  drafts: dict[str, Proposer] | None = None, default_draft: str | None = None,
-                 spec: SpecConfig = SpecConfig()):
+                 spec: SpecConfig = SpecConfig(), scheduler=None):
         self.target = target
         self.limits = limits
         self.clock = clock
         self.drafts: dict[str, Proposer] = dict(drafts or {})  # name -> loaded proposer
         self.default_draft = default_draft  # used when a request names none; None = target only
         self.spec = spec
+        self.scheduler = scheduler  # memspec.scheduler.Scheduler: picks each request's draft (replaces `drafts`)
 
     @classmethod
     def from_config(cls, config, variant: str | None = None, with_drafts: bool = True) -> "Engine":
@@ -153,6 +155,8 @@ class Engine:
 
     def selector(self, req: GenerationRequest, prompt: list[int], capacity: int) -> DraftSelector | None:
         """How this request picks its draft at each step (None = plain target-only decoding)."""
+        if self.scheduler is not None:
+            return self.scheduler.selector(req, prompt, capacity)
         proposer = self.draft_for(req)
         return FixedDraft(proposer.name, proposer.begin(capacity)) if proposer is not None else None
 
@@ -160,7 +164,10 @@ class Engine:
     def stream(self, req: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Chunk | Completion]:
         """Yield Chunks as tokens are committed, then one Completion."""
         validate(req, self.limits)
-        self.draft_for(req)  # an unknown draft is refused before any work
+        if self.scheduler is not None:
+            self.scheduler.check(req)  # an unknown draft or policy is refused before any work
+        else:
+            self.draft_for(req)
         t0 = self.clock()
         prompt = self.prompt_ids(req)
         cache = self.target.session.new_cache()

@@ -1,0 +1,189 @@
+"""Memory: how much the system has free, how much this process holds, what a load costs.
+
+* `MemoryProbe` is what the working set asks (`available_bytes()`, `rss_bytes()`);
+  `PsutilProbe` answers from the OS, tests pass fakes.
+* `release_heap()` hands freed heap pages back to the OS (glibc `malloc_trim(0)`).
+  Unloading a model gives its RSS back only when all of these hold:
+  1. ONNX Runtime keeps no CPU memory arena (memspec.sessions), so a dropped
+     session frees its buffers to malloc;
+  2. nothing else references the session (the working set drops the proposer
+     before it trims, and its loader thread keeps no local copy);
+  3. glibc's malloc thresholds are fixed (`tune_malloc()`): by default freeing a
+     large mmapped buffer raises the mmap threshold, so the next model's weights
+     land in the loader thread's own heap, whose top malloc_trim never shrinks;
+  4. then `reclaim()`: `gc.collect()` and `malloc_trim(0)`.
+* `measure()` is the footprint of a load: the RSS it added beside the declared file size.
+* `Ledger` is the running account of what is resident: target, drafts, KV caches.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import gc
+import sys
+import threading
+from dataclasses import dataclass, field
+from typing import Callable, Protocol, TypeVar
+
+MiB = 1 << 20
+T = TypeVar("T")
+KINDS = ("target", "draft", "kv")
+
+
+class MemoryProbe(Protocol):
+    def available_bytes(self) -> int: ...  # memory the kernel can still hand out (MemAvailable)
+
+    def rss_bytes(self) -> int: ...  # resident set size of this process
+
+
+class PsutilProbe:
+    """The OS's view, through psutil."""
+
+    def __init__(self):
+        import psutil
+
+        self._psutil = psutil
+        self._proc = psutil.Process()
+
+    def available_bytes(self) -> int:
+        return int(self._psutil.virtual_memory().available)
+
+    def rss_bytes(self) -> int:
+        return int(self._proc.memory_info().rss)
+
+
+_libc = None
+
+
+def _malloc_trim():
+    global _libc
+    if _libc is None:
+        _libc = False
+        if sys.platform.startswith("linux"):
+            try:
+                lib = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+                lib.malloc_trim.argtypes = [ctypes.c_size_t]
+                lib.malloc_trim.restype = ctypes.c_int
+                _libc = lib
+            except (OSError, AttributeError):  # musl has no malloc_trim
+                _libc = False
+    return _libc.malloc_trim if _libc else None
+
+
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # mallopt parameters (malloc.h)
+
+
+def tune_malloc(mmap_threshold: int = 128 * 1024) -> bool:
+    """Fix glibc's mmap and trim thresholds (at their defaults), turning off their dynamic
+    growth: large buffers are then always mmapped and unmapped on free.  Process-wide,
+    idempotent; False where there is no glibc."""
+    if _malloc_trim() is None:
+        return False
+    _libc.mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(_libc.mallopt(M_MMAP_THRESHOLD, mmap_threshold)) and bool(
+        _libc.mallopt(M_TRIM_THRESHOLD, 2 * mmap_threshold))
+
+
+def release_heap() -> bool:
+    """Give freed heap memory back to the OS (glibc malloc_trim(0)); False where there is none."""
+    trim = _malloc_trim()
+    if trim is None:
+        return False
+    trim(0)
+    return True
+
+
+def reclaim() -> None:
+    """After the caller dropped its references to a model: collect cycles and trim the heap."""
+    gc.collect()
+    release_heap()
+
+
+@dataclass(frozen=True)
+class Footprint:
+    """What loading one model cost."""
+
+    name: str
+    declared_bytes: int  # the model files' size (what budgets plan with)
+    rss_delta_bytes: int  # the process's RSS growth during the load (noisy under concurrency)
+    seconds: float  # wall time of the load
+
+
+def measure(name: str, load: Callable[[], tuple[T, int]], probe: MemoryProbe,
+            clock: Callable[[], float]) -> tuple[T, Footprint]:
+    """Run `load() -> (thing, declared_bytes)` and return it with its footprint."""
+    before, t0 = probe.rss_bytes(), clock()
+    thing, declared = load()
+    return thing, Footprint(name, int(declared), probe.rss_bytes() - before, clock() - t0)
+
+
+@dataclass
+class Ledger:
+    """A running account of resident bytes by kind ("target", "draft", "kv") and name. Thread-safe."""
+
+    entries: dict[tuple[str, str], int] = field(default_factory=dict)  # (kind, name) -> bytes
+    peak_bytes: int = 0  # the most ever accounted at once
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+
+    def add(self, kind: str, name: str, nbytes: int) -> None:
+        assert kind in KINDS, f"ledger kind must be one of {KINDS}, got {kind!r}"
+        with self._lock:
+            self.entries[(kind, name)] = self.entries.get((kind, name), 0) + int(nbytes)
+            self.peak_bytes = max(self.peak_bytes, sum(self.entries.values()))
+
+    def remove(self, kind: str, name: str, nbytes: int | None = None) -> int:
+        """Take `nbytes` (default: all) of (kind, name) off the account; returns what was taken."""
+        with self._lock:
+            have = self.entries.get((kind, name), 0)
+            take = have if nbytes is None else min(int(nbytes), have)
+            if have - take > 0:
+                self.entries[(kind, name)] = have - take
+            else:
+                self.entries.pop((kind, name), None)
+            return take
+
+    def total(self, kind: str | None = None) -> int:
+        with self._lock:
+            return sum(b for (k, _), b in self.entries.items() if kind is None or k == kind)
+
+    def to_dict(self) -> dict:
+        with self._lock:
+            out: dict = {k: {} for k in KINDS}
+            for (k, n), b in sorted(self.entries.items()):
+                out[k][n] = b
+            out["total_bytes"] = sum(self.entries.values())
+            out["peak_bytes"] = self.peak_bytes
+            return out
+
+
+class RssSampler:
+    """Samples the process RSS in a background thread; `peak_bytes` is the largest seen.
+
+    with RssSampler(probe, interval_s=0.02) as s: ...;  s.peak_bytes
+    """
+
+    def __init__(self, probe: MemoryProbe, interval_s: float = 0.02):
+        self.probe, self.interval_s = probe, interval_s
+        self.peak_bytes = 0
+        self.samples = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def _run(self) -> None:
+        while True:
+            self.peak_bytes = max(self.peak_bytes, self.probe.rss_bytes())
+            self.samples += 1
+            if self._stop.wait(self.interval_s):
+                return
+
+    def __enter__(self) -> "RssSampler":
+        self.peak_bytes = self.probe.rss_bytes()
+        self._thread = threading.Thread(target=self._run, name="memspec-rss", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak_bytes = max(self.peak_bytes, self.probe.rss_bytes())

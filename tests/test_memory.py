@@ -1,0 +1,92 @@
+"""Memory accounting, and unloading a real ONNX draft giving its memory back."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from fakes import FakeClock, FakeProbe, MiB
+from memspec.drafts import DraftModel
+from memspec.memory import Ledger, PsutilProbe, RssSampler, measure, release_heap
+from memspec.request import SamplingParams
+from memspec.sessions import DecoderSession, SessionConfig
+from memspec.workingset import WorkingSet
+from tiny_models import build_tiny
+
+
+def test_ledger_accounts_by_kind_and_keeps_the_peak():
+    led = Ledger()
+    led.add("target", "t", 100)
+    led.add("draft", "a", 10)
+    led.add("kv", "req1", 5)
+    assert led.total() == 115 and led.total("draft") == 10
+    assert led.remove("draft", "a") == 10 and led.remove("draft", "a") == 0
+    led.remove("kv", "req1", 2)
+    d = led.to_dict()
+    assert d["kv"] == {"req1": 3} and d["draft"] == {} and d["total_bytes"] == 103 and d["peak_bytes"] == 115
+    with pytest.raises(AssertionError, match="ledger kind"):
+        led.add("weights", "x", 1)
+
+
+def test_measure_reports_declared_size_beside_rss_delta():
+    probe, clock = FakeProbe(rss=100), FakeClock()
+
+    def load():
+        probe.rss += 70
+        clock.advance(0.5)
+        return "model", 64
+
+    thing, fp = measure("m", load, probe, clock)
+    assert thing == "model" and (fp.declared_bytes, fp.rss_delta_bytes, fp.seconds) == (64, 70, 0.5)
+
+
+def test_release_heap_and_probe_on_linux():
+    assert release_heap() == sys.platform.startswith("linux")
+    p = PsutilProbe()
+    assert p.rss_bytes() > 10 * MiB and p.available_bytes() > 0
+
+
+def test_rss_sampler_sees_a_peak_between_samples():
+    probe = FakeProbe(rss=100)
+    with RssSampler(probe, interval_s=0.001) as s:
+        probe.rss = 500
+        time.sleep(0.02)
+        probe.rss = 100
+        time.sleep(0.01)
+    assert s.peak_bytes == 500 and s.samples > 2
+
+
+def test_50_load_unload_cycles_give_rss_back(tmp_path):
+    """A draft-sized model (about 11 MB) loaded, used and unloaded 50 times through the working set."""
+    path = build_tiny(tmp_path / "draft.onnx", seed=3, vocab=2048, hidden=256, layers=4)
+    nbytes = path.stat().st_size
+    assert nbytes > 5 * MiB
+    cfg = SessionConfig(max_context=128, intra_op_threads=1)
+
+    def loader(name):
+        return DraftModel(name, DecoderSession(path, cfg), np.arange(2048), 2048), nbytes
+
+    probe = PsutilProbe()
+    ws = WorkingSet(0, loader, probe, time.monotonic, sizes={"d": nbytes})
+    rng = np.random.default_rng(0)
+
+    def cycle():
+        lease = ws.lease("d")
+        state = lease.proposer.begin(128)
+        assert len(state.propose([5, 6, 7, 8], 4, SamplingParams(), rng).tokens) >= 1
+        state.close()
+        del state
+        lease.release()
+        assert ws.unload("d") == nbytes
+
+    cycle()  # warm-up: ORT's one-time allocations
+    start = probe.rss_bytes()
+    for _ in range(50):
+        cycle()
+    end = probe.rss_bytes()
+    ws.close()
+    assert ws.counters.loads == 51 and ws.counters.evictions == 51
+    assert abs(end - start) <= 0.05 * start, f"RSS {start / MiB:.1f} MiB -> {end / MiB:.1f} MiB after 50 cycles"

@@ -1,0 +1,239 @@
+"""The scheduler on fakes: UCB, policies, switching through the selector, leases, pressure."""
+
+from __future__ import annotations
+
+import random
+import sys
+
+import pytest
+
+from fakes import Ctx, FakeClock, FakeLoader, FakeProbe, MiB, StandInPredictor
+from memspec.errors import ConfigError, InvalidRequestError
+from memspec.metrics import SpecMetrics
+from memspec.request import GenerationRequest
+from memspec.scheduler import (Scheduler, SchedulerConfig, expected_seconds, load_oracle_table, request_reward,
+                               ucb_pick)
+
+SIZES = {"draft-chat": 10 * MiB, "draft-code": 10 * MiB, "draft-math": 10 * MiB, "prompt-lookup": 0}
+FENCE = 7  # token id the fake decoder turns into ``` (every other id is "x")
+
+
+def decode(ids):
+    return "".join("```" if i == FENCE else "x" for i in ids)
+
+
+def make(policy, budget_mb=125, floor_mb=0, predictor=None, oracle=None, load_s=0.0, **cfg):
+    clock, probe = FakeClock(), FakeProbe()
+    loader = FakeLoader(SIZES, clock, load_s)
+    sched = Scheduler(SchedulerConfig(policy=policy, budget_mb=budget_mb, pressure_floor_mb=floor_mb, **cfg),
+                      loader, SIZES, probe, target=("target", 100 * MiB), clock=clock, predictor=predictor,
+                      make_context=Ctx, oracle_table=oracle, decode=decode)
+    sched.ws._reclaim = lambda: None
+    return sched, loader, clock, probe
+
+
+def run_steps(sel, n, tokens_per_step=2, step_s=0.01, fence_at=None, prompt_len=4):
+    """Drive a selector like speculative_steps does; returns the draft used at each step."""
+    m = SpecMetrics()
+    context = list(range(prompt_len)) + [1]
+    used = []
+    for i in range(n):
+        name, state = sel(context, m)
+        used.append(name)
+        drafted = len(state.propose(context, 3, None, None).tokens) if state else 0
+        accepted = min(drafted, tokens_per_step - 1)
+        m.record_step(name, drafted, accepted, accepted + 1, step_s / 2, step_s / 2)
+        context += [FENCE] if fence_at is not None and i == fence_at else [1] * (accepted + 1)
+    return used, m
+
+
+def req(prompt="hello", **kw):
+    return GenerationRequest(prompt=prompt, max_tokens=kw.pop("max_tokens", 64), **kw)
+
+
+# -- pure functions --------------------------------------------------------------------------------
+def test_ucb_tries_every_arm_then_prefers_the_best_but_explores():
+    arms = ["a", "b", "c"]
+    pulls, sums = {}, {}
+    means = {"a": 0.2, "b": 0.8, "c": 0.5}
+    rng = random.Random(1)
+    first = []
+    for t in range(400):
+        arm = ucb_pick(arms, pulls, sums, c=0.5)
+        if t < 3:
+            first.append(arm)
+        pulls[arm] = pulls.get(arm, 0) + 1
+        sums[arm] = sums.get(arm, 0.0) + (1.0 if rng.random() < means[arm] else 0.0)
+    assert first == ["a", "b", "c"]
+    assert pulls["b"] > 0.7 * 400 and pulls["a"] >= 2 and pulls["c"] >= 2
+
+
+def test_ucb_bonus_picks_the_least_tried_among_equals():
+    assert ucb_pick(["a", "b"], {"a": 10, "b": 2}, {"a": 5.0, "b": 1.0}, c=1.0) == "b"
+    assert ucb_pick(["a", "b"], {"a": 10, "b": 2}, {"a": 5.0, "b": 1.0}, c=0.0) in ("a", "b")
+
+
+def test_expected_seconds_counts_the_load():
+    assert expected_seconds(100, 10, 10, 0.0) == pytest.approx(10.0)
+    assert expected_seconds(100, 10, 50, 1.0) == pytest.approx(1.0 + 90 / 50)  # 10 tokens while it loads
+    assert expected_seconds(5, 10, 50, 1.0) == pytest.approx(0.5)  # done before the load is
+
+
+def test_request_reward_kinds():
+    m = SpecMetrics()
+    m.record_step("d", 4, 3, 4, 0.02, 0.06)
+    assert request_reward(m, "tok_per_s") == pytest.approx(4 / 0.08)
+    assert request_reward(m, "acceptance_per_cost") == pytest.approx(4.0 / (1 + 0.02 / 0.06))
+    assert request_reward(SpecMetrics(), "tok_per_s") == 0.0
+
+
+def test_oracle_table_from_traces(tmp_path):
+    f = tmp_path / "t.jsonl"
+    f.write_text('{"prompt": "p", "draft": "a", "tok_per_s": 3}\n{"prompt": "p", "draft": "b", "tok_per_s": 5}\n'
+                 '{"prompt": "q", "best": "none"}\n'
+                 '{"prompt": "r", "requests": {"none": {"tokens": 10, "seconds": 1}, "a": {"tokens": 10, "seconds": 0.5}}}\n')
+    assert load_oracle_table(f) == {"p": "b", "q": "none", "r": "a"}
+    (tmp_path / "o.json").write_text('{"p": "a"}')
+    assert load_oracle_table(tmp_path / "o.json") == {"p": "a"}
+
+
+# -- policies ---------------------------------------------------------------------------------
+def test_unknown_policy_and_draft_are_refused():
+    sched, *_ = make("target-only")
+    with pytest.raises(InvalidRequestError, match="unknown policy 'fastest'"):
+        sched.check(req(policy="fastest"))
+    with pytest.raises(InvalidRequestError, match="unknown draft 'nope'"):
+        sched.check(req(draft="nope"))
+    assert sched.selector(req(), [1, 2], 64) is None
+
+
+def test_memspec_refuses_to_start_without_the_predictor(monkeypatch):
+    monkeypatch.setitem(sys.modules, "memspec.predictor", None)  # as if predictor.py were not there
+    with pytest.raises(ConfigError, match="memspec/predictor.py"):
+        Scheduler(SchedulerConfig(policy="memspec"), FakeLoader(SIZES), SIZES, FakeProbe())
+
+
+def test_fixed_policy_stalls_once_then_hits_and_releases():
+    sched, loader, clock, _ = make("fixed:draft-code", load_s=0.2)
+    for _ in range(3):
+        sel = sched.selector(req(), [1, 2, 3], 64)
+        used, _ = run_steps(sel, 3)
+        assert used == ["draft-code"] * 3
+        sel.close()
+    c = sched.counters()
+    assert (c["stalls"], c["hits"], c["loads"]) == (1, 2, 1) and c["stall_ms"] == pytest.approx(200)
+    assert sched.ws.status()["drafts"]["draft-code"]["leases"] == 0
+
+
+def test_bandit_learns_the_fastest_draft_and_loads_on_demand():
+    sched, loader, clock, _ = make("bandit", budget_mb=115, ucb_c=0.3)  # room for one draft at a time
+    speed = {"draft-chat": 1, "draft-code": 4, "draft-math": 2, "prompt-lookup": 1}
+    for _ in range(40):
+        sel = sched.selector(req(), [1, 2, 3], 64)
+        name = sel.name
+        run_steps(sel, 5, tokens_per_step=speed[name])
+        sel.close()
+    assert max(sched.pulls, key=sched.pulls.get) == "draft-code"
+    assert sched.pulls["draft-code"] > 25
+    c = sched.counters()
+    assert c["stalls"] >= 3 and c["evictions"] >= 2 and sched.ws.used_bytes() <= 115 * MiB
+
+
+def test_oracle_preloads_everything_and_follows_its_table():
+    table = {"write code": "draft-code", "chat": "draft-chat", "plain": "none"}
+    sched, loader, *_ = make("oracle", budget_mb=110, oracle=table)  # the budget does not bind the oracle
+    assert set(sched.ws.resident()) == set(SIZES)
+    sel = sched.selector(req("write code"), [1], 64)
+    assert sel.name == "draft-code"
+    sel.close()
+    assert sched.selector(req("plain"), [1], 64) is None
+    assert sched.selector(req("never seen"), [1], 64) is None
+    assert sched.counters()["stalls"] == 0
+
+
+# -- memspec ------------------------------------------------------------------------------------
+RATES = {"draft-chat": 50.0, "draft-code": 20.0, "draft-math": 10.0, "prompt-lookup": 25.0, "none": 30.0}
+CODE = {"draft-chat": 20.0, "draft-code": 60.0, "draft-math": 10.0, "prompt-lookup": 25.0, "none": 30.0}
+
+
+def test_memspec_starts_without_stalling_then_switches_when_a_code_block_opens():
+    pred = StandInPredictor(RATES, CODE)
+    sched, loader, clock, _ = make("memspec", predictor=pred, switch_every_steps=4)
+    sel = sched.selector(req("tell me about cats"), [1, 2, 3, 4], 64)
+    assert sel.name is None and sel.pending == "draft-chat"  # not resident: loads while the request starts
+    sched.ws.wait_idle()
+    m = SpecMetrics()
+    context = [1, 2, 3, 4, 1]
+    used = []
+    for i in range(16):
+        if i == 9:
+            sched.ws.wait_idle()  # the code draft's background load (started at step 8) has finished
+        name, state = sel(context, m)
+        used.append(name)
+        n = len(state.propose(context, 3, None, None).tokens) if state else 0
+        m.record_step(name, n, 1, 2, 0.005, 0.005)
+        context += [FENCE, 1] if i == 5 else [1, 1]
+    assert used[:8] == ["draft-chat"] * 8  # switched to as soon as its load finished
+    assert used[9:] == ["draft-code"] * 7  # the code block (step 5) changed the prediction at step 8
+    ctxs = [c for _, c in pred.calls if c is not None]
+    assert ctxs and ctxs[-1].in_code_block and ctxs[-1].position > 5
+    assert "draft-chat" in ctxs[-1].recent_acceptance
+    sel.close()
+    c = sched.counters()
+    assert c["stalls"] == 0 and c["switches"] >= 2
+    assert all(d["leases"] == 0 for d in sched.ws.status()["drafts"].values())
+
+
+def test_memspec_uses_a_resident_draft_at_once_and_preloads_for_the_queue():
+    pred = StandInPredictor(RATES, CODE)
+    sched, loader, *_ = make("memspec", predictor=pred)
+    sched.hint([req("write code please")])  # queued: wants draft-code
+    sched.ws.wait_idle()
+    assert sched.ws.is_resident("draft-code") and sched.counters()["preloads"] == 1
+    sel = sched.selector(req("write code please"), [1, 2], 64)
+    assert sel.name == "draft-code" and sel.pending is None
+    sel.close()
+
+
+def test_memspec_stays_target_only_when_no_draft_is_predicted_faster():
+    slow = {"draft-chat": 5.0, "draft-code": 5.0, "draft-math": 5.0, "prompt-lookup": 5.0, "none": 30.0}
+    sched, loader, *_ = make("memspec", predictor=StandInPredictor(slow))
+    sel = sched.selector(req(), [1, 2], 64)
+    used, _ = run_steps(sel, 10)
+    assert used == [None] * 10 and loader.loaded == []
+    sel.close()
+
+
+# -- leases and pressure ------------------------------------------------------------------------------
+def test_pressure_mid_request_drops_the_draft_and_goes_target_only():
+    sched, loader, clock, probe = make("fixed:draft-chat", floor_mb=100)
+    sel = sched.selector(req(), [1, 2], 64)
+    m = SpecMetrics()
+    assert sel([1, 2], m)[0] == "draft-chat"
+    probe.available = 10 * MiB
+    assert sel([1, 2, 3], m) == (None, None)
+    assert sched.ws.check_pressure() and sched.ws.resident() == {}  # released, then evicted
+    assert sched.counters()["degraded"] == 1
+    state = loader.proposers["draft-chat"].states[0]
+    assert state.closed
+    sel.close()
+    assert sched.selector(req(), [1, 2], 64) is None  # no draft can be had while under pressure
+
+
+def test_close_is_idempotent_and_releases_after_a_failing_learner():
+    sched, *_ = make("bandit")
+    sel = sched.selector(req(), [1], 64)
+    sel.on_close = lambda s: (_ for _ in ()).throw(RuntimeError("boom"))
+    with pytest.raises(RuntimeError):
+        sel.close()
+    sel.close()
+    assert all(d["leases"] == 0 for d in sched.ws.status()["drafts"].values())
+
+
+def test_status_reports_resident_budget_and_counters():
+    sched, *_ = make("fixed:draft-math")
+    sched.selector(req(), [1], 64).close()
+    st = sched.status()
+    assert st["policy"] == "fixed:draft-math" and st["budget_bytes"] == 125 * MiB
+    assert st["resident"] == {"target": 100 * MiB, "draft-math": 10 * MiB}
+    assert st["counters"]["requests"] == 1 and st["counters"]["loads"] == 1

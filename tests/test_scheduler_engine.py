@@ -1,0 +1,117 @@
+"""The scheduler driving the real engine (fp32 target): lossless output, degradation under
+pressure mid-request, and leases released however a request ends."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from fakes import FakeProbe, MiB
+from memspec.drafts import DraftLimits, DraftModel, PromptLookup, Proposal
+from memspec.engine import Engine, TargetModel
+from memspec.request import GenerationRequest
+from memspec.scheduler import Scheduler, SchedulerConfig
+from memspec.sessions import SessionConfig
+
+PROMPT = "Write a Python function that returns the n-th Fibonacci number."
+V = 49152
+
+
+class Broken:
+    """A draft whose proposals raise (a request that fails mid-run)."""
+
+    name, nbytes = "broken", 0
+
+    def begin(self, capacity):
+        return self
+
+    def propose(self, context, k, params, rng):
+        raise RuntimeError("draft failed")
+
+    def close(self):
+        pass
+
+
+class PressureAfter(FakeProbe):
+    """Plenty of memory for the first `n` checks, then almost none."""
+
+    def __init__(self, n):
+        super().__init__()
+        self.n = n
+
+    def available_bytes(self):
+        self.calls += 1
+        return 8 << 30 if self.calls <= self.n else 1 * MiB
+
+
+@pytest.fixture(scope="module")
+def target(model_store):
+    return TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=256))
+
+
+def engine_with(target, policy, probe=None, floor_mb=0):
+    drafts = {
+        "self": DraftModel("self", target.session, np.arange(V), V, DraftLimits(0.0, np.inf)),  # accepts everything
+        "prompt-lookup": PromptLookup(V),
+        "broken": Broken(),
+    }
+    sizes = {"self": MiB, "prompt-lookup": 0, "broken": 0}  # "self" shares the target's weights: nominal size
+    sched = Scheduler(SchedulerConfig(policy=policy, pressure_floor_mb=floor_mb),
+                      lambda name: (drafts[name], sizes[name]), sizes, probe or FakeProbe(),
+                      decode=target.tokenizer.decode)
+    return Engine(target, scheduler=sched), sched
+
+
+def leases(sched):
+    return sum(d["leases"] for d in sched.ws.status()["drafts"].values())
+
+
+@pytest.fixture(scope="module")
+def baseline(target):
+    return Engine(target).generate(GenerationRequest(prompt=PROMPT, max_tokens=16, draft="none"))
+
+
+@pytest.mark.parametrize("policy", ["fixed:self", "bandit"])
+def test_scheduled_greedy_output_equals_target_only(target, baseline, policy):
+    engine, sched = engine_with(target, policy)
+    for _ in range(2 if policy == "bandit" else 1):
+        r = engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=16))
+        assert r.token_ids == baseline.token_ids and r.text == baseline.text
+    assert leases(sched) == 0
+    if policy == "fixed:self":
+        assert r.stats["drafts_used"] == {"self": r.stats["num_drafts"]} and r.stats["num_accepted_tokens"] > 8
+    sched.close()
+
+
+def test_pressure_mid_request_degrades_to_target_only_without_changing_the_output(target, baseline):
+    engine, sched = engine_with(target, "fixed:self", PressureAfter(1), floor_mb=100)
+    r = engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=16))
+    assert r.token_ids == baseline.token_ids
+    assert r.stats["drafts_used"]["self"] == 1  # drafted at first ...
+    assert r.stats["num_drafts"] == 1 and r.stats["num_accepted_tokens"] < 15  # ... then target-only steps
+    assert sched.counters()["degraded"] == 1 and sched.ws.target_only
+    assert leases(sched) == 0 and "self" not in sched.ws.resident()  # released, then evicted
+    sched.close()
+
+
+def test_leases_are_released_on_close_cancel_and_error(target):
+    engine, sched = engine_with(target, "fixed:self")
+    stream = engine.stream(GenerationRequest(prompt=PROMPT, max_tokens=32))
+    next(stream), next(stream)
+    assert leases(sched) == 1
+    stream.close()  # the client went away
+    assert leases(sched) == 0
+
+    cancel = threading.Event()
+    stream = engine.stream(GenerationRequest(prompt=PROMPT, max_tokens=32), cancel)
+    next(stream)
+    cancel.set()
+    done = [item for item in stream][-1]
+    assert done.finish_reason == "cancelled" and leases(sched) == 0
+
+    with pytest.raises(RuntimeError, match="draft failed"):
+        engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=8, draft="broken"))
+    assert leases(sched) == 0
+    sched.close()

@@ -1,0 +1,183 @@
+"""The working set on fakes: admission and eviction, the budget, leases, pressure, failed loads."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from fakes import FakeClock, FakeLoader, FakeProbe, MiB
+from memspec.errors import ConfigError, InvalidRequestError
+from memspec.workingset import Candidate, WorkingSet, admit, eviction_order
+
+
+# -- pure functions ----------------------------------------------------------------------
+def test_eviction_order_skips_leased_and_empty_then_value_per_byte_then_lru():
+    cands = [
+        Candidate("leased", 10, refs=1, value=0.0),
+        Candidate("lookup", 0, value=0.0),  # frees nothing
+        Candidate("cheap_old", 10, value=1.0, last_used=1.0),
+        Candidate("cheap_new", 10, value=1.0, last_used=5.0),
+        Candidate("dear", 10, value=9.0, last_used=0.0),
+        Candidate("big", 100, value=9.0, last_used=9.0),  # 0.09 per byte: goes first
+    ]
+    assert [c.name for c in eviction_order(cands)] == ["big", "cheap_old", "cheap_new", "dear"]
+
+
+def test_admit_fits_without_eviction_and_without_budget():
+    assert admit(Candidate("a", 10), [], used=50, budget=60, force=False).ok
+    assert admit(Candidate("a", 10**9), [], used=50, budget=0, force=False).ok
+
+
+def test_admit_evicts_just_enough_in_order():
+    res = [Candidate("x", 10, value=1.0, last_used=2.0), Candidate("y", 10, value=1.0, last_used=1.0),
+           Candidate("z", 10, value=5.0)]
+    adm = admit(Candidate("new", 15, value=3.0), res, used=108, budget=110, force=True)
+    assert adm.ok and adm.victims == ("y", "x")
+
+
+def test_admit_refuses_what_cannot_fit_beside_pinned_and_leased():
+    res = [Candidate("held", 20, refs=1)]
+    adm = admit(Candidate("new", 15), res, used=100, budget=110, force=True)
+    assert not adm.ok and "does not fit" in adm.reason
+
+
+def test_preload_never_pushes_out_something_worth_more_per_byte():
+    res = [Candidate("good", 10, value=5.0)]
+    assert not admit(Candidate("meh", 10, value=1.0), res, used=100, budget=100, force=False).ok
+    assert admit(Candidate("meh", 10, value=1.0), res, used=100, budget=100, force=True).victims == ("good",)
+    assert admit(Candidate("better", 10, value=9.0), res, used=100, budget=100, force=False).victims == ("good",)
+
+
+# -- the working set ---------------------------------------------------------------------------
+SIZES = {"a": 10 * MiB, "b": 20 * MiB, "c": 30 * MiB, "d": 15 * MiB, "lookup": 0}
+
+
+def make(budget_mb=160, floor_mb=0, load_s=0.0, fail=None, sizes=SIZES):
+    clock, probe = FakeClock(), FakeProbe()
+    loader = FakeLoader(sizes, clock, load_s, fail)
+    ws = WorkingSet(budget_mb * MiB, loader, probe, clock, floor_mb * MiB, sizes=sizes, retry_after_s=10.0,
+                    reclaim=lambda: None)
+    ws.pin("target", 100 * MiB)
+    return ws, loader, clock, probe
+
+
+def test_target_that_does_not_fit_is_refused():
+    ws = WorkingSet(50 * MiB, FakeLoader(SIZES), FakeProbe(), FakeClock())
+    with pytest.raises(ConfigError, match="does not hold target"):
+        ws.pin("target", 100 * MiB)
+
+
+def test_lease_miss_stalls_then_hits():
+    ws, loader, clock, _ = make(load_s=0.25)
+    lease = ws.lease("a")
+    assert lease is not None and lease.proposer.name == "a"
+    c = ws.counters
+    assert (c.misses, c.stalls, c.hits, c.loads) == (1, 1, 0, 1)
+    assert c.stall_ms == pytest.approx(250.0)
+    lease.release()
+    lease.release()  # idempotent
+    again = ws.lease("a")
+    assert (ws.counters.hits, ws.counters.stalls) == (1, 1)
+    again.release()
+    ws.close()
+
+
+def test_leased_draft_is_never_evicted():
+    ws, loader, _, _ = make(budget_mb=140)  # target + 40 MiB
+    a = ws.lease("a")  # 10
+    b = ws.lease("b")  # 20 -> 130
+    assert ws.lease("c") is None  # 30 more needs a and b gone; both are held
+    assert ws.counters.refused == 1 and set(ws.resident()) == {"a", "b"}
+    b.release()
+    c = ws.lease("c")  # b goes, a stays
+    assert c is not None and set(ws.resident()) == {"a", "c"}
+    assert ws.counters.evictions == 1
+    with pytest.raises(InvalidRequestError, match="in use"):
+        ws.unload("a")
+    a.release(), c.release()
+    assert ws.unload("a") == 10 * MiB
+    ws.close()
+
+
+def test_random_sequences_never_exceed_budget_nor_evict_leased():
+    rng = random.Random(0)
+    for trial in range(20):
+        ws, loader, clock, probe = make(budget_mb=100 + rng.choice([15, 35, 50, 80]), floor_mb=50)
+        held = []
+        for _ in range(200):
+            op = rng.random()
+            name = rng.choice(list(SIZES))
+            if op < 0.35:
+                lease = ws.lease(name, wait=rng.random() < 0.7)
+                if lease is not None:
+                    held.append(lease)
+            elif op < 0.6 and held:
+                held.pop(rng.randrange(len(held))).release()
+            elif op < 0.75:
+                ws.preload(name)
+            elif op < 0.85:
+                ws.fetch(name)
+            elif op < 0.9:
+                ws.set_value(name, rng.random() * 10)
+            else:
+                probe.available = rng.choice([10, 40, 60, 500]) * MiB
+                ws.check_pressure()
+            assert ws.used_bytes() <= ws.budget
+            resident = ws.resident()
+            for lease in held:
+                assert lease.name in resident, f"leased {lease.name} was evicted"
+                assert lease.proposer is ws._entries[lease.name].proposer
+        ws.wait_idle()
+        assert ws.peak_used <= ws.budget
+        for lease in held:
+            lease.release()
+        ws.close()
+
+
+def test_pressure_evicts_unleased_drafts_then_signals_target_only():
+    ws, loader, _, probe = make(budget_mb=200, floor_mb=100)
+    held = ws.lease("a")
+    for n in ("b", "c"):
+        ws.lease(n).release()
+    probe.available = 500 * MiB
+    assert not ws.check_pressure() and set(ws.resident()) == {"a", "b", "c"}
+    probe.available = 60 * MiB  # 40 short: evicting c (30) is not enough, b too (50) is
+    assert not ws.check_pressure()
+    assert set(ws.resident()) == {"a"} and ws.counters.pressure_evictions == 2
+    probe.available = 10 * MiB  # nothing unleased left: target-only
+    assert ws.check_pressure() and ws.target_only
+    assert ws.lease("a") is None  # no new leases while target-only
+    held.release()
+    assert ws.check_pressure() and ws.resident() == {}  # released, then evicted
+    probe.available = 500 * MiB
+    assert not ws.check_pressure() and not ws.target_only
+    assert ws.lease("a") is not None
+    ws.close()
+
+
+def test_failed_load_is_counted_and_backs_off():
+    ws, loader, clock, _ = make(fail={"b"})
+    assert ws.lease("b") is None  # does not raise
+    assert ws.counters.failed_loads == 1 and not ws.is_available("b")
+    assert ws.lease("b") is None and ws.counters.failed_loads == 1  # not retried during the back-off
+    assert not ws.preload("b")
+    assert ws.used_bytes() == 100 * MiB  # its reservation was given back
+    clock.advance(11.0)
+    loader.fail.clear()
+    assert ws.lease("b") is not None
+    ws.close()
+
+
+def test_preload_runs_in_the_background_and_counts():
+    ws, loader, _, _ = make()
+    assert ws.preload("c")
+    ws.wait_idle()
+    assert ws.is_resident("c") and ws.counters.preloads == 1
+    lease = ws.lease("c")
+    assert ws.counters.hits == 1 and ws.counters.stalls == 0
+    lease.release()
+    st = ws.status()
+    assert st["drafts"]["c"]["bytes"] == 30 * MiB and st["used_bytes"] == 130 * MiB
+    assert ws.ledger.to_dict()["draft"] == {"c": 30 * MiB}
+    ws.close()
