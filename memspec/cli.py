@@ -43,6 +43,8 @@ def cmd_pull(args) -> int:
 
 
 def cmd_models(args) -> int:
+    if args.address:
+        return _daemon_models(args)
     store = _store(args)
     models = store.list()
     if args.json:
@@ -58,57 +60,221 @@ def cmd_models(args) -> int:
     return 0
 
 
+def _daemon_models(args) -> int:
+    from memspec.client import Client
+
+    with Client(args.address) as c:
+        models = c.models()
+    if args.json:
+        print(json.dumps(models, indent=2))
+        return 0
+    print(f"{'NAME':<24} {'ROLE':<7} {'VARIANTS':<12} {'SIZE':>9}  RESIDENT")
+    for m in models:
+        size = sum(m["variants"].values())
+        print(f"{m['name']:<24} {m['role']:<7} {','.join(sorted(m['variants'])):<12} {size / 1e6:>7.1f}MB  "
+              f"{m['resident_variant'] or '-'}")
+    return 0
+
+
 # -- generate ----------------------------------------------------------------------
-def _request(args):
+def _request(args, messages=None):
     from memspec.request import GenerationRequest, SamplingParams
 
     if args.max_tokens is not None and args.max_tokens <= 0:
         raise CLIError(f"--max-tokens must be at least 1, got {args.max_tokens}")
     return GenerationRequest(
-        prompt=args.prompt,
-        raw=args.raw,
+        prompt=None if messages else args.prompt,
+        messages=tuple(messages) if messages else None,
+        raw=getattr(args, "raw", False),
         max_tokens=args.max_tokens if args.max_tokens is not None else 256,
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
         stop=tuple(args.stop or ()),
         draft=getattr(args, "draft", None),
+        policy=getattr(args, "policy", None),
     )
 
 
 def load_engine(config, variant: str | None = None):
-    """Build the local engine from the config (the target from the store)."""
-    from memspec.engine import Engine, TargetModel
-    from memspec.store import ModelStore
+    """Build the local engine from the config: the target and its draft pool from the store."""
+    from memspec.engine import Engine
 
-    store = ModelStore(config.store_home)
-    target = TargetModel.load(store, config.model.target, variant or config.model.variant, config.runtime)
-    return Engine(target, config.limits)
+    return Engine.from_config(config, variant)
 
 
-def cmd_generate(args) -> int:
+# -- daemon or local ---------------------------------------------------------------------
+def _daemon(args):
+    """The daemon client `generate`/`chat` use, or None to generate locally.
+
+    --local, or --variant (a choice of local target): local.  --address or
+    $MEMSPEC_ADDRESS: that daemon, or an error.  Otherwise the default socket's
+    daemon when one is serving there, else local generation with a note on stderr.
+    """
+    import os
+
+    from memspec.address import client_address
+    from memspec.errors import UnavailableError
+
+    explicit = bool(args.address or os.environ.get("MEMSPEC_ADDRESS"))
+    if args.variant and args.address and not args.local:
+        raise CLIError("--variant picks the local target; a daemon serves the model it has loaded "
+                       "(`memspec load NAME --variant V`). Drop --address to generate locally.")
+    if args.local or args.variant:
+        return None
+    address = client_address(args.address)
+    if not explicit and address.is_unix and not address.path.exists():
+        _progress(f"memspec: no daemon at {address}; generating locally (--local skips this check)")
+        return None
+    from memspec.client import Client
+
+    client = Client(args.address)
+    if explicit:
+        return client
+    try:
+        state = client.health()
+    except UnavailableError:
+        state = "UNAVAILABLE"
+    if state != "SERVING":
+        client.close()
+        _progress(f"memspec: the daemon at {address} is {state.lower()}; generating locally")
+        return None
+    return client
+
+
+def _run(args, req, engine=None):
+    """Stream one request (daemon or local engine) to stdout; return its Completion."""
     from memspec.request import Completion
 
-    if not args.prompt or not args.prompt.strip():
-        raise CLIError("the prompt is empty; give the text to answer, e.g. memspec generate \"What is 2+2?\"")
-    req = _request(args)
-    engine = load_engine(args.config, args.variant)
+    if engine is not None:
+        items, model, variant = engine.stream(req), engine.target.name, engine.target.variant
+    else:
+        items, model, variant = args.client.stream(req, default_max_tokens=args.max_tokens is None), None, None
     result = None
-    for item in engine.stream(req):
+    for item in items:
         if isinstance(item, Completion):
             result = item
         elif not args.json:
             sys.stdout.write(item.text)
             sys.stdout.flush()
+    model, variant = model or getattr(result, "model", ""), variant or getattr(result, "variant", "")
     if args.json:
+        # the same keys in local and daemon mode
         print(json.dumps({
             "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids, "text": result.text,
             "finish_reason": result.finish_reason, "timings": result.timings, "stats": result.stats,
-            "model": engine.target.name, "variant": engine.target.variant,
-        }))
+            "model": model, "variant": variant,
+        }), flush=True)
     else:
         sys.stdout.write("\n")
         t = result.timings
         _progress(f"[{result.finish_reason}] {t['completion_tokens']} tokens, {t['tok_per_s']:.1f} tok/s, "
                   f"ttft {t['ttft_ms']:.0f} ms")
+    return result
+
+
+def _with_target(args, fn) -> int:
+    """Run fn(engine) locally, or fn(None) with args.client set to the daemon's client."""
+    args.client = _daemon(args)
+    if args.client is None:
+        return fn(load_engine(args.config, args.variant))
+    with args.client:
+        return fn(None)
+
+
+def cmd_generate(args) -> int:
+    if not args.prompt or not args.prompt.strip():
+        raise CLIError("the prompt is empty; give the text to answer, e.g. memspec generate \"What is 2+2?\"")
+    req = _request(args)
+
+    def answer(engine) -> int:
+        _run(args, req, engine)
+        return 0
+
+    return _with_target(args, answer)
+
+
+def cmd_chat(args) -> int:
+    """One answer to MESSAGE, or a conversation read line by line from stdin."""
+    history = [("system", args.system)] if args.system else []
+
+    def talk(engine) -> int:
+        turns = [args.message] if args.message else _stdin_turns()
+        for text in turns:
+            history.append(("user", text))
+            result = _run(args, _request(args, history), engine)
+            history.append(("assistant", result.text))
+        return 0
+
+    return _with_target(args, talk)
+
+
+def _stdin_turns():
+    interactive = sys.stdin.isatty()
+    while True:
+        if interactive:
+            _progress("> ")
+        line = sys.stdin.readline()
+        if not line:
+            return
+        if line.strip():
+            yield line.rstrip("\n")
+
+
+# -- daemon ----------------------------------------------------------------------------
+def cmd_serve(args) -> int:
+    from memspec.daemon import serve
+
+    return serve(args.config, args.config_path, args.listen, load_engine)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"
+
+
+def cmd_status(args) -> int:
+    from memspec.client import Client
+
+    with Client(args.address) as c:
+        st = c.status()
+    if args.json:
+        print(json.dumps(st, indent=2))
+        return 0
+    mem = st["system_memory"]
+    print(f"memspec {st['version']} {st['state']} on {st['listen']}, up {st['uptime_s']:.0f} s")
+    for m in st["resident"] or [{"name": "(none)", "role": "", "variant": "", "bytes": 0, "device": "", "providers": []}]:
+        print(f"resident  {m['name']} {m['role']} {m['variant']} {_mib(m['bytes'])} {m['device']} "
+              f"{','.join(m['providers'])}".rstrip())
+    budget = _mib(st["budget_bytes"]) if st["budget_bytes"] else "none"
+    print(f"memory    budget {budget}, weights {_mib(st['resident_bytes'])}, KV {_mib(st['kv_bytes'])}; "
+          f"system {_mib(mem['available_bytes'])} available of {_mib(mem['total_bytes'])}, "
+          f"daemon RSS {_mib(mem['process_rss_bytes'])}")
+    print(f"streams   {st['active_streams']}/{st['max_concurrent']} generating, "
+          f"{st['queue_depth']}/{st['max_queue']} queued")
+    print("requests  " + ", ".join(f"{k} {v}" for k, v in st["requests"].items()))
+    for d in st["drafts"]:
+        print(f"draft     {d['name']} {_mib(d['bytes'])}: {d['requests']} requests, {d['num_drafts']} drafts, "
+              f"acceptance {d['acceptance_rate']:.2f}, mean length {d['mean_acceptance_length']:.2f}")
+    for name in ("predictor", "scheduler"):
+        if st[name]:
+            print(f"{name:<9} " + ", ".join(f"{k} {v:g}" for k, v in sorted(st[name].items())))
+    return 0
+
+
+def cmd_load(args) -> int:
+    from memspec.client import Client
+
+    with Client(args.address) as c:
+        out = c.load(args.name, args.variant)
+    m = out["model"]
+    print(f"loaded {m['name']} ({m['variant']}, {_mib(m['bytes'])}) in {out['load_ms']:.0f} ms")
+    return 0
+
+
+def cmd_unload(args) -> int:
+    from memspec.client import Client
+
+    with Client(args.address) as c:
+        freed = c.unload(args.name)
+    print(f"unloaded {args.name} ({_mib(freed)})")
     return 0
 
 
@@ -119,12 +285,33 @@ def cmd_bench(args) -> int:
 
 
 # -- parser --------------------------------------------------------------------------
+def _sampling_options(g: argparse.ArgumentParser) -> None:
+    g.add_argument("--max-tokens", type=int, default=None, help="most new tokens (default 256)")
+    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    g.add_argument("--top-k", type=int, default=0, help="0 = off")
+    g.add_argument("--top-p", type=float, default=1.0)
+    g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--stop", action="append", help="stop string (repeatable)")
+    g.add_argument("--draft", help='force a draft model ("none" = target only)')
+    g.add_argument("--policy", help="draft-selection policy")
+    g.add_argument("--variant", choices=("fp32", "q4"),
+                   help="target variant; generates locally (default from config: q4)")
+    g.add_argument("--json", action="store_true", help="print one JSON object per answer with ids, text and timings")
+    g.add_argument("--address", help="the daemon's socket or HOST:PORT (default: the default socket)")
+    g.add_argument("--local", action="store_true", help="generate in this process, without the daemon")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="memspec", description="memory-aware speculative decoding runtime")
     p.add_argument("--config", metavar="FILE", help="TOML config file (see memspec.example.toml)")
     sub = p.add_subparsers(dest="command", required=True)
+    # --config is accepted after the command too (`memspec serve --config FILE`)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML config file")
+    address = argparse.ArgumentParser(add_help=False)
+    address.add_argument("--address", help="the daemon's socket or HOST:PORT (default: the default socket)")
 
-    pl = sub.add_parser("pull", help="fetch and convert a model into the store")
+    pl = sub.add_parser("pull", parents=[common], help="fetch and convert a model into the store")
     pl.add_argument("model", nargs="?", help="known model name, e.g. smollm2-135m")
     pl.add_argument("--gguf", metavar="PATH", help="convert a local llama-architecture GGUF instead")
     pl.add_argument("--name", help="store name for --gguf (default: the file's stem)")
@@ -132,31 +319,51 @@ def build_parser() -> argparse.ArgumentParser:
     pl.add_argument("--force", action="store_true", help="convert again even if up to date")
     pl.set_defaults(func=cmd_pull)
 
-    ml = sub.add_parser("models", help="list the model store")
+    ml = sub.add_parser("models", parents=[common], help="list the model store (or a daemon's, with --address)")
     ml.add_argument("--json", action="store_true")
+    ml.add_argument("--address", help="ask this daemon instead (shows which models are resident)")
     ml.set_defaults(func=cmd_models)
 
-    g = sub.add_parser("generate", help="generate text for a prompt")
+    g = sub.add_parser("generate", parents=[common], help="generate text for a prompt",
+                       description="Uses the daemon serving at the default socket when there is one, else "
+                                   "generates locally (with a note on stderr). --address insists on a daemon; "
+                                   "--local skips it.")
     g.add_argument("prompt", help="the prompt (chat template applied unless --raw)")
     g.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
-    g.add_argument("--max-tokens", type=int, default=None, help="most new tokens (default 256)")
-    g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    g.add_argument("--top-k", type=int, default=0, help="0 = off")
-    g.add_argument("--top-p", type=float, default=1.0)
-    g.add_argument("--seed", type=int, default=None)
-    g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--variant", choices=("fp32", "q4"), help="target variant (default from config: q4)")
-    g.add_argument("--json", action="store_true", help="print one JSON object with ids, text and timings")
+    _sampling_options(g)
     g.set_defaults(func=cmd_generate)
 
-    b = sub.add_parser("bench", help="benchmark the target (and llama.cpp side by side)")
-    b.add_argument("--variant", action="append", choices=("fp32", "q4"), help="variants to measure (default both)")
-    b.add_argument("--prompt-tokens", type=int, default=128, help="prompt length for prefill/decode runs")
-    b.add_argument("--decode-tokens", type=int, default=128, help="tokens per decode run")
-    b.add_argument("--repeats", type=int, default=3, help="runs per measurement (median reported)")
-    b.add_argument("--max-k", type=int, default=16, help="largest verification width for cost(k)")
-    b.add_argument("--no-llama-cpp", action="store_true", help="skip the llama.cpp side-by-side run")
-    b.add_argument("--json", metavar="FILE", help="write results as JSON")
+    c = sub.add_parser("chat", parents=[common], help="chat: answer MESSAGE, or each line of stdin in turn",
+                       description="Without MESSAGE, reads user turns line by line from stdin and keeps the "
+                                   "conversation. Daemon or local as for generate.")
+    c.add_argument("message", nargs="?", help="one user turn (default: read turns from stdin)")
+    c.add_argument("--system", help="system prompt")
+    _sampling_options(c)
+    c.set_defaults(func=cmd_chat)
+
+    sv = sub.add_parser("serve", parents=[common], help="run the daemon (gRPC on a Unix socket)")
+    sv.add_argument("--listen", metavar="ADDRESS",
+                    help="unix:///path.sock, a socket path, HOST:PORT, or PORT for loopback TCP "
+                         "(default: [server] listen, else the default socket)")
+    sv.set_defaults(func=cmd_serve)
+
+    st = sub.add_parser("status", parents=[common, address], help="show a running daemon's status")
+    st.add_argument("--json", action="store_true")
+    st.set_defaults(func=cmd_status)
+
+    ld = sub.add_parser("load", parents=[common, address], help="make a target resident in the daemon (admin)")
+    ld.add_argument("name")
+    ld.add_argument("--variant", help="variant to load (default: the daemon's configured one)")
+    ld.set_defaults(func=cmd_load)
+
+    ul = sub.add_parser("unload", parents=[common, address], help="drop a resident model from the daemon (admin)")
+    ul.add_argument("name")
+    ul.set_defaults(func=cmd_unload)
+
+    b = sub.add_parser("bench", parents=[common], help="run a prompt workload under draft policies, side by side")
+    from memspec import bench
+
+    bench.add_arguments(b)
     b.set_defaults(func=cmd_bench)
     return p
 
@@ -166,6 +373,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     args = build_parser().parse_args(argv)
     try:
+        args.config_path = args.config
         args.config = load_config(args.config)
         return args.func(args)
     except MemspecError as exc:

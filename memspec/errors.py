@@ -24,3 +24,28 @@ class InvalidRequestError(MemspecError, ValueError):
 
 class ContextOverflowError(InvalidRequestError):
     """The prompt (plus what must be generated) does not fit in the context window."""
+
+
+# -- daemon (memspec.server, memspec.client) ---------------------------------------
+class NotLoadedError(MemspecError):
+    """The daemon has no resident model to serve this (it was unloaded)."""
+
+
+class OverloadedError(MemspecError):
+    """The daemon's queue is full, or the request's KV cache does not fit in memory now."""
+
+
+class UnavailableError(MemspecError, ConnectionError):
+    """No daemon answers at the address, or it is starting or shutting down."""
+
+
+class DeadlineExceededError(MemspecError, TimeoutError):
+    """The call's deadline passed before the answer was complete."""
+
+
+class CancelledError(MemspecError):
+    """The call was cancelled before it finished."""
+
+
+class RemoteError(MemspecError):
+    """The daemon failed in a way no other exception names (an internal error)."""

@@ -1,0 +1,243 @@
+"""What the daemon serves with: the resident models, behind the small interface the server needs.
+
+The server asks a `Backend` to check a request (and say how many KV bytes it
+needs), to stream it, and for its models and status.  `EngineBackend` is the
+implementation over one `Engine` (a target and the drafts the engine holds).
+When the scheduler owns the resident set, it implements the same protocol;
+its counters and the predictor's are what `status()` reports under
+"scheduler" and "predictor" (empty while there is none).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Protocol
+
+from memspec.config import Config
+from memspec.errors import InvalidRequestError, ModelNotFoundError, NotLoadedError, UnavailableError
+from memspec.request import Chunk, Completion, GenerationRequest, validate
+from memspec.store import ModelStore
+
+EngineLoader = Callable[[Config, str], object]  # (config, variant) -> Engine (memspec.cli.load_engine)
+
+
+class Counters(Protocol):
+    def counters(self) -> dict[str, float]: ...
+
+
+@dataclass
+class Run:
+    """One request being generated: who answers, and the engine's stream."""
+
+    model: str  # target name
+    variant: str
+    items: Iterator[Chunk | Completion]  # Engine.stream(); closing it frees the KV cache and draft state
+
+    def close(self) -> None:
+        self.items.close()
+
+
+class Backend(Protocol):
+    config: Config  # what it runs with; config.limits bound every request
+    def check(self, req: GenerationRequest) -> int: ...  # validate fully; return the KV bytes it needs
+    def open(self, req: GenerationRequest, cancel: threading.Event) -> Run: ...
+    def record(self, completion: Completion) -> None: ...  # count a finished request
+    def resident_bytes(self) -> int: ...
+    def models(self) -> list[dict]: ...
+    def load(self, name: str, variant: str | None) -> dict: ...
+    def unload(self, name: str) -> int: ...
+    def status(self) -> dict: ...
+    def reconfigure(self, config: Config) -> None: ...
+
+
+def cache_bytes(session, capacity: int, tokens: int) -> int:
+    """Bytes of one request's KV cache on `session`: the shared-buffer layout
+    preallocates `capacity` tokens, a growing cache reaches `tokens` at most."""
+    n = capacity if session.layout == "gqa" else min(tokens, capacity)
+    return session.kv_bytes_per_token() * n
+
+
+@dataclass
+class DraftCounters:
+    """What one draft did across requests (vLLM's words)."""
+
+    requests: int = 0  # requests it served
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    def add(self, stats: dict) -> None:
+        self.requests += 1
+        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
+            setattr(self, key, getattr(self, key) + int(stats.get(key, 0)))
+
+    def to_dict(self) -> dict:
+        return {
+            **dataclasses.asdict(self),
+            "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
+            "mean_acceptance_length": 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0,
+        }
+
+
+def draft_used(stats: dict) -> str:
+    """The draft a finished request ran with ("" = target only), from its stats."""
+    used = stats.get("drafts_used") or {}
+    return max(used, key=used.get) if used else ""
+
+
+@dataclass
+class EngineBackend:
+    """One engine: its target and drafts are the resident set."""
+
+    config: Config
+    loader: EngineLoader  # builds an Engine; tests pass a fake
+    store: ModelStore
+    scheduler: Counters | None = None  # the scheduler (default: the engine's, if it has one)
+    predictor: Counters | None = None  # the draft-choice predictor (default: the scheduler's)
+    policies: tuple[str, ...] = ()  # draft-selection policies a request may name
+    engine: object | None = None
+    started: bool = False  # the first target load has finished
+    _lock: threading.Lock = field(default_factory=threading.Lock)  # one LoadModel at a time
+    _count_lock: threading.Lock = field(default_factory=threading.Lock)
+    _drafts: dict[str, DraftCounters] = field(default_factory=dict)  # draft name -> counters
+
+    def start(self) -> dict:
+        """Load the configured target (at daemon start)."""
+        out = self.load(self.config.model.target, self.config.model.variant)
+        self.started = True
+        return out
+
+    def _engine(self):
+        engine = self.engine
+        if engine is None:
+            if not self.started:
+                raise UnavailableError(f"the daemon is starting: loading {self.config.model.target}")
+            raise NotLoadedError("no target is loaded; call LoadModel (memspec load NAME) first")
+        return engine
+
+    # -- requests ------------------------------------------------------------------
+    def check(self, req: GenerationRequest) -> int:
+        engine = self._engine()
+        validate(req, engine.limits)
+        scheduler = getattr(engine, "scheduler", None)
+        if scheduler is not None:  # it knows the drafts and policies; it picks drafts as the request runs
+            scheduler.check(req)
+            proposer = getattr(engine, "drafts", {}).get(req.draft)
+        else:
+            proposer = engine.draft_for(req) if hasattr(engine, "draft_for") else _target_only(req)
+            if req.policy is not None and req.policy not in self.policies:
+                known = ", ".join(self.policies) or "none"
+                raise InvalidRequestError(f"policy: unknown policy {req.policy!r}; known: {known}")
+        n_prompt = len(engine.prompt_ids(req))  # raises ContextOverflowError
+        session = engine.target.session
+        tokens = n_prompt + req.max_tokens
+        need = cache_bytes(session, session.max_context, tokens)
+        draft_session = getattr(proposer, "session", None)
+        if draft_session is not None:
+            need += cache_bytes(draft_session, session.max_context, tokens)
+        return need
+
+    def open(self, req: GenerationRequest, cancel: threading.Event) -> Run:
+        # The run holds this engine (and the draft it picks) until it is closed.
+        engine = self._engine()
+        return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel))
+
+    def record(self, completion: Completion) -> None:
+        name = draft_used(completion.stats)
+        if name:
+            with self._count_lock:
+                self._drafts.setdefault(name, DraftCounters()).add(completion.stats)
+
+    # -- models ----------------------------------------------------------------------
+    def resident_bytes(self) -> int:
+        return sum(m["bytes"] for m in self._resident())
+
+    def _resident(self) -> list[dict]:
+        engine = self.engine
+        if engine is None:
+            return []
+        t = engine.target
+        rec = t.manifest.variants.get(t.variant, {}) if t.manifest else {}
+        out = [{"name": t.name, "role": "target", "variant": t.variant,
+                "bytes": rec.get("bytes") or t.session.path.stat().st_size,
+                "device": t.session.device, "providers": list(t.session.providers)}]
+        for name, d in sorted(getattr(engine, "drafts", {}).items()):
+            s = getattr(d, "session", None)
+            if s is not None:  # a model draft (prompt lookup holds no weights)
+                out.append({"name": name, "role": "draft", "variant": s.path.stem, "bytes": d.nbytes,
+                            "device": s.device, "providers": list(s.providers)})
+        return out
+
+    def models(self) -> list[dict]:
+        resident = {m["name"]: m["variant"] for m in self._resident()}
+        return [{
+            "name": m.name, "role": m.role, "variants": {v: r["bytes"] for v, r in m.variants.items()},
+            "source": m.provenance.get("source", ""), "resident": m.name in resident,
+            "resident_variant": resident.get(m.name, ""),
+        } for m in self.store.list()]
+
+    def load(self, name: str, variant: str | None) -> dict:
+        manifest = self.store.get(name)  # ModelNotFoundError
+        if manifest.role != "target":
+            raise InvalidRequestError(f"name: {name!r} is a {manifest.role}; drafts are loaded with their target")
+        variant = variant or self.config.model.variant
+        manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
+        config = dataclasses.replace(self.config, model=dataclasses.replace(self.config.model, target=name,
+                                                                               variant=variant))
+        with self._lock:
+            t0 = time.perf_counter()
+            engine = self.loader(config, variant)
+            self.engine, self.config = engine, config  # running streams keep the engine they started on
+            load_ms = (time.perf_counter() - t0) * 1e3
+        return {"model": self._resident()[0], "load_ms": load_ms}
+
+    def unload(self, name: str) -> int:
+        with self._lock:
+            engine = self.engine
+            resident = self._resident()
+            if engine is not None and engine.target.name == name:
+                self.engine = None
+                return sum(m["bytes"] for m in resident)  # the target takes its drafts with it
+            drafts = getattr(engine, "drafts", {}) if engine is not None else {}
+            if name in drafts:
+                engine.drafts = {k: v for k, v in drafts.items() if k != name}
+                return int(getattr(drafts[name], "nbytes", 0))
+        have = ", ".join([m["name"] for m in resident] + sorted(drafts)) or "none"
+        raise ModelNotFoundError(f"name: {name!r} is not resident (resident: {have})")
+
+    # -- status ------------------------------------------------------------------------
+    def status(self) -> dict:
+        engine = self.engine
+        proposers = getattr(engine, "drafts", {}) if engine is not None else {}
+        scheduler = self.scheduler or getattr(engine, "scheduler", None)
+        predictor = self.predictor or getattr(scheduler, "predictor", None)
+        out = {
+            "resident": self._resident(),
+            "drafts": [{"name": n, "resident": True, "bytes": int(getattr(d, "nbytes", 0)),
+                        **self._drafts.get(n, DraftCounters()).to_dict()} for n, d in sorted(proposers.items())],
+            "predictor": _counters(predictor),
+            "scheduler": _counters(scheduler),
+        }
+        if hasattr(scheduler, "status"):  # the scheduler's memory budget is the one that holds
+            out["budget_bytes"] = int(scheduler.status().get("budget_bytes", 0))
+        return out
+
+    def reconfigure(self, config: Config) -> None:
+        """Apply what can change at run time: the request limits."""
+        self.config = dataclasses.replace(config, model=self.config.model)
+        if self.engine is not None:
+            self.engine.limits = config.limits
+
+
+def _counters(obj) -> dict[str, float]:
+    """An optional component's counters ({} when there is none, or it keeps none)."""
+    return dict(obj.counters()) if hasattr(obj, "counters") else {}
+
+
+def _target_only(req: GenerationRequest):
+    if req.draft not in (None, "none"):
+        raise InvalidRequestError(f"draft: unknown draft {req.draft!r}; available: none")
+    return None

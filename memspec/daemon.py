@@ -1,0 +1,279 @@
+"""`memspec serve`: the daemon's lifecycle around the gRPC server.
+
+    start    socket folder made, stale socket file removed, server up (health
+             NOT_SERVING), target loaded, health SERVING, systemd READY=1
+    SIGHUP   the config file is read again; what can change at run time is
+             applied (limits, queue sizes, budget, grace, log level, socket mode),
+             the rest is logged as needing a restart
+    SIGTERM  health NOT_SERVING, new requests UNAVAILABLE, streams already
+    SIGINT   running or queued get grace_seconds to finish, then exit 0
+
+Logs are JSON lines on stderr (journald keeps them): one per request, with its stats.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import select
+import signal
+import socket
+import stat
+import sys
+import time
+from pathlib import Path
+from typing import Callable
+
+import psutil
+
+from memspec.address import Address, default_socket, server_address
+from memspec.admission import MiB, Admission, AdmissionConfig
+from memspec.backend import EngineBackend
+from memspec.config import Config, ServerConfig, load_config
+from memspec.errors import ConfigError, MemspecError
+from memspec.notify import Notifier
+from memspec.server import MemSpecServicer, create_server
+from memspec.store import ModelStore
+
+log = logging.getLogger("memspec.daemon")
+SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+SPARE_WORKERS = 8  # threads beyond max_concurrent + max_queue, for status, health and admin calls
+RESTART_ONLY = ("home", "model", "runtime", "speculative", "scheduler")  # read only at start (or LoadModel)
+
+
+# -- logging ---------------------------------------------------------------------------
+class JsonLines(logging.Formatter):
+    """One JSON object per line: ts, level, logger, msg, plus the record's `fields`."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {"ts": round(record.created, 3), "level": record.levelname.lower(), "logger": record.name,
+               "msg": record.getMessage(), **getattr(record, "fields", {})}
+        if record.exc_info:
+            out["exc"] = self.formatException(record.exc_info)
+        return json.dumps(out, default=str)
+
+
+def setup_logging(level: str) -> None:
+    root = logging.getLogger("memspec")
+    if not any(isinstance(h.formatter, JsonLines) for h in root.handlers):
+        handler = logging.StreamHandler(sys.stderr)
+        handler.setFormatter(JsonLines())
+        root.addHandler(handler)
+        root.propagate = False
+    root.setLevel(level.upper())
+
+
+# -- socket -------------------------------------------------------------------------------
+def _answers(path: Path) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(1.0)
+        try:
+            s.connect(str(path))
+            return True
+        except OSError:
+            return False
+
+
+def prepare_socket(path: Path) -> None:
+    """Make the socket's folder; remove a socket file left by a daemon that was killed."""
+    parent = path.parent
+    if not parent.is_dir():
+        # /run/memspec is shared with the group through the socket's own mode; a user's folder is private
+        parent.mkdir(parents=True, mode=0o755 if os.getuid() == 0 else 0o700)
+    if parent == default_socket({}).parent and parent.parent == Path("/tmp"):
+        st = parent.lstat()  # /tmp/memspec-$UID: someone else may have made it first
+        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
+            raise ConfigError(f"{parent} is a link, not yours, or open to others; remove it or choose --listen")
+    if path.exists() or path.is_symlink():
+        if not stat.S_ISSOCK(path.lstat().st_mode):
+            raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --listen")
+        if _answers(path):
+            raise ConfigError(f"another daemon is serving at {path}; stop it first (`memspec status --address {path}`)")
+        path.unlink()  # stale
+
+
+# -- signals ------------------------------------------------------------------------------
+class Signals:
+    """SIGTERM, SIGINT and SIGHUP as numbers on a socket that the main loop waits on."""
+
+    def __init__(self):
+        self._r, self._w = socket.socketpair()
+        self._r.setblocking(False)
+        self._w.setblocking(False)
+        self._old_fd = signal.set_wakeup_fd(self._w.fileno(), warn_on_full_buffer=False)
+        self._old = {s: signal.signal(s, lambda *_: None) for s in SIGNALS}
+
+    def wait(self, timeout: float | None) -> list[int]:
+        ready, _, _ = select.select([self._r], [], [], timeout)
+        try:
+            return list(self._r.recv(64)) if ready else []
+        except BlockingIOError:
+            return []
+
+    def close(self) -> None:
+        for s, handler in self._old.items():
+            signal.signal(s, handler)
+        signal.set_wakeup_fd(self._old_fd)
+        self._r.close()
+        self._w.close()
+
+
+# -- the daemon -----------------------------------------------------------------------------
+def admission_config(s: ServerConfig) -> AdmissionConfig:
+    return AdmissionConfig(max_concurrent=s.max_concurrent, max_queue=s.max_queue,
+                           budget_bytes=s.memory_budget_mb * MiB, headroom_bytes=s.memory_headroom_mb * MiB)
+
+
+def _check(s: ServerConfig) -> None:
+    if s.max_concurrent < 1 or s.max_queue < 0 or s.grace_seconds < 0:
+        raise ConfigError(f"[server] max_concurrent must be >= 1, max_queue >= 0 and grace_seconds >= 0; got "
+                          f"{s.max_concurrent}, {s.max_queue}, {s.grace_seconds}")
+    if not 0 <= s.socket_mode <= 0o777:
+        raise ConfigError(f"[server] socket_mode {s.socket_mode:#o} is not a file mode (0..0o777)")
+    if s.log_level.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR"):
+        raise ConfigError(f"[server] log_level {s.log_level!r}: use debug, info, warning or error")
+
+
+class Daemon:
+    def __init__(self, config: Config, config_path: str | None, listen: str | None,
+                 loader: Callable, notifier: Notifier | None = None):
+        _check(config.server)
+        self.config = config
+        self.config_path = config_path
+        self.address: Address = server_address(listen or config.server.listen)
+        self.notifier = notifier or Notifier()
+        self.backend = EngineBackend(config, loader, ModelStore(config.store_home))
+        self.admission = Admission(admission_config(config.server), lambda: psutil.virtual_memory().available,
+                                   self.backend.resident_bytes)
+        self.servicer = MemSpecServicer(self.backend, self.admission, listen=str(self.address))
+        self.max_workers = config.server.max_concurrent + config.server.max_queue + SPARE_WORKERS
+
+    def run(self) -> int:
+        setup_logging(self.config.server.log_level)
+        signals = Signals()
+        try:
+            return self._run(signals)
+        finally:
+            signals.close()
+
+    def _run(self, signals: Signals) -> int:
+        server = self._listen()
+        self._load(server)
+        while True:
+            for signum in signals.wait(self._ping_interval()):
+                if signum == signal.SIGHUP:
+                    self.reload()
+                elif signum in (signal.SIGTERM, signal.SIGINT):
+                    return self.drain(server, signal.Signals(signum).name)
+            self._ping()
+
+    def _listen(self):
+        """The gRPC server, started (health NOT_SERVING until the target is loaded)."""
+        if self.address.is_unix:
+            prepare_socket(self.address.path)
+        elif not self.address.is_loopback:
+            log.warning("listening beyond loopback without TLS or authentication",
+                        extra={"fields": {"listen": self.address.target}})
+        server, _ = create_server(self.servicer, self.address.target, self.max_workers)
+        server.start()
+        if self.address.is_unix:
+            os.chmod(self.address.path, self.config.server.socket_mode)
+        return server
+
+    def _load(self, server) -> None:
+        """Load the target, then serve: health SERVING, READY=1."""
+        target = f"{self.config.model.target} ({self.config.model.variant})"
+        self.notifier.status(f"loading {target}")
+        log.info("starting", extra={"fields": {"listen": str(self.address), "target": target, "pid": os.getpid()}})
+        try:
+            loaded = self.backend.start()
+        except MemspecError:
+            server.stop(0)
+            self._remove_socket()
+            raise
+        budget = self.admission.config.budget_bytes
+        if budget and self.backend.resident_bytes() >= budget:
+            log.warning("the resident weights fill the memory budget: every request will be refused",
+                        extra={"fields": {"resident_bytes": self.backend.resident_bytes(), "budget_bytes": budget}})
+        self.servicer.set_state("serving")
+        self.notifier.ready(f"serving {target} on {self.address}")
+        log.info("serving", extra={"fields": {"listen": str(self.address), **loaded["model"],
+                                              "load_ms": round(loaded["load_ms"], 1)}})
+
+    def _ping_interval(self) -> float | None:
+        return self.notifier.watchdog_interval if self.config.server.watchdog else None
+
+    def _ping(self) -> None:
+        if self._ping_interval():
+            self.notifier.watchdog()
+
+    def drain(self, server, why: str) -> int:
+        """Refuse new work, let running and queued streams finish within the grace, stop."""
+        grace = self.config.server.grace_seconds
+        snap = self.admission.snapshot()
+        self.servicer.set_state("draining")  # health NOT_SERVING; Generate UNAVAILABLE; status still answers
+        self.notifier.stopping(f"draining {snap['active']} streams (grace {grace:g} s)")
+        log.info("draining", extra={"fields": {"signal": why, "grace_seconds": grace, **snap}})
+        t0 = time.monotonic()
+        deadline, next_ping = t0 + grace, t0
+        while self._busy() and time.monotonic() < deadline:
+            if time.monotonic() >= next_ping:
+                self._ping()
+                next_ping = time.monotonic() + (self._ping_interval() or 1.0)
+            time.sleep(0.05)
+        # what is still running now is cancelled; short calls get a second
+        done = server.stop(0 if self._busy() else 1.0)
+        while not done.wait(self._ping_interval() or 1.0):
+            self._ping()
+        self._remove_socket()
+        log.info("stopped", extra={"fields": {"drain_ms": round((time.monotonic() - t0) * 1e3, 1),
+                                              "requests": self.servicer.counters.to_dict()}})
+        return 0
+
+    def _busy(self) -> bool:
+        snap = self.admission.snapshot()
+        return bool(snap["active"] or snap["waiting"])
+
+    def _remove_socket(self) -> None:
+        if self.address.is_unix:
+            try:
+                if stat.S_ISSOCK(self.address.path.lstat().st_mode):
+                    self.address.path.unlink()
+            except FileNotFoundError:
+                pass
+
+    def reload(self) -> None:
+        """SIGHUP: apply the config file's run-time options; keep serving on any error."""
+        self.notifier.reloading("reloading the config")
+        try:
+            new = load_config(self.config_path) if self.config_path else Config()
+            _check(new.server)
+        except ConfigError as exc:
+            log.error("reload failed; keeping the running config", extra={"fields": {"error": str(exc)}})
+            self.notifier.ready(f"serving on {self.address} (reload failed: {exc})")
+            return
+        old = self.config
+        restart = [k for k in RESTART_ONLY if getattr(old, k, None) != getattr(new, k, None)]
+        if new.server.listen != old.server.listen:
+            restart.append("server.listen")
+        s = new.server
+        if s.max_concurrent + s.max_queue + SPARE_WORKERS > self.max_workers:
+            log.warning("max_concurrent + max_queue exceed the thread pool sized at start; restart to use them",
+                        extra={"fields": {"max_workers": self.max_workers}})
+        self.admission.configure(admission_config(s))
+        self.backend.reconfigure(new)
+        setup_logging(s.log_level)
+        if self.address.is_unix and s.socket_mode != old.server.socket_mode:
+            os.chmod(self.address.path, s.socket_mode)
+        self.config = dataclasses.replace(new, **{k: getattr(old, k) for k in RESTART_ONLY if hasattr(old, k)},
+                                          server=dataclasses.replace(s, listen=old.server.listen))
+        log.info("reloaded", extra={"fields": {"config": self.config_path, "limits": dataclasses.asdict(new.limits),
+                                               "server": dataclasses.asdict(s), "needs_restart": restart}})
+        self.notifier.ready(f"serving on {self.address}")
+
+
+def serve(config: Config, config_path: str | None, listen: str | None, loader: Callable) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
+    return Daemon(config, config_path, listen, loader).run()

@@ -1,0 +1,311 @@
+"""What crosses the wire: proto messages <-> memspec objects, and errors <-> status codes.
+
+Shared by the server and the client, so both directions live side by side.
+Importing this module loads (and in a checkout regenerates) the gRPC code.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Iterable
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.descriptor import Descriptor, FieldDescriptor
+from google.protobuf.message import DecodeError, Message
+
+from memspec import errors, proto
+from memspec.errors import (
+    CancelledError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelFormatError,
+    ModelNotFoundError, NotLoadedError, OverloadedError, RemoteError, UnavailableError,
+)
+from memspec.request import Chunk, Completion, GenerationRequest, SamplingParams
+
+pb2, pb2_grpc = proto.load()
+
+SERVICE = pb2.DESCRIPTOR.services_by_name["MemSpec"].full_name  # "memspec.v1.MemSpec"
+ERROR_KEY = "memspec-error"  # trailing metadata: the memspec exception's class name
+_REQ = GenerationRequest()
+_SAMPLING = SamplingParams()
+
+# -- errors <-> status codes: the one table ------------------------------------------
+CODES: dict[type, grpc.StatusCode] = {
+    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,  # ContextOverflowError too (a subclass)
+    ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
+    ModelNotFoundError: grpc.StatusCode.NOT_FOUND,
+    ModelFormatError: grpc.StatusCode.FAILED_PRECONDITION,
+    NotLoadedError: grpc.StatusCode.FAILED_PRECONDITION,
+    OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    UnavailableError: grpc.StatusCode.UNAVAILABLE,
+    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
+    CancelledError: grpc.StatusCode.CANCELLED,
+}
+# A code with no memspec-error metadata (e.g. from grpc itself) comes back as:
+ERRORS: dict[grpc.StatusCode, type] = {
+    grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
+    grpc.StatusCode.NOT_FOUND: ModelNotFoundError,
+    grpc.StatusCode.FAILED_PRECONDITION: NotLoadedError,
+    grpc.StatusCode.RESOURCE_EXHAUSTED: OverloadedError,
+    grpc.StatusCode.UNAVAILABLE: UnavailableError,
+    grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
+    grpc.StatusCode.CANCELLED: CancelledError,
+}
+NAMED = {name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, MemspecError)}
+
+
+def code_for(exc: BaseException) -> grpc.StatusCode:
+    for cls in type(exc).__mro__:
+        if cls in CODES:
+            return CODES[cls]
+    return grpc.StatusCode.INTERNAL
+
+
+def error_from_rpc(err: grpc.RpcError, where: str = "") -> MemspecError:
+    """The memspec exception an RpcError stands for (the server names it in trailing metadata)."""
+    code, details = err.code(), err.details() or ""
+    named = dict(err.trailing_metadata() or ()).get(ERROR_KEY)
+    cls = NAMED.get(named) or ERRORS.get(code, RemoteError)
+    if cls is UnavailableError and named is None:
+        return UnavailableError(f"no memspec daemon answers at {where or 'the address'} ({details})")
+    if cls is RemoteError:
+        return RemoteError(f"the daemon failed: {code.name}: {details}")
+    return cls(details)
+
+
+# -- bytes that are not a request -----------------------------------------------------
+class Unparsable:
+    """What the lenient deserializer hands the servicer for bytes that are not a valid request."""
+
+    def __init__(self, reason: str):
+        self.reason = reason  # "field: what is wrong", for INVALID_ARGUMENT
+
+
+def lenient(cls: type[Message]):
+    """A request deserializer that never fails.  grpc answers INTERNAL when a
+    deserializer raises (protobuf rejects strings that are not UTF-8 at parse
+    time); this one returns Unparsable instead, naming the field, so the
+    servicer answers INVALID_ARGUMENT."""
+
+    def parse(data: bytes):
+        try:
+            return cls.FromString(data)
+        except DecodeError as exc:
+            bad = bad_utf8_field(data, cls.DESCRIPTOR)
+            if bad:
+                return Unparsable(f"{bad}: is not valid UTF-8")
+            return Unparsable(f"request: not a valid {cls.DESCRIPTOR.full_name} ({exc})")
+
+    return parse
+
+
+def _repeated(f: FieldDescriptor) -> bool:
+    # protobuf >= 5.28 has is_repeated; older releases only `label` (removed in 7)
+    rep = getattr(f, "is_repeated", None)
+    return rep if rep is not None else f.label == FieldDescriptor.LABEL_REPEATED
+
+
+def _varint(data: bytes, i: int) -> tuple[int, int]:
+    value = shift = 0
+    while True:
+        if i >= len(data) or shift > 63:
+            raise ValueError("truncated varint")
+        b = data[i]
+        value |= (b & 0x7F) << shift
+        i, shift = i + 1, shift + 7
+        if not b & 0x80:
+            return value, i
+
+
+def bad_utf8_field(data: bytes, desc: Descriptor, prefix: str = "") -> str | None:
+    """Path ("messages[1].content") of the first string field whose bytes are not UTF-8, else None."""
+    seen: dict[int, int] = {}
+    i = 0
+    try:
+        while i < len(data):
+            key, i = _varint(data, i)
+            number, wire_type = key >> 3, key & 7
+            if wire_type == 0:
+                _, i = _varint(data, i)
+            elif wire_type in (1, 5):
+                i += 8 if wire_type == 1 else 4
+            elif wire_type == 2:
+                n, i = _varint(data, i)
+                value, i = data[i:i + n], i + n
+                f = desc.fields_by_number.get(number)
+                if f is None:
+                    continue
+                name = prefix + f.name
+                if _repeated(f):
+                    name += f"[{seen.get(number, 0)}]"
+                    seen[number] = seen.get(number, 0) + 1
+                if f.type == FieldDescriptor.TYPE_STRING:
+                    try:
+                        value.decode("utf-8")
+                    except UnicodeDecodeError:
+                        return name
+                elif f.type == FieldDescriptor.TYPE_MESSAGE:
+                    inner = bad_utf8_field(value, f.message_type, name + ".")
+                    if inner:
+                        return inner
+            else:
+                return None
+    except ValueError:
+        return None
+    return None
+
+
+# -- Generate ---------------------------------------------------------------------------
+def _opt(msg: Message, name: str, default):
+    return getattr(msg, name) if msg.HasField(name) else default
+
+
+def request_from_pb(m, max_tokens_limit: int | None = None) -> GenerationRequest:
+    """A GenerateRequest as the engine's GenerationRequest (unset fields take the defaults;
+    an unset max_tokens is the default capped at the server's limit)."""
+    default_max = min(_REQ.max_tokens, max_tokens_limit or _REQ.max_tokens)
+    return GenerationRequest(
+        prompt=_opt(m, "prompt", None),
+        messages=tuple((x.role, x.content) for x in m.messages) or None,
+        raw=m.raw,
+        max_tokens=_opt(m, "max_tokens", default_max),
+        sampling=SamplingParams(
+            temperature=_opt(m, "temperature", _SAMPLING.temperature),
+            top_k=_opt(m, "top_k", _SAMPLING.top_k),
+            top_p=_opt(m, "top_p", _SAMPLING.top_p),
+            seed=_opt(m, "seed", None),
+        ),
+        stop=tuple(m.stop),
+        draft=_opt(m, "draft", None),
+        policy=_opt(m, "policy", None),
+    )
+
+
+def _text_fields(req: GenerationRequest) -> Iterable[tuple[str, object]]:
+    yield "prompt", req.prompt
+    for i, (role, content) in enumerate(req.messages or ()):
+        yield f"messages[{i}].role", role
+        yield f"messages[{i}].content", content
+    for i, s in enumerate(req.stop):
+        yield f"stop[{i}]", s
+    yield "draft", req.draft
+    yield "policy", req.policy
+
+
+def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
+    """The GenerateRequest for a GenerationRequest; InvalidRequestError for text protobuf cannot carry.
+
+    default_max_tokens: leave max_tokens unset, for the daemon's default.
+    """
+    for name, value in _text_fields(req):
+        if value is not None and not isinstance(value, str):
+            raise InvalidRequestError(f"{name}: must be text, got {type(value).__name__}")
+        try:
+            value is not None and value.encode("utf-8")
+        except UnicodeEncodeError as exc:
+            raise InvalidRequestError(f"{name}: is not valid UTF-8 ({exc.reason} at {exc.start})") from None
+    s = req.sampling
+    m = pb2.GenerateRequest(
+        messages=[pb2.ChatMessage(role=r, content=c) for r, c in req.messages or ()], raw=req.raw,
+        max_tokens=req.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(req.stop),
+    )
+    for name, value in (("prompt", req.prompt), ("seed", s.seed), ("draft", req.draft), ("policy", req.policy)):
+        if value is not None:
+            setattr(m, name, value)
+    if default_max_tokens:
+        m.ClearField("max_tokens")
+    return m
+
+
+def chunk_to_pb(chunk: Chunk):
+    return pb2.GenerateResponse(text=chunk.text, token_ids=chunk.token_ids)
+
+
+def _plain(value):
+    """JSON-able copy of the engine's stats (numpy scalars become floats)."""
+    return json.loads(json.dumps(value, default=float))
+
+
+def final_to_pb(c: Completion, model: str, variant: str, queue_s: float):
+    """The last GenerateResponse of a stream: finish_reason and the request's stats."""
+    t, st = c.timings, c.stats or {}
+    stats = pb2.RequestStats(
+        prompt_tokens=int(t.get("prompt_tokens", len(c.prompt_token_ids))),
+        completion_tokens=int(t.get("completion_tokens", len(c.token_ids))),
+        ttft_ms=t.get("ttft_ms", 0.0), tok_per_s=t.get("tok_per_s", 0.0), total_ms=t.get("total_ms", 0.0),
+        queue_ms=queue_s * 1e3, draft=_draft_name(st),
+        num_drafts=int(st.get("num_drafts", 0)), num_draft_tokens=int(st.get("num_draft_tokens", 0)),
+        num_accepted_tokens=int(st.get("num_accepted_tokens", 0)),
+        acceptance_rate=float(st.get("acceptance_rate", 0.0)),
+        mean_acceptance_length=float(st.get("mean_acceptance_length", 1.0)),
+        timings={k: float(v) for k, v in t.items() if isinstance(v, (int, float))},
+    )
+    stats.engine_stats.update(_plain(st))
+    return pb2.GenerateResponse(
+        finish_reason=c.finish_reason, stats=stats, prompt_token_ids=c.prompt_token_ids,
+        completion_token_ids=c.token_ids, model=model, variant=variant,
+    )
+
+
+def _draft_name(stats: dict) -> str:
+    used = stats.get("drafts_used") or {}
+    return max(used, key=used.get) if used else ""
+
+
+def _ints(value):
+    """Struct numbers are doubles: give whole numbers back their int type."""
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    if isinstance(value, dict):
+        return {k: _ints(v) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_ints(v) for v in value]
+    return value
+
+
+@dataclass
+class RemoteCompletion(Completion):
+    """A Completion from the daemon, with who answered and how long it queued."""
+
+    model: str = ""  # target that answered
+    variant: str = ""  # its variant
+    queue_ms: float = 0.0  # time spent waiting for admission
+
+
+def completion_from_pb(final, text: str) -> RemoteCompletion:
+    """The Completion a stream ends with, as Engine.stream gives it locally."""
+    timings = dict(final.stats.timings)
+    for key in ("prompt_tokens", "completion_tokens"):
+        if key in timings:
+            timings[key] = int(timings[key])
+    return RemoteCompletion(
+        prompt_token_ids=list(final.prompt_token_ids), token_ids=list(final.completion_token_ids), text=text,
+        finish_reason=final.finish_reason, timings=timings,
+        stats=_ints(json_format.MessageToDict(final.stats.engine_stats)),
+        model=final.model, variant=final.variant, queue_ms=final.stats.queue_ms,
+    )
+
+
+# -- other messages <-> dicts --------------------------------------------------------------
+def to_dict(msg: Message) -> dict:
+    """Every field of a message as plain Python (ints stay ints, unlike json_format)."""
+    out = {}
+    for f in msg.DESCRIPTOR.fields:
+        value = getattr(msg, f.name)
+        if f.message_type is not None and f.message_type.full_name == "google.protobuf.Struct":
+            out[f.name] = _ints(json_format.MessageToDict(value))
+        elif f.message_type is not None and f.message_type.GetOptions().map_entry:
+            vf = f.message_type.fields_by_name["value"]
+            out[f.name] = {k: to_dict(v) if vf.message_type else v for k, v in value.items()}
+        elif _repeated(f):
+            out[f.name] = [to_dict(v) if f.message_type else v for v in value]
+        elif f.message_type is not None:
+            out[f.name] = to_dict(value)
+        else:
+            out[f.name] = value
+    return out
+
+
+def from_dict(cls: type[Message], data: dict) -> Message:
+    """A message from a dict; keys the message does not know are ignored (newer servers, plug-ins)."""
+    return json_format.ParseDict(data, cls(), ignore_unknown_fields=True)

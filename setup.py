@@ -1,0 +1,34 @@
+"""Build hook: generate the gRPC modules from protos/ (see memspec/proto.py).
+
+Everything else about the package is in pyproject.toml.  `build_py` writes
+memspec/_proto/ into the build directory for wheels and plain installs, and
+into the source tree for editable installs (where the source tree is what gets
+imported).  The generated files are never committed.
+"""
+
+import importlib.util
+from pathlib import Path
+
+from setuptools import setup
+from setuptools.command.build_py import build_py
+
+HERE = Path(__file__).resolve().parent
+
+
+def _proto_module():
+    # Load memspec/proto.py by path: importing the package is not needed to build it.
+    spec = importlib.util.spec_from_file_location("_memspec_proto", HERE / "memspec" / "proto.py")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class BuildWithProto(build_py):
+    def run(self):
+        super().run()
+        proto = _proto_module()
+        out = HERE / "memspec" / "_proto" if self.editable_mode else Path(self.build_lib) / "memspec" / "_proto"
+        proto.generate(out, HERE / "protos")
+
+
+setup(cmdclass={"build_py": BuildWithProto})

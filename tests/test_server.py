@@ -1,0 +1,518 @@
+"""The servicer in process, over a fake engine: codes, queueing, cancellation, status.
+
+The daemon's plumbing is real (grpc server on a Unix socket, Client, wire,
+admission, EngineBackend); only the engine is a fake that emits one word per
+step, so every test runs in milliseconds.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from dataclasses import replace
+from pathlib import Path
+from types import SimpleNamespace
+
+import grpc
+import pytest
+
+from memspec import errors, wire
+from memspec.address import client_address, default_socket, parse
+from memspec.admission import Admission, AdmissionConfig, fits
+from memspec.backend import EngineBackend
+from memspec.client import Client
+from memspec.config import Config, ServerConfig
+from memspec.errors import (
+    ContextOverflowError, DeadlineExceededError, InvalidRequestError, ModelNotFoundError, NotLoadedError,
+    OverloadedError, RemoteError, UnavailableError,
+)
+from memspec.notify import Notifier
+from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
+from memspec.server import MemSpecServicer, create_server
+
+KV_PER_TOKEN = 1000
+CONTEXT = 64
+MiB = 1 << 20
+
+
+# -- a fake engine ------------------------------------------------------------------------
+class FakeEngine:
+    """Answers with the prompt's words reversed, one per step, `step_s` apart."""
+
+    def __init__(self, name: str, variant: str, limits: Limits, step_s: float = 0.0):
+        session = SimpleNamespace(layout="gqa", max_context=CONTEXT, device="cpu", providers=["CPUExecutionProvider"],
+                                  kv_bytes_per_token=lambda: KV_PER_TOKEN)
+        manifest = SimpleNamespace(variants={variant: {"bytes": 5 * MiB}})
+        self.target = SimpleNamespace(name=name, variant=variant, session=session, manifest=manifest)
+        self.limits = limits
+        self.step_s = step_s
+        self.drafts: dict = {}
+        self.open = 0  # streams whose "KV cache" is allocated
+        self.fail = False
+
+    def draft_for(self, req):
+        if req.draft not in (None, "none"):
+            raise InvalidRequestError(f"draft: unknown draft {req.draft!r}; available: none")
+
+    def prompt_ids(self, req):
+        text = req.prompt if req.prompt is not None else " ".join(c for _, c in req.messages)
+        ids = list(range(len(text.split())))
+        if len(ids) >= CONTEXT:
+            raise ContextOverflowError(f"prompt: {len(ids)} tokens do not fit the context of {CONTEXT} tokens")
+        return ids
+
+    def stream(self, req, cancel=None):
+        validate(req, self.limits)
+        prompt = self.prompt_ids(req)
+        if self.fail:
+            raise RuntimeError("boom")
+        words = (req.prompt or req.messages[-1][1]).split()[::-1]
+        self.open += 1
+        out, finish = [], "length"
+        try:
+            for i in range(req.max_tokens):
+                time.sleep(self.step_s)
+                out.append(i)
+                yield Chunk(words[i % len(words)] + " ", [i])
+                if cancel is not None and cancel.is_set():
+                    finish = "cancelled"
+                    break
+        finally:
+            self.open -= 1
+        yield Completion(prompt, out, "", finish, {"prompt_tokens": len(prompt), "completion_tokens": len(out),
+                                                  "ttft_ms": 1.0, "tok_per_s": 2.0, "total_ms": 3.0},
+                         {"num_drafts": 0, "drafts_used": {}})
+
+
+class FakeStore:
+    def __init__(self):
+        self.manifests = {n: SimpleNamespace(name=n, role=role, variants={"q4": {"bytes": 5 * MiB}},
+                                             provenance={"source": "test"}, variant_path=self._variant(n))
+                          for n, role in (("tiny", "target"), ("other", "target"), ("a-draft", "draft"))}
+
+    @staticmethod
+    def _variant(name):
+        def variant_path(v):
+            if v != "q4":
+                raise ModelNotFoundError(f"model {name!r} has no variant {v!r} (has: q4)")
+            return Path("/dev/null")
+        return variant_path
+
+    def get(self, name):
+        if name not in self.manifests:
+            raise ModelNotFoundError(f"model {name!r} is not in the store")
+        return self.manifests[name]
+
+    def list(self):
+        return list(self.manifests.values())
+
+
+class Harness:
+    def __init__(self, tmp: Path, server_cfg: ServerConfig, step_s: float = 0.0, memory: int = 8 << 30,
+                 start: bool = True):
+        self.engines: list[FakeEngine] = []
+        config = Config(limits=Limits(max_tokens=50, max_prompt_chars=200), server=server_cfg)
+        config = replace(config, model=replace(config.model, target="tiny"))
+
+        def loader(cfg, variant):
+            e = FakeEngine(cfg.model.target, variant, cfg.limits, step_s)
+            self.engines.append(e)
+            return e
+
+        self.memory = memory
+        self.backend = EngineBackend(config, loader, FakeStore())
+        s = server_cfg
+        self.admission = Admission(AdmissionConfig(s.max_concurrent, s.max_queue, s.memory_budget_mb * MiB,
+                                                   s.memory_headroom_mb * MiB),
+                                   lambda: self.memory, self.backend.resident_bytes)
+        self.servicer = MemSpecServicer(self.backend, self.admission, listen="test")
+        self.path = tmp / "t.sock"
+        self.server, _ = create_server(self.servicer, f"unix://{self.path}", max_workers=16)
+        self.server.start()
+        if start:
+            self.start()
+        self.client = Client(str(self.path), timeout=10)
+
+    def start(self):
+        self.backend.start()
+        self.servicer.set_state("serving")
+
+    @property
+    def engine(self) -> FakeEngine:
+        return self.engines[-1]
+
+    def close(self):
+        self.client.close()
+        self.server.stop(0)
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def factory(**kw):
+        cfg = ServerConfig(**{k: kw.pop(k) for k in list(kw) if k in ServerConfig.__dataclass_fields__})
+        h = Harness(tmp_path, cfg, **kw)
+        made.append(h)
+        return h
+
+    yield factory
+    for h in made:
+        h.close()
+
+
+@pytest.fixture
+def h(make):
+    return make()
+
+
+def collect(items):
+    chunks = []
+    for item in items:
+        if isinstance(item, Completion):
+            return chunks, item
+        chunks.append(item)
+    raise AssertionError("no Completion")
+
+
+def wait_for(cond, timeout=5.0):
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(0.01)
+
+
+# -- generation ------------------------------------------------------------------------------
+def test_generate_streams_chunks_then_completion_with_stats(h):
+    chunks, done = collect(h.client.generate("one two three", max_tokens=4, seed=7))
+    assert [c.text for c in chunks] == ["three ", "two ", "one ", "three "]
+    assert [c.token_ids for c in chunks] == [[0], [1], [2], [3]]
+    assert done.text == "three two one three " and done.token_ids == [0, 1, 2, 3]
+    assert done.finish_reason == "length" and done.prompt_token_ids == [0, 1, 2]
+    assert done.timings["completion_tokens"] == 4 and isinstance(done.timings["prompt_tokens"], int)
+    assert done.stats == {"num_drafts": 0, "drafts_used": {}}
+    assert (done.model, done.variant) == ("tiny", "q4")
+
+
+def test_chat_takes_tuples_and_dicts(h):
+    _, done = collect(h.client.chat([("system", "be brief"), {"role": "user", "content": "hello there"}],
+                                    max_tokens=2))
+    assert done.text == "there hello "
+
+
+def test_request_fields_round_trip_through_the_wire():
+    from memspec.request import SamplingParams
+
+    req = GenerationRequest(prompt="hi", raw=True, max_tokens=9, stop=("a", "b"), draft="none", policy="p",
+                            sampling=SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=2**64 - 1))
+    assert wire.request_from_pb(wire.request_to_pb(req)) == req
+    chat = GenerationRequest(messages=(("user", "x"),))
+    assert wire.request_from_pb(wire.request_to_pb(chat)) == chat
+    assert wire.request_from_pb(wire.pb2.GenerateRequest(prompt="x")) == GenerationRequest(prompt="x")
+
+
+# -- bad input -------------------------------------------------------------------------------
+BAD = [
+    ({}, "prompt"),
+    ({"prompt": ""}, "prompt"),
+    ({"prompt": "   "}, "prompt"),
+    ({"prompt": "x" * 201}, "prompt"),
+    ({"prompt": " ".join(["w"] * CONTEXT)}, "prompt"),
+    ({"prompt": "hi", "messages": [wire.pb2.ChatMessage(role="user", content="x")]}, "prompt"),
+    ({"messages": [wire.pb2.ChatMessage(role="robot", content="x")]}, "messages[0].role"),
+    ({"messages": [wire.pb2.ChatMessage(role="user", content="")]}, "messages[0].content"),
+    ({"prompt": "hi", "max_tokens": 0}, "max_tokens"),
+    ({"prompt": "hi", "max_tokens": 51}, "max_tokens"),
+    ({"prompt": "hi", "temperature": -1}, "temperature"),
+    ({"prompt": "hi", "temperature": float("nan")}, "temperature"),
+    ({"prompt": "hi", "top_p": 0}, "top_p"),
+    ({"prompt": "hi", "top_k": -3}, "top_k"),
+    ({"prompt": "hi", "stop": [""]}, "stop[0]"),
+    ({"prompt": "hi", "draft": "nope"}, "draft"),
+    ({"prompt": "hi", "policy": "nope"}, "policy"),
+]
+
+
+@pytest.mark.parametrize("fields,name", BAD, ids=[f"{i}-{n}" for i, (_, n) in enumerate(BAD)])
+def test_bad_field_is_invalid_argument_naming_it(h, fields, name):
+    call = h.client._stub.Generate(wire.pb2.GenerateRequest(**fields), timeout=5)
+    with pytest.raises(grpc.RpcError) as exc:
+        list(call)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details().startswith(name + ":"), exc.value.details()
+
+
+def test_client_rebuilds_the_named_exception(h):
+    with pytest.raises(ContextOverflowError, match="context of 64"):
+        list(h.client.generate(" ".join(["w"] * 100)))
+    with pytest.raises(InvalidRequestError, match=r"max_tokens: 0 is out of range; allowed 1\.\.50"):
+        list(h.client.generate("hi", max_tokens=0))
+    with pytest.raises(InvalidRequestError, match="prompt: is not valid UTF-8"):
+        list(h.client.generate("\ud800"))
+
+
+def _raw_generate(h, data: bytes):
+    call = h.client._channel.unary_stream("/memspec.v1.MemSpec/Generate")(data, timeout=5)
+    with pytest.raises(grpc.RpcError) as exc:
+        list(call)
+    return exc.value
+
+
+@pytest.mark.parametrize("field", ["prompt", "messages[0].content", "stop[1]", "draft"])
+def test_invalid_utf8_is_invalid_argument_naming_the_field(h, field):
+    marker = "QQQQ"
+    msg = {
+        "prompt": wire.pb2.GenerateRequest(prompt=marker),
+        "messages[0].content": wire.pb2.GenerateRequest(messages=[wire.pb2.ChatMessage(role="user", content=marker)]),
+        "stop[1]": wire.pb2.GenerateRequest(prompt="hi", stop=["ok", marker]),
+        "draft": wire.pb2.GenerateRequest(prompt="hi", draft=marker),
+    }[field]
+    err = _raw_generate(h, msg.SerializeToString().replace(marker.encode(), b"\xff\xfeQQ"))
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert err.details() == f"{field}: is not valid UTF-8"
+    assert dict(err.trailing_metadata())[wire.ERROR_KEY] == "InvalidRequestError"
+
+
+def test_bytes_that_are_no_request_are_invalid_argument(h):
+    err = _raw_generate(h, b"\xff\xff\xff\xff")
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and err.details().startswith("request:")
+    collect(h.client.generate("still serving", max_tokens=1))
+
+
+def test_an_internal_error_is_internal_and_the_daemon_keeps_serving(h):
+    h.engine.fail = True
+    with pytest.raises(RemoteError, match="INTERNAL.*boom"):
+        list(h.client.generate("hi"))
+    h.engine.fail = False
+    collect(h.client.generate("hi", max_tokens=1))
+    assert h.client.status()["requests"]["failed"] == 1
+
+
+# -- queue, memory, deadlines, cancellation -----------------------------------------------------
+def test_full_queue_is_resource_exhausted(make):
+    h = make(max_concurrent=1, max_queue=0, step_s=0.05)
+    first = h.client.generate("slow one", max_tokens=50)
+    next(first)
+    with pytest.raises(OverloadedError, match=r"queue is full.*max_concurrent=1.*max_queue=0"):
+        list(h.client.generate("hi", max_tokens=1))
+    first.close()
+
+
+def test_queued_request_waits_for_a_slot(make):
+    h = make(max_concurrent=1, max_queue=4, step_s=0.02)
+    first = h.client.generate("a b", max_tokens=10)
+    next(first)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(done=collect(h.client.generate("c d", max_tokens=2))[1]))
+    t.start()
+    wait_for(lambda: h.client.status()["queue_depth"] == 1)
+    collect(first)
+    t.join(5)
+    assert result["done"].text == "d c " and result["done"].finish_reason == "length"
+
+
+def test_request_over_the_memory_budget_is_resource_exhausted(make):
+    h = make(memory_budget_mb=5)  # the 5 MiB of weights leave nothing for KV
+    with pytest.raises(OverloadedError, match=r"KV cache needs 0 MiB but the memory budget of 5 MiB has 0 MiB left"):
+        list(h.client.generate("hi"))
+
+
+def test_request_over_free_memory_is_resource_exhausted(make):
+    h = make(memory=300 * MiB, memory_headroom_mb=300)
+    with pytest.raises(OverloadedError, match="the system has 300 MiB available"):
+        list(h.client.generate("hi"))
+    h.memory = 8 << 30
+    collect(h.client.generate("hi", max_tokens=1))
+
+
+def test_deadline_while_generating(make):
+    h = make(step_s=0.05)
+    with pytest.raises(DeadlineExceededError):
+        list(h.client.generate("hi", max_tokens=50, timeout=0.3))
+    wait_for(lambda: h.engine.open == 0)
+    st = h.client.status()
+    assert st["active_streams"] == 0 and st["kv_bytes"] == 0
+
+
+def test_deadline_while_queued(make):
+    h = make(max_concurrent=1, step_s=0.05)
+    first = h.client.generate("slow", max_tokens=50)
+    next(first)
+    with pytest.raises(DeadlineExceededError):
+        list(h.client.generate("hi", max_tokens=1, timeout=0.3))
+    first.close()
+
+
+def test_cancel_mid_stream_frees_the_stream_at_once(make):
+    h = make(step_s=0.02)
+    items = h.client.generate("a b c", max_tokens=50)
+    next(items)
+    st = h.client.status()
+    assert st["active_streams"] == 1 and st["kv_bytes"] == CONTEXT * KV_PER_TOKEN
+    items.close()  # cancels the call
+    wait_for(lambda: h.engine.open == 0 and h.client.status()["active_streams"] == 0)
+    st = h.client.status()
+    assert st["kv_bytes"] == 0 and st["requests"]["cancelled"] == 1
+
+
+# -- lifecycle, admin, status ------------------------------------------------------------------
+def test_starting_and_draining_are_unavailable_and_not_serving(make):
+    h = make(start=False)
+    assert h.client.health() == "NOT_SERVING"
+    with pytest.raises(UnavailableError, match="starting: loading tiny"):
+        list(h.client.generate("hi"))
+    h.start()
+    assert h.client.health() == "SERVING"
+    h.servicer.set_state("draining")
+    assert h.client.health() == "NOT_SERVING"
+    with pytest.raises(UnavailableError, match="shutting down"):
+        list(h.client.generate("hi"))
+    assert h.client.status()["state"] == "draining"
+
+
+def test_load_and_unload(h):
+    assert h.client.unload("tiny") == 5 * MiB
+    with pytest.raises(NotLoadedError, match="no target is loaded"):
+        list(h.client.generate("hi"))
+    assert h.client.status()["resident"] == []
+    with pytest.raises(ModelNotFoundError):
+        h.client.unload("tiny")
+    with pytest.raises(ModelNotFoundError, match="'nope' is not in the store"):
+        h.client.load("nope")
+    with pytest.raises(ModelNotFoundError, match="no variant 'fp16'"):
+        h.client.load("other", "fp16")
+    with pytest.raises(InvalidRequestError, match="is a draft"):
+        h.client.load("a-draft")
+    out = h.client.load("other")
+    assert out["model"]["name"] == "other" and out["model"]["bytes"] == 5 * MiB
+    _, done = collect(h.client.generate("x y", max_tokens=1))
+    assert done.model == "other"
+    models = {m["name"]: m for m in h.client.models()}
+    assert models["other"]["resident"] and models["other"]["resident_variant"] == "q4"
+    assert not models["tiny"]["resident"] and models["tiny"]["variants"] == {"q4": 5 * MiB}
+
+
+def test_status_reports_what_exists(h):
+    collect(h.client.generate("hi", max_tokens=1))
+    st = h.client.status()
+    assert st["state"] == "serving" and st["listen"] == "test"
+    assert st["resident"] == [{"name": "tiny", "role": "target", "variant": "q4", "bytes": 5 * MiB,
+                               "device": "cpu", "providers": ["CPUExecutionProvider"]}]
+    assert st["resident_bytes"] == 5 * MiB and st["budget_bytes"] == 0
+    assert st["drafts"] == [] and st["predictor"] == {} and st["scheduler"] == {}
+    assert st["system_memory"]["total_bytes"] > 0 and st["system_memory"]["process_rss_bytes"] > 0
+    assert st["requests"]["started"] == 1 and st["requests"]["completed"] == 1
+    assert (st["max_concurrent"], st["max_queue"], st["queue_depth"], st["active_streams"]) == (4, 32, 0, 0)
+
+
+def test_status_takes_scheduler_and_predictor_counters_from_their_objects(h):
+    h.backend.scheduler = SimpleNamespace(counters=lambda: {"evictions": 2.0})
+    h.backend.predictor = SimpleNamespace(counters=lambda: {"predictions": 5.0})
+    h.engine.drafts = {"d": SimpleNamespace(nbytes=7)}
+    h.backend.record(Completion([], [], "", "length", {}, {"drafts_used": {"d": 3}, "num_drafts": 3,
+                                                           "num_draft_tokens": 12, "num_accepted_tokens": 9}))
+    st = h.client.status()
+    assert st["scheduler"] == {"evictions": 2.0} and st["predictor"] == {"predictions": 5.0}
+    (d,) = st["drafts"]
+    assert (d["name"], d["bytes"], d["requests"], d["num_draft_tokens"]) == ("d", 7, 1, 12)
+    assert d["acceptance_rate"] == 0.75 and d["mean_acceptance_length"] == 4.0
+
+
+def test_no_daemon_is_unavailable(tmp_path):
+    with Client(str(tmp_path / "none.sock"), timeout=2) as c:
+        with pytest.raises(UnavailableError, match="no memspec daemon answers"):
+            c.status()
+
+
+# -- pure pieces -------------------------------------------------------------------------------
+def test_fits_checks_budget_then_free_memory():
+    assert fits(10, 0, 100, 0, 1000, 100) is None
+    assert "budget" in fits(10, 50, 100, 150, 1000, 0)
+    assert fits(10, 40, 100, 150, 1000, 0) is None
+    assert "available" in fits(10, 0, 0, 0, 105, 100)
+
+
+def test_admission_is_fifo_and_releases():
+    adm = Admission(AdmissionConfig(max_concurrent=1, max_queue=1), lambda: 1 << 40, lambda: 0)
+    a = adm.enter(5)
+    assert adm.snapshot() == {"active": 1, "waiting": 0, "kv_bytes": 5}
+    got = []
+    t = threading.Thread(target=lambda: got.append(adm.enter(7, timeout=5)))
+    t.start()
+    wait_for(lambda: adm.snapshot()["waiting"] == 1)
+    with pytest.raises(OverloadedError):
+        adm.enter(1)
+    a.release()
+    a.release()  # idempotent
+    t.join(5)
+    assert adm.snapshot() == {"active": 1, "waiting": 0, "kv_bytes": 7}
+    adm.close()
+    with pytest.raises(UnavailableError):
+        adm.enter(1)
+
+
+def test_error_table_covers_every_named_exception():
+    for name, cls in wire.NAMED.items():
+        if cls not in (errors.MemspecError, errors.RemoteError) and name != "CLIError":
+            assert wire.code_for(cls("x")) != grpc.StatusCode.INTERNAL, name
+    assert wire.code_for(ContextOverflowError("x")) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_addresses():
+    assert default_socket({}, 0) == Path("/run/memspec/memspec.sock")
+    assert default_socket({"XDG_RUNTIME_DIR": "/run/user/5"}, 5) == Path("/run/user/5/memspec/memspec.sock")
+    assert default_socket({}, 5) == Path("/tmp/memspec-5/memspec.sock")
+    assert default_socket({"RUNTIME_DIRECTORY": "/run/memspec"}, 99) == Path("/run/memspec/memspec.sock")
+    assert parse("unix:///a/b.sock").target == "unix:///a/b.sock"
+    assert parse("/a/b.sock").path == Path("/a/b.sock")
+    assert parse("50051").target == "127.0.0.1:50051" and parse(":7").is_loopback
+    assert parse("0.0.0.0:80").target == "0.0.0.0:80" and not parse("0.0.0.0:80").is_loopback
+    with pytest.raises(errors.ConfigError):
+        parse("nonsense")
+    assert client_address(None, {"MEMSPEC_ADDRESS": "/x.sock"}).path == Path("/x.sock")
+
+
+def test_notifier_sends_datagrams(tmp_path):
+    import socket
+
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(path))
+        n = Notifier({"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "3000000"})
+        assert n.watchdog_interval == 1.5
+        assert n.ready("up") and n.watchdog()
+        assert s.recv(256).decode().startswith("READY=1\nSTATUS=up\nMAINPID=")
+        assert s.recv(256) == b"WATCHDOG=1"
+    assert not Notifier({}).ready("x") and Notifier({}).watchdog_interval is None
+    assert Notifier({"WATCHDOG_USEC": "5", "WATCHDOG_PID": "1"}).watchdog_interval is None
+
+
+# -- the CLI's choice between the daemon and local generation ----------------------------------
+def _args(**kw):
+    return SimpleNamespace(**{"local": False, "variant": None, "address": None, **kw})
+
+
+def test_cli_falls_back_to_local_with_a_note_when_no_daemon_serves(tmp_path, monkeypatch, capsys):
+    from memspec.cli import _daemon
+
+    monkeypatch.delenv("MEMSPEC_ADDRESS", raising=False)
+    monkeypatch.setattr("memspec.address.default_socket", lambda env=None, uid=None: tmp_path / "none.sock")
+    monkeypatch.setattr("memspec.address.SYSTEM_SOCKET", tmp_path / "system.sock")
+    assert _daemon(_args()) is None
+    assert "no daemon at" in capsys.readouterr().err
+    assert _daemon(_args(local=True)) is None and _daemon(_args(variant="fp32")) is None
+
+
+def test_cli_uses_the_daemon_it_finds_or_is_told(h, monkeypatch):
+    from memspec.cli import CLIError, _daemon
+
+    monkeypatch.delenv("MEMSPEC_ADDRESS", raising=False)
+    monkeypatch.setattr("memspec.address.default_socket", lambda env=None, uid=None: h.path)
+    with _daemon(_args()) as found:
+        assert found.address.path == h.path
+    with _daemon(_args(address=str(h.path))) as told:
+        assert told.health() == "SERVING"
+    with pytest.raises(CLIError, match="--variant picks the local target"):
+        _daemon(_args(address=str(h.path), variant="fp32"))
+    h.servicer.set_state("draining")
+    assert _daemon(_args()) is None  # not serving: local, with a note
