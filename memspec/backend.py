@@ -214,10 +214,17 @@ class EngineBackend:
         proposers = getattr(engine, "drafts", {}) if engine is not None else {}
         scheduler = self.scheduler or getattr(engine, "scheduler", None)
         predictor = self.predictor or getattr(scheduler, "predictor", None)
+        if hasattr(scheduler, "status"):  # the scheduler owns the drafts: every draft it may use
+            table = scheduler.status()["working_set"]["drafts"]
+            drafts = [{"name": n, "resident": table.get(n, {}).get("state") == "resident",
+                       "bytes": int(table.get(n, {}).get("bytes", size)),
+                       **self._drafts.get(n, DraftCounters()).to_dict()} for n, size in sorted(scheduler.drafts.items())]
+        else:
+            drafts = [{"name": n, "resident": True, "bytes": int(getattr(d, "nbytes", 0)),
+                       **self._drafts.get(n, DraftCounters()).to_dict()} for n, d in sorted(proposers.items())]
         out = {
             "resident": self._resident(),
-            "drafts": [{"name": n, "resident": True, "bytes": int(getattr(d, "nbytes", 0)),
-                        **self._drafts.get(n, DraftCounters()).to_dict()} for n, d in sorted(proposers.items())],
+            "drafts": drafts,
             "predictor": _counters(predictor),
             "scheduler": _counters(scheduler),
         }

@@ -430,7 +430,7 @@ def run_cli(args) -> int:
         print_table(rows)
         print_stream_table(rows)
     else:
-        engine = Engine.from_config(args.config, args.variant, with_drafts=True)
+        engine = Engine.from_config(args.config, args.variant, drafts="all")
         spec = engine.spec = _spec(args, engine.spec)
         policies = policies or ["target-only", *(f"fixed:{d}" for d in sorted(engine.drafts))]
         for p in policies:

@@ -78,22 +78,29 @@ class Engine:
         self.scheduler = scheduler  # memspec.scheduler.Scheduler: picks each request's draft (replaces `drafts`)
 
     @classmethod
-    def from_config(cls, config, variant: str | None = None, with_drafts: bool = True) -> "Engine":
-        """The target (and the draft pool made for it) from the model store named by the config."""
+    def from_config(cls, config, variant: str | None = None, drafts: str = "scheduler") -> "Engine":
+        """The target from the store named by the config, and its drafts.
+
+        drafts="scheduler": a Scheduler ([scheduler] in the config) owns the drafts and picks each
+        request's draft; "all": every draft made for the target is loaded up front and a request
+        names the one it wants (the fixed-policy benchmark); "none": target only.
+        """
         from memspec.drafts import DraftLimits, load_pool
 
+        if drafts not in ("scheduler", "all", "none"):
+            raise ValueError(f"drafts must be 'scheduler', 'all' or 'none', got {drafts!r}")
         store = ModelStore(config.store_home)
         target = TargetModel.load(store, config.model.target, variant or config.model.variant, config.runtime)
         spec = config.speculative
-        drafts = {}
-        if with_drafts:
-            drafts = load_pool(store, target.name, target.session.vocab_size, config.runtime,
-                               limits=DraftLimits(spec.p_min, spec.max_entropy))
-        default = spec.draft if spec.draft != "none" else None
-        if default is not None and default not in drafts:
-            raise InvalidRequestError(f"[speculative] draft: {default!r} is not available "
-                                      f"(have: none, {', '.join(sorted(drafts))})")
-        return cls(target, config.limits, drafts=drafts, default_draft=default, spec=spec)
+        limits = DraftLimits(spec.p_min, spec.max_entropy)
+        if drafts == "scheduler":
+            from memspec.scheduler import from_store
+
+            sched = from_store(config.scheduler, store, target, config.runtime, limits)
+            return cls(target, config.limits, spec=spec, scheduler=sched)
+        pool = load_pool(store, target.name, target.session.vocab_size, config.runtime, limits=limits) \
+            if drafts == "all" else {}
+        return cls(target, config.limits, drafts=pool, spec=spec)
 
     def draft_for(self, req: GenerationRequest) -> Proposer | None:
         """The proposer a request runs with (None = target only)."""

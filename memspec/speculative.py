@@ -29,9 +29,8 @@ from memspec.sessions import DecoderSession, KVCache
 
 @dataclass(frozen=True)
 class SpecConfig:
-    """Which draft runs by default, and how long its proposals are ([speculative] in the config)."""
+    """How long draft proposals are ([speculative] in the config; [scheduler] picks the draft)."""
 
-    draft: str = "none"  # default draft when a request names none: a draft name, "prompt-lookup" or "none"
     p_min: float = 0.3  # a draft stops proposing when its top probability falls below this
     max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
     gamma: int = 5  # draft tokens proposed per step at the start

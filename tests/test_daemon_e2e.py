@@ -240,9 +240,10 @@ def test_status_reports_what_is_resident(client, engine, model_store):
     assert (target["name"], target["role"], target["variant"]) == ("smollm2-135m", "target", "q4")
     assert target["bytes"] == model_store.get("smollm2-135m").variants["q4"]["bytes"]
     assert st["resident_bytes"] == sum(m["bytes"] for m in st["resident"]) and st["budget_bytes"] == 0
-    # drafts are the engine's own (none until the engine loads some); no predictor or scheduler runs yet
-    assert [d["name"] for d in st["drafts"]] == sorted(getattr(engine, "drafts", {}))
-    assert st["predictor"] == {} and st["scheduler"] == {}
+    # the scheduler owns the drafts: every draft it may use is listed, with its counters
+    assert [d["name"] for d in st["drafts"]] == sorted(engine.scheduler.drafts)
+    assert "prompt-lookup" in engine.scheduler.drafts
+    assert {"hits", "misses", "evictions"} <= set(st["scheduler"])
     assert 0 < st["system_memory"]["available_bytes"] <= st["system_memory"]["total_bytes"]
     assert st["system_memory"]["process_rss_bytes"] > target["bytes"] // 2
     assert client.health() == "SERVING"
@@ -250,8 +251,6 @@ def test_status_reports_what_is_resident(client, engine, model_store):
 
 
 def test_a_named_draft_is_lossless_and_counted(client, engine):
-    if "prompt-lookup" not in getattr(engine, "drafts", {}):
-        pytest.skip("this engine has no prompt-lookup draft")
     req = GenerationRequest(prompt="1, 2, 3, 4, 5, 6,", raw=True, max_tokens=16)
     plain = run_local(engine, req)
     _, spec = run_remote(client, GenerationRequest(prompt=req.prompt, raw=True, max_tokens=16, draft="prompt-lookup"))
