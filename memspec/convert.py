@@ -34,6 +34,8 @@ from memspec.gguf_reader import QK, ArrayWeights, GGUFModel, LlamaConfig
 
 VARIANTS = ("fp32", "q4")
 MS = "com.microsoft"
+WEIGHT_DTYPES = ("float32", "float16")
+HALF_EXEMPT = ("cos_cache", "sin_cache")  # rotary tables stay float32 even with float16 weights
 
 
 def kv_names(i: int) -> tuple[str, str, str, str]:
@@ -52,9 +54,16 @@ class _Graph:
 
     nodes: list = field(default_factory=list)
     inits: list = field(default_factory=list)
+    half_weights: bool = False  # store float32 matrices as float16 + Cast (drafts: half the file size)
 
     def init(self, name: str, array: np.ndarray) -> str:
-        self.inits.append(numpy_helper.from_array(np.array(array, order="C"), name))
+        array = np.array(array, order="C")
+        if self.half_weights and array.dtype == np.float32 and array.ndim == 2 and name not in HALF_EXEMPT:
+            # ORT folds the Cast at load time: the session holds float32 weights, the file float16.
+            self.inits.append(numpy_helper.from_array(array.astype(np.float16), f"{name}.fp16"))
+            self.nodes.append(helper.make_node("Cast", [f"{name}.fp16"], [name], name=f"{name}/Cast", to=TensorProto.FLOAT))
+            return name
+        self.inits.append(numpy_helper.from_array(array, name))
         return name
 
     def node(self, op: str, inputs: list[str], name: str, n_out: int = 1, domain: str = "", **attrs):
@@ -66,14 +75,19 @@ class _Graph:
 class DecoderBuilder:
     """Turns one GGUF into one ONNX decoder variant."""
 
-    def __init__(self, model: GGUFModel | ArrayWeights, variant: str, max_positions: int | None = None):
+    def __init__(self, model: GGUFModel | ArrayWeights, variant: str, max_positions: int | None = None,
+                 weight_dtype: str = "float32"):
+        """weight_dtype="float16" (fp32 variant only) stores matrices as float16 initializers
+        cast to float32 when the session loads; the computation stays float32."""
         if variant not in VARIANTS:
             raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+        if weight_dtype not in WEIGHT_DTYPES or (weight_dtype == "float16" and variant != "fp32"):
+            raise ValueError(f"weight_dtype {weight_dtype!r} is not available for variant {variant!r}")
         self.m = model
         self.cfg: LlamaConfig = model.config
         self.variant = variant
         self.max_positions = max_positions or self.cfg.context_length
-        self.g = _Graph()
+        self.g = _Graph(half_weights=weight_dtype == "float16")
 
     # -- linear layers ------------------------------------------------------
     def _linear(self, x: str, tensors: list[str], name: str, blocksum: str | None) -> str:

@@ -1,0 +1,637 @@
+"""Train small draft models by self-distillation from the target (`memspec train-draft`).
+
+Pipeline, each stage a function:
+
+  1. `generate_data`  the target (a torch copy built from its GGUF) answers domain
+     prompts greedily, as the served path does, and keeps its top-k log-probs
+     at every answer position (soft labels).  Cached per domain in --work.
+  2. `select_vocab`   the draft's own vocabulary: control and whitespace tokens,
+     then the target ids most frequent in that data.
+  3. `train`          KL(teacher || draft) on the draft vocabulary plus
+     cross-entropy on the teacher's greedy token, answers only.
+  4. `evaluate`       teacher-forced top-1 agreement and the mean acceptance
+     length of greedy speculative decoding at gamma=5 on held-out prompts.
+  5. `export`         the same ONNX layout as the target (convert.DecoderBuilder),
+     weights stored as float16, plus vocab.json and manifest.json.
+
+torch is imported inside functions only: the runtime never needs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+
+import numpy as np
+
+from memspec.errors import MemspecError
+from memspec.gguf_reader import LlamaConfig
+
+TOP_K = 64  # teacher log-probs kept per answer position
+GAMMA = 5  # draft tokens per verification step in the acceptance simulation
+HELD_OUT = 0.1  # fraction of each domain's prompts kept for evaluation
+N_CONTROL = 17  # SmolLM2 control tokens are ids 0..16
+UNKNOWN_TARGET_ID = 0  # target ids outside a draft vocab are fed as this one (<|endoftext|>)
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        raise MemspecError("draft training needs PyTorch: pip install 'memspec[train]'") from None
+    return torch
+
+
+def _log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
+
+
+# -- vocabulary ----------------------------------------------------------------------
+def select_vocab(counts: np.ndarray, size: int, required: list[int]) -> list[int]:
+    """Draft vocabulary: `required` ids first, then the most counted ids (ties: lower id first).
+
+    Returns target ids; list index = draft id.  Lower BPE ids were merged earlier,
+    i.e. are more frequent in the tokenizer's own corpus, so they fill any gap.
+    """
+    required = list(dict.fromkeys(int(i) for i in required))
+    if UNKNOWN_TARGET_ID not in required:
+        required.insert(0, UNKNOWN_TARGET_ID)
+    assert len(required) <= size, f"{len(required)} required tokens do not fit a vocabulary of {size}"
+    order = np.lexsort((np.arange(len(counts)), -np.asarray(counts, dtype=np.float64)))
+    chosen = set(required)
+    rest = [int(i) for i in order if int(i) not in chosen][: size - len(required)]
+    return sorted(required) + rest
+
+
+def required_ids(tokenizer) -> list[int]:
+    """Control tokens, EOS, and every whitespace-only token."""
+    ids = set(range(N_CONTROL)) | set(tokenizer.special_token_ids)
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    for i in range(tokenizer.vocab_size):
+        b = tokenizer.token_bytes(i)
+        if b and b.strip() == b"":
+            ids.add(i)
+    return sorted(ids)
+
+
+class VocabMap:
+    """Target ids <-> draft ids."""
+
+    def __init__(self, target_ids: list[int], target_vocab: int):
+        self.to_target = np.asarray(target_ids, dtype=np.int64)  # (Vd,) draft id -> target id
+        assert len(set(target_ids)) == len(target_ids), "draft vocabulary has duplicate target ids"
+        assert UNKNOWN_TARGET_ID in target_ids, f"target id {UNKNOWN_TARGET_ID} must be in the draft vocabulary"
+        unk = target_ids.index(UNKNOWN_TARGET_ID)
+        self.to_draft = np.full(target_vocab, unk, dtype=np.int64)  # (V,) target id -> draft id
+        self.to_draft[self.to_target] = np.arange(len(target_ids))
+        self.known = np.zeros(target_vocab, dtype=bool)  # (V,) target id is in the draft vocab
+        self.known[self.to_target] = True
+
+    def draft(self, ids) -> np.ndarray:
+        return self.to_draft[np.asarray(ids, dtype=np.int64)]
+
+    def target(self, ids) -> np.ndarray:
+        return self.to_target[np.asarray(ids, dtype=np.int64)]
+
+
+# -- model -------------------------------------------------------------------------
+def draft_config(layers: int, width: int, vocab: int, head_dim: int = 64, context: int = 2048) -> LlamaConfig:
+    """A llama config for a draft: GQA with half as many KV heads (1 if odd), SwiGLU 8/3 wide."""
+    heads = max(1, width // head_dim)
+    assert heads * head_dim == width, f"width {width} is not a multiple of head_dim {head_dim}"
+    kv = max(d for d in range(1, heads + 1) if heads % d == 0 and (d <= heads // 2 or heads == 1))
+    ffn = int(round(width * 8 / 3 / 64)) * 64
+    return LlamaConfig(n_layers=layers, hidden=width, n_heads=heads, n_kv_heads=kv, head_dim=head_dim, ffn=ffn,
+                       vocab=vocab, rope_theta=100000.0, rms_eps=1e-5, context_length=context, tied_embeddings=True)
+
+
+_LLAMA = None
+
+
+def llama_class():
+    """The torch llama module (defined on first use so that torch stays optional)."""
+    global _LLAMA
+    if _LLAMA is not None:
+        return _LLAMA
+    torch = _torch()
+    nn, F = torch.nn, torch.nn.functional
+
+    def rms(x, w, eps):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    def rotate(x, cos, sin):  # HF rotate_half (non-interleaved)
+        h = x.shape[-1] // 2
+        return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
+
+    class Block(nn.Module):
+        def __init__(self, c: LlamaConfig):
+            super().__init__()
+            self.c = c
+            self.attn_norm = nn.Parameter(torch.ones(c.hidden))
+            self.attn_q = nn.Linear(c.hidden, c.n_heads * c.head_dim, bias=False)
+            self.attn_k = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
+            self.attn_v = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
+            self.attn_output = nn.Linear(c.n_heads * c.head_dim, c.hidden, bias=False)
+            self.ffn_norm = nn.Parameter(torch.ones(c.hidden))
+            self.ffn_gate = nn.Linear(c.hidden, c.ffn, bias=False)
+            self.ffn_up = nn.Linear(c.hidden, c.ffn, bias=False)
+            self.ffn_down = nn.Linear(c.ffn, c.hidden, bias=False)
+
+        def forward(self, x, cos, sin, mask, cache, i):
+            c = self.c
+            B, T, _ = x.shape
+            h = rms(x, self.attn_norm, c.rms_eps)
+            q = self.attn_q(h).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, nh, T, hd)
+            k = self.attn_k(h).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, kvh, T, hd)
+            v = self.attn_v(h).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
+            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
+            if cache is not None:
+                if len(cache) > i:
+                    k = torch.cat([cache[i][0], k], dim=2)
+                    v = torch.cat([cache[i][1], v], dim=2)
+                    cache[i] = (k, v)
+                else:
+                    cache.append((k, v))
+            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
+            x = x + self.attn_output(a.transpose(1, 2).reshape(B, T, -1))
+            h = rms(x, self.ffn_norm, c.rms_eps)
+            return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
+
+    class Llama(nn.Module):
+        """Llama decoder with a tied head; tensor names map 1:1 to GGUF names (see `tensors`)."""
+
+        def __init__(self, c: LlamaConfig):
+            super().__init__()
+            assert c.tied_embeddings, "only tied-embedding models are supported"
+            self.c = c
+            self.token_embd = nn.Embedding(c.vocab, c.hidden)
+            self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
+            self.output_norm = nn.Parameter(torch.ones(c.hidden))
+            inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+            self.register_buffer("inv_freq", inv, persistent=False)
+
+        def forward(self, ids, pos=None, mask=None, cache=None):
+            """ids (B, T) -> logits (B, T, V).  pos (B, T) positions; mask (B, 1, T, S) bool, None = causal."""
+            B, T = ids.shape
+            if pos is None:
+                pos = torch.arange(T).expand(B, T)
+            ang = pos.to(torch.float64)[..., None] * self.inv_freq  # (B, T, hd/2)
+            ang = torch.cat([ang, ang], dim=-1)[:, None]  # (B, 1, T, hd)
+            cos, sin = ang.cos().float(), ang.sin().float()
+            x = self.token_embd(ids)
+            for i, blk in enumerate(self.blocks):
+                x = blk(x, cos, sin, mask, cache, i)
+            return rms(x, self.output_norm, self.c.rms_eps) @ self.token_embd.weight.T
+
+        def tensors(self) -> dict[str, np.ndarray]:
+            """Float32 weights under GGUF names, HF layout (what ArrayWeights takes)."""
+            out = {"token_embd.weight": self.token_embd.weight, "output_norm.weight": self.output_norm}
+            for i, blk in enumerate(self.blocks):
+                for name, p in blk.named_parameters():
+                    out[f"blk.{i}.{name}.weight" if not name.endswith(".weight") else f"blk.{i}.{name}"] = p
+            return {k: v.detach().float().cpu().numpy() for k, v in out.items()}
+
+        def load_tensors(self, tensors) -> None:
+            """Inverse of `tensors`: takes a name -> array mapping or a GGUFModel/ArrayWeights."""
+            get = tensors.float32 if hasattr(tensors, "float32") else tensors.__getitem__
+            with torch.no_grad():
+                for name in self.tensors_names():
+                    self._param(name).copy_(torch.from_numpy(np.array(get(name), dtype=np.float32)))
+
+        def tensors_names(self) -> list[str]:
+            names = ["token_embd.weight", "output_norm.weight"]
+            for i in range(self.c.n_layers):
+                names += [f"blk.{i}.{k}.weight" for k in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
+                                                        "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+            return names
+
+        def _param(self, name: str):
+            if name == "token_embd.weight":
+                return self.token_embd.weight
+            if name == "output_norm.weight":
+                return self.output_norm
+            _, i, k, _ = name.split(".")
+            p = getattr(self.blocks[int(i)], k)
+            return p if isinstance(p, nn.Parameter) else p.weight
+
+    _LLAMA = Llama
+    return Llama
+
+
+def load_teacher(gguf_path: Path):
+    """The target as a float32 torch module, from its GGUF."""
+    from memspec.gguf_reader import GGUFModel
+
+    g = GGUFModel(gguf_path)
+    model = llama_class()(g.config)
+    model.load_tensors(g)
+    return model.eval()
+
+
+# -- data --------------------------------------------------------------------------
+def generate(teacher, prompts: list[list[int]], max_new: int, eos: int, batch: int = 64) -> list[dict]:
+    """Greedy answers of the teacher with its top-k log-probs at every answer position.
+
+    Prompts are sorted by length and left-padded per batch; positions and the
+    attention mask skip the padding, so each row decodes as if alone.
+    Returns per prompt {"prompt", "answer" (target ids, EOS included when produced),
+    "top_ids" (n, K) int32, "top_lp" (n, K) float16}.
+    """
+    torch = _torch()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[dict | None] = [None] * len(prompts)
+    for b0 in range(0, len(order), batch):
+        idx = order[b0:b0 + batch]
+        rows = [prompts[i] for i in idx]
+        B, L = len(rows), max(len(r) for r in rows)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        valid = torch.zeros(B, L, dtype=torch.bool)
+        for r, p in enumerate(rows):
+            ids[r, L - len(p):] = torch.tensor(p)
+            valid[r, L - len(p):] = True
+        pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        mask = (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]  # (B, L, L)
+        cache: list = []
+        answers = [[] for _ in range(B)]
+        tops_i = [[] for _ in range(B)]
+        tops_v = [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool)
+        with torch.inference_mode():
+            logits = teacher(ids, pos, mask[:, None], cache)[:, -1]
+            cur = pos[:, -1]
+            for _ in range(max_new):
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                v, i = lp.topk(TOP_K, dim=-1)
+                nxt = i[:, 0]
+                for r in range(B):
+                    if not done[r]:
+                        answers[r].append(int(nxt[r]))
+                        tops_i[r].append(i[r].numpy().astype(np.int32))
+                        tops_v[r].append(v[r].numpy().astype(np.float16))
+                done |= nxt == eos
+                if bool(done.all()):
+                    break
+                valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool)], dim=1)
+                cur = cur + 1
+                logits = teacher(nxt[:, None], cur[:, None], valid[:, None, None, :], cache)[:, -1]
+        for r, i in enumerate(idx):
+            out[i] = {"prompt": prompts[i], "answer": answers[r],
+                      "top_ids": np.stack(tops_i[r]), "top_lp": np.stack(tops_v[r])}
+        _log(f"  generated {min(b0 + batch, len(order))}/{len(order)} (prompt len {L})")
+    return out
+
+
+def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, max_new: int, seed: int,
+                prompts: list[str] | None = None) -> dict:
+    """Load or make one domain's distillation data: {"train": [...], "eval": [...], "info": {...}}."""
+    torch = _torch()
+    path = work / f"data-{domain}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    from memspec.train_prompts import domain_prompts
+
+    texts = prompts if prompts is not None else domain_prompts(domain, n_prompts, seed)
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    t0 = time.time()
+    samples = generate(teacher_fn(), ids, max_new, tokenizer.eos_token_id)
+    for s, t in zip(samples, texts):
+        s["text"] = t
+    n_eval = max(1, int(round(len(samples) * HELD_OUT)))
+    data = {
+        "train": samples[:-n_eval], "eval": samples[-n_eval:],
+        "info": {"domain": domain, "prompts": len(samples), "eval_prompts": n_eval, "max_new": max_new,
+                 "answer_tokens": int(sum(len(s["answer"]) for s in samples)),
+                 "prompt_tokens": int(sum(len(s["prompt"]) for s in samples)),
+                 "seconds": round(time.time() - t0, 1), "seed": seed},
+    }
+    work.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path.with_suffix(".partial"))
+    path.with_suffix(".partial").replace(path)
+    _log(f"{domain}: {data['info']}")
+    return data
+
+
+def token_counts(samples: list[dict], vocab: int) -> np.ndarray:
+    """Answer-token frequency plus the teacher's probability mass on each id (alternatives)."""
+    counts = np.zeros(vocab, dtype=np.float64)
+    for s in samples:
+        np.add.at(counts, np.asarray(s["answer"]), 1.0)
+        np.add.at(counts, np.asarray(s["prompt"]), 0.25)
+        np.add.at(counts, s["top_ids"].reshape(-1), np.exp(s["top_lp"].astype(np.float64)).reshape(-1) * 0.5)
+    return counts
+
+
+# -- training ---------------------------------------------------------------------
+@dataclass
+class TrainConfig:
+    steps: int = 600  # optimizer steps
+    batch: int = 16  # sequences per step
+    lr: float = 2e-3  # peak AdamW learning rate (cosine decay, linear warm-up)
+    warmup: int = 30  # warm-up steps
+    ce_weight: float = 0.5  # weight of the cross-entropy on the greedy token
+    seed: int = 0
+
+
+def _batch(samples: list[dict], vmap: VocabMap):
+    """Right-padded draft ids (B, T) and, per answer position, the flat index and teacher labels."""
+    torch = _torch()
+    seqs = [list(s["prompt"]) + list(s["answer"][:-1]) for s in samples]
+    T = max(len(q) for q in seqs)
+    ids = torch.zeros(len(seqs), T, dtype=torch.long)
+    flat, tid, tlp = [], [], []
+    for r, (s, q) in enumerate(zip(samples, seqs)):
+        ids[r, :len(q)] = torch.from_numpy(vmap.draft(q))
+        start = len(s["prompt"]) - 1  # position whose logits predict answer[0]
+        flat.append(r * T + start + np.arange(len(s["answer"])))
+        tid.append(s["top_ids"])
+        tlp.append(s["top_lp"])
+    return ids, torch.from_numpy(np.concatenate(flat)), np.concatenate(tid), np.concatenate(tlp)
+
+
+def _labels(tid: np.ndarray, tlp: np.ndarray, vmap: VocabMap):
+    """Teacher probs renormalised over the draft vocab: (N, K) draft ids, (N, K) probs; greedy draft id or -1."""
+    torch = _torch()
+    known = vmap.known[tid]  # (N, K)
+    p = np.exp(tlp.astype(np.float32)) * known
+    p /= np.maximum(p.sum(-1, keepdims=True), 1e-9)
+    greedy = np.where(known[:, 0], vmap.to_draft[tid[:, 0]], -1)
+    return torch.from_numpy(vmap.to_draft[tid]), torch.from_numpy(p), torch.from_numpy(greedy)
+
+
+def init_draft(cfg: LlamaConfig, target_emb: np.ndarray, vmap: VocabMap, seed: int):
+    """A draft whose embedding is the PCA projection of the target's rows for its vocabulary."""
+    torch = _torch()
+    torch.manual_seed(seed)
+    model = llama_class()(cfg)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.ndim == 2:
+                p.normal_(0.0, 0.02)
+                if name.endswith(("attn_output.weight", "ffn_down.weight")):
+                    p.mul_(1 / math.sqrt(2 * cfg.n_layers))
+        e = target_emb[vmap.to_target].astype(np.float64)
+        e -= e.mean(0)
+        _, _, vt = np.linalg.svd(e[:: max(1, len(e) // 8192)], full_matrices=False)
+        proj = e @ vt[: cfg.hidden].T
+        proj *= 0.05 / proj.std()
+        model.token_embd.weight.copy_(torch.from_numpy(proj.astype(np.float32)))
+    return model
+
+
+def train(model, samples: list[dict], vmap: VocabMap, tc: TrainConfig, eval_fn=None) -> dict:
+    """Distil into `model`; returns a summary of the loss curve."""
+    torch = _torch()
+    F = torch.nn.functional
+    rng = np.random.default_rng(tc.seed)
+    opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / tc.warmup) * 0.5 * (1 + math.cos(math.pi * min(1.0, s / tc.steps))))
+    model.train()
+    curve, window, t0 = [], [], time.time()
+    perm, cursor = rng.permutation(len(samples)), 0
+    for step in range(tc.steps):
+        if cursor + tc.batch > len(perm):
+            perm, cursor = rng.permutation(len(samples)), 0
+        chunk = [samples[i] for i in perm[cursor:cursor + tc.batch]]
+        cursor += tc.batch
+        ids, flat, tid, tlp = _batch(chunk, vmap)
+        d_ids, p, greedy = _labels(tid, tlp, vmap)
+        logits = model(ids)  # (B, T, Vd)
+        lp = F.log_softmax(logits.reshape(-1, logits.shape[-1])[flat], dim=-1)  # (N, Vd)
+        kl = (p * (torch.log(p.clamp_min(1e-9)) - lp.gather(1, d_ids))).sum(-1).mean()
+        ce = F.nll_loss(lp, greedy, ignore_index=-1)
+        loss = kl + tc.ce_weight * ce
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        window.append((kl.item(), ce.item()))
+        if (step + 1) % 25 == 0 or step + 1 == tc.steps:
+            kl_m, ce_m = np.mean(window, axis=0)
+            curve.append({"step": step + 1, "kl": round(float(kl_m), 4), "ce": round(float(ce_m), 4),
+                          "seconds": round(time.time() - t0, 1)})
+            window = []
+            _log(f"  step {step + 1}/{tc.steps} kl {kl_m:.3f} ce {ce_m:.3f} ({time.time() - t0:.0f}s)")
+    model.eval()
+    n_tokens = sum(len(s["answer"]) for s in samples)
+    return {"steps": tc.steps, "batch": tc.batch, "lr": tc.lr, "ce_weight": tc.ce_weight,
+            "epochs": round(tc.steps * tc.batch / max(1, len(samples)), 2), "train_sequences": len(samples),
+            "train_answer_tokens": n_tokens, "seconds": round(time.time() - t0, 1), "loss_curve": curve}
+
+
+# -- evaluation -------------------------------------------------------------------
+def acceptance(match: np.ndarray, gamma: int = GAMMA) -> tuple[int, int]:
+    """Greedy speculative decoding over one answer, teacher-forced.
+
+    match[t] = the draft's greedy token at answer position t equals the target's.
+    While a draft matches, its context equals the target's text, so the proposals
+    of one step are the teacher-forced predictions at t, t+1, ...  Each step
+    accepts the run of matches (at most gamma) plus one bonus token from the
+    target.  Returns (tokens, steps); mean acceptance length = tokens / steps.
+    """
+    n, t, steps = len(match), 0, 0
+    while t < n:
+        run = 0
+        while run < gamma and t + run < n and match[t + run]:
+            run += 1
+        t += run + 1
+        steps += 1
+    return n, steps
+
+
+def evaluate(model, samples: list[dict], vmap: VocabMap, batch: int = 16) -> dict:
+    """Top-1 agreement with the target's greedy token and mean acceptance length at gamma=5."""
+    torch = _torch()
+    agree, total, tokens, steps = 0, 0, 0, 0
+    with torch.inference_mode():
+        for b0 in range(0, len(samples), batch):
+            chunk = samples[b0:b0 + batch]
+            ids, flat, tid, _ = _batch(chunk, vmap)
+            pred = model(ids).reshape(-1, vmap.to_target.shape[0])[flat].argmax(-1).numpy()
+            match = vmap.to_target[pred] == tid[:, 0]
+            agree += int(match.sum())
+            total += len(match)
+            o = 0
+            for s in chunk:
+                n = len(s["answer"])
+                a, b = acceptance(match[o:o + n])
+                tokens, steps, o = tokens + a, steps + b, o + n
+    return {"top1": round(agree / max(1, total), 4), "mean_accept_len": round(tokens / max(1, steps), 3),
+            "positions": total}
+
+
+# -- export --------------------------------------------------------------------------
+def export_onnx(model, path: Path, max_positions: int = 2048) -> Path:
+    """Write `model` in the target's ONNX layout with float16-stored weights."""
+    import onnx
+
+    from memspec.convert import DecoderBuilder
+    from memspec.gguf_reader import ArrayWeights
+
+    weights = ArrayWeights(model.c, model.tensors())
+    proto = DecoderBuilder(weights, "fp32", max_positions, weight_dtype="float16").build()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".partial")
+    onnx.save_model(proto, str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def write_draft(folder: Path, name: str, model, vmap: VocabMap, provenance: dict, extra: dict) -> Path:
+    """model.onnx (as variant fp32), vocab.json and manifest.json in `folder`."""
+    from memspec.store import Manifest, ModelStore, file_record
+
+    folder.mkdir(parents=True, exist_ok=True)
+    onnx_path = export_onnx(model, folder / "fp32.onnx")
+    vocab_path = folder / "vocab.json"
+    vocab_path.write_text(json.dumps([int(i) for i in vmap.to_target]) + "\n")
+    manifest = Manifest(
+        name=name, role="draft", format="onnx", variants={"fp32": file_record(onnx_path)},
+        tokenizer={"vocab.json": file_record(vocab_path)}, provenance=provenance,
+        architecture=asdict(model.c), extra={**extra, "draft_vocab": "vocab.json"}, folder=folder,
+    )
+    return ModelStore(folder.parent).write_manifest(manifest)
+
+
+# -- command line ---------------------------------------------------------------------
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Register `train-draft` (torch needed only when it runs)."""
+    p = subparsers.add_parser("train-draft", help="train a draft model by self-distillation from the target")
+    p.add_argument("--name", required=True, help="draft name, e.g. draft-code")
+    p.add_argument("--domain", nargs="+", default=None, help="built-in prompt domains (code, math, chat)")
+    p.add_argument("--prompts", help="JSONL file with a 'prompt' field per line (instead of --domain)")
+    p.add_argument("--layers", type=int, default=3)
+    p.add_argument("--width", type=int, default=256)
+    p.add_argument("--vocab-size", type=int, default=8192)
+    p.add_argument("--steps", type=int, default=None, help="optimizer steps (default: from --epochs)")
+    p.add_argument("--epochs", type=float, default=10.0)
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--lr", type=float, default=2e-3)
+    p.add_argument("--n-prompts", type=int, default=256, help="prompts generated per built-in domain")
+    p.add_argument("--max-new", type=int, default=160, help="longest teacher answer in tokens")
+    p.add_argument("--out", default=None, help="models folder (default: the repository's models/)")
+    p.add_argument("--work", default=str(Path.home() / ".cache" / "memspec-train"), help="data cache folder")
+    p.add_argument("--target", default="smollm2-135m")
+    p.add_argument("--eval-domains", nargs="*", default=None, help="domains to evaluate on (default: all cached)")
+    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--resume", action="store_true",
+                   help="continue from the weights of the last run of --name (kept in --work)")
+    return p
+
+
+def _target_files(target: str, home=None):
+    """The target's tokenizer and its GGUF (the teacher's weights), from the store."""
+    from memspec.store import ModelStore
+    from memspec.tokenizer import Tokenizer
+
+    store = ModelStore(home)
+    m = store.get(target)
+    tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
+    gguf = store.downloads_dir / m.provenance.get("gguf_file", "")
+    if not gguf.is_file():
+        raise MemspecError(f"the target's GGUF {gguf} is missing; run `memspec pull {target} --force`")
+    return tok, gguf
+
+
+def run_cli(args) -> int:
+    torch = _torch()
+    from memspec.store import SHIPPED_MODELS
+
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if not args.domain and not args.prompts:
+        raise MemspecError("give --domain (code, math, chat) or --prompts FILE")
+    tok, gguf = _target_files(args.target, getattr(getattr(args, "config", None), "store_home", None))
+    work = Path(args.work) / args.target
+    teacher_cache: list = []
+
+    def teacher():
+        if not teacher_cache:
+            _log(f"loading teacher from {gguf.name}")
+            teacher_cache.append(load_teacher(gguf))
+        return teacher_cache[0]
+
+    datasets = {}
+    if args.prompts:
+        lines = [json.loads(x) for x in Path(args.prompts).read_text().splitlines() if x.strip()]
+        key = "prompts-" + Path(args.prompts).stem
+        datasets[key] = domain_data(work, key, teacher, tok, 0, args.max_new, args.seed, [x["prompt"] for x in lines])
+    for d in args.domain or []:
+        datasets[d] = domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, args.seed)
+    samples = [s for d in datasets.values() for s in d["train"]]
+
+    required = required_ids(tok)
+    vocab = select_vocab(token_counts(samples, tok.vocab_size), args.vocab_size, required)
+    vmap = VocabMap(vocab, tok.vocab_size)
+    cfg = draft_config(args.layers, args.width, len(vocab))
+    from memspec.gguf_reader import GGUFModel
+
+    model = init_draft(cfg, GGUFModel(gguf).float32("token_embd.weight"), vmap, args.seed)
+    previous = None
+    ckpt = work / f"{args.name}.pt"
+    if getattr(args, "resume", False) and ckpt.is_file():
+        model.load_state_dict(torch.load(ckpt))
+        old = Path(args.out or SHIPPED_MODELS) / args.name / "manifest.json"
+        if old.is_file():
+            t = json.loads(old.read_text())["extra"]["training"]
+            previous = {k: t.get(k) for k in ("steps", "epochs", "seconds", "lr")}
+            previous["previous"] = t.get("previous")
+        _log(f"resuming from {ckpt}")
+    n_params = sum(p.numel() for p in model.parameters())
+    steps = args.steps or max(1, int(args.epochs * len(samples) / args.batch))
+    _log(f"{args.name}: {cfg.n_layers} layers x {cfg.hidden}, vocab {cfg.vocab}, {n_params / 1e6:.2f}M params, "
+         f"{len(samples)} sequences, {steps} steps")
+    summary = train(model, samples, vmap, TrainConfig(steps=steps, batch=args.batch, lr=args.lr, seed=args.seed))
+
+    eval_domains = args.eval_domains
+    if eval_domains is None:
+        eval_domains = sorted(p.stem[len("data-"):] for p in work.glob("data-*.pt"))
+    results = {}
+    for d in eval_domains:
+        data = datasets.get(d) or domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, args.seed)
+        results[d] = evaluate(model, data["eval"], vmap)
+        _log(f"  eval {d}: {results[d]}")
+    summary["held_out"] = results
+    if previous:
+        summary["previous"] = previous  # earlier run(s) this one continued from
+
+    out = Path(args.out) if args.out else SHIPPED_MODELS
+    domain = ",".join(args.domain) if args.domain else key
+    provenance = {
+        "source": f"memspec train-draft (self-distillation from {args.target})",
+        "teacher": f"{args.target} ({gguf.name}, dequantized to float32, greedy)",
+        "data": {k: d["info"] for k, d in datasets.items()},
+        "command": "memspec " + " ".join(sys.argv[1:]),  # python -m memspec.train takes the same arguments
+        "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "torch": torch.__version__,
+        "params": n_params,
+        "weights_stored_as": "float16 initializers (Cast to float32 at load)",
+    }
+    extra = {"target": args.target, "domain": domain, "training": summary,
+             "unknown_target_id": UNKNOWN_TARGET_ID}
+    path = write_draft(out / args.name, args.name, model, vmap, provenance, extra)
+    torch.save(model.state_dict(), work / f"{args.name}.pt")
+    _log(f"wrote {path}")
+    return 0
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(prog="memspec-train")
+    sub = parser.add_subparsers(dest="cmd", required=True)
+    add_parser(sub)
+    args = parser.parse_args(argv)
+    return run_cli(args)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,143 @@
+"""Domain prompts for draft self-distillation: templates x topics, deterministic.
+
+`domain_prompts(domain, n, seed)` returns `n` distinct user messages for one of
+DOMAINS.  The target answers them (greedy) and the drafts learn to predict its
+answers, so the prompts only need to cover what users ask in that domain.
+"""
+
+from __future__ import annotations
+
+import random
+
+DOMAINS = ("code", "math", "chat")
+
+CODE_TASKS = [
+    "reverse a string", "check whether a number is prime", "compute the factorial of n",
+    "return the n-th Fibonacci number", "find the largest element in a list", "remove duplicates from a list",
+    "count the vowels in a string", "check whether a string is a palindrome", "merge two sorted lists",
+    "sort a list with bubble sort", "implement binary search", "flatten a nested list",
+    "compute the greatest common divisor of two numbers", "convert Celsius to Fahrenheit",
+    "read a text file and count its lines", "count word frequencies in a text", "transpose a matrix",
+    "check whether two strings are anagrams", "find the second largest number in a list",
+    "compute the sum of the digits of an integer", "convert a decimal number to binary",
+    "validate an email address", "find all even numbers in a list", "capitalize every word in a sentence",
+    "compute the average of a list of numbers", "implement a stack class", "implement a queue with two stacks",
+    "find the intersection of two lists", "rotate a list by k positions", "check if a year is a leap year",
+    "generate all permutations of a string", "compute the power set of a set", "parse a CSV file into dictionaries",
+    "find the longest word in a sentence", "implement quicksort", "implement merge sort",
+    "compute the n-th triangular number", "check whether parentheses are balanced", "find the mode of a list",
+    "convert a Roman numeral to an integer", "reverse a linked list", "compute the dot product of two vectors",
+    "remove whitespace from a string", "find the median of a list", "count the occurrences of each character",
+    "split a list into chunks of size n", "compute the least common multiple", "find missing numbers in a range",
+    "implement a simple calculator", "serialize a dictionary to JSON", "fetch a web page and print its title",
+    "sum all the numbers in a nested list", "find the first non-repeating character in a string",
+    "check whether a number is a perfect square", "compute compound interest", "shuffle a list randomly",
+    "group a list of words by their first letter", "find the maximum subarray sum",
+    "convert a string to title case", "implement a binary tree insertion",
+]
+CODE_TEMPLATES = [
+    "Write a Python function to {t}.",
+    "How do I {t} in Python? Show the code.",
+    "Write a JavaScript function to {t}.",
+    "Write a short Python script to {t} and explain it briefly.",
+    "Implement a function in C to {t}.",
+    "Give me a Python example that shows how to {t}.",
+    "Write a Java method to {t}.",
+    "Write a Python class or function to {t}, with a docstring and a usage example.",
+]
+
+MATH_TEMPLATES = [
+    "Solve step by step: {a} * {b} + {c}",
+    "What is {p}% of {n}? Show your work.",
+    "Solve for x: {a}x + {b} = {c}. Explain each step.",
+    "Calculate the area of a rectangle with length {a} cm and width {b} cm.",
+    "A train travels {n} km in {b} hours. What is its average speed? Think step by step.",
+    "What is the sum of the first {a} positive integers? Explain the method.",
+    "Simplify the fraction {n}/{m}.",
+    "A shop sells pencils for ${b} each. If Sarah buys {c} pencils and pays with a ${n} bill, how much change does she get?",
+    "Find the derivative of f(x) = {a}x^3 + {b}x^2 - {c}x + 7. Show the steps.",
+    "What is the perimeter of a triangle with sides {a}, {b} and {c}?",
+    "Tom has {n} apples. He gives {a} to his friend and buys {c} more. How many apples does he have now? Solve step by step.",
+    "Convert {n} minutes into hours and minutes.",
+    "What is the average of {a}, {b}, {c} and {n}? Show your calculation.",
+    "Solve the system of equations: x + y = {n}, x - y = {a}.",
+    "What is {a} squared plus {b} squared?",
+    "A recipe needs {b} cups of flour for {a} cookies. How much flour is needed for {n} cookies?",
+    "Is {n} a prime number? Explain how you check.",
+    "Calculate the simple interest on ${n} at {p}% per year for {b} years.",
+    "What is the area of a circle with radius {a}? Use pi = 3.14 and show the steps.",
+    "Explain step by step how to compute {n} divided by {b}.",
+    "If a car uses {b} liters of fuel per 100 km, how much fuel does it need for {n} km?",
+    "Factor the expression x^2 + {s}x + {q}.",
+    "What is the least common multiple of {a} and {b}? Show the steps.",
+    "A rectangle has a perimeter of {e} meters and a length of {a} meters. What is its width?",
+    "Explain how to solve a quadratic equation, using x^2 - {s}x + {q} = 0 as an example.",
+]
+
+CHAT_TEMPLATES = [
+    "Tell me a short story about {x}.",
+    "Explain {y} in simple terms.",
+    "What is {y}?",
+    "Give me some tips for {z}.",
+    "Write a short poem about {x}.",
+    "Why is {y} important?",
+    "Describe a day in the life of {x}.",
+    "Can you help me understand {y}?",
+    "What are the benefits of {z}?",
+    "Write a friendly email to a colleague about {z}.",
+    "Summarize the history of {y} in a few sentences.",
+    "Tell me a fun fact about {x}.",
+]
+CHAT_SUBJECTS = [
+    "a brave little mouse", "a robot who learns to paint", "a lighthouse keeper", "a dragon who is afraid of fire",
+    "a lost puppy", "an old sailor", "a girl who finds a magic key", "a talking tree", "the moon", "the ocean",
+    "a busy bee", "a city at night", "a snowy mountain village", "a clever fox", "a young astronaut",
+    "a forgotten library", "a friendly ghost", "autumn leaves", "a baker in Paris", "a cat and a dog who become friends",
+]
+CHAT_TOPICS = [
+    "photosynthesis", "gravity", "the water cycle", "climate change", "the internet", "democracy", "vaccines",
+    "black holes", "machine learning", "the French Revolution", "recycling", "the human heart", "electricity",
+    "volcanoes", "the stock market", "renewable energy", "the Roman Empire", "DNA", "sleep", "inflation",
+    "the solar system", "bees and pollination", "meditation", "the printing press", "rainbows",
+]
+CHAT_ACTIVITIES = [
+    "learning a new language", "staying productive when working from home", "getting better sleep",
+    "eating healthy on a budget", "running your first marathon", "saving money", "reading more books",
+    "reducing stress", "traveling on a budget", "learning to cook", "gardening", "public speaking",
+    "making new friends", "keeping a journal", "regular exercise",
+]
+
+
+def _code(rng: random.Random) -> str:
+    return rng.choice(CODE_TEMPLATES).format(t=rng.choice(CODE_TASKS))
+
+
+def _math(rng: random.Random) -> str:
+    a, b, c = rng.randint(2, 25), rng.randint(2, 12), rng.randint(3, 40)
+    s, q = rng.randint(2, 6), rng.randint(1, 5)
+    return rng.choice(MATH_TEMPLATES).format(
+        a=a, b=b, c=c, n=rng.randint(30, 480), m=rng.choice([4, 6, 8, 12, 16, 24]),
+        p=rng.choice([5, 10, 12, 15, 20, 25, 30, 40, 75]), s=s + q, q=s * q, e=2 * a + 2 * rng.randint(1, a),
+    )
+
+
+def _chat(rng: random.Random) -> str:
+    return rng.choice(CHAT_TEMPLATES).format(
+        x=rng.choice(CHAT_SUBJECTS), y=rng.choice(CHAT_TOPICS), z=rng.choice(CHAT_ACTIVITIES)
+    )
+
+
+_MAKERS = {"code": _code, "math": _math, "chat": _chat}
+
+
+def domain_prompts(domain: str, n: int, seed: int = 0) -> list[str]:
+    """`n` distinct user prompts for `domain`, the same for the same seed."""
+    if domain not in _MAKERS:
+        raise ValueError(f"unknown domain {domain!r}; choose one of {', '.join(DOMAINS)}")
+    rng = random.Random(f"{domain}-{seed}")
+    seen: dict[str, None] = {}
+    for _ in range(50 * n):
+        if len(seen) == n:
+            break
+        seen.setdefault(_MAKERS[domain](rng), None)
+    return list(seen)

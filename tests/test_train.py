@@ -1,0 +1,102 @@
+"""Draft training pipeline (memspec.train) and the shipped draft pool (models/).
+
+Only the export-vs-torch test needs torch; everything else runs on the runtime
+dependencies alone.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import numpy as np
+import pytest
+
+from memspec.sessions import DecoderSession, SessionConfig
+from memspec.store import SHIPPED_MODELS, ModelStore
+from memspec.train import UNKNOWN_TARGET_ID, VocabMap, acceptance, draft_config, select_vocab
+
+HAS_TORCH = importlib.util.find_spec("torch") is not None
+DRAFTS = ("draft-code", "draft-math", "draft-chat", "draft-general")
+
+
+def test_select_vocab_keeps_required_tokens_first():
+    counts = np.zeros(100)
+    counts[[50, 60, 70]] = [5, 9, 1]
+    vocab = select_vocab(counts, 8, required=[2, 3, 1])
+    assert vocab[:4] == [0, 1, 2, 3]  # id 0 (unknown stand-in) is always added
+    assert vocab[4:] == [60, 50, 70, 4]  # by count, then lowest id fills the gap
+    assert len(set(vocab)) == 8
+
+
+def test_select_vocab_rejects_too_many_required():
+    with pytest.raises(AssertionError):
+        select_vocab(np.zeros(10), 2, required=[1, 2, 3])
+
+
+def test_vocab_map_round_trips_and_maps_unknown_to_id0():
+    vmap = VocabMap([5, 0, 2, 9], target_vocab=12)
+    assert vmap.target(vmap.draft([5, 0, 2, 9])).tolist() == [5, 0, 2, 9]
+    assert vmap.draft([7, 11]).tolist() == [1, 1]  # outside the vocab -> draft id of target 0
+    assert vmap.known.nonzero()[0].tolist() == [0, 2, 5, 9]
+    with pytest.raises(AssertionError):
+        VocabMap([5, 2], target_vocab=12)  # target id 0 missing
+
+
+def test_acceptance_counts_runs_capped_at_gamma():
+    # 7 matches then a miss: steps accept 5+bonus, then 1 match + bonus(the miss).
+    assert acceptance(np.array([1] * 7 + [0], dtype=bool), gamma=5) == (8, 2)
+    assert acceptance(np.zeros(4, dtype=bool)) == (4, 4)  # only bonus tokens
+    assert acceptance(np.ones(3, dtype=bool)) == (3, 1)  # answer ends inside one step
+
+
+def test_draft_config_uses_gqa():
+    c = draft_config(layers=2, width=256, vocab=8192)
+    assert (c.n_heads, c.n_kv_heads, c.head_dim, c.tied_embeddings) == (4, 2, 64, True)
+    assert draft_config(3, 192, 8192).n_kv_heads == 1
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (pip install 'memspec[train]'); export check skipped")
+def test_tiny_export_matches_torch_forward(tmp_path):
+    import torch
+
+    from memspec.train import export_onnx, llama_class
+
+    torch.manual_seed(0)
+    cfg = draft_config(layers=2, width=64, vocab=256, head_dim=32, context=128)
+    model = llama_class()(cfg).eval()
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.2) if p.ndim == 2 else p.uniform_(0.5, 1.5)
+        # float16 storage: compare against the torch model with the same rounding
+        for p in model.parameters():
+            if p.ndim == 2:
+                p.copy_(p.half().float())
+    path = export_onnx(model, tmp_path / "tiny.onnx", max_positions=128)
+    ids = [3, 17, 200, 5, 9, 255, 0, 42]
+    with torch.no_grad():
+        want = model(torch.tensor([ids]))[0].numpy()
+    s = DecoderSession(path, SessionConfig(max_context=64, intra_op_threads=1))
+    assert s.layout == "gqa"
+    cache = s.new_cache()
+    got = s.forward(cache, ids[:5], keep=5)
+    got = np.concatenate([got, s.forward(cache, ids[5:], keep=3)])  # incremental decode path too
+    np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("name", DRAFTS)
+def test_shipped_draft_is_intact_and_loads(name):
+    folder = SHIPPED_MODELS / name
+    if not (folder / "manifest.json").is_file():
+        pytest.fail(f"{folder} has no manifest.json: the draft pool is not shipped")
+    store = ModelStore(home=folder.parent / "_none", shipped=SHIPPED_MODELS)
+    m = store.get(name)
+    assert m.role == "draft" and m.extra["target"] == "smollm2-135m"
+    assert store.verify(m) == []  # sha256 and bytes match the files
+    vocab = json.loads((folder / m.extra["draft_vocab"]).read_text())
+    assert UNKNOWN_TARGET_ID in vocab and 2 in vocab and set(range(17)) <= set(vocab)
+    assert len(vocab) == len(set(vocab)) == m.architecture["vocab"]
+    s = DecoderSession(m.variant_path("fp32"), SessionConfig(max_context=64, intra_op_threads=1))
+    assert s.layout == "gqa" and s.vocab_size == len(vocab)
+    logits = s.forward(s.new_cache(), [1, 9, 2], keep=1)
+    assert logits.shape == (1, len(vocab)) and np.isfinite(logits).all()
