@@ -76,6 +76,17 @@ class Engine:
         self.default_draft = default_draft  # used when a request names none; None = target only
         self.spec = spec
         self.scheduler = scheduler  # memspec.scheduler.Scheduler: picks each request's draft (replaces `drafts`)
+        self.verify_cost_s: list[float] | None = None  # [k] = seconds of a k-token target pass (measured once)
+        self._calibrate_lock = threading.Lock()
+
+    def calibrate(self) -> list[float] | None:
+        """Measure what a target pass over 1..gamma_max+1 tokens costs (once; the cost controller uses it)."""
+        if not (self.spec.adaptive and self.spec.controller == "cost"):
+            return None
+        with self._calibrate_lock:
+            if self.verify_cost_s is None:
+                self.verify_cost_s = self.target.session.measure_step_costs(self.spec.gamma_max + 1)
+        return self.verify_cost_s
 
     @classmethod
     def from_config(cls, config, variant: str | None = None, drafts: str = "scheduler") -> "Engine":
@@ -156,7 +167,7 @@ class Engine:
             return
         try:
             yield from speculative_steps(self.target.session, cache, prompt, select, req.sampling, rng,
-                                         self.spec, metrics, self.clock)
+                                         self.spec, metrics, self.clock, self.calibrate())
         finally:
             select.close()
 

@@ -34,18 +34,79 @@ class SpecConfig:
     p_min: float = 0.3  # a draft stops proposing when its top probability falls below this
     max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
     gamma: int = 5  # draft tokens proposed per step at the start
-    gamma_min: int = 1  # never propose fewer (while drafting at all)
+    gamma_min: int = 1  # the step controller never proposes fewer (while drafting at all)
     gamma_max: int = 8  # never propose more
-    adaptive: bool = True  # grow gamma by 1 after a full acceptance, shrink by 1 after a rejection
+    adaptive: bool = True  # adapt gamma as the request runs (False: always `gamma`)
+    controller: str = "cost"  # "cost": gamma that maximises expected tokens per unit of cost, from the
+    #                           acceptance seen so far and the target's measured verification cost (0 =
+    #                           a plain target step when drafting does not pay); "step": +1 after a full
+    #                           acceptance, -1 after a rejection
 
 
 def next_gamma(cfg: SpecConfig, gamma: int, n_drafted: int, n_accepted: int) -> int:
-    """The draft length for the next step, from this step's outcome."""
+    """The step controller: the draft length for the next step, from this step's outcome."""
     if not cfg.adaptive or n_drafted == 0:
         return gamma
     if n_accepted == n_drafted:
         return min(gamma + 1, cfg.gamma_max)
     return max(gamma - 1, cfg.gamma_min)
+
+
+def expected_tokens(alpha: float, gamma: int) -> float:
+    """Tokens one step commits when each draft token is accepted with probability alpha:
+    1 + alpha + ... + alpha^gamma (the accepted run plus the recovered or bonus token)."""
+    return float(gamma + 1) if alpha >= 1.0 else (1.0 - alpha ** (gamma + 1)) / (1.0 - alpha)
+
+
+def best_gamma(alpha: float, verify_cost: list[float], draft_cost: float, gamma_max: int) -> int:
+    """The draft length with the most expected tokens per unit of time (0 = do not draft).
+
+    verify_cost[k]: a target pass over k tokens, relative to one (verify_cost[1] == 1);
+    draft_cost: one draft token, relative to one target token.  A plain target step
+    commits 1 token at cost 1, so drafting must beat a rate of 1 to be used.
+    """
+    best, best_rate = 0, 1.0
+    for g in range(1, min(gamma_max, len(verify_cost) - 2) + 1):
+        rate = expected_tokens(alpha, g) / (verify_cost[g + 1] + g * draft_cost)
+        if rate > best_rate:
+            best, best_rate = g, rate
+    return best
+
+
+class CostController:
+    """Per request and per draft: acceptance and draft cost seen so far -> next gamma."""
+
+    PRIOR = (1.2, 0.8)  # pseudo-counts (accepted, rejected): alpha starts at 0.6
+    DECAY = 0.9  # weight of the past per step: recent acceptance counts most
+    PROBE_EVERY = 8  # while drafting does not pay, still try one token this often
+
+    def __init__(self, cfg: SpecConfig, verify_cost: list[float], target_step_s: float):
+        self.cfg = cfg
+        self.verify_cost = verify_cost
+        self.target_step_s = target_step_s
+        self.accepted, self.rejected = self.PRIOR
+        self.draft_cost = 0.05  # until measured
+        self.idle_steps = 0
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / (self.accepted + self.rejected)
+
+    def next(self) -> int:
+        g = best_gamma(self.alpha, self.verify_cost, self.draft_cost, self.cfg.gamma_max)
+        if g == 0:
+            self.idle_steps += 1
+            if self.idle_steps % self.PROBE_EVERY == 0:
+                return 1
+        return g
+
+    def observe(self, n_drafted: int, n_accepted: int, draft_s: float) -> None:
+        if n_drafted == 0:
+            return
+        self.accepted = self.DECAY * self.accepted + n_accepted
+        self.rejected = self.DECAY * self.rejected + (1 if n_accepted < n_drafted else 0)
+        per_token = draft_s / n_drafted / max(self.target_step_s, 1e-9)
+        self.draft_cost = 0.7 * self.draft_cost + 0.3 * per_token
 
 
 class DraftSelector(Protocol):
@@ -82,19 +143,34 @@ def _pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) 
 
 def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int], select: DraftSelector,
                       params: SamplingParams, rng: np.random.Generator, cfg: SpecConfig, metrics: SpecMetrics,
-                      clock: Callable[[], float] = time.perf_counter) -> Iterator[list[int]]:
-    """Yield the token ids committed at each step (1 .. k+1 per step)."""
+                      clock: Callable[[], float] = time.perf_counter,
+                      verify_cost_s: list[float] | None = None) -> Iterator[list[int]]:
+    """Yield the token ids committed at each step (1 .. k+1 per step).
+
+    verify_cost_s[k]: measured seconds of a target pass over k tokens (index 0 unused), for the
+    cost controller; without it the step controller runs.
+    """
+    verify_cost = [c / verify_cost_s[1] for c in verify_cost_s] if verify_cost_s else None
+    verify_cost_s1 = verify_cost_s[1] if verify_cost_s else 0.0
     logits = target.forward(cache, prompt, keep=1)[-1]
     context = list(prompt)
     first = _pick(logits, params, rng)
     context.append(first)
     yield [first]
     gamma = cfg.gamma
+    controllers: dict[str, CostController] = {}  # per draft: acceptance differs from draft to draft
+    use_cost = cfg.adaptive and cfg.controller == "cost" and verify_cost is not None
     while cache.length < cache.capacity:  # the pending last token must fit
-        k = min(gamma, cache.capacity - cache.length - 1)
         t0 = clock()
         draft_name, draft = select(context, metrics)
-        prop = draft.propose(context, k, params, rng) if draft is not None else Proposal([], None, [])
+        ctl = None
+        if use_cost and draft is not None:
+            ctl = controllers.get(draft_name)
+            if ctl is None:
+                ctl = controllers[draft_name] = CostController(cfg, verify_cost, verify_cost_s1)
+            gamma = ctl.next()
+        k = min(gamma, cache.capacity - cache.length - 1)
+        prop = draft.propose(context, k, params, rng) if draft is not None and k > 0 else Proposal([], None, [])
         t1 = clock()
         feed = [context[-1], *prop.tokens]
         rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)
@@ -108,5 +184,8 @@ def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int],
         committed = [*prop.tokens[:n], nxt]
         context.extend(committed)
         metrics.record_step(draft_name, len(prop.tokens), n, len(committed), t1 - t0, t2 - t1)
-        gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
+        if ctl is not None:
+            ctl.observe(len(prop.tokens), n, t1 - t0)
+        else:
+            gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
         yield committed

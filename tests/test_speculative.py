@@ -208,3 +208,51 @@ def test_unknown_draft_is_refused(fp32_engine):
 
     with pytest.raises(InvalidRequestError, match="unknown draft 'nope'; available: none, "):
         fp32_engine.generate(GenerationRequest(prompt="hi", draft="nope"))
+
+
+# -- the cost controller -----------------------------------------------------------------
+from memspec.speculative import CostController, best_gamma, expected_tokens  # noqa: E402
+
+Q4_LIKE = [0.0, 1.0, 1.23, 1.35, 1.5, 1.74, 1.93, 2.1, 2.4, 2.6]  # verify cost of k tokens / 1 token
+
+
+def test_expected_tokens():
+    assert expected_tokens(0.0, 5) == 1.0
+    assert expected_tokens(1.0, 5) == 6.0
+    assert expected_tokens(0.5, 2) == pytest.approx(1.75)
+
+
+def test_best_gamma_follows_acceptance_and_cost():
+    assert best_gamma(0.05, Q4_LIKE, 0.05, 8) == 0  # drafting cannot pay: plain target steps
+    assert best_gamma(0.72, Q4_LIKE, 0.07, 8) in (2, 3)
+    assert best_gamma(0.95, Q4_LIKE, 0.02, 8) >= 6
+    flat = [0.0] + [1.0] * 10  # verification free: draft as far as allowed
+    assert best_gamma(0.5, flat, 0.0, 8) == 8
+    assert best_gamma(0.9, Q4_LIKE, 0.07, 2) <= 2
+
+
+def test_cost_controller_learns_and_probes():
+    ctl = CostController(SpecConfig(gamma_max=8), Q4_LIKE, target_step_s=0.01)
+    first = ctl.next()
+    assert first >= 1  # the prior (alpha 0.6) says drafting pays
+    for _ in range(20):  # nothing is ever accepted
+        ctl.observe(max(ctl.next(), 1), 0, draft_s=0.0005)
+    assert ctl.alpha < 0.1
+    picks = [ctl.next() for _ in range(16)]
+    assert picks.count(0) >= 14 and 1 in picks  # stops drafting, but probes
+    for _ in range(20):  # now everything is accepted
+        ctl.observe(4, 4, draft_s=0.002)
+    assert ctl.alpha > 0.8 and ctl.next() >= 4
+    assert ctl.draft_cost == pytest.approx(0.05, rel=0.1)  # 0.5 ms / 10 ms
+
+
+def test_cost_controller_is_exact_on_onnx_models(tiny):
+    target, draft = tiny
+    costs = target.measure_step_costs(9)
+    assert len(costs) == 10 and all(c > 0 for c in costs[1:])
+    got = []
+    for committed in speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)),
+                                       SamplingParams(), np.random.default_rng(0), SpecConfig(), SpecMetrics(),
+                                       verify_cost_s=costs):
+        got.extend(committed)
+    assert got == greedy_target_only(target, PROMPT, len(got))
