@@ -366,9 +366,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_arguments(b)
     b.set_defaults(func=cmd_bench)
 
-    from memspec import train  # torch is imported only when train-draft runs
+    from memspec import predictor, profile, train  # torch is imported only when train-draft runs
 
     train.add_parser(sub).set_defaults(func=train.run_cli)
+    profile.add_parser(sub)
+    predictor.add_parser(sub)
     return p
 
 

@@ -90,7 +90,7 @@ class DraftModel:
                 f"draft {name!r} is not compatible with the target: its vocabulary map holds ids "
                 f"{to_target.min()}..{to_target.max()}, the target's vocabulary has {target_vocab}"
             )
-        session = DecoderSession(m.variant_path(next(iter(m.variants))), config)
+        session = DecoderSession(m.variant_path(next(iter(m.variants))), config, threads=config.draft_threads)
         if session.vocab_size not in (None, len(to_target)):
             raise ModelFormatError(
                 f"draft {name!r}: the model has {session.vocab_size} logits but its map has {len(to_target)} ids"

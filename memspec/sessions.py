@@ -36,7 +36,9 @@ class SessionConfig:
     """How ONNX Runtime runs a model."""
 
     providers: tuple[str, ...] = ("auto",)  # EP names, or "auto" = best that ORT reports
-    intra_op_threads: int = 0  # 0 = one per physical core
+    intra_op_threads: int = 0  # target threads; 0 = one per physical core
+    draft_threads: int = 1  # draft threads: drafts are tiny, and a second spinning thread pool
+    #                         would steal the cores the target verifies on
     max_context: int = 2048  # KV capacity in tokens (prompt + generated)
 
 
@@ -117,14 +119,18 @@ class GrowingCache(KVCache):
 class DecoderSession:
     """One decoder model in ONNX Runtime, shapes read from the model itself."""
 
-    def __init__(self, path: str | Path, config: SessionConfig = SessionConfig(), arena: bool = False):
+    def __init__(self, path: str | Path, config: SessionConfig = SessionConfig(), arena: bool = False,
+                 threads: int | None = None):
         """arena=True keeps ORT's CPU memory arena: faster steps, but freed memory stays in the
         process.  The pinned target uses it; drafts, which are loaded and evicted, do not."""
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelFormatError(f"model file not found: {self.path}")
         opts = ort.SessionOptions()
-        opts.intra_op_num_threads = config.intra_op_threads or physical_cores()
+        threads = threads if threads is not None else config.intra_op_threads
+        opts.intra_op_num_threads = threads or physical_cores()
+        if opts.intra_op_num_threads == 1:
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.log_severity_level = 3
         opts.enable_cpu_mem_arena = arena
         self.providers = resolve_providers(config.providers)

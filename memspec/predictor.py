@@ -1,0 +1,585 @@
+"""The predictor: expected tokens per second of each draft (and of target-only) for what comes next.
+
+Speed factors into two parts that behave very differently:
+
+    tok/s(d) = MAL(d) / (step_s(d) + per_draft_token_s(d) * drafted_per_step(d))
+
+* MAL (tokens committed per verification step) and drafted_per_step depend on
+  the text only: greedy verification is deterministic, so they are exact labels
+  with no timing noise, and they carry over to other hardware.  They are
+  learnt from prompt and context features by gradient-boosted trees, one
+  ensemble per (draft, quantity).
+* The per-step costs are two numbers per draft, fitted robustly on the timed
+  profiling steps (a line through seconds/step against drafted/step).  On a
+  new device only these need measuring again.
+
+Regressing tok/s directly would put the timing noise of every profiled
+segment into the labels and tie the model to the profiling machine.
+
+The fitted trees are saved as JSON (feature, threshold, children and value of
+every node) and evaluated here with NumPy alone, all ensembles at once, in
+float32 comparisons exactly as scikit-learn does, so a loaded predictor gives
+the numbers of the scikit-learn model it was exported from.  scikit-learn is
+needed only to train (`memspec train-predictor`, the second half of this file),
+on the traces `memspec profile` records (memspec.profile).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections import OrderedDict
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+from memspec.errors import ModelFormatError
+from memspec.features import (CONTEXT_FEATURES, OVERLAP_FEATURES, PROMPT_FEATURES, UNKNOWN, GenerationContext,
+                              context_features, overlap_features, prompt_features, prompt_ngrams)
+
+FORMAT = "memspec-predictor"
+VERSION = 1
+NONE = "none"  # the target-only policy
+SELF_FEATURES = ("self_acc",)  # the scored draft's own recent acceptance (UNKNOWN when it has not run)
+FEATURES = (*PROMPT_FEATURES, *CONTEXT_FEATURES, *OVERLAP_FEATURES, *SELF_FEATURES)
+QUANTITIES = ("mal", "drafted")  # per draft: tokens committed per step, draft tokens proposed per step
+DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models" / "predictor.json"
+
+
+@dataclass
+class Forest:
+    """E tree ensembles of K trees each, packed into (E, K, M) node arrays (M = nodes of the largest tree).
+
+    Leaves point to themselves with an infinite threshold, so walking `depth`
+    levels from the root ends on every tree's leaf whatever its own depth.
+    """
+
+    feature: np.ndarray  # (E, K, M) int64 feature each node splits on (0 at leaves)
+    threshold: np.ndarray  # (E, K, M) float64 go left when x <= threshold (+inf at leaves)
+    left: np.ndarray  # (E, K, M) int64 left child (itself at leaves)
+    right: np.ndarray  # (E, K, M) int64 right child (itself at leaves)
+    value: np.ndarray  # (E, K, M) float64 leaf value times the ensemble's learning rate
+    init: np.ndarray  # (E,) float64 the ensemble's constant start (the training mean)
+    depth: int  # levels to walk
+
+    def __post_init__(self):
+        E, K, M = self.value.shape
+        base = (np.arange(E * K) * M)[:, None]  # flat id of each tree's root
+        self._root = base[:, 0]
+        self._feature = self.feature.reshape(-1)
+        self._threshold = self.threshold.reshape(-1)
+        # children as flat ids, [left, right] side by side: child[2 * node + went_right]
+        self._child = np.stack([self.left.reshape(E * K, M) + base, self.right.reshape(E * K, M) + base],
+                               axis=-1).reshape(-1)
+        self._value = self.value.reshape(-1)
+
+    def predict(self, X: np.ndarray, rows: np.ndarray) -> np.ndarray:
+        """(n, R, F) inputs, (E,) which input row each ensemble reads -> (n, E) predictions."""
+        E, K, _ = self.value.shape
+        n, R, F = X.shape
+        # scikit-learn compares the float32 input with the float64 threshold; so do we
+        Xf = np.asarray(X, dtype=np.float32).reshape(-1)
+        T = E * K
+        col = np.repeat(np.asarray(rows) * F, K)  # (T,) where each tree's input row starts in a sample
+        if n == 1:
+            node, off = self._root, col
+        else:
+            node = np.tile(self._root, n)
+            off = (np.arange(n) * (R * F)).repeat(T) + np.tile(col, n)
+        for _ in range(self.depth):  # 1-D takes: the cheapest gather NumPy has
+            x = Xf.take(self._feature.take(node) + off)
+            node = self._child.take(2 * node + (x > self._threshold.take(node)))
+        leaf = self._value[node].reshape(n, E, K)
+        # summed tree by tree from the start value, in scikit-learn's order (bit-identical results)
+        terms = np.empty((n, E, K + 1))
+        terms[..., 0] = self.init
+        terms[..., 1:] = leaf
+        return np.cumsum(terms, axis=2)[..., -1]
+
+    @classmethod
+    def from_json(cls, ensembles: list[dict], n_features: int) -> "Forest":
+        trees = [(e, t) for e in ensembles for t in e["trees"]]
+        K = max(len(e["trees"]) for e in ensembles)
+        M = max(len(t["feature"]) for _, t in trees)
+        E = len(ensembles)
+        feature = np.zeros((E, K, M), dtype=np.int64)
+        threshold = np.full((E, K, M), np.inf)
+        left = np.broadcast_to(np.arange(M), (E, K, M)).copy()
+        right = left.copy()
+        value = np.zeros((E, K, M))
+        depth = 0
+        for i, ens in enumerate(ensembles):
+            lr = float(ens["learning_rate"])
+            for k, t in enumerate(ens["trees"]):
+                f, th = np.asarray(t["feature"], np.int64), np.asarray(t["threshold"], np.float64)
+                lc, rc, v = (np.asarray(t[key], np.int64 if key != "value" else np.float64)
+                             for key in ("left", "right", "value"))
+                m = len(f)
+                if not (len(th) == len(lc) == len(rc) == len(v) == m) or m == 0:
+                    raise ValueError(f"tree {k} of ensemble {i} has arrays of different lengths")
+                leaf = lc < 0
+                if (f[~leaf] < 0).any() or (f[~leaf] >= n_features).any():
+                    raise ValueError(f"tree {k} of ensemble {i} splits on a feature outside 0..{n_features - 1}")
+                if ((lc[~leaf] <= np.arange(m)[~leaf]) | (lc[~leaf] >= m) | (rc[~leaf] <= np.arange(m)[~leaf])
+                        | (rc[~leaf] >= m)).any():
+                    raise ValueError(f"tree {k} of ensemble {i} has a child index out of order or range")
+                feature[i, k, :m] = np.where(leaf, 0, f)
+                threshold[i, k, :m] = np.where(leaf, np.inf, th)
+                left[i, k, :m] = np.where(leaf, np.arange(m), lc)
+                right[i, k, :m] = np.where(leaf, np.arange(m), rc)
+                value[i, k, :m] = lr * v
+                depth = max(depth, _depth(lc, rc))
+        init = np.asarray([float(e["init"]) for e in ensembles])
+        return cls(feature, threshold, left, right, value, init, depth)
+
+
+def _depth(left: np.ndarray, right: np.ndarray) -> int:
+    """Levels below the root of one tree (children come after their parent)."""
+    d = np.zeros(len(left), dtype=np.int64)
+    for i in range(len(left)):
+        if left[i] >= 0:
+            d[left[i]] = d[right[i]] = d[i] + 1
+    return int(d.max())
+
+
+def tree_to_json(tree) -> dict:
+    """One fitted scikit-learn regression tree (`estimator.tree_`) as plain lists."""
+    return {"feature": tree.feature.tolist(), "threshold": tree.threshold.tolist(),
+            "left": tree.children_left.tolist(), "right": tree.children_right.tolist(),
+            "value": tree.value[:, 0, 0].tolist()}
+
+
+def gbr_to_json(model) -> dict:
+    """A fitted GradientBoostingRegressor (squared error) as {init, learning_rate, trees}."""
+    init = float(model.init_.constant_.ravel()[0]) if hasattr(model.init_, "constant_") else 0.0
+    return {"kind": "gbr", "init": init, "learning_rate": float(model.learning_rate),
+            "trees": [tree_to_json(est[0].tree_) for est in model.estimators_]}
+
+
+class Predictor:
+    """Scores each draft (and "none") by expected tokens per second for what comes next."""
+
+    def __init__(self, drafts: tuple[str, ...], costs: dict[str, dict], ensembles: dict[str, dict],
+                 info: dict | None = None):
+        modeled = [d for d in drafts if d != NONE]
+        missing = [f"{d}.{q}" for d in modeled for q in QUANTITIES if q not in ensembles.get(d, {})]
+        if missing or NONE not in costs or any(d not in costs for d in modeled):
+            raise ModelFormatError(f"predictor: incomplete model (missing ensembles {missing or 'none'}; "
+                                   f"costs for {sorted(costs)}, drafts {list(drafts)})")
+        self.drafts = tuple(drafts)  # the policies it scores: draft names and "none"
+        self.costs = costs  # draft -> {"step_s", "per_draft_token_s"}
+        self.ensembles = ensembles  # draft -> quantity -> ensemble JSON
+        self.info = dict(info or {})  # how it was trained (traces, held-out scores)
+        self._modeled = modeled
+        order = [(d, q) for d in modeled for q in QUANTITIES]
+        self._forest = Forest.from_json([ensembles[d][q] for d, q in order], len(FEATURES))
+        self._rows = np.asarray([modeled.index(d) for d, _ in order], dtype=np.int64)
+        self._step_s = np.asarray([costs[d]["step_s"] for d in modeled])
+        self._token_s = np.asarray([costs[d]["per_draft_token_s"] for d in modeled])
+        self._columns = np.asarray([0 if d == NONE else 1 + modeled.index(d) for d in self.drafts])
+        self._prompts: OrderedDict[str, tuple[np.ndarray, frozenset]] = OrderedDict()  # prompt -> features, ngrams
+
+    # -- persistence -----------------------------------------------------------------------
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "version": VERSION, "features": list(FEATURES), "quantities": list(QUANTITIES),
+                "drafts": list(self.drafts), "costs": self.costs, "ensembles": self.ensembles, "info": self.info}
+
+    def save(self, path) -> None:
+        path = Path(path)
+        tmp = path.with_name(path.name + ".partial")
+        tmp.write_text(json.dumps(self.to_json(), separators=(",", ":")) + "\n")
+        tmp.replace(path)
+
+    @classmethod
+    def from_json(cls, data, where: str = "predictor") -> "Predictor":
+        if not isinstance(data, dict) or data.get("format") != FORMAT:
+            raise ModelFormatError(f"{where}: not a memspec predictor (format {_get(data, 'format')!r}, "
+                                   f"expected {FORMAT!r})")
+        if data.get("version") != VERSION:
+            raise ModelFormatError(f"{where}: predictor version {data.get('version')!r} is not supported "
+                                   f"(this memspec reads version {VERSION}); retrain with `memspec train-predictor`")
+        if data.get("features") != list(FEATURES) or data.get("quantities") != list(QUANTITIES):
+            raise ModelFormatError(f"{where}: trained on a different feature set ({len(data.get('features') or [])} "
+                                   f"features, this memspec computes {len(FEATURES)}); retrain with "
+                                   f"`memspec train-predictor`")
+        try:
+            costs = {d: {"step_s": float(c["step_s"]), "per_draft_token_s": float(c["per_draft_token_s"])}
+                     for d, c in data["costs"].items()}
+            if any(not math.isfinite(v) or v < 0 for c in costs.values() for v in c.values()) or \
+                    any(c["step_s"] <= 0 for c in costs.values()):
+                raise ValueError("costs must be finite, step costs positive")
+            return cls(tuple(data["drafts"]), costs, data["ensembles"], data.get("info"))
+        except ModelFormatError:
+            raise
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise ModelFormatError(f"{where}: malformed predictor: {type(exc).__name__}: {exc}") from None
+
+    @classmethod
+    def load(cls, path=DEFAULT_PATH) -> "Predictor":
+        """Read a predictor saved by `save` (JSON only)."""
+        path = Path(path)
+        try:
+            data = json.loads(path.read_text())
+        except OSError as exc:
+            raise ModelFormatError(f"cannot read predictor {path}: {exc.strerror}") from None
+        except json.JSONDecodeError as exc:
+            raise ModelFormatError(f"predictor {path} is not JSON: {exc.msg} at line {exc.lineno}") from None
+        return cls.from_json(data, str(path))
+
+    # -- prediction --------------------------------------------------------------------------
+    def _prompt(self, text: str) -> tuple[np.ndarray, frozenset]:
+        hit = self._prompts.get(text)
+        if hit is None:
+            hit = self._prompts[text] = (prompt_features(text), prompt_ngrams(text))
+            if len(self._prompts) > 256:
+                self._prompts.popitem(last=False)
+        return hit
+
+    def inputs(self, prompt_text: str, ctx: GenerationContext | None = None) -> np.ndarray:
+        """(R, F) feature rows, one per modelled draft (they differ in self_acc only)."""
+        return feature_rows(*self._prompt(prompt_text), ctx, self._modeled)
+
+    def quantities(self, X: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """(n, R, F) inputs -> (n, R) MAL and (n, R) drafted per step, clipped to what is possible."""
+        raw = self._forest.predict(X, self._rows).reshape(X.shape[0], len(self._modeled), len(QUANTITIES))
+        drafted = np.maximum(raw[..., 1], 0.0)
+        mal = np.clip(raw[..., 0], 1.0, drafted + 1.0)
+        return mal, drafted
+
+    def tok_per_s(self, X: np.ndarray) -> np.ndarray:
+        """(n, R, F) inputs -> (n, R + 1) expected tok/s, columns in self.drafts order."""
+        mal, drafted = self.quantities(X)
+        tps = mal / (self._step_s + self._token_s * drafted)
+        none = np.full((X.shape[0], 1), 1.0 / self.costs[NONE]["step_s"])
+        return np.concatenate([none, tps], axis=1)[:, self._columns]
+
+    def predict(self, prompt_text: str, ctx: GenerationContext | None = None) -> dict[str, float]:
+        """Expected tokens per second of each draft (and "none") for what comes next."""
+        tps = self.tok_per_s(self.inputs(prompt_text, ctx)[None])[0]
+        return dict(zip(self.drafts, tps.tolist()))
+
+    def best(self, prompt_text: str, ctx: GenerationContext | None = None,
+             allowed: set[str] | None = None) -> str:
+        """The policy with the highest expected tok/s (among `allowed`, when given)."""
+        scores = self.predict(prompt_text, ctx)
+        return max((d for d in scores if allowed is None or d in allowed), key=scores.__getitem__, default=NONE)
+
+
+def feature_rows(pf: np.ndarray, grams: frozenset, ctx: GenerationContext | None, drafts) -> np.ndarray:
+    """(len(drafts), len(FEATURES)) inputs: prompt, context and overlap features, then each draft's own acceptance."""
+    row = np.concatenate([pf, context_features(ctx), overlap_features(grams, ctx), [UNKNOWN]])
+    X = np.repeat(row[None, :], len(drafts), axis=0)
+    if ctx is not None:
+        X[:, -1] = [ctx.recent_acceptance.get(d, UNKNOWN) for d in drafts]
+    return np.nan_to_num(X, nan=UNKNOWN)
+
+
+def _get(data, key):
+    return data.get(key) if isinstance(data, dict) else type(data).__name__
+
+
+# -- training (scikit-learn, offline) ---------------------------------------------------------------
+TRACE_FORMAT = "memspec-trace"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """How `train-predictor` fits (GradientBoostingRegressor settings) and evaluates."""
+
+    n_estimators: int = 60  # trees per (draft, quantity)
+    max_depth: int = 3  # levels per tree
+    learning_rate: float = 0.08
+    subsample: float = 0.8  # stochastic boosting: share of rows per tree
+    min_samples_leaf: int = 8
+    folds: int = 4  # held-out evaluation: prompts split into this many groups
+    seed: int = 0
+
+
+def read_traces(path) -> list[dict]:
+    """The request records of a `memspec profile` JSONL file."""
+    out = []
+    for n, line in enumerate(Path(path).read_text().splitlines(), 1):
+        if not line.strip():
+            continue
+        rec = json.loads(line)
+        if rec.get("format") != TRACE_FORMAT:
+            raise ModelFormatError(f"{path}:{n}: not a memspec trace record (format {rec.get('format')!r})")
+        out.append(rec)
+    if not out:
+        raise ModelFormatError(f"{path}: holds no trace records")
+    return out
+
+
+def _rate(m: dict | None) -> tuple[float, float] | None:
+    """(MAL, drafted per step) of a segment or request record; None when unmeasured."""
+    if not m or not m["steps"]:
+        return None
+    return m["tokens"] / m["steps"], m["drafted"] / m["steps"]
+
+
+def segment_context(seg: dict, prev: dict | None, current: str | None) -> GenerationContext:
+    """The context at a segment's start as a scheduler running `current` since `prev` would see it."""
+    c = seg["context"]
+    acc, ent = {}, float("nan")
+    last = prev["drafts"].get(current) if prev and current else None
+    if last and last["drafted"]:
+        acc[current] = last["accepted"] / last["drafted"]
+        if last.get("entropy") is not None:
+            ent = last["entropy"]
+    return GenerationContext(c["position"], acc, ent, c["in_code_block"], c["generated_tail"])
+
+
+def training_rows(traces: list[dict], drafts: list[str]):
+    """X (n, R, F), Y (n, R, 2) [MAL, drafted/step] (NaN = not measured), group (n,) = request index.
+
+    One row per request before generation (ctx None, whole-request labels) and,
+    per segment, one row for each draft that could have been running the segment
+    before (only its own acceptance known), and one with nothing known.
+    """
+    X, Y, G = [], [], []
+    for gi, tr in enumerate(traces):
+        pf, grams = prompt_features(tr["prompt_text"]), prompt_ngrams(tr["prompt_text"])
+
+        def add(ctx, labels):
+            X.append(feature_rows(pf, grams, ctx, drafts))
+            Y.append([_rate(labels.get(d)) or (np.nan, np.nan) for d in drafts])
+            G.append(gi)
+
+        add(None, tr["requests"])
+        for s, seg in enumerate(tr["segments"]):
+            prev = tr["segments"][s - 1] if s else None
+            currents = [None] + ([d for d in tr["policies"] if d != NONE] if prev else [])
+            for cur in currents:
+                add(segment_context(seg, prev, cur), seg["drafts"])
+    return np.asarray(X), np.asarray(Y, dtype=np.float64), np.asarray(G)
+
+
+def fit_costs(traces: list[dict], policies: list[str]) -> dict[str, dict]:
+    """Per policy: seconds per step = step_s + per_draft_token_s * drafted per step (robust least squares).
+
+    First segments are left out: they hold the draft's one-time prefill of the prompt.
+    """
+    costs = {}
+    for d in policies:
+        segs = [seg["drafts"][d] for tr in traces for seg in tr["segments"][1:] if seg["drafts"].get(d)]
+        segs = [m for m in segs if m["steps"]]
+        if not segs:
+            raise ModelFormatError(f"traces: no measured segments for {d!r}")
+        x = np.asarray([m["drafted"] / m["steps"] for m in segs])
+        y = np.asarray([m["seconds"] / m["steps"] for m in segs])
+        w = np.sqrt([m["steps"] for m in segs])
+        keep = np.ones(len(y), bool)
+        for _ in range(3):  # drop machine hiccups: residuals beyond 3 MADs, then refit
+            A = np.stack([np.ones(keep.sum()), x[keep]], 1) if d != NONE else np.ones((keep.sum(), 1))
+            coef = np.linalg.lstsq(A * w[keep, None], y[keep] * w[keep], rcond=None)[0]
+            pred = coef[0] + (coef[1] * x if d != NONE else 0.0)
+            res = y - pred
+            mad = np.median(np.abs(res[keep] - np.median(res[keep]))) + 1e-9
+            keep = np.abs(res) <= 3 * 1.4826 * mad
+        a, b = float(coef[0]), float(coef[1]) if d != NONE else 0.0
+        if b < 0 or a < 0:  # drafted/step barely varies (or noise tilts the line): a flat cost per step instead
+            a, b = float(np.average(y[keep], weights=w[keep] ** 2)), 0.0
+        costs[d] = {"step_s": max(a, 1e-5), "per_draft_token_s": b}
+    return costs
+
+
+def fit(traces: list[dict], cfg: TrainConfig = TrainConfig(), info: dict | None = None) -> Predictor:
+    """Fit ensembles and costs on traces; the result is built from its own JSON (what `load` would see)."""
+    from sklearn.ensemble import GradientBoostingRegressor
+
+    policies = list(traces[0]["policies"])
+    drafts = [d for d in policies if d != NONE]
+    X, Y, _ = training_rows(traces, drafts)
+    ensembles: dict[str, dict] = {}
+    for r, d in enumerate(drafts):
+        for qi, q in enumerate(QUANTITIES):
+            ok = ~np.isnan(Y[:, r, qi])
+            model = GradientBoostingRegressor(
+                n_estimators=cfg.n_estimators, max_depth=cfg.max_depth, learning_rate=cfg.learning_rate,
+                subsample=cfg.subsample, min_samples_leaf=cfg.min_samples_leaf, random_state=cfg.seed)
+            model.fit(X[ok, r], Y[ok, r, qi])
+            ensembles.setdefault(d, {})[q] = gbr_to_json(model)
+    pred = Predictor(tuple(policies), fit_costs(traces, policies), ensembles, info)
+    return Predictor.from_json(json.loads(json.dumps(pred.to_json())))
+
+
+# -- held-out evaluation ----------------------------------------------------------------------------
+def _measured(m: dict | None) -> float | None:
+    return m["tokens"] / m["seconds"] if m and m["steps"] and m["seconds"] > 0 else None
+
+
+def _modeled(m: dict, cost: dict) -> float:
+    """tok/s of a record under the fitted step costs: its acceptance, without its timing noise."""
+    return m["tokens"] / (m["steps"] * cost["step_s"] + m["drafted"] * cost["per_draft_token_s"])
+
+
+def _outcome(choice: str, records: dict[str, dict], pred: Predictor, single: str, aligned: bool) -> dict:
+    tps = {d: _measured(m) for d, m in records.items()}
+    tps = {d: v for d, v in tps.items() if v is not None}
+    best = max(tps, key=tps.__getitem__)
+    modeled = {d: _modeled(records[d], pred.costs[d]) for d in tps}
+    best_modeled = max(modeled, key=modeled.__getitem__)
+    return {"choice": choice, "best": best, "hit": choice == best, "aligned": aligned,
+            "hit_modeled": choice == best_modeled, "single_hit": single == best,
+            "single_hit_modeled": single == best_modeled,
+            "tps": tps[choice], "best_tps": tps[best], "single_tps": tps[single],
+            "mean_tps": float(np.mean(list(tps.values())))}
+
+
+def evaluate(pred: Predictor, traces: list[dict], single_best: str) -> dict[str, list]:
+    """Outcomes per request (choice from the prompt alone) and per segment (closed loop: the draft chosen
+    for the last segment reports its acceptance), and the replayed segment-by-segment totals."""
+    out: dict[str, list] = {"request": [], "segment": [], "sim": []}
+    rng = np.random.default_rng(0)
+    for tr in traces:
+        recs = {d: m for d, m in tr["requests"].items() if d in pred.drafts and _measured(m) is not None}
+        scores = pred.predict(tr["prompt_text"])
+        aligned = all(m.get("mismatch_at") is None for m in recs.values())
+        out["request"].append(_outcome(max(recs, key=scores.__getitem__), recs, pred, single_best, aligned))
+        cur, sim = None, {"pred": [0, 0.0], "fixed": [0, 0.0], "oracle": [0, 0.0], "random": [0, 0.0]}
+        for s, seg in enumerate(tr["segments"]):
+            scores = pred.predict(tr["prompt_text"], segment_context(seg, tr["segments"][s - 1] if s else None, cur))
+            cur = max(pred.drafts, key=scores.__getitem__)
+            recs = {d: m for d, m in seg["drafts"].items() if d in pred.drafts and _measured(m) is not None}
+            if cur not in recs or single_best not in recs:
+                continue  # not measured here (that run ended sooner: its output diverged from target-only)
+            o = _outcome(cur, recs, pred, single_best, all(m.get("aligned", True) for m in recs.values()))
+            out["segment"].append(o)
+            for key, d in (("pred", cur), ("fixed", single_best), ("oracle", o["best"]),
+                           ("random", list(recs)[rng.integers(len(recs))])):
+                sim[key][0] += recs[d]["tokens"]
+                sim[key][1] += recs[d]["seconds"]
+        out["sim"].append(sim)
+    return out
+
+
+def single_best_policy(traces: list[dict], policies) -> str:
+    """The policy with the highest total measured throughput over these requests."""
+    tot = {d: [0, 0.0] for d in policies}
+    for tr in traces:
+        for d in policies:
+            m = tr["requests"].get(d)
+            if m:
+                tot[d][0] += m["tokens"]
+                tot[d][1] += m["seconds"]
+    return max(policies, key=lambda d: tot[d][0] / tot[d][1] if tot[d][1] else 0.0)
+
+
+def cross_validate(traces: list[dict], cfg: TrainConfig) -> dict:
+    """Held out by prompt: each fold's predictor never saw the prompts it is scored on."""
+    order = np.random.default_rng(cfg.seed).permutation(len(traces))
+    folds = [order[i::cfg.folds] for i in range(cfg.folds)]
+    merged: dict[str, list] = {"request": [], "segment": [], "sim": []}
+    singles = []
+    for test in folds:
+        train = [traces[i] for i in order if i not in set(test)]
+        pred = fit(train, cfg)
+        single = single_best_policy(train, pred.drafts)
+        singles.append(single)
+        for k, v in evaluate(pred, [traces[i] for i in test], single).items():
+            merged[k] += v
+    return summarize(merged, singles)
+
+
+def summarize(ev: dict[str, list], singles: list[str]) -> dict:
+    res = {"single_best": sorted(set(singles))}
+    for level in ("request", "segment"):
+        rows = ev[level]
+        col = {k: np.asarray([r[k] for r in rows]) for k in rows[0]}
+        al = col["aligned"]
+        res[level] = {
+            "n": len(rows), "aligned": int(al.sum()), "accuracy": float(col["hit"].mean()),
+            "accuracy_aligned": float(col["hit"][al].mean()) if al.any() else None,
+            "accuracy_modeled": float(col["hit_modeled"].mean()),
+            "accuracy_single_best": float(col["single_hit"].mean()),
+            "accuracy_single_best_modeled": float(col["single_hit_modeled"].mean()),
+            "regret_tok_s": float(np.mean(col["best_tps"] - col["tps"])),
+            "regret_single_best_tok_s": float(np.mean(col["best_tps"] - col["single_tps"])),
+            "regret_random_tok_s": float(np.mean(col["best_tps"] - col["mean_tps"])),
+            "best_tok_s": float(col["best_tps"].mean()),
+            "chosen": {str(d): int((col["choice"] == d).sum()) for d in sorted(set(col["choice"]))},
+            "best": {str(d): int((col["best"] == d).sum()) for d in sorted(set(col["best"]))},
+        }
+    tot = {k: [sum(s[k][0] for s in ev["sim"]), sum(s[k][1] for s in ev["sim"])] for k in ev["sim"][0]}
+    res["simulated_tok_s"] = {k: v[0] / v[1] for k, v in tot.items() if v[1]}
+    return res
+
+
+def print_report(res: dict, n_requests: int, cfg: TrainConfig, out=sys.stdout) -> None:
+    print(f"held out by prompt: {cfg.folds} folds over {n_requests} prompts; "
+          f"single best draft of the training folds: {', '.join(res['single_best'])}", file=out)
+    print(f"{'level':<9} {'n':>5} {'choice=best':>11} {'(cost model)':>12} {'regret tok/s: predictor':>24} "
+          f"{'single-best':>11} {'random':>7} {'(best tok/s)':>12}", file=out)
+    for level in ("request", "segment"):
+        r = res[level]
+        print(f"{level:<9} {r['n']:>5} {r['accuracy']:>11.0%} {r['accuracy_modeled']:>12.0%} "
+              f"{r['regret_tok_s']:>24.2f} {r['regret_single_best_tok_s']:>11.2f} {r['regret_random_tok_s']:>7.2f} "
+              f"{r['best_tok_s']:>12.1f}", file=out)
+    for level in ("request", "segment"):
+        r = res[level]
+        print(f"{level}: chosen {r['chosen']}; measured best {r['best']}; the single best draft was the best "
+              f"{r['accuracy_single_best']:.0%} ({r['accuracy_single_best_modeled']:.0%} by cost model)", file=out)
+        if r["aligned"] < r["n"] and r["accuracy_aligned"] is not None:
+            print(f"{level}: {r['aligned']} of {r['n']} with every output identical to target-only; "
+                  f"choice=best on those {r['accuracy_aligned']:.0%}", file=out)
+    s = res["simulated_tok_s"]
+    print("(cost model) = choice was the best by measured acceptance under the fitted step costs (no timing noise)",
+          file=out)
+    print("segment-by-segment switching replayed from the traces (draft switch cost not counted): "
+          + ", ".join(f"{k} {v:.1f} tok/s" for k, v in s.items()), file=out)
+
+
+def measure_latency(pred: Predictor, prompt_text: str, n: int = 2000) -> dict[str, float]:
+    """Median microseconds of predict(): first call (prompt features computed) and later calls (cached)."""
+    import time
+
+    ctx = GenerationContext(64, {pred.drafts[-1]: 0.6}, 1.2, False, "def f(x):\n    return x + 1\n")
+    t = []
+    for i in range(n):
+        text = prompt_text if i % 2 else f"{prompt_text} {i}"
+        t0 = time.perf_counter()
+        pred.predict(text, ctx)
+        t.append((time.perf_counter() - t0) * 1e6)
+    t = np.asarray(t)
+    return {"uncached_us": float(np.median(t[0::2])), "cached_us": float(np.median(t[1::2]))}
+
+
+# -- command line -------------------------------------------------------------------------------------
+def add_parser(subparsers):
+    p = subparsers.add_parser("train-predictor", help="fit the draft predictor on `memspec profile` traces",
+                              description="Fits one gradient-boosted tree ensemble per (draft, MAL | drafted/step) "
+                                          "and per-draft step costs, prints held-out accuracy and regret "
+                                          "(split by prompt), and saves JSON.")
+    p.add_argument("--traces", required=True, metavar="FILE", help="JSONL written by `memspec profile`")
+    p.add_argument("--out", default=str(DEFAULT_PATH), metavar="FILE", help="where to save (default: %(default)s)")
+    p.add_argument("--folds", type=int, default=TrainConfig.folds, help="held-out folds (0 = skip evaluation)")
+    p.add_argument("--trees", type=int, default=TrainConfig.n_estimators, help="trees per ensemble")
+    p.add_argument("--seed", type=int, default=TrainConfig.seed)
+    p.set_defaults(func=run_cli)
+    return p
+
+
+def run_cli(args) -> int:
+    import datetime
+
+    import sklearn
+
+    traces = read_traces(args.traces)
+    if args.folds and not 2 <= args.folds <= len(traces):
+        raise ModelFormatError(f"--folds must be 0 or 2..{len(traces)} (the number of prompts), got {args.folds}")
+    cfg = TrainConfig(n_estimators=args.trees, folds=args.folds or TrainConfig.folds, seed=args.seed)
+    held_out = cross_validate(traces, cfg) if args.folds else None
+    if held_out:
+        print_report(held_out, len(traces), cfg)
+    info = {"traces": Path(args.traces).name, "requests": len(traces),
+            "segments": sum(len(t["segments"]) for t in traces), "target": traces[0].get("target"),
+            "trained": datetime.date.today().isoformat(), "sklearn": sklearn.__version__,
+            "config": asdict(cfg), "held_out": held_out}
+    pred = fit(traces, cfg, info)
+    pred.save(args.out)
+    lat = measure_latency(pred, traces[0]["prompt_text"])
+    print(f"saved {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB): {', '.join(pred.drafts)}; "
+          f"predict() {lat['cached_us']:.0f} us (prompt cached), {lat['uncached_us']:.0f} us (new prompt)")
+    return 0

@@ -1,0 +1,262 @@
+"""The predictor: features on literal prompts, exact JSON export of the trees, refusal of bad files,
+training on synthetic traces, and the shipped models/predictor.json.  No model runs here."""
+
+from __future__ import annotations
+
+import json
+import time
+
+import numpy as np
+import pytest
+
+from memspec import features as F
+from memspec.errors import ModelFormatError
+from memspec.predictor import (DEFAULT_PATH, FEATURES, NONE, Forest, Predictor, TrainConfig, cross_validate, fit,
+                               gbr_to_json, measure_latency)
+from memspec.profile import _tally, first_mismatch
+from memspec.store import SHIPPED_MODELS
+
+CODE = "Write a Python function `merge(a, b)` that merges two sorted lists:\n\n    def merge(a, b):\n        pass"
+PROSE = "Tell me about the history of the city of Rome and why people still visit it today."
+MATH = "A shop sells pencils at 3 for 45 cents. How much do 12 pencils cost? Calculate step by step: 12 / 3 * 45 = ?"
+REWRITE = ("Rewrite this paragraph in the passive voice: The committee approved the budget. The manager "
+           "announced the decision. The staff celebrated the news.")
+
+
+def feat(text: str) -> dict[str, float]:
+    return dict(zip(F.PROMPT_FEATURES, F.prompt_features(text)))
+
+
+# -- features -------------------------------------------------------------------------------------------
+def test_feature_vectors_have_the_declared_lengths():
+    assert F.prompt_features("").shape == (len(F.PROMPT_FEATURES),)
+    assert F.prompt_features(CODE).dtype == np.float64
+    assert F.context_features(None).shape == (len(F.CONTEXT_FEATURES),)
+    ctx = F.GenerationContext(10, {"draft-code": 0.5}, 1.0, True, "x = 1")
+    assert F.context_features(ctx).shape == (len(F.CONTEXT_FEATURES),)
+    assert np.isfinite(F.prompt_features("ünïcödé ✓ — 你好\n\t{}")).all()
+
+
+def test_code_prompt_looks_like_code():
+    code, prose = feat(CODE), feat(PROSE)
+    for name in ("code_intent", "code_keywords", "indented_lines", "frac_bracket"):
+        assert code[name] > prose[name], name
+
+
+def test_math_prompt_has_numbers_and_math_words():
+    m, prose = feat(MATH), feat(PROSE)
+    for name in ("numbers", "math_words", "frac_digit", "frac_operator"):
+        assert m[name] > prose[name], name
+
+
+def test_rewriting_prompt_is_likely_to_copy():
+    r, prose = feat(REWRITE), feat(PROSE)
+    assert r["copy_verbs"] > prose["copy_verbs"] and r["copy_verb_first"] == 1.0 and prose["copy_verb_first"] == 0.0
+    assert r["given_text_frac"] > 0.5 > prose["given_text_frac"]
+    assert feat('Translate to French: "The cat sleeps on the warm mat all day long."')["quoted_frac"] > 0.5
+    assert feat('Convert to JSON:\n- name: a\n- size: 2')["structured_markers"] > 0
+
+
+def test_chat_structure_and_repetition():
+    chat = F.chat_text([("system", "Be brief."), ("user", "Hi"), ("assistant", "Hello"), ("user", "Why?")])
+    c = feat(chat)
+    assert c["chat_turns"] == 4 and c["has_system"] == 1.0
+    assert feat(PROSE)["chat_turns"] == 0 and feat(PROSE)["has_system"] == 0.0
+    assert feat("the cat sat " * 20)["bigram_repeat"] > 0.8 > feat(PROSE)["bigram_repeat"]
+
+
+def test_context_features():
+    none = dict(zip(F.CONTEXT_FEATURES, F.context_features(None)))
+    assert none["has_context"] == 0 and none["acc:draft-code"] == F.UNKNOWN and none["draft_entropy"] == F.UNKNOWN
+    ctx = F.context_of(40, "Sure:\n```python\ndef f(x):\n    return x\n", {"draft-code": 0.75})
+    c = dict(zip(F.CONTEXT_FEATURES, F.context_features(ctx)))
+    assert c["in_code_block"] == 1.0 and c["acc:draft-code"] == 0.75 and c["acc:draft-math"] == F.UNKNOWN
+    assert c["acc_max"] == 0.75 and c["tail_indented"] > 0 and c["log_position"] == pytest.approx(np.log1p(40))
+    assert not F.context_of(40, "```py\nx\n```\n").in_code_block
+    grams = F.prompt_ngrams(REWRITE)
+    copying = F.overlap_features(grams, F.context_of(9, "The budget was approved by the committee."))
+    echoing = F.overlap_features(grams, F.context_of(9, "the manager announced the decision and"))
+    assert echoing[0] > copying[0] == 0.0
+
+
+# -- exact export of the trees -----------------------------------------------------------------------------
+def _gbr(seed=0, n_features=len(FEATURES)):
+    from sklearn.ensemble import GradientBoostingRegressor
+
+    rng = np.random.default_rng(seed)
+    X = rng.normal(size=(300, n_features))
+    X[:, 3] = rng.integers(0, 3, 300)  # ties and thresholds on integer features too
+    y = X[:, 0] * 2 + np.where(X[:, 3] > 1, 1.5, 0) + rng.normal(0, 0.1, 300)
+    m = GradientBoostingRegressor(n_estimators=40, max_depth=3, learning_rate=0.1, subsample=0.8,
+                                  min_samples_leaf=3, random_state=seed).fit(X, y)
+    return m, rng.normal(size=(200, n_features)) * 1.3
+
+
+def test_json_trees_predict_exactly_what_sklearn_predicts():
+    m1, X = _gbr(0)
+    m2, _ = _gbr(1)
+    forest = Forest.from_json(json.loads(json.dumps([gbr_to_json(m1), gbr_to_json(m2)])), len(FEATURES))
+    got = forest.predict(np.stack([X, X[::-1]], axis=1), np.array([0, 1]))  # ensemble 1 reads row 1
+    assert np.array_equal(got[:, 0], m1.predict(X))
+    assert np.array_equal(got[:, 1], m2.predict(X[::-1]))
+
+
+def _synthetic_traces(n_per_kind: int = 8) -> list[dict]:
+    """Traces where draft-code wins on code, prompt-lookup on rewriting, target-only on chit-chat."""
+    kinds = {  # kind -> (prompt, {policy: tokens per step}, drafted per step)
+        "code": ("Write a Python function that {t}.", {"prompt-lookup": 1.1, "draft-code": 3.2}, 4.0),
+        "rewrite": ("Rewrite in simple words: The {t} was approved by the committee after a long debate.",
+                    {"prompt-lookup": 2.6, "draft-code": 1.2}, 3.0),
+        "chat": ("Tell me something nice about {t}.", {"prompt-lookup": 1.0, "draft-code": 1.05}, 2.0),
+    }
+    cost = {NONE: (0.010, 0.0), "prompt-lookup": (0.0105, 0.0003), "draft-code": (0.011, 0.002)}
+    topics = ["lists", "strings", "budget", "numbers", "files", "trees", "graphs", "dates", "money", "words"]
+    rng = np.random.default_rng(0)
+    traces = []
+    for kind, (tmpl, mal, dps) in kinds.items():
+        for i in range(n_per_kind):
+            def rec(p, steps=8):
+                m = 1.0 if p == NONE else mal[p] * rng.uniform(0.9, 1.1)
+                d = 0.0 if p == NONE else dps
+                tokens = int(round(m * steps))
+                a, b = cost[p]
+                return {"tokens": tokens, "steps": steps, "seconds": steps * (a + b * d) * rng.uniform(0.95, 1.05),
+                        "drafted": int(d * steps), "accepted": max(tokens - steps, 0), "entropy": None,
+                        "aligned": True}
+            policies = [NONE, "prompt-lookup", "draft-code"]
+            segs = [{"start": 1 + 16 * s, "end": 17 + 16 * s,
+                     "context": {"position": 1 + 16 * s, "in_code_block": kind == "code", "generated_tail": "x"},
+                     "drafts": {p: rec(p) for p in policies}} for s in range(4)]
+            req = {p: dict(rec(p, 32), mismatch_at=None) for p in policies}
+            traces.append({"format": "memspec-trace", "version": 1, "id": len(traces), "category": kind,
+                           "prompt": tmpl.format(t=topics[i]), "prompt_text": tmpl.format(t=topics[i]),
+                           "policies": policies, "requests": req, "segments": segs})
+    return traces
+
+
+@pytest.fixture(scope="module")
+def synthetic():
+    traces = _synthetic_traces()
+    return traces, fit(traces, TrainConfig(n_estimators=30, learning_rate=0.2, min_samples_leaf=3))
+
+
+def test_trained_predictor_picks_the_right_draft(synthetic):
+    _, pred = synthetic
+    assert pred.drafts == (NONE, "prompt-lookup", "draft-code")
+    assert pred.best("Write a Python function that sorts a dict.") == "draft-code"
+    assert pred.best("Rewrite in simple words: The plan was approved by the committee after a long debate.") \
+        == "prompt-lookup"
+    assert pred.best("Tell me something nice about cats.") == NONE
+    assert pred.costs[NONE]["step_s"] == pytest.approx(0.010, rel=0.05)
+    assert pred.costs["draft-code"]["per_draft_token_s"] == pytest.approx(0.002, rel=0.3)
+
+
+def test_cross_validation_reports_accuracy_and_regret(synthetic):
+    traces, _ = synthetic
+    res = cross_validate(traces, TrainConfig(n_estimators=20, learning_rate=0.2, min_samples_leaf=3, folds=3))
+    assert res["request"]["n"] == len(traces) and res["segment"]["n"] == 4 * len(traces)
+    assert res["request"]["accuracy"] > 0.8
+    assert res["request"]["regret_tok_s"] < res["request"]["regret_random_tok_s"]
+
+
+def test_save_load_round_trip_predicts_identically(synthetic, tmp_path):
+    _, pred = synthetic
+    pred.save(tmp_path / "p.json")
+    again = Predictor.load(tmp_path / "p.json")
+    ctx = F.context_of(33, "def f(x):\n    return", {"draft-code": 0.8}, entropy=0.7)
+    for prompt, c in ((CODE, None), (REWRITE, ctx), (PROSE, ctx)):
+        assert again.predict(prompt, c) == pred.predict(prompt, c)
+
+
+@pytest.mark.parametrize("change, message", [
+    (lambda d: d.update(format="something-else"), "not a memspec predictor"),
+    (lambda d: d.update(version=99), "version 99 is not supported"),
+    (lambda d: d.update(features=d["features"][:-1]), "different feature set"),
+    (lambda d: d["ensembles"]["draft-code"]["mal"]["trees"][0]["left"].pop(), "different lengths"),
+    (lambda d: d["ensembles"]["draft-code"]["mal"]["trees"][0]["feature"].__setitem__(0, 10_000), "outside"),
+    (lambda d: d["ensembles"]["draft-code"]["mal"]["trees"][0]["right"].__setitem__(0, 0), "out of order"),
+    (lambda d: d["ensembles"].pop("draft-code"), "incomplete model"),
+    (lambda d: d["costs"][NONE].update(step_s=-1), "malformed predictor"),
+    (lambda d: d.pop("costs"), "malformed predictor"),
+])
+def test_load_refuses_bad_files(synthetic, tmp_path, change, message):
+    _, pred = synthetic
+    data = json.loads(json.dumps(pred.to_json()))
+    change(data)
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(data))
+    with pytest.raises(ModelFormatError, match=message):
+        Predictor.load(path)
+
+
+def test_load_refuses_non_json_and_missing_files(tmp_path):
+    (tmp_path / "x.json").write_text("{not json")
+    with pytest.raises(ModelFormatError, match="is not JSON"):
+        Predictor.load(tmp_path / "x.json")
+    with pytest.raises(ModelFormatError, match="cannot read predictor"):
+        Predictor.load(tmp_path / "missing.json")
+
+
+# -- profile helpers -----------------------------------------------------------------------------------------
+def test_profile_tallies_and_mismatch():
+    assert first_mismatch([1, 2, 3], [1, 2, 3]) is None
+    assert first_mismatch([1, 2, 3], [1, 5, 3]) == 1
+    assert first_mismatch([1, 2, 3], [1, 2]) == 2
+    steps = [[1, 4, 2, 3, 0.02, 0.5], [4, 4, 4, 5, 0.03, 0.4], [9, 2, 0, 1, 0.01, None]]
+    t = _tally(steps, 1, 9, length=12)
+    assert t == {"tokens": 8, "steps": 2, "seconds": pytest.approx(0.05), "drafted": 8, "accepted": 6,
+                 "entropy": pytest.approx(0.45)}
+    assert _tally(steps, 9, 20, length=10)["tokens"] == 1  # committed tokens past the end are not counted
+
+
+# -- the shipped predictor -------------------------------------------------------------------------------------
+def test_shipped_predictor_scores_every_shipped_draft():
+    pred = Predictor.load(DEFAULT_PATH)
+    shipped = {json.loads(p.read_text())["name"] for p in SHIPPED_MODELS.glob("*/manifest.json")
+               if json.loads(p.read_text()).get("role") == "draft"}
+    assert shipped, "no drafts in models/"
+    assert shipped | {NONE, "prompt-lookup"} <= set(pred.drafts)
+    for prompt in (CODE, PROSE, MATH, REWRITE):
+        for ctx in (None, F.context_of(20, "Here is the code:\n```python\n", {"draft-code": 0.6}, entropy=1.0)):
+            scores = pred.predict(prompt, ctx)
+            assert set(scores) == set(pred.drafts)
+            assert all(np.isfinite(v) and v > 0 for v in scores.values())
+
+
+def test_prediction_cost_benchmark(synthetic, capsys):
+    """A benchmark, not a timing assertion: prints how long predict() and the features take."""
+    pred = Predictor.load(DEFAULT_PATH) if DEFAULT_PATH.is_file() else synthetic[1]
+    long_prompt = (REWRITE + " " + CODE + " " + MATH + " ") * 6
+    lat = measure_latency(pred, long_prompt[:2000], n=400)
+    t0 = time.perf_counter()
+    for _ in range(200):
+        F.prompt_features(long_prompt[:2000])
+    feat_us = (time.perf_counter() - t0) / 200 * 1e6
+    with capsys.disabled():
+        print(f"\npredict(): {lat['cached_us']:.0f} us with the prompt cached, {lat['uncached_us']:.0f} us for a "
+              f"new 2k-char prompt; prompt_features(2k chars) {feat_us:.0f} us ({len(pred.drafts)} policies)")
+
+
+@pytest.mark.slow
+def test_profile_one_short_request_on_the_real_target(model_store):
+    """Segments of every policy line up with target-only's, and a trace record makes training rows."""
+    from memspec.config import Config
+    from memspec.drafts import PromptLookup
+    from memspec.engine import Engine
+    from memspec.predictor import training_rows
+    from memspec.profile import ProfileConfig, profile_request
+
+    engine = Engine.from_config(Config(), drafts="none")
+    engine.drafts = {"prompt-lookup": PromptLookup(engine.target.session.vocab_size)}
+    item = {"prompt": "Repeat exactly: one two three four five six seven eight", "category": "rewriting"}
+    tr = profile_request(engine, item, 0, [NONE, "prompt-lookup"], ProfileConfig(max_tokens=20, segment_tokens=6))
+    assert tr["policies"] == [NONE, "prompt-lookup"] and tr["requests"][NONE]["mismatch_at"] is None
+    starts = [s["start"] for s in tr["segments"]]
+    assert starts and starts == list(range(1, 1 + 6 * len(starts), 6))
+    for seg in tr["segments"]:
+        none = seg["drafts"][NONE]
+        assert none["steps"] == none["tokens"] == seg["end"] - seg["start"] and none["drafted"] == 0
+    pl = tr["requests"]["prompt-lookup"]
+    assert pl["drafted"] >= pl["accepted"] >= 0 and pl["entropy"] is None
+    X, Y, G = training_rows([tr], ["prompt-lookup"])
+    assert X.shape[1:] == (1, len(FEATURES)) and Y.shape[1:] == (1, 2) and len(X) == len(G)
