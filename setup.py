@@ -3,10 +3,12 @@
 Everything else about the package is in pyproject.toml.  `build_py` writes
 memspec/_proto/ into the build directory for wheels and plain installs, and
 into the source tree for editable installs (where the source tree is what gets
-imported).  The generated files are never committed.
+imported).  The generated files are never committed.  Wheels and plain installs
+also carry the shipped drafts and predictor (models/) as memspec/_models/.
 """
 
 import importlib.util
+import shutil
 from pathlib import Path
 
 from setuptools import setup
@@ -29,6 +31,9 @@ class BuildWithProto(build_py):
         proto = _proto_module()
         out = HERE / "memspec" / "_proto" if self.editable_mode else Path(self.build_lib) / "memspec" / "_proto"
         proto.generate(out, HERE / "protos")
+        if not self.editable_mode and (HERE / "models").is_dir():
+            # the shipped drafts and predictor travel inside the wheel (memspec.store.SHIPPED_MODELS)
+            shutil.copytree(HERE / "models", Path(self.build_lib) / "memspec" / "_models", dirs_exist_ok=True)
 
 
 setup(cmdclass={"build_py": BuildWithProto})

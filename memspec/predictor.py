@@ -45,7 +45,8 @@ NONE = "none"  # the target-only policy
 SELF_FEATURES = ("self_acc",)  # the scored draft's own recent acceptance (UNKNOWN when it has not run)
 FEATURES = (*PROMPT_FEATURES, *CONTEXT_FEATURES, *OVERLAP_FEATURES, *SELF_FEATURES)
 QUANTITIES = ("mal", "drafted")  # per draft: tokens committed per step, draft tokens proposed per step
-DEFAULT_PATH = Path(__file__).resolve().parent.parent / "models" / "predictor.json"
+from memspec.store import SHIPPED_MODELS  # noqa: E402
+DEFAULT_PATH = SHIPPED_MODELS / "predictor.json"
 
 
 @dataclass

@@ -54,7 +54,7 @@ NONE = "none"  # the predictor's name for target-only decoding
 class SchedulerConfig:
     """Draft selection and the resident set ([scheduler] in the config)."""
 
-    policy: str = "target-only"  # target-only, fixed:<draft>, bandit, memspec or oracle
+    policy: str = "memspec"  # target-only, fixed:<draft>, bandit, memspec or oracle
     budget_mb: int = 0  # target + resident drafts may not exceed this; 0 = no budget
     pressure_floor_mb: int = 0  # below this much available system memory: evict drafts, then target-only; 0 = off
     switch_every_steps: int = 8  # memspec: ask the predictor again every this many steps

@@ -21,7 +21,17 @@ from pathlib import Path
 from memspec.errors import ModelFormatError, ModelNotFoundError
 
 MANIFEST = "manifest.json"
-SHIPPED_MODELS = Path(__file__).resolve().parent.parent / "models"
+
+
+def _shipped_models() -> Path:
+    """The drafts and predictor that ship with memspec: the repository's models/ in a
+    checkout or an editable install, memspec/_models/ in a wheel (setup.py copies it)."""
+    here = Path(__file__).resolve().parent
+    checkout = here.parent / "models"
+    return checkout if checkout.is_dir() else here / "_models"
+
+
+SHIPPED_MODELS = _shipped_models()
 
 
 def default_home() -> Path:

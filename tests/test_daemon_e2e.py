@@ -46,6 +46,11 @@ max_prompt_chars = {max_chars}
 max_concurrent = 4
 max_queue = {max_queue}
 grace_seconds = {grace}
+[scheduler]
+# Equality with local generation needs the same draft at every step: the memspec policy
+# picks drafts by timing (what has loaded), and on the 4-bit target a different draft can
+# flip a near-tie.  Drafts are exercised by name (test_a_named_draft_is_lossless_and_counted).
+policy = "target-only"
 """
 
 
