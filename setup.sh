@@ -11,4 +11,4 @@ fi
 .venv/bin/python -m pip install -q --upgrade pip
 .venv/bin/python -m pip install -q -e ".[test]"
 .venv/bin/memspec pull smollm2-135m
-.venv/bin/memspec generate "What is the capital of France?"
+.venv/bin/memspec generate "What is the capital of France? Answer in one sentence."

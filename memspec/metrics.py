@@ -21,7 +21,7 @@ class SpecMetrics:
     draft_s: float = 0.0  # time spent drafting (including draft catch-up)
     verify_s: float = 0.0  # time spent in target forwards (prefill excluded)
     token_latencies_s: list[float] = field(default_factory=list)  # inter-token latency of each committed token
-    drafts_used: dict[str, int] = field(default_factory=dict)  # draft name -> verification steps
+    drafts_used: dict[str, int] = field(default_factory=dict)  # draft name -> steps it proposed tokens in
 
     def record_step(self, draft_name: str | None, n_drafted: int, n_accepted: int, n_committed: int,
                     draft_s: float, verify_s: float) -> None:
@@ -39,7 +39,7 @@ class SpecMetrics:
                 self.drafted_per_position[i] += 1
             for i in range(n_accepted):
                 self.accepted_per_position[i] += 1
-        if draft_name is not None:
+        if draft_name is not None and n_drafted:  # a step the draft sat out is a plain target step
             self.drafts_used[draft_name] = self.drafts_used.get(draft_name, 0) + 1
         if n_committed:
             self.token_latencies_s.extend([(draft_s + verify_s) / n_committed] * n_committed)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import threading
 
 import numpy as np
+
+from memspec.speculative import SpecConfig
 import pytest
 
 from fakes import FakeProbe, MiB
@@ -61,7 +63,9 @@ def engine_with(target, policy, probe=None, floor_mb=0):
     sched = Scheduler(SchedulerConfig(policy=policy, pressure_floor_mb=floor_mb),
                       lambda name: (drafts[name], sizes[name]), sizes, probe or FakeProbe(),
                       decode=target.tokenizer.decode)
-    return Engine(target, scheduler=sched), sched
+    # the step controller: "self" costs as much as the target, so the cost controller would
+    # (rightly) stop drafting with it, and these tests are about scheduling, not draft length
+    return Engine(target, scheduler=sched, spec=SpecConfig(controller="step")), sched
 
 
 def leases(sched):

@@ -139,18 +139,25 @@ def fp32_engine(model_store):
     target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
     pool = load_pool(model_store, "smollm2-135m", target.session.vocab_size, SessionConfig(max_context=512))
     pool["self"] = DraftModel("self", target.session, np.arange(49152), 49152, DraftLimits(0.0, np.inf))
-    return Engine(target, drafts=pool)
+    # the step controller keeps drafting with "self" (as costly as the target), so whole runs,
+    # EOS among them, are really accepted; the cost controller is tested on its own below
+    return Engine(target, drafts=pool, spec=SpecConfig(controller="step"))
 
 
-def test_every_draft_is_exact_with_fp32_target(fp32_engine):
+@pytest.mark.parametrize("controller", ["step", "cost"])
+def test_every_draft_is_exact_with_fp32_target(fp32_engine, controller):
     e = fp32_engine
     assert "prompt-lookup" in e.drafts
-    for prompt in PROMPTS:
-        base = e.generate(GenerationRequest(prompt=prompt, max_tokens=24, draft="none"))
-        for name in e.drafts:
-            r = e.generate(GenerationRequest(prompt=prompt, max_tokens=24, draft=name))
-            assert r.token_ids == base.token_ids, f"draft {name} changed the output for {prompt!r}"
-            assert r.text == base.text
+    saved, e.spec = e.spec, SpecConfig(controller=controller)
+    try:
+        for prompt in PROMPTS[: 5 if controller == "step" else 2]:
+            base = e.generate(GenerationRequest(prompt=prompt, max_tokens=24, draft="none"))
+            for name in e.drafts:
+                r = e.generate(GenerationRequest(prompt=prompt, max_tokens=24, draft=name))
+                assert r.token_ids == base.token_ids, f"draft {name} changed the output for {prompt!r}"
+                assert r.text == base.text
+    finally:
+        e.spec = saved
 
 
 def test_eos_inside_accepted_run_and_max_tokens_mid_run(fp32_engine):
@@ -160,6 +167,7 @@ def test_eos_inside_accepted_run_and_max_tokens_mid_run(fp32_engine):
     assert base.finish_reason == "eos" and base.token_ids[-1] == 2
     r = e.generate(GenerationRequest(prompt=q, max_tokens=64, draft="self"))  # accepts whole runs, EOS among them
     assert (r.token_ids, r.finish_reason) == (base.token_ids, "eos")
+    assert r.stats["num_accepted_tokens"] == r.stats["num_draft_tokens"] > 0
     short = e.generate(GenerationRequest(prompt=q, max_tokens=3, draft="self"))
     assert short.token_ids == base.token_ids[:3] and short.finish_reason == "length"
 
@@ -194,7 +202,8 @@ def test_context_limit_mid_run(model_store):
     from memspec.engine import Engine, TargetModel
 
     target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=48))
-    e = Engine(target, drafts={"self": DraftModel("self", target.session, np.arange(49152), 49152, DraftLimits(0.0, np.inf))})
+    e = Engine(target, drafts={"self": DraftModel("self", target.session, np.arange(49152), 49152, DraftLimits(0.0, np.inf))},
+               spec=SpecConfig(controller="step"))
     prompt = "Tell me a long story about dragons."
     base = e.generate(GenerationRequest(prompt=prompt, max_tokens=200, draft="none"))
     r = e.generate(GenerationRequest(prompt=prompt, max_tokens=200, draft="self"))
