@@ -226,7 +226,7 @@ class DecoderSession:
         cache.arrays = out[1:]
         return out[0][0, -keep:]
 
-    def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 5) -> list[float]:
+    def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
         """Median seconds of one forward over k tokens after `context` cached ones, k = 1..max_k.
 
         Index 0 of the result is unused (0.0).  This is what verifying k-1 draft tokens costs,
