@@ -18,13 +18,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from memspec import sampling
 from memspec.drafts import Proposer
 from memspec.errors import ContextOverflowError, InvalidRequestError
 from memspec.metrics import SpecMetrics
-from memspec.request import Chunk, Completion, GenerationRequest, Limits, SamplingParams, validate
+from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
 from memspec.sessions import DecoderSession, KVCache, SessionConfig
-from memspec.speculative import DraftSelector, FixedDraft, SpecConfig, speculative_steps
+from memspec.speculative import DraftSelector, FixedDraft, NoDraft, SpecConfig, speculative_steps
 from memspec.stopping import StopMatcher
 from memspec.store import Manifest, ModelStore
 from memspec.tokenizer import Tokenizer
@@ -53,13 +52,6 @@ class TargetModel:
         if tok.eos_token_id is not None:
             eos.add(tok.eos_token_id)
         return cls(name, variant, session, tok, frozenset(eos), m)
-
-
-def pick_token(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    """Greedy argmax, or a draw from the filtered distribution."""
-    if params.greedy:
-        return sampling.greedy(logits)
-    return sampling.sample(sampling.probabilities(logits, params.temperature, params.top_k, params.top_p), rng)
 
 
 class Engine:
@@ -144,30 +136,15 @@ class Engine:
         return ids
 
     # -- decode loops ------------------------------------------------------------
-    def _target_only(self, cache: KVCache, prompt: list[int], params: SamplingParams,
-                     rng: np.random.Generator, metrics: SpecMetrics) -> Iterator[list[int]]:
-        """One target forward per token."""
-        session = self.target.session
-        logits = session.forward(cache, prompt, keep=1)[-1]
-        while True:
-            tok = pick_token(logits, params, rng)
-            yield [tok]
-            if cache.length >= cache.capacity:
-                return
-            t0 = self.clock()
-            logits = session.forward(cache, [tok], keep=1)[-1]
-            metrics.record_step(None, 0, 0, 1, 0.0, self.clock() - t0)
-
     def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest,
               rng: np.random.Generator, metrics: SpecMetrics) -> Iterator[list[int]]:
-        """The decode loop for this request: speculative when a draft is chosen."""
+        """The decode loop for this request: speculative when a draft is chosen, else target only."""
         select = self.selector(req, prompt, cache.capacity)
-        if select is None:
-            yield from self._target_only(cache, prompt, req.sampling, rng, metrics)
-            return
+        costs = self.calibrate() if select is not None else None
+        select = select or NoDraft()
         try:
             yield from speculative_steps(self.target.session, cache, prompt, select, req.sampling, rng,
-                                         self.spec, metrics, self.clock, self.calibrate())
+                                         self.spec, metrics, self.clock, costs)
         finally:
             select.close()
 

@@ -37,6 +37,13 @@ def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p:
     return p
 
 
+def pick(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+    """The next token from a (V,) row: argmax when temperature is 0, else a draw from the filtered distribution."""
+    if temperature == 0.0:
+        return greedy(logits)
+    return sample(probabilities(logits, temperature, top_k, top_p), rng)
+
+
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index from the (V,) distribution p (inverse CDF, one uniform)."""
     c = np.cumsum(p)

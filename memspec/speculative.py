@@ -122,6 +122,16 @@ class DraftSelector(Protocol):
     def close(self) -> None: ...
 
 
+class NoDraft:
+    """Target only: every step feeds just the last token."""
+
+    def __call__(self, context: list[int], metrics: SpecMetrics) -> tuple[None, None]:
+        return None, None
+
+    def close(self) -> None:
+        pass
+
+
 class FixedDraft:
     """One draft for the whole request."""
 
@@ -133,12 +143,6 @@ class FixedDraft:
 
     def close(self) -> None:
         self.state.close()
-
-
-def _pick(logits: np.ndarray, params: SamplingParams, rng: np.random.Generator) -> int:
-    if params.greedy:
-        return sampling.greedy(logits)
-    return sampling.sample(sampling.probabilities(logits, params.temperature, params.top_k, params.top_p), rng)
 
 
 def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int], select: DraftSelector,
@@ -154,7 +158,7 @@ def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int],
     verify_cost_s1 = verify_cost_s[1] if verify_cost_s else 0.0
     logits = target.forward(cache, prompt, keep=1)[-1]
     context = list(prompt)
-    first = _pick(logits, params, rng)
+    first = sampling.pick(logits, params.temperature, params.top_k, params.top_p, rng)
     context.append(first)
     yield [first]
     gamma = cfg.gamma

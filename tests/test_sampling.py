@@ -83,3 +83,12 @@ def wrong_accept_ratio(p, q, draft, rng):
 @pytest.mark.parametrize("wrong", [wrong_resample_from_p, wrong_accept_ratio])
 def test_wrong_rules_fail_the_same_test(wrong):
     assert chi_square_p(first_token_counts(wrong), P[0]) < 1e-6
+
+
+def test_pick_is_argmax_at_temperature_zero_and_a_draw_otherwise():
+    logits = np.log(np.array([0.1, 0.6, 0.3]))
+    rng = np.random.default_rng(0)
+    assert sampling.pick(logits, 0.0, 0, 1.0, rng) == 1
+    counts = np.bincount([sampling.pick(logits, 1.0, 0, 1.0, rng) for _ in range(3000)], minlength=3)
+    assert chi_square_p(counts, np.array([0.1, 0.6, 0.3])) > 1e-3
+    assert {sampling.pick(logits, 1.0, 1, 1.0, rng) for _ in range(50)} == {1}  # top_k=1 leaves the argmax
