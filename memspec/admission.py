@@ -2,10 +2,13 @@
 
 A request arrives needing `kv_bytes` for its KV caches (target, plus its draft's
 when one runs).  It starts when it is at the head of the queue, a slot is free,
-and `fits()` says its caches fit in memory; otherwise it waits.  It is refused
-at once (OverloadedError, RESOURCE_EXHAUSTED) when the queue is full or when it
-could not fit even on an idle daemon (`fits()` fails and nothing is running
-that would free memory).  Deadlines and cancellation end the wait.
+and `fits()` says its caches fit in the system's free memory; otherwise it
+waits.  It is refused at once (OverloadedError, RESOURCE_EXHAUSTED) when the
+queue is full or when it could not fit even on an idle daemon (`fits()` fails
+and nothing is running that would free memory).  Deadlines and cancellation end
+the wait.  The memory budget ([scheduler] budget_mb) is not checked here: the
+working set holds it, and the request reserves its KV caches there as it starts
+(memspec.workingset.WorkingSet.reserve, which waits and refuses the same way).
 """
 
 from __future__ import annotations
@@ -26,7 +29,6 @@ POLL_S = 0.05  # how often a waiting request re-checks cancellation and memory
 class AdmissionConfig:
     max_concurrent: int = 4  # requests generating at once
     max_queue: int = 32  # requests waiting beyond those
-    budget_bytes: int = 0  # weights + KV caches may not exceed this; 0 = no budget
     headroom_bytes: int = 256 * MiB  # system memory left free for everything else
 
 
@@ -34,17 +36,12 @@ def _mb(n: int) -> str:
     return f"{n / MiB:.0f} MiB"
 
 
-def fits(need: int, reserved: int, resident: int, budget: int, available: int, headroom: int) -> str | None:
+def fits(need: int, available: int, headroom: int) -> str | None:
     """None when a request needing `need` KV bytes may start now, else the reason it may not.
 
-    reserved: KV bytes of the streams already generating; resident: bytes of the
-    loaded weights; available: system memory the kernel can still hand out
-    (already net of what is allocated); budget 0 = no budget.
+    available: system memory the kernel can still hand out (already net of what
+    is allocated); headroom: what must stay free for everything else.
     """
-    if budget and resident + reserved + need > budget:
-        left = max(budget - resident - reserved, 0)
-        return (f"its KV cache needs {_mb(need)} but the memory budget of {_mb(budget)} has {_mb(left)} left "
-                f"({_mb(resident)} weights, {_mb(reserved)} KV of running streams)")
     if need > available - headroom:
         return (f"its KV cache needs {_mb(need)} but the system has {_mb(available)} available "
                 f"and {_mb(headroom)} must stay free")
@@ -76,10 +73,9 @@ class Admission:
     """The queue and the slots; thread-safe."""
 
     def __init__(self, config: AdmissionConfig, available_memory: Callable[[], int],
-                 resident_bytes: Callable[[], int], clock: Callable[[], float] = time.monotonic):
+                 clock: Callable[[], float] = time.monotonic):
         self.config = config
         self._available = available_memory  # memory probe (psutil in the daemon, a fake in tests)
-        self._resident = resident_bytes
         self._clock = clock
         self._cond = threading.Condition()
         self._waiting: deque[object] = deque()
@@ -134,8 +130,7 @@ class Admission:
         while True:
             cfg = self.config
             if self._waiting[0] is me and self._active < cfg.max_concurrent:
-                why = fits(kv_bytes, self._reserved, self._resident(), cfg.budget_bytes,
-                           self._available(), cfg.headroom_bytes)
+                why = fits(kv_bytes, self._available(), cfg.headroom_bytes)
                 if why is None:
                     return
                 if self._active == 0:  # nothing running will free memory: waiting cannot help

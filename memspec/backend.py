@@ -53,13 +53,6 @@ class Backend(Protocol):
     def reconfigure(self, config: Config) -> None: ...
 
 
-def cache_bytes(session, capacity: int, tokens: int) -> int:
-    """Bytes of one request's KV cache on `session`: the shared-buffer layout
-    preallocates `capacity` tokens, a growing cache reaches `tokens` at most."""
-    n = capacity if session.layout == "gqa" else min(tokens, capacity)
-    return session.kv_bytes_per_token() * n
-
-
 @dataclass
 class DraftCounters:
     """What one draft did across requests (vLLM's words)."""
@@ -134,10 +127,10 @@ class EngineBackend:
         n_prompt = len(engine.prompt_ids(req))  # raises ContextOverflowError
         session = engine.target.session
         tokens = n_prompt + req.max_tokens
-        need = cache_bytes(session, session.max_context, tokens)
+        need = session.cache_nbytes(tokens)
         draft_session = getattr(proposer, "session", None)
         if draft_session is not None:
-            need += cache_bytes(draft_session, session.max_context, tokens)
+            need += draft_session.cache_nbytes(tokens)
         return need
 
     def open(self, req: GenerationRequest, cancel: threading.Event) -> Run:

@@ -219,20 +219,22 @@ class PolicyRun:
 
 
 def draft_sizes(store, target) -> dict[str, int]:
-    """Every draft made for the target, with its declared bytes (prompt lookup: 0)."""
+    """Every draft made for the target, with its planned RSS footprint (prompt lookup: 0)."""
     from memspec.drafts import PROMPT_LOOKUP
+    from memspec.memory import planned_footprint
 
     sizes = {PROMPT_LOOKUP: 0}
     for m in store.list():
         if m.role == "draft" and m.extra.get("target") == target.name:
-            sizes[m.name] = m.total_bytes
+            sizes[m.name] = planned_footprint(m.total_bytes)
     return sizes
 
 
-def default_budget_mb(target_bytes: int, sizes: dict[str, int]) -> int:
-    """The target plus its two largest drafts: room for some drafts, not all of them."""
+def default_budget_mb(process_bytes: int, kv_bytes: int, sizes: dict[str, int]) -> int:
+    """The process as it is now (runtime and target), one request's KV caches and the two
+    largest drafts' footprints: room for some drafts, not all of them."""
     two = sum(sorted(sizes.values(), reverse=True)[:2])
-    return -(-(target_bytes + two) // MiB)
+    return -(-(process_bytes + kv_bytes + two) // MiB)
 
 
 def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str], max_tokens: int,
@@ -329,7 +331,8 @@ def print_stream_table(rows: list[dict], out=sys.stdout) -> None:
               f"{r['load_stall_ms']:>9.0f} {r['peak_rss_mb']:>11.0f} / {r['budget_mb']:<6} "
               f"{r['mean_acceptance_length']:>10.2f} {r['acceptance_rate']:>7.2f} {r['mismatches_vs_target']:>8}",
               file=out)
-    print("(budget: target + resident draft weights; peak RSS: the whole process, sampled)", file=out)
+    print("(budget: the process's RSS with the target loaded + resident drafts' footprints + KV caches "
+          "of the running request; peak RSS: the whole process, sampled)", file=out)
 
 
 def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tuple[list[dict], dict]:
@@ -347,15 +350,15 @@ def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tup
     sizes = draft_sizes(store, target)
     rec = target.manifest.variants.get(target.variant, {}) if target.manifest else {}
     target_bytes = rec.get("bytes") or target.session.path.stat().st_size
-    budget = args.budget_mb if args.budget_mb is not None else default_budget_mb(target_bytes, sizes)
-    base_cfg = dataclasses.replace(config.scheduler, budget_mb=budget)
+    budget = args.budget_mb or 0  # set below when not given, once the process is warm
+    base_cfg = config.scheduler
     predictor = load_predictor(base_cfg.predictor) if "memspec" in policies else None
     limits = DraftLimits(spec.p_min, spec.max_entropy)
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
     oracle_table = None
 
-    def make_scheduler(policy: str, budget_mb: int = budget):
-        cfg = dataclasses.replace(base_cfg, policy=policy, budget_mb=budget_mb)
+    def make_scheduler(policy: str, budget_mb: int | None = None):
+        cfg = dataclasses.replace(base_cfg, policy=policy, budget_mb=budget if budget_mb is None else budget_mb)
         return from_store(cfg, store, target, config.runtime, limits, predictor=predictor, oracle_table=oracle_table)
 
     for p in policies:
@@ -370,13 +373,26 @@ def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tup
             oracle_table = load_oracle_table(args.oracle_table)
         else:
             oracle_table = profile_oracle(engine, make_scheduler, workload, sorted(sizes), args.max_tokens, progress)
-    print(f"budget {budget} MiB: target {target_bytes / MiB:.0f} MiB + drafts "
+    from memspec.memory import PsutilProbe, reclaim
+
+    engine.generate(GenerationRequest(prompt=workload[0]["prompt"], max_tokens=args.max_tokens))  # warm
+    reclaim()
+    process = PsutilProbe().rss_bytes()
+    probe_sched = make_scheduler("target-only", budget_mb=0)
+    longest = max(len(engine.prompt_ids(GenerationRequest(prompt=w["prompt"]))) for w in workload)
+    kv = probe_sched.kv_bytes(longest + args.max_tokens)
+    probe_sched.close()
+    if args.budget_mb is None:
+        budget = default_budget_mb(process, kv, sizes)
+    print(f"budget {budget} MiB: process with the target {process / MiB:.0f} MiB (target file "
+          f"{target_bytes / MiB:.0f} MiB) + KV caches {kv / MiB:.1f} MiB + draft footprints "
           f"{', '.join(f'{n} {b / MiB:.1f}' for n, b in sorted(sizes.items()))} MiB", file=sys.stderr)
     cells, runs, _ = run_stream(engine, make_scheduler, workload, policies, args.max_tokens, args.lookahead, progress)
     rows = stream_rows(cells, runs, policies, budget)
-    info = {"budget_mb": budget, "target_bytes": target_bytes, "draft_bytes": sizes, "stream": True,
+    info = {"budget_mb": budget, "target_bytes": target_bytes, "process_bytes_at_start": process,
+            "kv_bytes_per_request": kv, "draft_footprints": sizes, "stream": True,
             "lookahead": args.lookahead, "oracle_table": oracle_table,
-            "scheduler": dataclasses.asdict(base_cfg)}
+            "scheduler": dataclasses.asdict(dataclasses.replace(base_cfg, budget_mb=budget))}
     return rows, {"engine": engine, "info": info}
 
 
@@ -393,8 +409,9 @@ def add_arguments(b) -> None:
     b.add_argument("--gamma", type=int, help="initial draft length (default from config: 5)")
     b.add_argument("--fixed-gamma", action="store_true", help="do not adapt the draft length")
     b.add_argument("--budget-mb", type=int, metavar="N",
-                   help="memory budget for the target and resident drafts (scheduling policies; default: the "
-                        "target plus its two largest drafts); runs the policies as one shuffled stream")
+                   help="memory budget of the process: runtime and target, resident drafts, KV caches "
+                        "(scheduling policies; default: the process once warm, one request's KV caches and the "
+                        "two largest drafts); runs the policies as one shuffled stream")
     b.add_argument("--oracle-table", metavar="FILE",
                    help="fastest draft per prompt for the oracle (default: profile every draft first)")
     b.add_argument("--lookahead", type=int, default=1, metavar="N",

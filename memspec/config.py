@@ -43,7 +43,6 @@ class ServerConfig:
     max_queue: int = 32  # requests waiting beyond those; more get RESOURCE_EXHAUSTED
     grace_seconds: float = 30.0  # how long SIGTERM lets in-flight streams finish
     watchdog: bool = True  # send WATCHDOG=1 to systemd when it asks for it
-    memory_budget_mb: int = 0  # weights + KV caches admission may plan for; 0 = no budget (free memory only)
     memory_headroom_mb: int = 256  # system memory admission leaves free for everything else
     log_level: str = "info"  # "debug", "info", "warning" or "error" (JSON lines on stderr)
 
@@ -69,11 +68,18 @@ _SECTIONS = {"model": ModelConfig, "runtime": SessionConfig, "limits": Limits, "
              "server": ServerConfig, "scheduler": SchedulerConfig}
 
 
+MOVED = {"server": {"memory_budget_mb": "memspec has one memory budget, [scheduler] budget_mb, which counts "
+                                        "the process (runtime and target), the drafts and the KV caches"}}
+
+
 def _section(cls: type, name: str, values: Any) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"[{name}] must be a table, got {type(values).__name__}")
     fields = {f.name: f for f in dataclasses.fields(cls)}
     unknown = sorted(set(values) - set(fields))
+    if name in MOVED and set(values) & set(MOVED[name]):
+        key = sorted(set(values) & set(MOVED[name]))[0]
+        raise ConfigError(f"[{name}] {key} is gone: {MOVED[name][key]}")
     if unknown:
         raise ConfigError(f"[{name}]: unknown option(s) {', '.join(unknown)}; known: {', '.join(fields)}")
     out = {}

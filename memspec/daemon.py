@@ -123,7 +123,7 @@ class Signals:
 # -- the daemon -----------------------------------------------------------------------------
 def admission_config(s: ServerConfig) -> AdmissionConfig:
     return AdmissionConfig(max_concurrent=s.max_concurrent, max_queue=s.max_queue,
-                           budget_bytes=s.memory_budget_mb * MiB, headroom_bytes=s.memory_headroom_mb * MiB)
+                           headroom_bytes=s.memory_headroom_mb * MiB)
 
 
 def _check(s: ServerConfig) -> None:
@@ -145,8 +145,7 @@ class Daemon:
         self.address: Address = server_address(listen or config.server.listen)
         self.notifier = notifier or Notifier()
         self.backend = EngineBackend(config, loader, ModelStore(config.store_home))
-        self.admission = Admission(admission_config(config.server), lambda: psutil.virtual_memory().available,
-                                   self.backend.resident_bytes)
+        self.admission = Admission(admission_config(config.server), lambda: psutil.virtual_memory().available)
         self.servicer = MemSpecServicer(self.backend, self.admission, listen=str(self.address))
         self.max_workers = config.server.max_concurrent + config.server.max_queue + SPARE_WORKERS
 
@@ -193,10 +192,6 @@ class Daemon:
             server.stop(0)
             self._remove_socket()
             raise
-        budget = self.admission.config.budget_bytes
-        if budget and self.backend.resident_bytes() >= budget:
-            log.warning("the resident weights fill the memory budget: every request will be refused",
-                        extra={"fields": {"resident_bytes": self.backend.resident_bytes(), "budget_bytes": budget}})
         self.servicer.set_state("serving")
         self.notifier.ready(f"serving {target} on {self.address}")
         log.info("serving", extra={"fields": {"listen": str(self.address), **loaded["model"],

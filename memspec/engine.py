@@ -165,6 +165,18 @@ class Engine:
             self.draft_for(req)
         t0 = self.clock()
         prompt = self.prompt_ids(req)
+        sched, kv_key = self.scheduler, None
+        if sched is not None:  # its KV caches count in the memory budget while it runs
+            cancelled = cancel.is_set if cancel is not None else (lambda: False)
+            kv_key = sched.reserve_kv(len(prompt) + req.max_tokens, cancelled)
+        try:
+            yield from self._stream(req, cancel, t0, prompt)
+        finally:
+            if kv_key is not None:
+                sched.release_kv(kv_key)
+
+    def _stream(self, req: GenerationRequest, cancel: threading.Event | None, t0: float,
+                prompt: list[int]) -> Iterator[Chunk | Completion]:
         cache = self.target.session.new_cache()
         rng = np.random.default_rng(req.sampling.seed)
         detok = self.target.tokenizer.detokenizer()

@@ -28,6 +28,7 @@ and the request goes on target-only; the output does not change (lossless).
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import math
@@ -56,7 +57,7 @@ class SchedulerConfig:
 
     policy: str = "memspec"  # target-only, fixed:<draft>, bandit, memspec or oracle
     budget_mb: int = 0  # target + resident drafts may not exceed this; 0 = no budget
-    pressure_floor_mb: int = 0  # below this much available system memory: evict drafts, then target-only; 0 = off
+    pressure_floor_mb: int = 256  # below this much available system memory: evict drafts, then target-only; 0 = off
     switch_every_steps: int = 8  # memspec: ask the predictor again every this many steps
     switch_margin: float = 0.15  # memspec: switch only for a predicted gain of at least this fraction
     ucb_c: float = 0.5  # bandit: exploration weight (rewards are scaled to [0, 1])
@@ -299,11 +300,14 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, loader: Loader, drafts: dict[str, int], probe: MemoryProbe,
                  target: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
                  predictor=None, make_context=None, oracle_table: dict[str, str] | None = None,
-                 decode: Callable[[list[int]], str] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, kv_bytes: Callable[[int], int] | None = None):
         """drafts: every draft it may use -> declared bytes; target: (name, bytes) to pin;
         predictor / make_context: memspec (default: the shipped predictor and GenerationContext);
-        oracle_table: {prompt: draft} (default: from config.oracle); decode: token ids -> text."""
+        oracle_table: {prompt: draft} (default: from config.oracle); decode: token ids -> text;
+        kv_bytes: tokens -> bytes of one request's KV caches (reserved in the budget while it runs)."""
         self.config = config
+        self.kv_bytes = kv_bytes or (lambda tokens: 0)
+        self._kv_ids = itertools.count(1)
         self.drafts = dict(drafts)
         self.clock = clock
         self.decode = decode or (lambda ids: "")
@@ -371,6 +375,16 @@ class Scheduler:
         if req.draft is not None:
             return "target-only" if req.draft == NONE else f"fixed:{req.draft}"
         return req.policy or self.config.policy
+
+    def reserve_kv(self, tokens: int, cancelled: Callable[[], bool] = lambda: False) -> str:
+        """Reserve the KV caches of a request that may hold `tokens` tokens in the memory budget
+        (see WorkingSet.reserve); returns the key to give to release_kv() when it ends."""
+        key = f"request-{next(self._kv_ids)}"
+        self.ws.reserve(key, self.kv_bytes(tokens), cancelled)
+        return key
+
+    def release_kv(self, key: str) -> None:
+        self.ws.unreserve(key)
 
     def selector(self, req: GenerationRequest, prompt: list[int], capacity: int) -> RequestSelector | None:
         """The DraftSelector for one request (None = plain target-only decoding)."""
@@ -571,21 +585,38 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
                names: list[str] | None = None, **kwargs) -> Scheduler:
     """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup."""
     from memspec.drafts import DraftModel, PromptLookup
-    from memspec.memory import PsutilProbe
+    from memspec.memory import PsutilProbe, planned_footprint
+    from memspec.sessions import kv_cache_nbytes
+    from memspec.speculative import SpecConfig
 
     vocab = target.session.vocab_size
     sizes = {PROMPT_LOOKUP: 0}
+    rows: dict[str, tuple[int, int, int]] = {}  # draft -> (layers, kv heads, head dim) of its KV cache
     for m in store.list():
         if m.role == "draft" and m.extra.get("target") == target.name and (names is None or m.name in names):
-            sizes[m.name] = m.total_bytes
+            sizes[m.name] = planned_footprint(m.total_bytes)
+            a = m.architecture or {}
+            if {"n_layers", "n_kv_heads", "head_dim"} <= set(a):
+                rows[m.name] = (int(a["n_layers"]), int(a["n_kv_heads"]), int(a["head_dim"]))
 
     def loader(name: str):
         if name == PROMPT_LOOKUP:
             return PromptLookup(vocab), 0
         d = DraftModel.load(store, name, vocab, session_config, draft_limits)
-        return d, d.nbytes
+        return d, planned_footprint(d.nbytes)
 
+    session = target.session
+    slack = SpecConfig().gamma_max + 1  # verification writes up to gamma_max + 1 slots past the committed ones
+
+    def kv_bytes(tokens: int) -> int:
+        """A request's KV caches: the target's plus the largest draft's."""
+        n = tokens + slack
+        drafts = [kv_cache_nbytes(2 * l * h, d, n, session.max_context) for l, h, d in rows.values()]
+        return session.cache_nbytes(n) + max(drafts, default=0)
+
+    probe = probe or PsutilProbe()
     rec = target.manifest.variants.get(target.variant, {}) if target.manifest else {}
-    target_bytes = rec.get("bytes") or target.session.path.stat().st_size
-    return Scheduler(config, loader, sizes, probe or PsutilProbe(), target=(target.name, target_bytes),
-                     decode=target.tokenizer.decode, **kwargs)
+    target_bytes = rec.get("bytes") or session.path.stat().st_size
+    # the target is pinned at what the process holds now: the runtime, Python and the target
+    return Scheduler(config, loader, sizes, probe, target=(target.name, max(target_bytes, probe.rss_bytes())),
+                     decode=target.tokenizer.decode, kv_bytes=kv_bytes, **kwargs)

@@ -163,7 +163,7 @@ class MemSpecServicer:
             **out, "version": __version__, "state": self.state, "listen": self.listen,
             "uptime_s": self.clock() - self.started_at,
             "resident_bytes": sum(m["bytes"] for m in out["resident"]),
-            "budget_bytes": out.get("budget_bytes") or cfg.budget_bytes, "kv_bytes": adm["kv_bytes"],
+            "budget_bytes": out.get("budget_bytes", 0), "kv_bytes": adm["kv_bytes"],
             "queue_depth": adm["waiting"], "active_streams": adm["active"],
             "max_concurrent": cfg.max_concurrent, "max_queue": cfg.max_queue,
             "system_memory": {"total_bytes": vm.total, "available_bytes": vm.available,

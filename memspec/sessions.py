@@ -28,6 +28,7 @@ import onnxruntime as ort
 
 from memspec.errors import ContextOverflowError, ModelFormatError
 
+PAGE = 4096  # bytes the OS commits at a time (Linux, x86-64 and aarch64 defaults)
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
 
@@ -64,6 +65,15 @@ def physical_cores() -> int:
         return psutil.cpu_count(logical=False) or os.cpu_count() or 1
     except Exception:
         return os.cpu_count() or 1
+
+
+def kv_cache_nbytes(rows: int, head_dim: int, tokens: int, capacity: int) -> int:
+    """Resident bytes of a shared-buffer KV cache of `rows` (layer, K/V, head) rows of
+    `capacity` float32 slots each, once `tokens` slots of every row are written: whole
+    pages, plus one per row since rows need not start on a page, never above the capacity."""
+    tokens = max(0, min(tokens, capacity))
+    pages = -(-tokens * head_dim * 4 // PAGE) + (tokens > 0)
+    return min(rows * pages * PAGE, rows * capacity * head_dim * 4)
 
 
 class KVCache:
@@ -175,6 +185,18 @@ class DecoderSession:
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.kv_heads * self.head_dim * 4
+
+    def cache_nbytes(self, tokens: int) -> int:
+        """Resident bytes of one request's KV cache once it holds `tokens` tokens.
+
+        The shared buffer is allocated for the full capacity, but the OS commits its
+        pages only when they are written: one (layer, K/V, head) row of `capacity`
+        slots each, filled from the front.  So it costs the pages of `tokens` slots
+        per row, rounded up to whole pages plus one (rows need not start on a page),
+        never more than the capacity.  A growing cache holds exactly `tokens`."""
+        if self.layout != "gqa":
+            return self.kv_bytes_per_token() * max(0, min(tokens, self.max_context))
+        return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.head_dim, tokens, self.max_context)
 
     # -- forward ------------------------------------------------------------
     def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:

@@ -9,6 +9,13 @@ first.  Under system pressure (available memory below a floor) unleased drafts
 are evicted, and if that is not enough `target_only` is raised so that running
 requests give their drafts up.
 
+What the budget counts is what the process holds: the pinned target at the
+process's RSS once it is loaded (the runtime, Python and the target's weights),
+each draft at its footprint (planned from its file size, then what its load
+really added to the RSS, whichever is larger), and the KV caches of running
+requests (`reserve`, which evicts unleased drafts to make room).  So the budget
+is a ceiling on the process's RSS, not only on its weights.
+
 Admission and eviction are the two small pure functions below.  The loader,
 the memory probe and the clock are passed in, so tests run on fakes.
 """
@@ -22,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Callable
 
-from memspec.errors import ConfigError, InvalidRequestError
+from memspec.errors import CancelledError, ConfigError, InvalidRequestError, OverloadedError
 from memspec.memory import Ledger, MemoryProbe, MiB, reclaim, tune_malloc
 
 log = logging.getLogger("memspec.workingset")
@@ -154,6 +161,7 @@ class WorkingSet:
         self.target_only = False  # raised under pressure once no draft is left to evict
         self.peak_used = 0  # the most bytes ever accounted (never above the budget)
         self._pinned: dict[str, int] = {}
+        self._kv: dict[str, int] = {}  # reservation key -> KV bytes of a running request
         self._entries: dict[str, _Entry] = {}
         self._values: dict[str, float] = {}
         self._unavailable: dict[str, float] = {}  # draft -> clock time it may be tried again
@@ -166,7 +174,7 @@ class WorkingSet:
 
     # -- accounting ------------------------------------------------------------------
     def used_bytes(self) -> int:
-        return sum(self._pinned.values()) + sum(e.nbytes for e in self._entries.values())
+        return sum(self._pinned.values()) + sum(self._kv.values()) + sum(e.nbytes for e in self._entries.values())
 
     def _account(self) -> None:
         used = self.used_bytes()
@@ -186,6 +194,44 @@ class WorkingSet:
             self._pinned[name] = nbytes
             self.ledger.add("target", name, nbytes)
             self._account()
+
+    def reserve(self, key: str, nbytes: int, cancelled: Callable[[], bool] = lambda: False) -> None:
+        """Account a running request's KV caches under `key`, evicting unleased drafts (lowest
+        value per byte first) to make room.  While other requests' caches fill the budget it
+        waits for them to end; OverloadedError when nothing running would free enough,
+        CancelledError when `cancelled()` turns true while it waits."""
+        evicted = False
+        with self._cond:
+            while self.budget and self.used_bytes() + nbytes > self.budget:
+                order = eviction_order(self._candidates())
+                if self.used_bytes() - sum(c.nbytes for c in order) + nbytes <= self.budget:
+                    for c in order:
+                        if self.used_bytes() + nbytes <= self.budget:
+                            break
+                        self._evict(c.name, why=f"to make room for the KV caches of {key}")
+                        evicted = True
+                    break
+                kv = sum(self._kv.values())
+                if not kv:  # nothing running will free memory: waiting cannot help
+                    raise OverloadedError(
+                        f"not enough memory for this request: its KV caches need {nbytes / MiB:.1f} MiB, and the "
+                        f"budget of {self.budget / MiB:.0f} MiB holds {self.used_bytes() / MiB:.1f} MiB of models; "
+                        f"ask for fewer tokens or raise [scheduler] budget_mb")
+                if cancelled():
+                    raise CancelledError("cancelled while waiting for memory")
+                self._cond.wait(0.05)
+            self._kv[key] = self._kv.get(key, 0) + int(nbytes)
+            self.ledger.add("kv", key, nbytes)
+            self._account()
+        if evicted:
+            self._reclaim()
+
+    def unreserve(self, key: str) -> None:
+        """The request under `key` ended: its KV bytes are free again."""
+        with self._cond:
+            if self._kv.pop(key, None) is not None:
+                self.ledger.remove("kv", key)
+            self._cond.notify_all()
 
     def set_value(self, name: str, value: float) -> None:
         """The scheduler's expected value of keeping `name` resident (eviction order)."""
@@ -264,7 +310,10 @@ class WorkingSet:
                     self.counters.failed_loads += 1
                     self._cond.notify_all()
                 continue
-            self._finish_load(job.name, proposer, int(declared), self.clock() - t0, self.probe.rss_bytes() - rss0)
+            rss_delta = self.probe.rss_bytes() - rss0
+            # what the load really added, when it is more than planned (0-byte proposers stay 0)
+            footprint = max(int(declared), rss_delta) if declared else 0
+            self._finish_load(job.name, proposer, footprint, self.clock() - t0, rss_delta)
             del proposer  # the working set holds it now; a local here would keep an evicted draft alive
 
     def _finish_load(self, name: str, proposer: object, declared: int, seconds: float, rss_delta: int) -> None:
@@ -277,7 +326,7 @@ class WorkingSet:
             if declared != e.nbytes:  # the plan was wrong: account the real size, still within budget
                 others = self.used_bytes() - e.nbytes
                 if self.budget and others + declared > self.budget:
-                    log.warning("draft %s declares %d bytes, not the %d planned, and does not fit: dropped",
+                    log.warning("draft %s takes %d bytes, not the %d planned, and does not fit: dropped",
                                 name, declared, e.nbytes)
                     del self._entries[name]
                     self.counters.failed_loads += 1
@@ -435,6 +484,7 @@ class WorkingSet:
                 "pressure_floor_bytes": self.pressure_floor,
                 "target_only": self.target_only,
                 "pinned": dict(self._pinned),
+                "kv_bytes": sum(self._kv.values()),
                 "drafts": {n: {"bytes": e.nbytes, "state": e.state, "leases": e.refs, "value": round(e.value, 4),
                                "load_ms": round(e.load_s * 1e3, 1), "rss_delta_bytes": e.rss_delta}
                            for n, e in sorted(self._entries.items())},

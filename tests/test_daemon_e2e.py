@@ -229,8 +229,9 @@ def test_cancel_mid_stream_frees_its_resources(client, engine):
     next(items)
     during = client.status()
     assert during["active_streams"] == 1
-    # the shared-buffer cache holds the whole context: 512 tokens x 30 layers x K,V x 3 heads x 64 x fp32
-    assert during["kv_bytes"] == CONTEXT * engine.target.session.kv_bytes_per_token() == CONTEXT * 2 * 30 * 3 * 64 * 4
+    # the pages its KV cache can touch: prompt + max_tokens slots in each of 30 layers x K,V x 3 heads
+    n = len(engine.prompt_ids(GenerationRequest(prompt="Count from one to one hundred:", raw=True))) + MAX_TOKENS
+    assert during["kv_bytes"] == engine.target.session.cache_nbytes(n) == 2 * 30 * 3 * (-(-n * 64 * 4 // 4096) + 1) * 4096
     items.close()  # cancels the call
     wait_for(lambda: client.status()["active_streams"] == 0)
     after = client.status()

@@ -80,7 +80,7 @@ def test_50_load_unload_cycles_give_rss_back(tmp_path):
         state.close()
         del state
         lease.release()
-        assert ws.unload("d") == nbytes
+        assert ws.unload("d") >= nbytes  # its footprint: what the load added to the RSS (about 2x the file)
 
     cycle()  # warm-up: ORT's one-time allocations
     start = probe.rss_bytes()

@@ -53,16 +53,17 @@ def target(model_store):
     return TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=256))
 
 
-def engine_with(target, policy, probe=None, floor_mb=0):
+def engine_with(target, policy, probe=None, floor_mb=0, budget_mb=0):
     drafts = {
         "self": DraftModel("self", target.session, np.arange(V), V, DraftLimits(0.0, np.inf)),  # accepts everything
         "prompt-lookup": PromptLookup(V),
         "broken": Broken(),
     }
     sizes = {"self": MiB, "prompt-lookup": 0, "broken": 0}  # "self" shares the target's weights: nominal size
-    sched = Scheduler(SchedulerConfig(policy=policy, pressure_floor_mb=floor_mb),
+    sched = Scheduler(SchedulerConfig(policy=policy, pressure_floor_mb=floor_mb, budget_mb=budget_mb),
                       lambda name: (drafts[name], sizes[name]), sizes, probe or FakeProbe(),
-                      decode=target.tokenizer.decode)
+                      target=("target", 100 * MiB), decode=target.tokenizer.decode,
+                      kv_bytes=lambda tokens: target.session.cache_nbytes(tokens) + MiB)
     # the step controller: "self" costs as much as the target, so the cost controller would
     # (rightly) stop drafting with it, and these tests are about scheduling, not draft length
     return Engine(target, scheduler=sched, spec=SpecConfig(controller="step")), sched
@@ -118,4 +119,38 @@ def test_leases_are_released_on_close_cancel_and_error(target):
     with pytest.raises(RuntimeError, match="draft failed"):
         engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=8, draft="broken"))
     assert leases(sched) == 0
+    sched.close()
+
+
+def kv_mib(target, baseline, max_tokens):
+    """The KV bytes a request for PROMPT reserves (the kv_bytes of engine_with), and that in whole MiB."""
+    kv = target.session.cache_nbytes(len(baseline.prompt_token_ids) + max_tokens) + MiB
+    return kv, -(-kv // MiB)
+
+
+def test_kv_caches_are_reserved_in_the_budget_while_a_request_runs(target, baseline):
+    kv, mib = kv_mib(target, baseline, 16)
+    engine, sched = engine_with(target, "fixed:self", budget_mb=100 + 1 + mib)  # target, "self", this KV
+    stream = engine.stream(GenerationRequest(prompt=PROMPT, max_tokens=16))
+    next(stream)
+    assert sched.ws.ledger.total("kv") == kv and "self" in sched.ws.resident()
+    out = [x for x in stream][-1]
+    assert out.token_ids == baseline.token_ids and sched.ws.ledger.total("kv") == 0
+    assert sched.ws.peak_used <= (100 + 1 + mib) * MiB
+    sched.close()
+
+
+def test_caches_evict_an_idle_draft_or_are_refused_and_the_engine_keeps_serving(target, baseline):
+    from memspec.errors import OverloadedError
+
+    kv, mib = kv_mib(target, baseline, 16)
+    assert mib * MiB - kv < MiB, "the budget below must leave no room for the 1 MiB draft beside the caches"
+    engine, sched = engine_with(target, "fixed:self", budget_mb=100 + mib)
+    sched.ws.lease("self").release()  # resident and idle
+    with pytest.raises(OverloadedError, match=r"KV caches need .* raise \[scheduler\] budget_mb"):
+        engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=200))  # too big even with "self" gone
+    assert sched.ws.ledger.total("kv") == 0 and "self" in sched.ws.resident()  # refused before evicting
+    r = engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=16))  # fits once "self" is evicted
+    assert r.token_ids == baseline.token_ids and sched.ws.ledger.total("kv") == 0
+    assert sched.ws.counters.evictions >= 1 and r.stats["num_drafts"] == 0  # it ran target-only
     sched.close()

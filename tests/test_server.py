@@ -41,7 +41,8 @@ class FakeEngine:
 
     def __init__(self, name: str, variant: str, limits: Limits, step_s: float = 0.0):
         session = SimpleNamespace(layout="gqa", max_context=CONTEXT, device="cpu", providers=["CPUExecutionProvider"],
-                                  kv_bytes_per_token=lambda: KV_PER_TOKEN)
+                                  kv_bytes_per_token=lambda: KV_PER_TOKEN,
+                                  cache_nbytes=lambda tokens: min(tokens, CONTEXT) * KV_PER_TOKEN)
         manifest = SimpleNamespace(variants={variant: {"bytes": 5 * MiB}})
         self.target = SimpleNamespace(name=name, variant=variant, session=session, manifest=manifest)
         self.limits = limits
@@ -122,9 +123,8 @@ class Harness:
         self.memory = memory
         self.backend = EngineBackend(config, loader, FakeStore())
         s = server_cfg
-        self.admission = Admission(AdmissionConfig(s.max_concurrent, s.max_queue, s.memory_budget_mb * MiB,
-                                                   s.memory_headroom_mb * MiB),
-                                   lambda: self.memory, self.backend.resident_bytes)
+        self.admission = Admission(AdmissionConfig(s.max_concurrent, s.max_queue, s.memory_headroom_mb * MiB),
+                                   lambda: self.memory)
         self.servicer = MemSpecServicer(self.backend, self.admission, listen="test")
         self.path = tmp / "t.sock"
         self.server, _ = create_server(self.servicer, f"unix://{self.path}", max_workers=16)
@@ -311,12 +311,6 @@ def test_queued_request_waits_for_a_slot(make):
     assert result["done"].text == "d c " and result["done"].finish_reason == "length"
 
 
-def test_request_over_the_memory_budget_is_resource_exhausted(make):
-    h = make(memory_budget_mb=5)  # the 5 MiB of weights leave nothing for KV
-    with pytest.raises(OverloadedError, match=r"KV cache needs 0 MiB but the memory budget of 5 MiB has 0 MiB left"):
-        list(h.client.generate("hi"))
-
-
 def test_request_over_free_memory_is_resource_exhausted(make):
     h = make(memory=300 * MiB, memory_headroom_mb=300)
     with pytest.raises(OverloadedError, match="the system has 300 MiB available"):
@@ -348,7 +342,7 @@ def test_cancel_mid_stream_frees_the_stream_at_once(make):
     items = h.client.generate("a b c", max_tokens=50)
     next(items)
     st = h.client.status()
-    assert st["active_streams"] == 1 and st["kv_bytes"] == CONTEXT * KV_PER_TOKEN
+    assert st["active_streams"] == 1 and st["kv_bytes"] == (3 + 50) * KV_PER_TOKEN  # prompt + max_tokens
     items.close()  # cancels the call
     wait_for(lambda: h.engine.open == 0 and h.client.status()["active_streams"] == 0)
     st = h.client.status()
@@ -425,15 +419,24 @@ def test_no_daemon_is_unavailable(tmp_path):
 
 
 # -- pure pieces -------------------------------------------------------------------------------
-def test_fits_checks_budget_then_free_memory():
-    assert fits(10, 0, 100, 0, 1000, 100) is None
-    assert "budget" in fits(10, 50, 100, 150, 1000, 0)
-    assert fits(10, 40, 100, 150, 1000, 0) is None
-    assert "available" in fits(10, 0, 0, 0, 105, 100)
+def test_fits_checks_free_memory_minus_headroom():
+    assert fits(10, 1000, 100) is None
+    assert fits(10, 110, 100) is None
+    assert "the system has 105 MiB available" in fits(10 * MiB, 105 * MiB, 100 * MiB)
+
+
+def test_the_old_server_budget_option_says_where_the_budget_went(tmp_path):
+    from memspec.config import load_config
+    from memspec.errors import ConfigError
+
+    cfg = tmp_path / "m.toml"
+    cfg.write_text("[server]\nmemory_budget_mb = 512\n")
+    with pytest.raises(ConfigError, match=r"\[server\] memory_budget_mb is gone: .*\[scheduler\] budget_mb"):
+        load_config(cfg)
 
 
 def test_admission_is_fifo_and_releases():
-    adm = Admission(AdmissionConfig(max_concurrent=1, max_queue=1), lambda: 1 << 40, lambda: 0)
+    adm = Admission(AdmissionConfig(max_concurrent=1, max_queue=1), lambda: 1 << 40)
     a = adm.enter(5)
     assert adm.snapshot() == {"active": 1, "waiting": 0, "kv_bytes": 5}
     got = []

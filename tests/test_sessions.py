@@ -117,3 +117,22 @@ def test_missing_and_bad_model_files(tmp_path):
     bad.write_bytes(b"not a model")
     with pytest.raises(ModelFormatError, match="cannot load"):
         DecoderSession(bad)
+
+
+def test_cache_costs_the_pages_it_touches_not_its_capacity(model_store):
+    """cache_nbytes() plans memory by tokens: the shared buffer's untouched pages stay uncommitted."""
+    import psutil
+
+    s = DecoderSession(model_store.get("smollm2-135m").variant_path("fp32"), SessionConfig(max_context=2048))
+    s.forward(s.new_cache(), IDS[:8], keep=1)  # warm up: the session's own buffers
+    proc = psutil.Process()
+    capacity_bytes = s.kv_bytes_per_token() * 2048  # 90 MiB
+    before = proc.memory_info().rss
+    cache = s.new_cache()
+    assert proc.memory_info().rss - before < 0.1 * capacity_bytes
+    s.forward(cache, IDS, keep=1)
+    grown = proc.memory_info().rss - before
+    assert grown < 0.1 * capacity_bytes
+    # 44 tokens x 64 x fp32 = 11 KiB per (layer, K/V, head) row: 3 pages, plus 1 for alignment
+    assert s.cache_nbytes(len(IDS)) == 2 * 30 * 3 * 4 * 4096
+    assert s.cache_nbytes(10**6) == capacity_bytes  # never more than the capacity

@@ -181,3 +181,67 @@ def test_preload_runs_in_the_background_and_counts():
     assert st["drafts"]["c"]["bytes"] == 30 * MiB and st["used_bytes"] == 130 * MiB
     assert ws.ledger.to_dict()["draft"] == {"c": 30 * MiB}
     ws.close()
+
+
+# -- the budget counts what the process holds: KV caches and measured footprints -------------------
+def test_kv_reservation_evicts_idle_drafts_and_is_given_back():
+    ws, *_ = make(budget_mb=160)
+    ws.lease("c").release()  # 30 MiB resident, idle
+    ws.lease("b").release()  # 20 MiB: 150 used
+    ws.set_value("c", 3.0), ws.set_value("b", 1.0)  # b is worth less per byte
+    ws.reserve("r1", 25 * MiB)  # needs 15 MiB more: b goes, which is enough
+    assert set(ws.resident()) == {"c"} and ws.used_bytes() == 155 * MiB
+    assert ws.status()["kv_bytes"] == 25 * MiB and ws.ledger.total("kv") == 25 * MiB
+    ws.unreserve("r1")
+    ws.unreserve("r1")  # idempotent
+    assert ws.used_bytes() == 130 * MiB and ws.ledger.total("kv") == 0
+    ws.close()
+
+
+def test_kv_reservation_never_evicts_a_leased_draft_and_refuses_when_nothing_would_free_memory():
+    from memspec.errors import OverloadedError
+
+    ws, *_ = make(budget_mb=150)
+    held = ws.lease("c")  # 130 used, leased
+    with pytest.raises(OverloadedError, match=r"KV caches need 25.0 MiB.*raise \[scheduler\] budget_mb"):
+        ws.reserve("r1", 25 * MiB)
+    assert "c" in ws.resident() and ws.used_bytes() == 130 * MiB
+    held.release()
+    ws.close()
+
+
+def test_kv_reservation_waits_for_running_requests_and_can_be_cancelled():
+    import threading
+    import time
+
+    from memspec.errors import CancelledError
+
+    ws, *_ = make(budget_mb=150)
+    ws.reserve("r1", 40 * MiB)  # 140 used
+    done = threading.Event()
+    threading.Thread(target=lambda: (ws.reserve("r2", 30 * MiB), done.set()), daemon=True).start()
+    time.sleep(0.2)
+    assert not done.is_set()  # waits: r1 will free memory when it ends
+    ws.unreserve("r1")
+    assert done.wait(2.0) and ws.used_bytes() == 130 * MiB
+    with pytest.raises(CancelledError):
+        ws.reserve("r3", 30 * MiB, cancelled=lambda: True)
+    assert ws.used_bytes() == 130 * MiB
+    ws.close()
+
+
+def test_a_load_that_adds_more_than_planned_is_accounted_at_what_it_added():
+    clock, probe = FakeClock(), FakeProbe()
+
+    def loader(name):  # the model takes 25 MiB of RSS, not the 10 MiB planned
+        probe.rss += 25 * MiB
+        return FakeLoader(SIZES, clock)(name)
+
+    ws = WorkingSet(200 * MiB, loader, probe, clock, sizes=SIZES, reclaim=lambda: None)
+    ws.pin("target", 100 * MiB)
+    ws.lease("a").release()
+    assert ws.resident() == {"a": 25 * MiB} and ws.status()["drafts"]["a"]["rss_delta_bytes"] == 25 * MiB
+    assert ws.sizes["a"] == 25 * MiB  # the next load of it plans with what it really took
+    ws.lease("lookup").release()  # a 0-byte proposer stays 0 whatever the RSS did
+    assert ws.resident()["lookup"] == 0
+    ws.close()
