@@ -289,16 +289,24 @@ def generate(teacher, prompts: list[list[int]], max_new: int, eos: int, batch: i
     return out
 
 
+def data_key(domain: str, seed: int) -> str:
+    """Cache name of one domain's data set made with prompt seed `seed` (seed 0: the domain's name)."""
+    return domain if seed == 0 else f"{domain}-seed{seed}"
+
+
 def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, max_new: int, seed: int,
-                prompts: list[str] | None = None) -> dict:
-    """Load or make one domain's distillation data: {"train": [...], "eval": [...], "info": {...}}."""
+                prompts: list[str] | None = None, exclude=()) -> dict:
+    """Load or make one domain's distillation data: {"train": [...], "eval": [...], "info": {...}}.
+
+    `exclude` lists prompts that other data sets already hold; new prompts avoid them.
+    """
     torch = _torch()
-    path = work / f"data-{domain}.pt"
+    path = work / f"data-{domain if prompts is not None else data_key(domain, seed)}.pt"
     if path.is_file():
         return torch.load(path, weights_only=False)
     from memspec.train_prompts import domain_prompts
 
-    texts = prompts if prompts is not None else domain_prompts(domain, n_prompts, seed)
+    texts = prompts if prompts is not None else domain_prompts(domain, n_prompts, seed, exclude)
     ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     t0 = time.time()
     samples = generate(teacher_fn(), ids, max_new, tokenizer.eos_token_id)
@@ -523,7 +531,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--eval-domains", nargs="*", default=None, help="domains to evaluate on (default: all cached)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="training seed (initialisation and batch order)")
+    p.add_argument("--data-seeds", type=int, nargs="+", default=[0],
+                   help="prompt seeds: one cached data set of --n-prompts new prompts per domain and seed "
+                        "(no prompt repeats across seeds; held-out evaluation uses seed 0's)")
     p.add_argument("--resume", action="store_true",
                    help="continue from the weights of the last run of --name (kept in --work)")
     return p
@@ -567,7 +578,11 @@ def run_cli(args) -> int:
         key = "prompts-" + Path(args.prompts).stem
         datasets[key] = domain_data(work, key, teacher, tok, 0, args.max_new, args.seed, [x["prompt"] for x in lines])
     for d in args.domain or []:
-        datasets[d] = domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, args.seed)
+        used: set[str] = set()
+        for seed in args.data_seeds:
+            data = domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, seed, exclude=used)
+            datasets[data_key(d, seed)] = data
+            used |= {s["text"] for s in data["train"] + data["eval"]}
     samples = [s for d in datasets.values() for s in d["train"]]
 
     required = required_ids(tok)
@@ -595,10 +610,10 @@ def run_cli(args) -> int:
 
     eval_domains = args.eval_domains
     if eval_domains is None:
-        eval_domains = sorted(p.stem[len("data-"):] for p in work.glob("data-*.pt"))
+        eval_domains = sorted(p.stem[len("data-"):] for p in work.glob("data-*.pt") if "-seed" not in p.stem)
     results = {}
     for d in eval_domains:
-        data = datasets.get(d) or domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, args.seed)
+        data = datasets.get(d) or domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, 0)
         results[d] = evaluate(model, data["eval"], vmap)
         _log(f"  eval {d}: {results[d]}")
     summary["held_out"] = results

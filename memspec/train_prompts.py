@@ -34,6 +34,19 @@ CODE_TASKS = [
     "check whether a number is a perfect square", "compute compound interest", "shuffle a list randomly",
     "group a list of words by their first letter", "find the maximum subarray sum",
     "convert a string to title case", "implement a binary tree insertion",
+    "debounce another function", "find the k most common words in a text", "check whether a list is sorted",
+    "compute the running total of a list", "count the lines, words and characters of a file",
+    "find the longest common prefix of a list of strings", "implement a least-recently-used cache",
+    "convert a list of dictionaries to a CSV file", "compute the Levenshtein distance between two strings",
+    "find all prime numbers up to n with the sieve of Eratosthenes", "implement breadth-first search on a graph",
+    "implement depth-first search on a graph", "compute the moving average of a list", "zip two lists into a dictionary",
+    "sort a list of dictionaries by a key", "find duplicate files by their size", "retry a function call three times",
+    "measure how long a function takes to run", "read a JSON file and print one field", "reverse the words in a sentence",
+    "check whether a string contains only digits", "compute the factorial of n recursively",
+    "implement a counter class with increment and reset methods", "find the index of the minimum element",
+    "convert hours and minutes to seconds", "compute the Euclidean distance between two points",
+    "remove all vowels from a string", "check whether a number is an Armstrong number",
+    "generate a random password", "implement a simple bank account class",
 ]
 CODE_TEMPLATES = [
     "Write a Python function to {t}.",
@@ -44,6 +57,34 @@ CODE_TEMPLATES = [
     "Give me a Python example that shows how to {t}.",
     "Write a Java method to {t}.",
     "Write a Python class or function to {t}, with a docstring and a usage example.",
+    "Write a TypeScript function to {t}.",
+    "Write a C++ function to {t}.",
+    "Write a Go function to {t}.",
+    "Write a Rust function to {t}.",
+    "Write a Python function that can {t}, and add a few test cases.",
+    "Show me how to {t} in JavaScript.",
+]
+CODE_EXTRA = [  # whole prompts: shell, SQL and other languages' idioms
+    "Write a bash script that prints the size of every file in a directory.",
+    "Write a bash script that counts the lines of every .txt file in the current directory.",
+    "Write a bash script that backs up a folder into a dated tar.gz archive.",
+    "Write a bash one-liner that finds the ten largest files under /var/log.",
+    "Write a bash script that checks whether a website is up and prints the status code.",
+    "Write a SQL query that returns the ten most recent orders from a table orders(id, customer_id, created_at).",
+    "Write a SQL query that counts the customers in each country from a table customers(id, name, country).",
+    "Write a SQL query that finds the employees who earn more than their department's average salary.",
+    "Write a SQL query that joins the tables users(id, name) and posts(id, user_id, title) and counts posts per user.",
+    "Write a SQL statement that creates a table products with id, name, price and stock columns.",
+    "Write a SQL query that returns the second highest salary from a table employees(id, name, salary).",
+    "Write an HTML page with a form that asks for a name and an email address.",
+    "Write a CSS rule that centers a div horizontally and vertically.",
+    "Write a Dockerfile for a small Python web application.",
+    "Write a regular expression that matches a valid IPv4 address and explain it.",
+    "Write a Python decorator that caches the results of a function.",
+    "Write a Python context manager that times the code inside it.",
+    "Write a Python generator that yields the Fibonacci numbers.",
+    "Write a Python dataclass for a book with title, author and year.",
+    "Write a Python script that uses argparse to read a file name and prints its contents.",
 ]
 
 MATH_TEMPLATES = [
@@ -72,6 +113,18 @@ MATH_TEMPLATES = [
     "What is the least common multiple of {a} and {b}? Show the steps.",
     "A rectangle has a perimeter of {e} meters and a length of {a} meters. What is its width?",
     "Explain how to solve a quadratic equation, using x^2 - {s}x + {q} = 0 as an example.",
+    "What is {a} multiplied by {c}? Show your work step by step.",
+    "A book costs ${n} after a {p}% discount. What was the original price? Think step by step.",
+    "The sum of two numbers is {n} and their difference is {a}. What are the numbers? Solve step by step.",
+    "A rectangle has a perimeter of {e} cm and a length of {a} cm. What is its area? Show your reasoning.",
+    "If {b} workers can build a wall in {c} days, how long would {a} workers take? Explain step by step.",
+    "What is {n} divided by {b}, rounded to two decimal places? Show the steps.",
+    "Convert {n} kilometers to miles. Show the calculation.",
+    "A store increases the price of a ${n} item by {p}%. What is the new price? Step by step.",
+    "Find the mean, median and mode of these numbers: {a}, {b}, {c}, {b}, {n}.",
+    "What is {a} to the power of 3? Explain the calculation.",
+    "A tank holds {n} liters and drains at {b} liters per minute. How long until it is empty? Step by step.",
+    "Solve the inequality {a}x - {b} > {c}. Show each step.",
 ]
 
 CHAT_TEMPLATES = [
@@ -87,18 +140,31 @@ CHAT_TEMPLATES = [
     "Write a friendly email to a colleague about {z}.",
     "Summarize the history of {y} in a few sentences.",
     "Tell me a fun fact about {x}.",
+    "Write a short story about {x}.",
+    "Write a bedtime story about {x}.",
+    "How does {y} work?",
+    "Write a haiku about {x}.",
+    "What should I know before {z}?",
+    "Write a short speech about {y} for a school assembly.",
+    "Describe {x} in a few vivid sentences.",
+    "What are common mistakes people make when {z}?",
 ]
 CHAT_SUBJECTS = [
     "a brave little mouse", "a robot who learns to paint", "a lighthouse keeper", "a dragon who is afraid of fire",
     "a lost puppy", "an old sailor", "a girl who finds a magic key", "a talking tree", "the moon", "the ocean",
     "a busy bee", "a city at night", "a snowy mountain village", "a clever fox", "a young astronaut",
     "a forgotten library", "a friendly ghost", "autumn leaves", "a baker in Paris", "a cat and a dog who become friends",
+    "a penguin who wants to fly", "a little star that wants to visit the Earth", "a boy who finds a talking map",
+    "a cloud that wants to become rain", "a busy market on a Saturday morning", "a secret door in a school library",
+    "a quiet morning in the mountains", "an old clock that stops time", "a whale who sings", "a garden in spring",
 ]
 CHAT_TOPICS = [
     "photosynthesis", "gravity", "the water cycle", "climate change", "the internet", "democracy", "vaccines",
     "black holes", "machine learning", "the French Revolution", "recycling", "the human heart", "electricity",
     "volcanoes", "the stock market", "renewable energy", "the Roman Empire", "DNA", "sleep", "inflation",
     "the solar system", "bees and pollination", "meditation", "the printing press", "rainbows",
+    "the seasons", "earthquakes", "the immune system", "the moon landing", "antibiotics", "tides", "clouds",
+    "the Great Wall of China", "coffee", "the human brain", "batteries", "airplanes", "chocolate", "the Olympic Games",
 ]
 CHAT_ACTIVITIES = [
     "learning a new language", "staying productive when working from home", "getting better sleep",
@@ -109,6 +175,8 @@ CHAT_ACTIVITIES = [
 
 
 def _code(rng: random.Random) -> str:
+    if rng.random() < 0.1:
+        return rng.choice(CODE_EXTRA)
     return rng.choice(CODE_TEMPLATES).format(t=rng.choice(CODE_TASKS))
 
 
@@ -130,14 +198,21 @@ def _chat(rng: random.Random) -> str:
 _MAKERS = {"code": _code, "math": _math, "chat": _chat}
 
 
-def domain_prompts(domain: str, n: int, seed: int = 0) -> list[str]:
-    """`n` distinct user prompts for `domain`, the same for the same seed."""
+def domain_prompts(domain: str, n: int, seed: int = 0, exclude=()) -> list[str]:
+    """Up to `n` distinct user prompts for `domain`, the same for the same seed and lists.
+
+    `exclude` holds prompts already used (say by another seed's data set), so that data
+    sets made with different seeds never share a prompt.
+    """
     if domain not in _MAKERS:
         raise ValueError(f"unknown domain {domain!r}; choose one of {', '.join(DOMAINS)}")
     rng = random.Random(f"{domain}-{seed}")
+    skip = set(exclude)
     seen: dict[str, None] = {}
     for _ in range(50 * n):
         if len(seen) == n:
             break
-        seen.setdefault(_MAKERS[domain](rng), None)
+        p = _MAKERS[domain](rng)
+        if p not in skip:
+            seen.setdefault(p, None)
     return list(seen)
