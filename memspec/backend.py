@@ -40,10 +40,18 @@ class Run:
         self.items.close()
 
 
+@dataclass(frozen=True)
+class Checked:
+    """A request that passed check(): its prompt ids (so it is tokenized once) and its KV bytes."""
+
+    prompt_ids: list[int]
+    kv_bytes: int
+
+
 class Backend(Protocol):
     config: Config  # what it runs with; config.limits bound every request
-    def check(self, req: GenerationRequest) -> int: ...  # validate fully; return the KV bytes it needs
-    def open(self, req: GenerationRequest, cancel: threading.Event) -> Run: ...
+    def check(self, req: GenerationRequest) -> Checked: ...  # validate fully: prompt ids, KV bytes
+    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked | None = None) -> Run: ...
     def record(self, completion: Completion) -> None: ...  # count a finished request
     def resident_bytes(self) -> int: ...
     def models(self) -> list[dict]: ...
@@ -112,31 +120,29 @@ class EngineBackend:
         return engine
 
     # -- requests ------------------------------------------------------------------
-    def check(self, req: GenerationRequest) -> int:
+    def check(self, req: GenerationRequest) -> Checked:
         engine = self._engine()
-        validate(req, engine.limits)
+        prompt = engine.check(req)  # limits, draft, policy, context; raises InvalidRequest / ContextOverflow
         scheduler = getattr(engine, "scheduler", None)
-        if scheduler is not None:  # it knows the drafts and policies; it picks drafts as the request runs
-            scheduler.check(req)
-            proposer = getattr(engine, "drafts", {}).get(req.draft)
-        else:
-            proposer = engine.draft_for(req) if hasattr(engine, "draft_for") else _target_only(req)
-            if req.policy is not None and req.policy not in self.policies:
-                known = ", ".join(self.policies) or "none"
-                raise InvalidRequestError(f"policy: unknown policy {req.policy!r}; known: {known}")
-        n_prompt = len(engine.prompt_ids(req))  # raises ContextOverflowError
+        if scheduler is None and req.policy is not None and req.policy not in self.policies:
+            known = ", ".join(self.policies) or "none"
+            raise InvalidRequestError(f"policy: unknown policy {req.policy!r}; known: {known}")
+        # a draft named by hand brings its KV cache; the scheduler's picks are reserved as they run
+        proposer = getattr(engine, "drafts", {}).get(req.draft) if scheduler is not None \
+            else engine.draft_for(req) if hasattr(engine, "draft_for") else _target_only(req)
         session = engine.target.session
-        tokens = n_prompt + req.max_tokens
+        tokens = len(prompt) + req.max_tokens
         need = session.cache_nbytes(tokens)
         draft_session = getattr(proposer, "session", None)
         if draft_session is not None:
             need += draft_session.cache_nbytes(tokens)
-        return need
+        return Checked(prompt, need)
 
-    def open(self, req: GenerationRequest, cancel: threading.Event) -> Run:
+    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked | None = None) -> Run:
         # The run holds this engine (and the draft it picks) until it is closed.
         engine = self._engine()
-        return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel))
+        prompt = checked.prompt_ids if checked is not None else None
+        return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel, prompt))
 
     def record(self, completion: Completion) -> None:
         name = draft_used(completion.stats)

@@ -156,15 +156,22 @@ class Engine:
         return FixedDraft(proposer.name, proposer.begin(capacity)) if proposer is not None else None
 
     # -- streaming ---------------------------------------------------------------
-    def stream(self, req: GenerationRequest, cancel: threading.Event | None = None) -> Iterator[Chunk | Completion]:
-        """Yield Chunks as tokens are committed, then one Completion."""
+    def check(self, req: GenerationRequest) -> list[int]:
+        """Validate `req` fully (limits, draft, policy, context) and return its prompt ids."""
         validate(req, self.limits)
         if self.scheduler is not None:
             self.scheduler.check(req)  # an unknown draft or policy is refused before any work
         else:
             self.draft_for(req)
+        return self.prompt_ids(req)
+
+    def stream(self, req: GenerationRequest, cancel: threading.Event | None = None,
+               prompt: list[int] | None = None) -> Iterator[Chunk | Completion]:
+        """Yield Chunks as tokens are committed, then one Completion.  `prompt`: the ids
+        check() returned for this request, when the caller checked it already."""
         t0 = self.clock()
-        prompt = self.prompt_ids(req)
+        if prompt is None:
+            prompt = self.check(req)
         sched, kv_key = self.scheduler, None
         if sched is not None:  # its KV caches count in the memory budget while it runs
             cancelled = cancel.is_set if cancel is not None else (lambda: False)

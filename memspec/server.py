@@ -95,14 +95,14 @@ class MemSpecServicer:
             if isinstance(request, wire.Unparsable):
                 raise InvalidRequestError(request.reason)
             req = wire.request_from_pb(request, self.backend.config.limits.max_tokens)
-            need = self.backend.check(req)
-            fields.update(kv_bytes=need, max_tokens=req.max_tokens, draft=req.draft, policy=req.policy)
+            checked = self.backend.check(req)
+            fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft, policy=req.policy)
             cancel = threading.Event()
             context.add_callback(cancel.set)  # client cancel, deadline, shutdown past grace
-            with self.admission.enter(need, context.time_remaining(), cancel.is_set) as slot:
+            with self.admission.enter(checked.kv_bytes, context.time_remaining(), cancel.is_set) as slot:
                 self.counters.count("started")
                 fields["queue_ms"] = round(slot.queued_s * 1e3, 3)
-                yield from self._generate(req, cancel, slot.queued_s, fields)
+                yield from self._generate(req, checked, cancel, slot.queued_s, fields)
             code = grpc.StatusCode.OK
         except MemspecError as exc:
             code = wire.code_for(exc)
@@ -118,8 +118,8 @@ class MemSpecServicer:
             fields.update(code=code.name, ms=round((self.clock() - t0) * 1e3, 3))
             log.info("request", extra={"fields": fields})
 
-    def _generate(self, req, cancel: threading.Event, queued_s: float, fields: dict):
-        run = self.backend.open(req, cancel)
+    def _generate(self, req, checked, cancel: threading.Event, queued_s: float, fields: dict):
+        run = self.backend.open(req, cancel, checked)
         fields.update(model=run.model, variant=run.variant)
         try:
             for item in run.items:

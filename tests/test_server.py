@@ -49,6 +49,7 @@ class FakeEngine:
         self.step_s = step_s
         self.drafts: dict = {}
         self.open = 0  # streams whose "KV cache" is allocated
+        self.checks = 0  # requests validated and tokenized
         self.fail = False
 
     def draft_for(self, req):
@@ -62,9 +63,14 @@ class FakeEngine:
             raise ContextOverflowError(f"prompt: {len(ids)} tokens do not fit the context of {CONTEXT} tokens")
         return ids
 
-    def stream(self, req, cancel=None):
+    def check(self, req):
         validate(req, self.limits)
-        prompt = self.prompt_ids(req)
+        self.checks += 1
+        return self.prompt_ids(req)
+
+    def stream(self, req, cancel=None, prompt=None):
+        if prompt is None:
+            prompt = self.check(req)
         if self.fail:
             raise RuntimeError("boom")
         words = (req.prompt or req.messages[-1][1]).split()[::-1]
@@ -192,6 +198,7 @@ def test_generate_streams_chunks_then_completion_with_stats(h):
     assert done.timings["completion_tokens"] == 4 and isinstance(done.timings["prompt_tokens"], int)
     assert done.stats == {"num_drafts": 0, "drafts_used": {}}
     assert (done.model, done.variant) == ("tiny", "q4")
+    assert h.engines[-1].checks == 1  # validated and tokenized once, not again when it runs
 
 
 def test_chat_takes_tuples_and_dicts(h):
