@@ -585,16 +585,21 @@ def run_cli(args) -> int:
             used |= {s["text"] for s in data["train"] + data["eval"]}
     samples = [s for d in datasets.values() for s in d["train"]]
 
-    required = required_ids(tok)
-    vocab = select_vocab(token_counts(samples, tok.vocab_size), args.vocab_size, required)
+    ckpt = work / f"{args.name}.pt"
+    resume = getattr(args, "resume", False) and ckpt.is_file()
+    old_vocab = Path(args.out or SHIPPED_MODELS) / args.name / "vocab.json"
+    if resume and old_vocab.is_file():  # the checkpoint's rows are these ids, whatever data comes now
+        vocab = [int(i) for i in json.loads(old_vocab.read_text())]
+        _log(f"keeping the vocabulary of {old_vocab} ({len(vocab)} ids)")
+    else:
+        vocab = select_vocab(token_counts(samples, tok.vocab_size), args.vocab_size, required_ids(tok))
     vmap = VocabMap(vocab, tok.vocab_size)
     cfg = draft_config(args.layers, args.width, len(vocab))
     from memspec.gguf_reader import GGUFModel
 
     model = init_draft(cfg, GGUFModel(gguf).float32("token_embd.weight"), vmap, args.seed)
     previous = None
-    ckpt = work / f"{args.name}.pt"
-    if getattr(args, "resume", False) and ckpt.is_file():
+    if resume:
         model.load_state_dict(torch.load(ckpt))
         old = Path(args.out or SHIPPED_MODELS) / args.name / "manifest.json"
         if old.is_file():
