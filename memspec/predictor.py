@@ -163,7 +163,7 @@ class Predictor:
     """Scores each draft (and "none") by expected tokens per second for what comes next."""
 
     def __init__(self, drafts: tuple[str, ...], costs: dict[str, dict], ensembles: dict[str, dict],
-                 info: dict | None = None):
+                 info: dict | None = None, default: str | None = None, margin: float = 0.0):
         modeled = [d for d in drafts if d != NONE]
         missing = [f"{d}.{q}" for d in modeled for q in QUANTITIES if q not in ensembles.get(d, {})]
         if missing or NONE not in costs or any(d not in costs for d in modeled):
@@ -173,6 +173,14 @@ class Predictor:
         self.costs = costs  # draft -> {"step_s", "per_draft_token_s"}
         self.ensembles = ensembles  # draft -> quantity -> ensemble JSON
         self.info = dict(info or {})  # how it was trained (traces, held-out scores)
+        # The prior: the policy that was fastest over all training requests, and how much faster
+        # (as a fraction) another must be predicted to be chosen over it.  The trees learn from
+        # few prompts; a margin, chosen by held-out regret, keeps their noise from costing speed.
+        if default is not None and default not in drafts:
+            raise ModelFormatError(f"predictor: default {default!r} is not one of its drafts {list(drafts)}")
+        if not (math.isfinite(margin) and margin >= 0):
+            raise ModelFormatError(f"predictor: margin must be a finite number >= 0, got {margin!r}")
+        self.default, self.margin = default, float(margin)
         self._modeled = modeled
         order = [(d, q) for d in modeled for q in QUANTITIES]
         self._forest = Forest.from_json([ensembles[d][q] for d, q in order], len(FEATURES))
@@ -185,7 +193,8 @@ class Predictor:
     # -- persistence -----------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "features": list(FEATURES), "quantities": list(QUANTITIES),
-                "drafts": list(self.drafts), "costs": self.costs, "ensembles": self.ensembles, "info": self.info}
+                "drafts": list(self.drafts), "costs": self.costs, "default": self.default, "margin": self.margin,
+                "ensembles": self.ensembles, "info": self.info}
 
     def save(self, path) -> None:
         path = Path(path)
@@ -211,7 +220,8 @@ class Predictor:
             if any(not math.isfinite(v) or v < 0 for c in costs.values() for v in c.values()) or \
                     any(c["step_s"] <= 0 for c in costs.values()):
                 raise ValueError("costs must be finite, step costs positive")
-            return cls(tuple(data["drafts"]), costs, data["ensembles"], data.get("info"))
+            return cls(tuple(data["drafts"]), costs, data["ensembles"], data.get("info"), data.get("default"),
+                       float(data.get("margin") or 0.0))
         except ModelFormatError:
             raise
         except (KeyError, TypeError, ValueError, AttributeError) as exc:
@@ -254,7 +264,10 @@ class Predictor:
         mal, drafted = self.quantities(X)
         tps = mal / (self._step_s + self._token_s * drafted)
         none = np.full((X.shape[0], 1), 1.0 / self.costs[NONE]["step_s"])
-        return np.concatenate([none, tps], axis=1)[:, self._columns]
+        out = np.concatenate([none, tps], axis=1)[:, self._columns]
+        if self.default is not None and self.margin:
+            out = out / np.where(np.asarray(self.drafts) == self.default, 1.0, 1.0 + self.margin)
+        return out
 
     def predict(self, prompt_text: str, ctx: GenerationContext | None = None) -> dict[str, float]:
         """Expected tokens per second of each draft (and "none") for what comes next."""
@@ -426,7 +439,9 @@ def _outcome(choice: str, records: dict[str, dict], pred: Predictor, single: str
             "hit_modeled": choice == best_modeled, "single_hit": single == best,
             "single_hit_modeled": single == best_modeled,
             "tps": tps[choice], "best_tps": tps[best], "single_tps": tps[single],
-            "mean_tps": float(np.mean(list(tps.values())))}
+            "mean_tps": float(np.mean(list(tps.values()))),
+            "modeled_regret": modeled[best_modeled] - modeled[choice],
+            "single_modeled_regret": modeled[best_modeled] - modeled[single]}
 
 
 def evaluate(pred: Predictor, traces: list[dict], single_best: str) -> dict[str, list]:
@@ -468,20 +483,33 @@ def single_best_policy(traces: list[dict], policies) -> str:
     return max(policies, key=lambda d: tot[d][0] / tot[d][1] if tot[d][1] else 0.0)
 
 
-def cross_validate(traces: list[dict], cfg: TrainConfig) -> dict:
-    """Held out by prompt: each fold's predictor never saw the prompts it is scored on."""
+MARGINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)  # candidate margins over the default policy
+
+
+def cross_validate(traces: list[dict], cfg: TrainConfig, margins=MARGINS) -> dict[float, dict]:
+    """Held out by prompt: each fold's predictor never saw the prompts it is scored on.
+    One summary per candidate margin (each fold's default: its training folds' single best)."""
     order = np.random.default_rng(cfg.seed).permutation(len(traces))
     folds = [order[i::cfg.folds] for i in range(cfg.folds)]
-    merged: dict[str, list] = {"request": [], "segment": [], "sim": []}
+    merged: dict[float, dict[str, list]] = {m: {"request": [], "segment": [], "sim": []} for m in margins}
     singles = []
     for test in folds:
         train = [traces[i] for i in order if i not in set(test)]
         pred = fit(train, cfg)
         single = single_best_policy(train, pred.drafts)
         singles.append(single)
-        for k, v in evaluate(pred, [traces[i] for i in test], single).items():
-            merged[k] += v
-    return summarize(merged, singles)
+        pred.default = single
+        for m in margins:
+            pred.margin = m
+            for k, v in evaluate(pred, [traces[i] for i in test], single).items():
+                merged[m][k] += v
+    return {m: summarize(ev, singles) for m, ev in merged.items()}
+
+
+def pick_margin(results: dict[float, dict]) -> float:
+    """The margin with the least held-out regret per request under the cost model (measured acceptance
+    at the fitted step costs: on a shared machine one timing per prompt is mostly noise); ties: smaller."""
+    return min(results, key=lambda m: (round(results[m]["request"]["regret_modeled_tok_s"], 6), m))
 
 
 def summarize(ev: dict[str, list], singles: list[str]) -> dict:
@@ -499,6 +527,8 @@ def summarize(ev: dict[str, list], singles: list[str]) -> dict:
             "regret_tok_s": float(np.mean(col["best_tps"] - col["tps"])),
             "regret_single_best_tok_s": float(np.mean(col["best_tps"] - col["single_tps"])),
             "regret_random_tok_s": float(np.mean(col["best_tps"] - col["mean_tps"])),
+            "regret_modeled_tok_s": float(np.mean(col["modeled_regret"])),
+            "regret_single_best_modeled_tok_s": float(np.mean(col["single_modeled_regret"])),
             "best_tok_s": float(col["best_tps"].mean()),
             "chosen": {str(d): int((col["choice"] == d).sum()) for d in sorted(set(col["choice"]))},
             "best": {str(d): int((col["best"] == d).sum()) for d in sorted(set(col["best"]))},
@@ -571,14 +601,28 @@ def run_cli(args) -> int:
     if args.folds and not 2 <= args.folds <= len(traces):
         raise ModelFormatError(f"--folds must be 0 or 2..{len(traces)} (the number of prompts), got {args.folds}")
     cfg = TrainConfig(n_estimators=args.trees, folds=args.folds or TrainConfig.folds, seed=args.seed)
-    held_out = cross_validate(traces, cfg) if args.folds else None
-    if held_out:
+    by_margin = cross_validate(traces, cfg) if args.folds else None
+    margin, held_out = 0.0, None
+    if by_margin:
+        print("margin over the default policy: held-out choice=best (measured, cost model) and regret tok/s "
+              "(measured, cost model) per request")
+        for m, r in by_margin.items():
+            q = r["request"]
+            print(f"  {m:>4.2f}: {q['accuracy']:.0%}, {q['accuracy_modeled']:.0%}; "
+                  f"{q['regret_tok_s']:.2f}, {q['regret_modeled_tok_s']:.2f}")
+        margin = pick_margin(by_margin)
+        held_out = {**by_margin[margin], "margin": margin,
+                    "by_margin": {str(m): {k: r["request"][k] for k in ("accuracy", "accuracy_modeled",
+                                                                        "regret_tok_s", "regret_modeled_tok_s")}
+                                  for m, r in by_margin.items()}}
+        print(f"chosen margin {margin:.2f} (the least regret; chosen on these same held-out folds)")
         print_report(held_out, len(traces), cfg)
     info = {"traces": Path(args.traces).name, "requests": len(traces),
             "segments": sum(len(t["segments"]) for t in traces), "target": traces[0].get("target"),
             "trained": datetime.date.today().isoformat(), "sklearn": sklearn.__version__,
             "config": asdict(cfg), "held_out": held_out}
     pred = fit(traces, cfg, info)
+    pred = Predictor(pred.drafts, pred.costs, pred.ensembles, info, single_best_policy(traces, pred.drafts), margin)
     pred.save(args.out)
     lat = measure_latency(pred, traces[0]["prompt_text"])
     print(f"saved {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB): {', '.join(pred.drafts)}; "

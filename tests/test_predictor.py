@@ -12,7 +12,7 @@ import pytest
 from memspec import features as F
 from memspec.errors import ModelFormatError
 from memspec.predictor import (DEFAULT_PATH, FEATURES, NONE, Forest, Predictor, TrainConfig, cross_validate, fit,
-                               gbr_to_json, measure_latency)
+                               gbr_to_json, measure_latency, pick_margin)
 from memspec.profile import _tally, first_mismatch
 from memspec.store import SHIPPED_MODELS
 
@@ -153,10 +153,35 @@ def test_trained_predictor_picks_the_right_draft(synthetic):
 
 def test_cross_validation_reports_accuracy_and_regret(synthetic):
     traces, _ = synthetic
-    res = cross_validate(traces, TrainConfig(n_estimators=20, learning_rate=0.2, min_samples_leaf=3, folds=3))
+    by_margin = cross_validate(traces, TrainConfig(n_estimators=20, learning_rate=0.2, min_samples_leaf=3, folds=3),
+                               margins=(0.0, 0.1, 1e9))
+    res = by_margin[0.0]
     assert res["request"]["n"] == len(traces) and res["segment"]["n"] == 4 * len(traces)
     assert res["request"]["accuracy"] > 0.8
     assert res["request"]["regret_tok_s"] < res["request"]["regret_random_tok_s"]
+    # a huge margin always picks the default: the single best policy's accuracy and regret
+    big = by_margin[1e9]["request"]
+    assert big["accuracy"] == pytest.approx(big["accuracy_single_best"])
+    assert big["regret_tok_s"] == pytest.approx(big["regret_single_best_tok_s"])
+    # here the trees are right, so no margin is chosen
+    assert pick_margin(by_margin) == 0.0
+
+
+def test_margin_keeps_the_default_unless_another_is_predicted_faster_by_that_much(synthetic):
+    _, pred = synthetic
+    prompt = "Write a Python function that sorts a dict."
+    raw = pred.predict(prompt)
+    assert pred.best(prompt) == "draft-code"
+    biased = Predictor(pred.drafts, pred.costs, pred.ensembles, pred.info, "prompt-lookup", 0.25)
+    got = biased.predict(prompt)
+    assert got["prompt-lookup"] == pytest.approx(raw["prompt-lookup"])
+    assert got["draft-code"] == pytest.approx(raw["draft-code"] / 1.25)
+    lead = raw["draft-code"] / raw["prompt-lookup"] - 1  # how much faster draft-code is predicted
+    under = Predictor(pred.drafts, pred.costs, pred.ensembles, pred.info, "prompt-lookup", lead * 0.99)
+    over = Predictor(pred.drafts, pred.costs, pred.ensembles, pred.info, "prompt-lookup", lead * 1.01)
+    assert (under.best(prompt), over.best(prompt)) == ("draft-code", "prompt-lookup")
+    with pytest.raises(ModelFormatError, match="default 'nope'"):
+        Predictor(pred.drafts, pred.costs, pred.ensembles, pred.info, "nope", 0.1)
 
 
 def test_save_load_round_trip_predicts_identically(synthetic, tmp_path):
