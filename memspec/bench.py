@@ -230,11 +230,19 @@ def draft_sizes(store, target) -> dict[str, int]:
     return sizes
 
 
+def draft_room(sizes: dict[str, int]) -> int:
+    """Room for at most half the model drafts in any combination: the larger of the largest one
+    and the n//2 smallest together (any n//2 + 1 of them need more, when n > 1)."""
+    small = sorted(b for b in sizes.values() if b > 0)
+    if not small:
+        return 0
+    return max(small[-1], sum(small[: len(small) // 2]))
+
+
 def default_budget_mb(process_bytes: int, kv_bytes: int, sizes: dict[str, int]) -> int:
-    """The process as it is now (runtime and target), one request's KV caches and the two
-    largest drafts' footprints: room for some drafts, not all of them."""
-    two = sum(sorted(sizes.values(), reverse=True)[:2])
-    return -(-(process_bytes + kv_bytes + two) // MiB)
+    """The process as it is now (runtime and target), one request's KV caches and room for at
+    most half the drafts (`draft_room`)."""
+    return -(-(process_bytes + kv_bytes + draft_room(sizes)) // MiB)
 
 
 def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str], max_tokens: int,
@@ -410,8 +418,8 @@ def add_arguments(b) -> None:
     b.add_argument("--fixed-gamma", action="store_true", help="do not adapt the draft length")
     b.add_argument("--budget-mb", type=int, metavar="N",
                    help="memory budget of the process: runtime and target, resident drafts, KV caches "
-                        "(scheduling policies; default: the process once warm, one request's KV caches and the "
-                        "two largest drafts); runs the policies as one shuffled stream")
+                        "(scheduling policies; default: the process once warm, one request's KV caches and "
+                        "room for at most half the drafts); runs the policies as one shuffled stream")
     b.add_argument("--oracle-table", metavar="FILE",
                    help="fastest draft per prompt for the oracle (default: profile every draft first)")
     b.add_argument("--lookahead", type=int, default=1, metavar="N",
