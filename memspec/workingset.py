@@ -200,19 +200,14 @@ class WorkingSet:
         value per byte first) to make room.  While other requests' caches fill the budget it
         waits for them to end; OverloadedError when nothing running would free enough,
         CancelledError when `cancelled()` turns true while it waits."""
-        evicted = False
+        victims: tuple[str, ...] = ()
         with self._cond:
-            while self.budget and self.used_bytes() + nbytes > self.budget:
-                order = eviction_order(self._candidates())
-                if self.used_bytes() - sum(c.nbytes for c in order) + nbytes <= self.budget:
-                    for c in order:
-                        if self.used_bytes() + nbytes <= self.budget:
-                            break
-                        self._evict(c.name, why=f"to make room for the KV caches of {key}")
-                        evicted = True
+            while True:  # the same admission as a draft load that a request waits for (force)
+                adm = admit(Candidate(key, nbytes), self._candidates(), self.used_bytes(), self.budget, force=True)
+                if adm.ok:
+                    victims = adm.victims
                     break
-                kv = sum(self._kv.values())
-                if not kv:  # nothing running will free memory: waiting cannot help
+                if not self._kv:  # nothing running will free memory: waiting cannot help
                     raise OverloadedError(
                         f"not enough memory for this request: its KV caches need {nbytes / MiB:.1f} MiB, and the "
                         f"budget of {self.budget / MiB:.0f} MiB holds {self.used_bytes() / MiB:.1f} MiB of models; "
@@ -220,10 +215,12 @@ class WorkingSet:
                 if cancelled():
                     raise CancelledError("cancelled while waiting for memory")
                 self._cond.wait(0.05)
+            for name in victims:
+                self._evict(name, why=f"to make room for the KV caches of {key}")
             self._kv[key] = self._kv.get(key, 0) + int(nbytes)
             self.ledger.add("kv", key, nbytes)
             self._account()
-        if evicted:
+        if victims:
             self._reclaim()
 
     def unreserve(self, key: str) -> None:
