@@ -1,14 +1,24 @@
 """Test doubles for the working set and the scheduler: a clock, a memory probe, drafts, a loader
-and a stand-in predictor.  Never used outside tests."""
+and a stand-in predictor; and `wait_for`, for tests that watch a real thread or daemon.  Never
+used outside tests."""
 
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass, field
 
 from memspec.drafts import Proposal
 
 MiB = 1 << 20
+
+
+def wait_for(cond, timeout: float = 5.0, interval: float = 0.01) -> None:
+    """Poll `cond()` until it holds; fail the test after `timeout` seconds."""
+    t0 = time.monotonic()
+    while not cond():
+        assert time.monotonic() - t0 < timeout, "timed out"
+        time.sleep(interval)
 
 
 class FakeClock:

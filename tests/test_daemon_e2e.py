@@ -7,6 +7,7 @@ starts its own to kill -9, restart and SIGTERM it.  Requests are kept small
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import signal
@@ -20,6 +21,7 @@ from pathlib import Path
 import grpc
 import pytest
 
+import fakes
 from memspec import wire
 from memspec.cli import load_engine, main
 from memspec.client import Client
@@ -151,11 +153,7 @@ def run_remote(client, req):
     return chunks, done
 
 
-def wait_for(cond, timeout=20.0):
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "timed out"
-        time.sleep(0.05)
+wait_for = functools.partial(fakes.wait_for, timeout=20.0, interval=0.05)  # a real daemon: slower polls
 
 
 # -- serving ------------------------------------------------------------------------------------

@@ -16,6 +16,8 @@ from types import SimpleNamespace
 import grpc
 import pytest
 
+from fakes import wait_for
+
 from memspec import errors, wire
 from memspec.address import client_address, default_socket, parse
 from memspec.admission import Admission, AdmissionConfig, fits
@@ -179,13 +181,6 @@ def collect(items):
             return chunks, item
         chunks.append(item)
     raise AssertionError("no Completion")
-
-
-def wait_for(cond, timeout=5.0):
-    t0 = time.monotonic()
-    while not cond():
-        assert time.monotonic() - t0 < timeout, "timed out"
-        time.sleep(0.01)
 
 
 # -- generation ------------------------------------------------------------------------------
