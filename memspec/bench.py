@@ -222,12 +222,9 @@ def draft_sizes(store, target) -> dict[str, int]:
     """Every draft made for the target, with its planned RSS footprint (prompt lookup: 0)."""
     from memspec.drafts import PROMPT_LOOKUP
     from memspec.memory import planned_footprint
+    from memspec.drafts import target_drafts
 
-    sizes = {PROMPT_LOOKUP: 0}
-    for m in store.list():
-        if m.role == "draft" and m.extra.get("target") == target.name:
-            sizes[m.name] = planned_footprint(m.total_bytes)
-    return sizes
+    return {PROMPT_LOOKUP: 0, **{m.name: planned_footprint(m.total_bytes) for m in target_drafts(store, target.name)}}
 
 
 def draft_room(sizes: dict[str, int]) -> int:
@@ -247,7 +244,8 @@ def default_budget_mb(process_bytes: int, kv_bytes: int, sizes: dict[str, int]) 
 
 def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str], max_tokens: int,
                lookahead: int = 1, progress=None) -> tuple[dict, dict[str, PolicyRun], dict[str, list[int]]]:
-    """Each policy over the same stream with its own scheduler; returns (cells, runs, target-only outputs)."""
+    """Each policy over the same stream with its own scheduler; returns (cells, runs, target-only outputs).
+    The engine must be warm (ONNX Runtime's first runs are slow): run_stream_cli warms it."""
     from memspec.memory import PsutilProbe, RssSampler, reclaim
 
     cells: dict[tuple[str, str], Tally] = defaultdict(Tally)
@@ -255,8 +253,6 @@ def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str]
     base: dict[int, list[int]] = {}
     probe = PsutilProbe()
     reqs = [GenerationRequest(prompt=w["prompt"], max_tokens=max_tokens) for w in workload]
-    engine.scheduler = None
-    engine.generate(reqs[0])  # warm-up, not counted: ONNX Runtime's first runs are slow
     for policy in policies:
         sched = make_scheduler(policy)
         engine.scheduler = sched
@@ -346,9 +342,9 @@ def print_stream_table(rows: list[dict], out=sys.stdout) -> None:
 def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tuple[list[dict], dict]:
     import dataclasses
 
-    from memspec.drafts import DraftLimits
+    from memspec.drafts import DraftLimits, target_drafts
     from memspec.engine import Engine, TargetModel
-    from memspec.scheduler import from_store, load_predictor
+    from memspec.scheduler import from_store, kv_sizer, load_predictor
     from memspec.store import ModelStore
 
     config = args.config
@@ -383,13 +379,12 @@ def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tup
             oracle_table = profile_oracle(engine, make_scheduler, workload, sorted(sizes), args.max_tokens, progress)
     from memspec.memory import PsutilProbe, reclaim
 
+    engine.scheduler = None
     engine.generate(GenerationRequest(prompt=workload[0]["prompt"], max_tokens=args.max_tokens))  # warm
     reclaim()
     process = PsutilProbe().rss_bytes()
-    probe_sched = make_scheduler("target-only", budget_mb=0)
     longest = max(len(engine.prompt_ids(GenerationRequest(prompt=w["prompt"]))) for w in workload)
-    kv = probe_sched.kv_bytes(longest + args.max_tokens)
-    probe_sched.close()
+    kv = kv_sizer(target, target_drafts(store, target.name))(longest + args.max_tokens)
     if args.budget_mb is None:
         budget = default_budget_mb(process, kv, sizes)
     print(f"budget {budget} MiB: process with the target {process / MiB:.0f} MiB (target file "

@@ -195,14 +195,16 @@ class PromptLookupState:
         pass
 
 
+def target_drafts(store: ModelStore, target_name: str, names: list[str] | None = None) -> list:
+    """The manifests of every draft in the store made for `target_name` (or only `names`)."""
+    return [m for m in store.list() if m.role == "draft" and m.extra.get("target") == target_name
+            and (names is None or m.name in names)]
+
+
 def load_pool(store: ModelStore, target_name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
               names: list[str] | None = None, limits: DraftLimits = DraftLimits()) -> dict[str, Proposer]:
     """Prompt lookup plus every draft in the store made for `target_name` (or only `names`)."""
     pool: dict[str, Proposer] = {PROMPT_LOOKUP: PromptLookup(target_vocab)}
-    for m in store.list():
-        if m.role != "draft" or m.extra.get("target") != target_name:
-            continue
-        if names is not None and m.name not in names:
-            continue
+    for m in target_drafts(store, target_name, names):
         pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
     return pool

@@ -581,23 +581,37 @@ class Scheduler:
         self.ws.close()
 
 
-def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
-               names: list[str] | None = None, **kwargs) -> Scheduler:
-    """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup."""
-    from memspec.drafts import DraftModel, PromptLookup
-    from memspec.memory import PsutilProbe, planned_footprint
+def kv_sizer(target, drafts: list) -> Callable[[int], int]:
+    """tokens -> bytes of one request's KV caches: the target's (a TargetModel) plus the largest
+    of these drafts' (manifests), with room for the slots a verification pass writes."""
     from memspec.sessions import kv_cache_nbytes
     from memspec.speculative import SpecConfig
 
+    rows = []  # (layers, kv heads, head dim) of each draft's KV cache
+    for m in drafts:
+        a = m.architecture or {}
+        if {"n_layers", "n_kv_heads", "head_dim"} <= set(a):
+            rows.append((int(a["n_layers"]), int(a["n_kv_heads"]), int(a["head_dim"])))
+    session = target.session
+    slack = SpecConfig().gamma_max + 1  # verification writes up to gamma_max + 1 slots past the committed ones
+
+    def kv_bytes(tokens: int) -> int:
+        n = tokens + slack
+        largest = max((kv_cache_nbytes(2 * l * h, d, n, session.max_context) for l, h, d in rows), default=0)
+        return session.cache_nbytes(n) + largest
+
+    return kv_bytes
+
+
+def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
+               names: list[str] | None = None, **kwargs) -> Scheduler:
+    """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup."""
+    from memspec.drafts import DraftModel, PromptLookup, target_drafts
+    from memspec.memory import PsutilProbe, planned_footprint
+
     vocab = target.session.vocab_size
-    sizes = {PROMPT_LOOKUP: 0}
-    rows: dict[str, tuple[int, int, int]] = {}  # draft -> (layers, kv heads, head dim) of its KV cache
-    for m in store.list():
-        if m.role == "draft" and m.extra.get("target") == target.name and (names is None or m.name in names):
-            sizes[m.name] = planned_footprint(m.total_bytes)
-            a = m.architecture or {}
-            if {"n_layers", "n_kv_heads", "head_dim"} <= set(a):
-                rows[m.name] = (int(a["n_layers"]), int(a["n_kv_heads"]), int(a["head_dim"]))
+    drafts = target_drafts(store, target.name, names)
+    sizes = {PROMPT_LOOKUP: 0, **{m.name: planned_footprint(m.total_bytes) for m in drafts}}
 
     def loader(name: str):
         if name == PROMPT_LOOKUP:
@@ -605,18 +619,9 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
         d = DraftModel.load(store, name, vocab, session_config, draft_limits)
         return d, planned_footprint(d.nbytes)
 
-    session = target.session
-    slack = SpecConfig().gamma_max + 1  # verification writes up to gamma_max + 1 slots past the committed ones
-
-    def kv_bytes(tokens: int) -> int:
-        """A request's KV caches: the target's plus the largest draft's."""
-        n = tokens + slack
-        drafts = [kv_cache_nbytes(2 * l * h, d, n, session.max_context) for l, h, d in rows.values()]
-        return session.cache_nbytes(n) + max(drafts, default=0)
-
     probe = probe or PsutilProbe()
     rec = target.manifest.variants.get(target.variant, {}) if target.manifest else {}
-    target_bytes = rec.get("bytes") or session.path.stat().st_size
+    target_bytes = rec.get("bytes") or target.session.path.stat().st_size
     # the target is pinned at what the process holds now: the runtime, Python and the target
     return Scheduler(config, loader, sizes, probe, target=(target.name, max(target_bytes, probe.rss_bytes())),
-                     decode=target.tokenizer.decode, kv_bytes=kv_bytes, **kwargs)
+                     decode=target.tokenizer.decode, kv_bytes=kv_sizer(target, drafts), **kwargs)
