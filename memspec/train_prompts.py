@@ -148,6 +148,16 @@ CHAT_TEMPLATES = [
     "Write a short speech about {y} for a school assembly.",
     "Describe {x} in a few vivid sentences.",
     "What are common mistakes people make when {z}?",
+    "Answer briefly: what causes {y}?",
+    "Explain {y} to a ten-year-old.",
+    "What is the difference between {y} and {y2}?",
+    "Write a diary entry from the point of view of {x}.",
+    "I am nervous about {z}. Any advice?",
+    "Write a dialogue between two friends about {z}.",
+    "List three interesting facts about {y}.",
+    "Write the opening paragraph of a novel about {x}.",
+    "How would you explain {y} to someone who has never heard of it?",
+    "Give me a step-by-step plan for {z}.",
 ]
 CHAT_SUBJECTS = [
     "a brave little mouse", "a robot who learns to paint", "a lighthouse keeper", "a dragon who is afraid of fire",
@@ -157,6 +167,14 @@ CHAT_SUBJECTS = [
     "a penguin who wants to fly", "a little star that wants to visit the Earth", "a boy who finds a talking map",
     "a cloud that wants to become rain", "a busy market on a Saturday morning", "a secret door in a school library",
     "a quiet morning in the mountains", "an old clock that stops time", "a whale who sings", "a garden in spring",
+    "a retired firefighter", "a shy giraffe", "a train that travels between dreams", "a pirate who loves books",
+    "a small town during a storm", "an owl who cannot sleep at night", "two siblings on a road trip",
+    "a musician who lost her voice", "a snowman who wants to see summer", "a kite caught in a tree",
+    "a grandmother's recipe book", "a scientist who discovers a new color", "a fisherman and a seagull",
+    "a tiny island with one tree", "a knight who is afraid of the dark", "a squirrel preparing for winter",
+    "a bus driver on his last day", "a forest after the rain", "a turtle who wants to win a race",
+    "a girl who can talk to birds", "a haunted bicycle", "a family of hedgehogs", "a desert caravan",
+    "a paper boat on a long journey", "a chef who cannot taste", "a dog waiting at the train station",
 ]
 CHAT_TOPICS = [
     "photosynthesis", "gravity", "the water cycle", "climate change", "the internet", "democracy", "vaccines",
@@ -165,12 +183,24 @@ CHAT_TOPICS = [
     "the solar system", "bees and pollination", "meditation", "the printing press", "rainbows",
     "the seasons", "earthquakes", "the immune system", "the moon landing", "antibiotics", "tides", "clouds",
     "the Great Wall of China", "coffee", "the human brain", "batteries", "airplanes", "chocolate", "the Olympic Games",
+    "photosynthesis in the ocean", "the Renaissance", "the industrial revolution", "plate tectonics", "wind power",
+    "the nervous system", "coral reefs", "nuclear energy", "the theory of evolution", "the Silk Road",
+    "hurricanes", "blockchain", "the ozone layer", "the human skeleton", "bacteria", "the Amazon rainforest",
+    "supply and demand", "the speed of light", "ancient Egypt", "glaciers", "the digestive system",
+    "solar panels", "the United Nations", "honey", "magnets", "the printing of money", "desert ecosystems",
+    "the history of writing", "rain forests", "the human eye", "compound interest", "the water table",
+    "the invention of the telephone", "migration of birds", "the periodic table", "fermentation",
 ]
 CHAT_ACTIVITIES = [
     "learning a new language", "staying productive when working from home", "getting better sleep",
     "eating healthy on a budget", "running your first marathon", "saving money", "reading more books",
     "reducing stress", "traveling on a budget", "learning to cook", "gardening", "public speaking",
     "making new friends", "keeping a journal", "regular exercise",
+    "moving to a new city", "starting a small business", "adopting a dog", "learning to play the guitar",
+    "preparing for a job interview", "planning a birthday party", "studying for exams", "camping in the woods",
+    "cutting down on sugar", "waking up early", "taking care of houseplants", "learning to swim",
+    "writing a resume", "organizing a messy room", "cycling to work", "teaching a child to read",
+    "volunteering in your community", "baking bread at home", "managing your time", "hiking in the mountains",
 ]
 
 
@@ -190,8 +220,9 @@ def _math(rng: random.Random) -> str:
 
 
 def _chat(rng: random.Random) -> str:
+    y, y2 = rng.sample(CHAT_TOPICS, 2)
     return rng.choice(CHAT_TEMPLATES).format(
-        x=rng.choice(CHAT_SUBJECTS), y=rng.choice(CHAT_TOPICS), z=rng.choice(CHAT_ACTIVITIES)
+        x=rng.choice(CHAT_SUBJECTS), y=y, y2=y2, z=rng.choice(CHAT_ACTIVITIES)
     )
 
 
