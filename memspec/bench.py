@@ -356,7 +356,7 @@ def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tup
     target_bytes = rec.get("bytes") or target.session.path.stat().st_size
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
     base_cfg = config.scheduler
-    predictor = load_predictor(base_cfg.predictor) if "memspec" in policies else None
+    predictor = load_predictor(base_cfg.predictor, target.variant) if "memspec" in policies else None
     limits = DraftLimits(spec.p_min, spec.max_entropy)
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
     oracle_table = None

@@ -65,7 +65,7 @@ class SchedulerConfig:
     preload: bool = True  # memspec: load what queued and likely requests need ahead of time
     expected_tokens: int = 128  # memspec: tokens a request is expected to run for (capped by max_tokens)
     value_decay: float = 0.8  # memspec: weight of the past in each draft's expected value (EMA)
-    predictor: str = ""  # memspec: predictor JSON; "" = models/predictor.json beside the drafts
+    predictor: str = ""  # memspec: predictor JSON; "" = models/predictor-VARIANT.json, else models/predictor.json
     oracle: str = ""  # oracle: JSON {prompt: draft} or JSONL traces {prompt, draft, tok_per_s}
     retry_after_s: float = 30.0  # a draft that failed to load is not tried again for this long
 
@@ -148,20 +148,35 @@ def load_oracle_table(path: str | Path) -> dict[str, str]:
     return {k: v for k, (_, v) in best.items()}
 
 
-def load_predictor(path: str):
-    """The shipped predictor (memspec.predictor), or a ConfigError naming what is missing."""
+def predictor_file(path: str, variant: str = "") -> Path:
+    """The predictor to use: `path` when set, else the shipped one fitted on traces of the target's
+    variant (models/predictor-VARIANT.json) when there is one, else models/predictor.json."""
     from memspec.store import SHIPPED_MODELS
 
+    if path:
+        return Path(path)
+    own = SHIPPED_MODELS / f"predictor-{variant}.json"
+    return own if variant and own.is_file() else SHIPPED_MODELS / "predictor.json"
+
+
+def load_predictor(path: str, variant: str = ""):
+    """The predictor for a target of `variant` (see predictor_file), or a ConfigError naming what is missing."""
     try:
         from memspec.predictor import Predictor
     except ImportError as exc:
         raise ConfigError(f"policy 'memspec' needs the predictor, but memspec/predictor.py cannot be imported "
                           f"({exc}); use another [scheduler] policy until it is installed") from None
-    file = Path(path) if path else SHIPPED_MODELS / "predictor.json"
+    file = predictor_file(path, variant)
     if not file.is_file():
         raise ConfigError(f"policy 'memspec' needs a trained predictor, but {file} does not exist "
                           f"(memspec train-predictor writes it; or set [scheduler] predictor)")
-    return Predictor.load(file)
+    pred = Predictor.load(file)
+    fitted = str(pred.info.get("target") or "")  # "name:variant" of the traces it was fitted on
+    if variant and ":" in fitted and fitted.rsplit(":", 1)[1] != variant:
+        log.warning("predictor %s was fitted on traces of %s, but the target runs as %s; its costs and choices "
+                    "may not hold (memspec profile --variant %s, then memspec train-predictor)",
+                    file, fitted, variant, variant)
+    return pred
 
 
 def context_type():
@@ -300,12 +315,15 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, loader: Loader, drafts: dict[str, int], probe: MemoryProbe,
                  target: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
                  predictor=None, make_context=None, oracle_table: dict[str, str] | None = None,
-                 decode: Callable[[list[int]], str] | None = None, kv_bytes: Callable[[int], int] | None = None):
+                 decode: Callable[[list[int]], str] | None = None, kv_bytes: Callable[[int], int] | None = None,
+                 variant: str = ""):
         """drafts: every draft it may use -> declared bytes; target: (name, bytes) to pin;
-        predictor / make_context: memspec (default: the shipped predictor and GenerationContext);
+        predictor / make_context: memspec (default: the shipped predictor for the target's `variant`,
+        and GenerationContext);
         oracle_table: {prompt: draft} (default: from config.oracle); decode: token ids -> text;
         kv_bytes: tokens -> bytes of one request's KV caches (reserved in the budget while it runs)."""
         self.config = config
+        self.variant = variant
         self.kv_bytes = kv_bytes or (lambda tokens: 0)
         self._kv_ids = itertools.count(1)
         self.drafts = dict(drafts)
@@ -356,7 +374,7 @@ class Scheduler:
 
     def _need_predictor(self) -> None:
         if self.predictor is None:
-            self.predictor = load_predictor(self.config.predictor)
+            self.predictor = load_predictor(self.config.predictor, self.variant)
         if self.make_context is None:
             self.make_context = context_type()
 
@@ -624,4 +642,5 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     target_bytes = rec.get("bytes") or target.session.path.stat().st_size
     # the target is pinned at what the process holds now: the runtime, Python and the target
     return Scheduler(config, loader, sizes, probe, target=(target.name, max(target_bytes, probe.rss_bytes())),
-                     decode=target.tokenizer.decode, kv_bytes=kv_sizer(target, drafts), **kwargs)
+                     decode=target.tokenizer.decode, kv_bytes=kv_sizer(target, drafts), variant=target.variant,
+                     **kwargs)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -111,6 +112,19 @@ def test_memspec_refuses_to_start_without_the_predictor(monkeypatch):
     monkeypatch.setitem(sys.modules, "memspec.predictor", None)  # as if predictor.py were not there
     with pytest.raises(ConfigError, match="memspec/predictor.py"):
         Scheduler(SchedulerConfig(policy="memspec"), FakeLoader(SIZES), SIZES, FakeProbe())
+
+
+def test_the_predictor_fitted_for_the_target_variant_is_preferred(monkeypatch, tmp_path):
+    import memspec.store
+    from memspec.scheduler import predictor_file
+
+    monkeypatch.setattr(memspec.store, "SHIPPED_MODELS", tmp_path)
+    (tmp_path / "predictor.json").write_text("{}")
+    assert predictor_file("", "fp32") == tmp_path / "predictor.json"  # no fp32 one: the default
+    (tmp_path / "predictor-fp32.json").write_text("{}")
+    assert predictor_file("", "fp32") == tmp_path / "predictor-fp32.json"
+    assert predictor_file("", "q4") == tmp_path / "predictor.json"
+    assert predictor_file("/x/mine.json", "fp32") == Path("/x/mine.json")  # a configured file always wins
 
 
 def test_fixed_policy_stalls_once_then_hits_and_releases():
