@@ -90,16 +90,38 @@ class DecoderBuilder:
         self.g = _Graph(half_weights=weight_dtype == "float16")
 
     # -- linear layers ------------------------------------------------------
-    def _linear(self, x: str, tensors: list[str], name: str, blocksum: str | None) -> str:
-        """x @ concat(W_t for t in tensors)^T.  `blocksum` is x summed per 32-block (q4)."""
+    def _linear(self, x: str, tensors: list[str], name: str, blocksum) -> str:
+        """x @ concat(W_t for t in tensors)^T.  `blocksum()` makes x summed per 32-block (Q4_1 only)."""
         if self.variant == "fp32":
             w = np.concatenate([self.m.float32(t) for t in tensors], axis=0)  # (N, K)
             return self.g.node("MatMul", [x, self.g.init(f"{name}.weight", w.T)], f"{name}/MatMul")
         if all(self.m.qtype(t) == "Q4_1" for t in tensors):
             return self._linear_q4_1(x, tensors, name, blocksum)
+        if all(self.m.qtype(t) == "Q8_0" for t in tensors):
+            return self._linear_q8_0(x, tensors, name)
         raise NotImplementedError(f"q4 variant: {tensors} are {[self.m.qtype(t) for t in tensors]}")
 
-    def _linear_q4_1(self, x: str, tensors: list[str], name: str, blocksum: str) -> str:
+    def _linear_q8_0(self, x: str, tensors: list[str], name: str) -> str:
+        """Q8_0 blocks (w = d * q) as 8-bit MatMulNBits: stored q + 128, its default zero point."""
+        parts = [self.m.q8_0(t) for t in tensors]
+        q = np.concatenate([p.q for p in parts], axis=0)  # (N, nb, 32) int8
+        d = np.concatenate([p.d for p in parts], axis=0)  # (N, nb)
+        n, nb, _ = q.shape
+        data = (q.astype(np.int16) + 128).astype(np.uint8)
+        return self.g.node(
+            "MatMulNBits",
+            [x, self.g.init(f"{name}.qweight", data), self.g.init(f"{name}.scales", d.reshape(-1))],
+            f"{name}/MatMulNBits",
+            domain=MS,
+            K=nb * QK,
+            N=n,
+            bits=8,
+            block_size=QK,
+            accuracy_level=4,
+        )
+
+    def _linear_q4_1(self, x: str, tensors: list[str], name: str, blocksum) -> str:
+        blocksum = blocksum()
         parts = [self.m.q4_1(t) for t in tensors]
         q = np.concatenate([p.q for p in parts], axis=0)  # (N, nb, 32)
         d = np.concatenate([p.d for p in parts], axis=0)  # (N, nb)
@@ -156,21 +178,9 @@ class DecoderBuilder:
         name = "/lm_head"
         head = "token_embd.weight" if self.cfg.tied_embeddings else "output.weight"
         if self.variant == "q4" and self.m.qtype(head) == "Q8_0":
-            blocks = self.m.q8_0(head)
-            data = (blocks.q.astype(np.int16) + 128).astype(np.uint8)  # (V, nb, 32)
-            return self.g.node(
-                "MatMulNBits",
-                [x, self.g.init("lm_head.qweight", data), self.g.init("lm_head.scales", blocks.d.reshape(-1))],
-                f"{name}/MatMulNBits",
-                domain=MS,
-                K=self.cfg.hidden,
-                N=self.cfg.vocab,
-                bits=8,
-                block_size=QK,
-                accuracy_level=4,
-            )
+            return self._linear_q8_0(x, [head], name)
         if self.variant == "q4" and self.m.qtype(head) == "Q4_1":
-            return self._linear_q4_1(x, [head], name, self._blocksum(x, self.cfg.hidden, name))
+            return self._linear_q4_1(x, [head], name, lambda: self._blocksum(x, self.cfg.hidden, name))
         w = self._emb_f32 if (head == "token_embd.weight" and hasattr(self, "_emb_f32")) else None
         if w is None:
             w = self.g.init("lm_head.weight", self.m.float32(head))
@@ -207,7 +217,7 @@ class DecoderBuilder:
         c = self.cfg
         p = f"/model/layers.{i}/attn"
         blk = f"blk.{i}"
-        bs = self._blocksum(x, c.hidden, p)
+        bs = lambda: self._blocksum(x, c.hidden, p)  # noqa: E731 (made only for Q4_1 weights)
         qkv = self._linear(x, [f"{blk}.attn_q.weight", f"{blk}.attn_k.weight", f"{blk}.attn_v.weight"], f"{p}/qkv_proj", bs)
         past_k, past_v, present_k, present_v = kv_names(i)
         gqa = helper.make_node(
@@ -223,18 +233,19 @@ class DecoderBuilder:
         )
         self.g.nodes.append(gqa)
         a = f"{p}/GroupQueryAttention/output_0"
-        return self._linear(a, [f"{blk}.attn_output.weight"], f"{p}/o_proj", self._blocksum(a, c.hidden, f"{p}/o"))
+        return self._linear(a, [f"{blk}.attn_output.weight"], f"{p}/o_proj", lambda: self._blocksum(a, c.hidden, f"{p}/o"))
 
     def _mlp(self, i: int, x: str) -> str:
         c = self.cfg
         p = f"/model/layers.{i}/mlp"
         blk = f"blk.{i}"
-        gu = self._linear(x, [f"{blk}.ffn_gate.weight", f"{blk}.ffn_up.weight"], f"{p}/gate_up_proj", self._blocksum(x, c.hidden, p))
+        gu = self._linear(x, [f"{blk}.ffn_gate.weight", f"{blk}.ffn_up.weight"], f"{p}/gate_up_proj",
+                          lambda: self._blocksum(x, c.hidden, p))
         gate, up = self.g.node("Split", [gu, self.g.init(f"{p}.split", np.array([c.ffn, c.ffn]))], f"{p}/Split", n_out=2, axis=-1)
         sig = self.g.node("Sigmoid", [gate], f"{p}/act/Sigmoid")
         silu = self.g.node("Mul", [gate, sig], f"{p}/act/Mul")
         h = self.g.node("Mul", [silu, up], f"{p}/Mul")
-        return self._linear(h, [f"{blk}.ffn_down.weight"], f"{p}/down_proj", self._blocksum(h, c.ffn, f"{p}/down"))
+        return self._linear(h, [f"{blk}.ffn_down.weight"], f"{p}/down_proj", lambda: self._blocksum(h, c.ffn, f"{p}/down"))
 
     def _skip_norm(self, x: str, skip: str, weight: str, name: str) -> tuple[str, str]:
         """(RMSNorm(x + skip), x + skip)."""

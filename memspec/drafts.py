@@ -54,6 +54,11 @@ class Proposer(Protocol):
 
 
 # -- model drafts -----------------------------------------------------------------
+def draft_variant(m: Manifest) -> str:
+    """The variant a draft runs as: the one it ships (q8: 8-bit weights; fp32: float16-stored)."""
+    return next(iter(m.variants))
+
+
 class DraftModel:
     """An ONNX draft and the map between its vocabulary and the target's."""
 
@@ -68,6 +73,7 @@ class DraftModel:
         self.limits = limits
         self.manifest = manifest
         self.nbytes = manifest.total_bytes if manifest else session.path.stat().st_size
+        self.variant = draft_variant(manifest) if manifest else session.path.stem
 
     @staticmethod
     def _unk_id(to_target: np.ndarray) -> int:
@@ -90,7 +96,7 @@ class DraftModel:
                 f"draft {name!r} is not compatible with the target: its vocabulary map holds ids "
                 f"{to_target.min()}..{to_target.max()}, the target's vocabulary has {target_vocab}"
             )
-        session = DecoderSession(m.variant_path(next(iter(m.variants))), config, threads=config.draft_threads)
+        session = DecoderSession(m.variant_path(draft_variant(m)), config, threads=config.draft_threads)
         if session.vocab_size not in (None, len(to_target)):
             raise ModelFormatError(
                 f"draft {name!r}: the model has {session.vocab_size} logits but its map has {len(to_target)} ids"

@@ -181,18 +181,46 @@ class ArrayWeights:
 
     Offers the part of GGUFModel's interface that convert.DecoderBuilder uses,
     so a model trained here is built into the same ONNX layout as the target.
+    With `quantize` ("Q8_0" or "Q4_1") every matrix is offered as blocks of that
+    ggml type, rounded to nearest here, so the builder's quantized variant can use them.
     """
 
-    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray]):
+    QUANTIZE = ("Q8_0", "Q4_1")
+
+    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], quantize: str | None = None):
+        if quantize is not None and quantize not in self.QUANTIZE:
+            raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(self.QUANTIZE)}")
         self.config = config
+        self.quantize = quantize
         self._tensors = {k: np.asarray(v, dtype=np.float32) for k, v in tensors.items()}
 
     def qtype(self, name: str) -> str:
         if name not in self._tensors:
             raise ModelFormatError(f"tensor {name!r} is missing")
-        return "F32"
+        t = self._tensors[name]
+        return self.quantize if self.quantize and t.ndim == 2 and t.shape[1] % QK == 0 else "F32"
 
     def float32(self, name: str) -> np.ndarray:
         self.qtype(name)
         return self._tensors[name]
 
+    def _blocks(self, name: str, qtype: str) -> np.ndarray:
+        if self.qtype(name) != qtype:
+            raise ModelFormatError(f"{name} is {self.qtype(name)}, expected {qtype}")
+        w = self._tensors[name]
+        return w.reshape(w.shape[0], -1, QK)  # (N, n_blocks, 32)
+
+    def q8_0(self, name: str) -> Q8Blocks:
+        """Symmetric 8-bit blocks: d = max|w| / 127 per block of 32, q = round(w / d)."""
+        b = self._blocks(name, "Q8_0")
+        d = np.abs(b).max(axis=-1) / 127.0
+        q = np.rint(b / np.where(d == 0, 1.0, d)[..., None]).clip(-127, 127).astype(np.int8)
+        return Q8Blocks(q=q, d=d.astype(np.float32))
+
+    def q4_1(self, name: str) -> Q4Blocks:
+        """Asymmetric 4-bit blocks: m = min, d = (max - min) / 15 per block of 32, q = round((w - m) / d)."""
+        b = self._blocks(name, "Q4_1")
+        m = b.min(axis=-1)
+        d = (b.max(axis=-1) - m) / 15.0
+        q = np.rint((b - m[..., None]) / np.where(d == 0, 1.0, d)[..., None]).clip(0, 15).astype(np.uint8)
+        return Q4Blocks(q=q, d=d.astype(np.float32), m=m.astype(np.float32))

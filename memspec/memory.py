@@ -100,17 +100,17 @@ def reclaim() -> None:
     release_heap()
 
 
-# A draft's RSS once loaded, per byte of its files, planned before its first load.  Our
-# drafts store float16 weights that load as float32, and ONNX Runtime keeps the float16
-# initializers beside them: measured 2.9-3.1x the file size once loaded and 3.3-3.5x at
-# the peak of the load (draft-code 8.8 MiB, draft-general 18.6 MiB).  After a load the
-# working set accounts what it really added, when that is more.
-FOOTPRINT_PER_FILE_BYTE = 3.5
+# A draft's RSS once loaded, per byte of its files, planned before its first load, by the
+# variant it ships as.  q8 (8-bit MatMulNBits blocks, kept as they are): measured 1.43x
+# (draft-code, 7.4 MiB file) and 1.85x (draft-general, 16.3 MiB; its embedding is larger).
+# fp32 (float16 initializers that load as float32; ONNX Runtime keeps both): measured
+# 2.9-4.3x.  After a load the working set accounts what it really added, when that is more.
+FOOTPRINT_PER_FILE_BYTE = {"q8": 2.0, "fp32": 3.5}
 
 
-def planned_footprint(file_bytes: int) -> int:
-    """The RSS a model of `file_bytes` should add when loaded (what budgets plan with)."""
-    return int(file_bytes * FOOTPRINT_PER_FILE_BYTE)
+def planned_footprint(file_bytes: int, variant: str = "fp32") -> int:
+    """The RSS a draft of `file_bytes` stored as `variant` should add when loaded (what budgets plan with)."""
+    return int(file_bytes * FOOTPRINT_PER_FILE_BYTE.get(variant, max(FOOTPRINT_PER_FILE_BYTE.values())))
 
 
 @dataclass(frozen=True)

@@ -624,18 +624,18 @@ def kv_sizer(target, drafts: list) -> Callable[[int], int]:
 def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
                names: list[str] | None = None, **kwargs) -> Scheduler:
     """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup."""
-    from memspec.drafts import DraftModel, PromptLookup, target_drafts
+    from memspec.drafts import DraftModel, PromptLookup, draft_variant, target_drafts
     from memspec.memory import PsutilProbe, planned_footprint
 
     vocab = target.session.vocab_size
     drafts = target_drafts(store, target.name, names)
-    sizes = {PROMPT_LOOKUP: 0, **{m.name: planned_footprint(m.total_bytes) for m in drafts}}
+    sizes = {PROMPT_LOOKUP: 0, **{m.name: planned_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
 
     def loader(name: str):
         if name == PROMPT_LOOKUP:
             return PromptLookup(vocab), 0
         d = DraftModel.load(store, name, vocab, session_config, draft_limits)
-        return d, planned_footprint(d.nbytes)
+        return d, planned_footprint(d.nbytes, d.variant)
 
     probe = probe or PsutilProbe()
     rec = target.manifest.variants.get(target.variant, {}) if target.manifest else {}

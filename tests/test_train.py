@@ -8,10 +8,13 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 
 import numpy as np
 import pytest
 
+from memspec.drafts import draft_variant
+from memspec.gguf_reader import ArrayWeights
 from memspec.sessions import DecoderSession, SessionConfig
 from memspec.store import SHIPPED_MODELS, ModelStore
 from memspec.train import UNKNOWN_TARGET_ID, VocabMap, acceptance, draft_config, select_vocab
@@ -72,7 +75,7 @@ def test_tiny_export_matches_torch_forward(tmp_path):
         for p in model.parameters():
             if p.ndim == 2:
                 p.copy_(p.half().float())
-    path = export_onnx(model, tmp_path / "tiny.onnx", max_positions=128)
+    path = export_onnx(model, tmp_path / "tiny.onnx", max_positions=128, weights="fp16")
     ids = [3, 17, 200, 5, 9, 255, 0, 42]
     with torch.no_grad():
         want = model(torch.tensor([ids]))[0].numpy()
@@ -96,7 +99,78 @@ def test_shipped_draft_is_intact_and_loads(name):
     vocab = json.loads((folder / m.extra["draft_vocab"]).read_text())
     assert UNKNOWN_TARGET_ID in vocab and 2 in vocab and set(range(17)) <= set(vocab)
     assert len(vocab) == len(set(vocab)) == m.architecture["vocab"]
-    s = DecoderSession(m.variant_path("fp32"), SessionConfig(max_context=64, intra_op_threads=1))
+    assert draft_variant(m) == "q8"  # drafts ship with 8-bit weights
+    s = DecoderSession(m.variant_path(draft_variant(m)), SessionConfig(max_context=64, intra_op_threads=1))
     assert s.layout == "gqa" and s.vocab_size == len(vocab)
     logits = s.forward(s.new_cache(), [1, 9, 2], keep=1)
     assert logits.shape == (1, len(vocab)) and np.isfinite(logits).all()
+
+
+# -- quantized draft weights ---------------------------------------------------------
+def test_block_quantization_reconstructs_within_half_a_step():
+    from tiny_models import tiny_config, tiny_weights
+
+    cfg = tiny_config(vocab=64)
+    w = tiny_weights(cfg, seed=3)._tensors
+    q8 = ArrayWeights(cfg, w, quantize="Q8_0")
+    q4 = ArrayWeights(cfg, w, quantize="Q4_1")
+    assert q8.qtype("blk.0.attn_q.weight") == "Q8_0" and q8.qtype("blk.0.attn_norm.weight") == "F32"
+    for name in ("blk.0.attn_q.weight", "blk.1.ffn_down.weight", "token_embd.weight"):
+        x = w[name].astype(np.float32).reshape(w[name].shape[0], -1, 32)
+        b = q8.q8_0(name)
+        assert b.q.dtype == np.int8 and np.abs(b.q).max() <= 127
+        assert np.all(np.abs(b.d[..., None] * b.q - x) <= b.d[..., None] / 2 + 1e-6)
+        c = q4.q4_1(name)
+        assert c.q.dtype == np.uint8 and c.q.max() <= 15
+        assert np.all(np.abs(c.d[..., None] * c.q + c.m[..., None] - x) <= c.d[..., None] / 2 + 1e-6)
+    with pytest.raises(ValueError, match="Q2_K"):
+        ArrayWeights(cfg, w, quantize="Q2_K")
+
+
+def test_q8_draft_export_tracks_the_float_model(tmp_path):
+    """The shipped drafts' format: 8-bit MatMulNBits layers, 8-bit embedding and LM head."""
+    import onnx
+
+    from memspec.convert import DecoderBuilder
+    from tiny_models import tiny_config, tiny_weights
+
+    cfg = tiny_config(vocab=256, hidden=64)
+    w = tiny_weights(cfg, seed=5, scale=4.0)._tensors
+    paths = {}
+    for label, variant, quantize in (("f32", "fp32", None), ("q8", "q4", "Q8_0")):
+        proto = DecoderBuilder(ArrayWeights(cfg, w, quantize=quantize), variant, 256).build()
+        ops = {n.op_type for n in proto.graph.node}
+        assert ("MatMulNBits" in ops and "GatherBlockQuantized" in ops) == (quantize is not None)
+        onnx.save(proto, str(tmp_path / f"{label}.onnx"))
+        paths[label] = tmp_path / f"{label}.onnx"
+    ids = list(np.random.default_rng(0).integers(0, 256, size=48))
+    out = {}
+    for label, path in paths.items():
+        s = DecoderSession(path, SessionConfig(max_context=64, intra_op_threads=1))
+        cache = s.new_cache()
+        out[label] = np.concatenate([s.forward(cache, ids[:40], keep=40), s.forward(cache, ids[40:], keep=8)])
+    err = np.abs(out["q8"] - out["f32"]).max() / out["f32"].std()
+    agree = np.mean(out["q8"].argmax(-1) == out["f32"].argmax(-1))
+    print(f"q8 vs float: max |logit error| {err:.4f} of the logits' std, argmax agreement {agree:.3f}")
+    assert err < 0.1 and agree >= 0.9, (err, agree)
+    assert os.path.getsize(paths["q8"]) < 0.4 * os.path.getsize(paths["f32"])
+
+
+def test_write_draft_ships_one_q8_variant(tmp_path):
+    from types import SimpleNamespace
+
+    from memspec.train import write_draft
+    from tiny_models import tiny_config, tiny_weights
+
+    cfg = tiny_config(vocab=64)
+    model = SimpleNamespace(c=cfg, tensors=lambda: tiny_weights(cfg, seed=1)._tensors)  # what export reads
+    vmap = VocabMap([0, *range(1, 64)], 100)
+    folder = tmp_path / "draft-x"
+    folder.mkdir()
+    (folder / "fp32.onnx").write_bytes(b"old")  # a previous export in the other format goes away
+    write_draft(folder, "draft-x", model, vmap, {"source": "test"}, {"target": "t"})
+    m = ModelStore(home=tmp_path / "_none", shipped=tmp_path).get("draft-x")
+    assert set(m.variants) == {"q8"} and not (folder / "fp32.onnx").exists()
+    assert m.provenance["weights_stored_as"].startswith("Q8_0")
+    s = DecoderSession(m.variant_path("q8"), SessionConfig(max_context=64, intra_op_threads=1))
+    assert s.forward(s.new_cache(), [1, 2, 3], keep=1).shape == (1, 64)
