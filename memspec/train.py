@@ -581,14 +581,14 @@ def _target_files(target: str, home=None):
 def export_only(args) -> int:
     """Write --name again from its checkpoint in --work (say with other --weights), keeping its record."""
     torch = _torch()
-    from memspec.store import SHIPPED_MODELS, ModelStore
+    from memspec.store import MANIFEST, SHIPPED_MODELS, Manifest
 
     out = Path(args.out) if args.out else SHIPPED_MODELS
     ckpt = Path(args.work) / args.target / f"{args.name}.pt"
-    try:
-        old = ModelStore(out).get(args.name)
-    except MemspecError as exc:
-        raise MemspecError(f"--export-only rewrites an existing draft, but {exc}") from None
+    mf = out / args.name / MANIFEST  # this folder's own record (a store lookup could find the shipped one)
+    if not mf.is_file():
+        raise MemspecError(f"--export-only rewrites an existing draft, but {mf} does not exist")
+    old = Manifest.from_json(json.loads(mf.read_text()), mf.parent)
     if not ckpt.is_file():
         raise MemspecError(f"--export-only needs the weights of {args.name}'s last run, {ckpt}, which is missing")
     a = old.architecture

@@ -174,3 +174,31 @@ def test_write_draft_ships_one_q8_variant(tmp_path):
     assert m.provenance["weights_stored_as"].startswith("Q8_0")
     s = DecoderSession(m.variant_path("q8"), SessionConfig(max_context=64, intra_op_threads=1))
     assert s.forward(s.new_cache(), [1, 2, 3], keep=1).shape == (1, 64)
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is an optional extra (pip install -e .[train])")
+def test_export_only_keeps_the_record_of_the_folder_it_rewrites(tmp_path):
+    """Regression: --export-only looked the draft up in a store, found the shipped draft of the
+    same name, and wrote the shipped draft's training record over the new one."""
+    import argparse
+
+    import torch
+
+    from memspec.train import add_parser, llama_class, run_cli, write_draft
+
+    cfg = draft_config(layers=1, width=64, vocab=32, head_dim=32, context=128)
+    model = llama_class()(cfg).eval()
+    work = tmp_path / "work" / "smollm2-135m"
+    work.mkdir(parents=True)
+    torch.save(model.state_dict(), work / "draft-code.pt")  # the name of a shipped draft
+    vmap = VocabMap(list(range(32)), 100)
+    write_draft(tmp_path / "out" / "draft-code", "draft-code", model, vmap, {"source": "this run"},
+                {"target": "smollm2-135m", "training": {"steps": 7}}, weights="fp16")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train-draft", "--name", "draft-code", "--export-only", "--out", str(tmp_path / "out"),
+                              "--work", str(tmp_path / "work")])
+    assert run_cli(args) == 0
+    m = json.loads((tmp_path / "out" / "draft-code" / "manifest.json").read_text())
+    assert m["provenance"]["source"] == "this run" and m["extra"]["training"] == {"steps": 7}
+    assert set(m["variants"]) == {"q8"}
