@@ -235,8 +235,12 @@ def test_profile_tallies_and_mismatch():
 
 
 # -- the shipped predictor -------------------------------------------------------------------------------------
-def test_shipped_predictor_scores_every_shipped_draft():
-    pred = Predictor.load(DEFAULT_PATH)
+@pytest.mark.parametrize("file,variant", [("predictor.json", "q4"), ("predictor-fp32.json", "fp32")])
+def test_shipped_predictor_scores_every_shipped_draft(file, variant):
+    """One predictor per target variant ships, each fitted on traces of that variant."""
+    pred = Predictor.load(SHIPPED_MODELS / file)
+    assert pred.info["target"] == f"smollm2-135m:{variant}"
+    assert (SHIPPED_MODELS / pred.info["traces"]).is_file()  # the traces it was fitted on ship beside it
     shipped = {json.loads(p.read_text())["name"] for p in SHIPPED_MODELS.glob("*/manifest.json")
                if json.loads(p.read_text()).get("role") == "draft"}
     assert shipped, "no drafts in models/"
