@@ -106,16 +106,19 @@ class DecoderBuilder:
         parts = [self.m.q8_0(t) for t in tensors]
         q = np.concatenate([p.q for p in parts], axis=0)  # (N, nb, 32) int8
         d = np.concatenate([p.d for p in parts], axis=0)  # (N, nb)
-        n, nb, _ = q.shape
-        data = (q.astype(np.int16) + 128).astype(np.uint8)
+        return self._matmul_nbits(x, name, (q.astype(np.int16) + 128).astype(np.uint8), d, bits=8)
+
+    def _matmul_nbits(self, x: str, name: str, data: np.ndarray, scales: np.ndarray, bits: int) -> str:
+        """x @ W^T with W as (N, n_blocks, ...) packed blocks of 32 and (N, n_blocks) scales (int8 compute)."""
+        n, nb = scales.shape
         return self.g.node(
             "MatMulNBits",
-            [x, self.g.init(f"{name}.qweight", data), self.g.init(f"{name}.scales", d.reshape(-1))],
+            [x, self.g.init(f"{name}.qweight", data), self.g.init(f"{name}.scales", scales.reshape(-1))],
             f"{name}/MatMulNBits",
             domain=MS,
             K=nb * QK,
             N=n,
-            bits=8,
+            bits=bits,
             block_size=QK,
             accuracy_level=4,
         )
@@ -126,19 +129,8 @@ class DecoderBuilder:
         q = np.concatenate([p.q for p in parts], axis=0)  # (N, nb, 32)
         d = np.concatenate([p.d for p in parts], axis=0)  # (N, nb)
         m = np.concatenate([p.m for p in parts], axis=0)  # (N, nb)
-        n, nb, _ = q.shape
         packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # (N, nb, 16)
-        main = self.g.node(
-            "MatMulNBits",
-            [x, self.g.init(f"{name}.qweight", packed), self.g.init(f"{name}.scales", d.reshape(-1))],
-            f"{name}/MatMulNBits",
-            domain=MS,
-            K=nb * QK,
-            N=n,
-            bits=4,
-            block_size=QK,
-            accuracy_level=4,
-        )
+        main = self._matmul_nbits(x, name, packed, d, bits=4)
         corr = (m + 8.0 * d).T  # (nb, N): what zero point 8 leaves out, per block
         fix = self.g.node("MatMul", [blocksum, self.g.init(f"{name}.block_bias", corr)], f"{name}/BlockBias")
         return self.g.node("Add", [main, fix], f"{name}/Add")
