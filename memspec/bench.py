@@ -220,11 +220,10 @@ class PolicyRun:
 
 def draft_sizes(store, target) -> dict[str, int]:
     """Every draft made for the target, with its planned RSS footprint (prompt lookup: 0)."""
-    from memspec.drafts import PROMPT_LOOKUP, draft_variant, target_drafts
-    from memspec.memory import planned_footprint
+    from memspec.drafts import target_drafts
+    from memspec.scheduler import draft_footprints
 
-    return {PROMPT_LOOKUP: 0, **{m.name: planned_footprint(m.total_bytes, draft_variant(m))
-                                 for m in target_drafts(store, target.name)}}
+    return draft_footprints(target_drafts(store, target.name))
 
 
 def draft_room(sizes: dict[str, int]) -> int:

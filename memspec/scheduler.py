@@ -599,6 +599,14 @@ class Scheduler:
         self.ws.close()
 
 
+def draft_footprints(drafts: list) -> dict[str, int]:
+    """Every draft (manifests) with the RSS footprint budgets plan it at, plus prompt lookup (0)."""
+    from memspec.drafts import draft_variant
+    from memspec.memory import planned_footprint
+
+    return {PROMPT_LOOKUP: 0, **{m.name: planned_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
+
+
 def kv_sizer(target, drafts: list) -> Callable[[int], int]:
     """tokens -> bytes of one request's KV caches: the target's (a TargetModel) plus the largest
     of these drafts' (manifests), with room for the slots a verification pass writes."""
@@ -624,12 +632,12 @@ def kv_sizer(target, drafts: list) -> Callable[[int], int]:
 def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
                names: list[str] | None = None, **kwargs) -> Scheduler:
     """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup."""
-    from memspec.drafts import DraftModel, PromptLookup, draft_variant, target_drafts
+    from memspec.drafts import DraftModel, PromptLookup, target_drafts
     from memspec.memory import PsutilProbe, planned_footprint
 
     vocab = target.session.vocab_size
     drafts = target_drafts(store, target.name, names)
-    sizes = {PROMPT_LOOKUP: 0, **{m.name: planned_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
+    sizes = draft_footprints(drafts)
 
     def loader(name: str):
         if name == PROMPT_LOOKUP:
