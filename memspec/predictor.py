@@ -622,7 +622,7 @@ def run_cli(args) -> int:
             "trained": datetime.date.today().isoformat(), "sklearn": sklearn.__version__,
             "config": asdict(cfg), "held_out": held_out}
     pred = fit(traces, cfg, info)
-    pred = Predictor(pred.drafts, pred.costs, pred.ensembles, info, single_best_policy(traces, pred.drafts), margin)
+    pred.default, pred.margin = single_best_policy(traces, pred.drafts), margin  # as cross_validate sets them
     pred.save(args.out)
     lat = measure_latency(pred, traces[0]["prompt_text"])
     print(f"saved {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB): {', '.join(pred.drafts)}; "

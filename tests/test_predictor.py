@@ -4,6 +4,7 @@ training on synthetic traces, and the shipped models/predictor.json.  No model r
 from __future__ import annotations
 
 import json
+import re
 import time
 
 import numpy as np
@@ -289,3 +290,23 @@ def test_profile_one_short_request_on_the_real_target(model_store):
     assert pl["drafted"] >= pl["accepted"] >= 0 and pl["entropy"] is None
     X, Y, G = training_rows([tr], ["prompt-lookup"])
     assert X.shape[1:] == (1, len(FEATURES)) and Y.shape[1:] == (1, 2) and len(X) == len(G)
+
+
+def test_train_predictor_saves_the_chosen_default_and_margin(tmp_path, capsys):
+    """`memspec train-predictor` stores the single best policy as the default and the held-out margin."""
+    import argparse
+
+    from memspec.predictor import add_parser, run_cli, single_best_policy
+
+    traces = _synthetic_traces(6)
+    path = tmp_path / "traces.jsonl"
+    path.write_text("".join(json.dumps(t) + "\n" for t in traces))
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train-predictor", "--traces", str(path), "--out", str(tmp_path / "p.json"),
+                              "--folds", "3", "--trees", "20"])
+    assert run_cli(args) == 0
+    chosen = float(re.search(r"chosen margin ([\d.]+)", capsys.readouterr().out)[1])
+    pred = Predictor.load(tmp_path / "p.json")
+    assert pred.default == single_best_policy(traces, pred.drafts)
+    assert pred.margin == pytest.approx(chosen) and pred.info["held_out"]["margin"] == pred.margin
