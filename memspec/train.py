@@ -102,7 +102,10 @@ class VocabMap:
 
 
 # -- model -------------------------------------------------------------------------
-def draft_config(layers: int, width: int, vocab: int, head_dim: int = 64, context: int = 2048) -> LlamaConfig:
+HEAD_DIM = 64  # drafts' attention head size (GroupQueryAttention on the CPU needs a multiple of 16)
+
+
+def draft_config(layers: int, width: int, vocab: int, head_dim: int = HEAD_DIM, context: int = 2048) -> LlamaConfig:
     """A llama config for a draft: GQA with half as many KV heads (1 if odd), SwiGLU 8/3 wide."""
     heads = max(1, width // head_dim)
     assert heads * head_dim == width, f"width {width} is not a multiple of head_dim {head_dim}"
@@ -607,6 +610,10 @@ def export_only(args) -> int:
 
 
 def run_cli(args) -> int:
+    if not getattr(args, "export_only", False) and (args.width < HEAD_DIM or args.width % HEAD_DIM):
+        raise MemspecError(f"--width must be a multiple of {HEAD_DIM} (the attention head size), got {args.width}")
+    if args.layers < 1:
+        raise MemspecError(f"--layers must be at least 1, got {args.layers}")
     torch = _torch()
     from memspec.store import SHIPPED_MODELS
 

@@ -202,3 +202,20 @@ def test_export_only_keeps_the_record_of_the_folder_it_rewrites(tmp_path):
     m = json.loads((tmp_path / "out" / "draft-code" / "manifest.json").read_text())
     assert m["provenance"]["source"] == "this run" and m["extra"]["training"] == {"steps": 7}
     assert set(m["variants"]) == {"q8"}
+
+
+@pytest.mark.parametrize("flags,message", [(["--width", "200"], "--width must be a multiple of 64"),
+                                           (["--width", "0"], "--width must be a multiple of 64"),
+                                           (["--layers", "0"], "--layers must be at least 1")])
+def test_train_draft_refuses_a_bad_shape_before_any_work(flags, message):
+    """Before: --width 200 failed with a bare AssertionError, after the teacher data was generated."""
+    import argparse
+
+    from memspec.errors import MemspecError
+    from memspec.train import add_parser, run_cli
+
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train-draft", "--name", "draft-x", "--domain", "chat", *flags])
+    with pytest.raises(MemspecError, match=message):
+        run_cli(args)  # raises before torch is needed, so this runs without the [train] extra
