@@ -59,6 +59,7 @@ class Backend(Protocol):
     def unload(self, name: str) -> int: ...
     def status(self) -> dict: ...
     def reconfigure(self, config: Config) -> None: ...
+    def close(self) -> None: ...
 
 
 @dataclass
@@ -191,7 +192,8 @@ class EngineBackend:
             engine = self.loader(config, variant)
             if hasattr(engine, "calibrate"):  # measure verification cost now, not in the first request
                 engine.calibrate()
-            self.engine, self.config = engine, config  # running streams keep the engine they started on
+            old, self.engine, self.config = self.engine, engine, config  # running streams keep theirs
+            _retire(old)
             load_ms = (time.perf_counter() - t0) * 1e3
         return {"model": self._resident()[0], "load_ms": load_ms}
 
@@ -201,6 +203,7 @@ class EngineBackend:
             resident = self._resident()
             if engine is not None and engine.target.name == name:
                 self.engine = None
+                _retire(engine)
                 return sum(m["bytes"] for m in resident)  # the target takes its drafts with it
             drafts = getattr(engine, "drafts", {}) if engine is not None else {}
             if name in drafts:
@@ -239,10 +242,24 @@ class EngineBackend:
         if self.engine is not None:
             self.engine.limits = config.limits
 
+    def close(self) -> None:
+        """Drop the engine at shutdown, joining its loader thread (memspec.engine.Engine.close)."""
+        with self._lock:
+            engine, self.engine = self.engine, None
+        _retire(engine)
+
 
 def _counters(obj) -> dict[str, float]:
     """An optional component's counters ({} when there is none, or it keeps none)."""
     return dict(obj.counters()) if hasattr(obj, "counters") else {}
+
+
+def _retire(engine) -> None:
+    """Stop a replaced or unloaded engine's background loading.  Its drafts go; a stream still
+    running on it keeps the draft it holds, and runs target-only if it wants another."""
+    close = getattr(engine, "close", None)
+    if close is not None:
+        close()
 
 
 def _target_only(req: GenerationRequest):

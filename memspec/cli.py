@@ -175,7 +175,11 @@ def _with_target(args, fn) -> int:
     """Run fn(engine) locally, or fn(None) with args.client set to the daemon's client."""
     args.client = _daemon(args)
     if args.client is None:
-        return fn(load_engine(args.config, args.variant))
+        engine = load_engine(args.config, args.variant)
+        try:
+            return fn(engine)
+        finally:
+            engine.close()
     with args.client:
         return fn(None)
 

@@ -223,6 +223,7 @@ class Daemon:
         while not done.wait(self._ping_interval() or 1.0):
             self._ping()
         self._remove_socket()
+        self.backend.close()
         log.info("stopped", extra={"fields": {"drain_ms": round((time.monotonic() - t0) * 1e3, 1),
                                               "requests": self.servicer.counters.to_dict()}})
         return 0

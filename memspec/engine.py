@@ -105,6 +105,13 @@ class Engine:
             if drafts == "all" else {}
         return cls(target, config.limits, drafts=pool, spec=spec)
 
+    def close(self) -> None:
+        """Stop the scheduler's loader thread and drop its drafts (idempotent).  A process must
+        call it before it exits: a loader thread still inside ONNX Runtime at interpreter
+        shutdown aborts the process ("terminate called without an active exception")."""
+        if self.scheduler is not None:
+            self.scheduler.close()
+
     def draft_for(self, req: GenerationRequest) -> Proposer | None:
         """The proposer a request runs with (None = target only)."""
         name = req.draft if req.draft else self.default_draft

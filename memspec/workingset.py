@@ -400,6 +400,8 @@ class WorkingSet:
     def _release(self, name: str) -> None:
         with self._cond:
             e = self._entries.get(name)
+            if e is None and self._closed:  # close() dropped it while the request ran
+                return
             assert e is not None and e.refs > 0, f"release of {name}, which is not leased"
             e.refs -= 1
             e.last_used = self.clock()

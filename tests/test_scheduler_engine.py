@@ -154,3 +154,19 @@ def test_caches_evict_an_idle_draft_or_are_refused_and_the_engine_keeps_serving(
     assert r.token_ids == baseline.token_ids and sched.ws.ledger.total("kv") == 0
     assert sched.ws.counters.evictions >= 1 and r.stats["num_drafts"] == 0  # it ran target-only
     sched.close()
+
+
+def test_closing_the_engine_mid_request_joins_the_loader_and_the_request_still_finishes(target, baseline):
+    """What `memspec unload` or a replacing `memspec load` does to a running stream's engine:
+    the loader thread is joined at once; the stream finishes with the same tokens (target-only
+    once it has no draft) and hands its lease back without error."""
+    engine, sched = engine_with(target, "fixed:self")
+    stream = engine.stream(GenerationRequest(prompt=PROMPT, max_tokens=16))
+    chunks = [next(stream), next(stream)]
+    assert leases(sched) == 1 and sched.ws._thread.is_alive()
+    engine.close()
+    assert sched.ws._thread is None
+    *rest, done = list(stream)
+    ids = [i for c in chunks + rest for i in c.token_ids]
+    assert ids == baseline.token_ids and done.token_ids == baseline.token_ids
+    engine.close()  # idempotent

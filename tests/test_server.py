@@ -53,6 +53,10 @@ class FakeEngine:
         self.open = 0  # streams whose "KV cache" is allocated
         self.checks = 0  # requests validated and tokenized
         self.fail = False
+        self.closed = 0  # close() calls: its background loading stopped
+
+    def close(self):
+        self.closed += 1
 
     def draft_for(self, req):
         if req.draft not in (None, "none"):
@@ -367,7 +371,9 @@ def test_starting_and_draining_are_unavailable_and_not_serving(make):
 
 
 def test_load_and_unload(h):
+    first = h.engine
     assert h.client.unload("tiny") == 5 * MiB
+    assert first.closed == 1  # an unloaded engine stops its loader thread
     with pytest.raises(NotLoadedError, match="no target is loaded"):
         list(h.client.generate("hi"))
     assert h.client.status()["resident"] == []
@@ -386,6 +392,11 @@ def test_load_and_unload(h):
     models = {m["name"]: m for m in h.client.models()}
     assert models["other"]["resident"] and models["other"]["resident_variant"] == "q4"
     assert not models["tiny"]["resident"] and models["tiny"]["variants"] == {"q4": 5 * MiB}
+    second = h.engine
+    h.client.load("tiny")
+    assert second.closed == 1 and h.engine.closed == 0  # a replaced engine is closed too
+    h.backend.close()  # daemon shutdown
+    assert h.engine.closed == 1 and h.backend.engine is None
 
 
 def test_status_reports_what_exists(h):

@@ -183,6 +183,20 @@ def test_preload_runs_in_the_background_and_counts():
     ws.close()
 
 
+def test_close_joins_the_loader_and_a_lease_held_across_it_is_released_cleanly():
+    """Regression: `memspec generate --local` exited with its loader thread still inside ONNX
+    Runtime and aborted ("terminate called without an active exception").  close() must join
+    the loader, and a request still holding a draft must be able to hand it back afterwards."""
+    ws, *_ = make()
+    lease = ws.lease("a")
+    assert ws.preload("c")
+    ws.close()
+    assert ws._thread is None and ws.resident() == {}
+    assert not ws.preload("b")  # closed: nothing more is loaded
+    lease.release()  # no assertion: the entry went with close()
+    assert lease.proposer is None
+
+
 # -- the budget counts what the process holds: KV caches and measured footprints -------------------
 def test_kv_reservation_evicts_idle_drafts_and_is_given_back():
     ws, *_ = make(budget_mb=160)
