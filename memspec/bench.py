@@ -30,7 +30,7 @@ from pathlib import Path
 
 from memspec.errors import InvalidRequestError, MemspecError
 from memspec.memory import MiB
-from memspec.request import GenerationRequest
+from memspec.request import Completion, GenerationRequest
 
 DEFAULT_WORKLOAD = "bench_prompts.jsonl"
 
@@ -259,8 +259,12 @@ def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str]
         try:
             with RssSampler(probe) as rss:
                 for i, (item, req) in enumerate(zip(workload, reqs)):
-                    sched.hint(reqs[i + 1: i + 1 + lookahead])
-                    c = engine.generate(req)
+                    c = None
+                    for n, out in enumerate(engine.stream(req)):
+                        if n == 0:  # the queue is seen while this request runs, as in the daemon
+                            sched.hint(reqs[i + 1: i + 1 + lookahead])
+                        if isinstance(out, Completion):
+                            c = out
                     base.setdefault(i, c.token_ids)
                     cells[(policy, item["category"])].add(c, mismatch=c.token_ids != base[i])
                     if progress:
@@ -379,10 +383,13 @@ def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tup
     from memspec.memory import PsutilProbe, reclaim
 
     engine.scheduler = None
-    engine.generate(GenerationRequest(prompt=workload[0]["prompt"], max_tokens=args.max_tokens))  # warm
+    # warm on the longest prompt: the target's arena grows to its largest pass and stays there,
+    # so the process measured now is the process every policy runs with
+    lengths = [len(engine.prompt_ids(GenerationRequest(prompt=w["prompt"]))) for w in workload]
+    longest = max(lengths)
+    engine.generate(GenerationRequest(prompt=workload[lengths.index(longest)]["prompt"], max_tokens=args.max_tokens))
     reclaim()
     process = PsutilProbe().rss_bytes()
-    longest = max(len(engine.prompt_ids(GenerationRequest(prompt=w["prompt"]))) for w in workload)
     kv = kv_sizer(target, target_drafts(store, target.name))(longest + args.max_tokens)
     if args.budget_mb is None:
         budget = default_budget_mb(process, kv, sizes)
