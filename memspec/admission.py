@@ -88,6 +88,11 @@ class Admission:
         with self._cond:
             return {"active": self._active, "waiting": len(self._waiting), "kv_bytes": self._reserved}
 
+    def would_queue(self) -> bool:
+        """Whether a request arriving now waits for a slot (others are queued, or all slots busy)."""
+        with self._cond:
+            return bool(self._waiting) or self._active >= self.config.max_concurrent
+
     def configure(self, config: AdmissionConfig) -> None:
         with self._cond:
             self.config = config

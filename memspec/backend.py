@@ -53,6 +53,7 @@ class Backend(Protocol):
     def check(self, req: GenerationRequest) -> Checked: ...  # validate fully: prompt ids, KV bytes
     def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked | None = None) -> Run: ...
     def record(self, completion: Completion) -> None: ...  # count a finished request
+    def hint(self, req: GenerationRequest) -> None: ...  # a checked request will wait in the queue
     def resident_bytes(self) -> int: ...
     def models(self) -> list[dict]: ...
     def load(self, name: str, variant: str | None) -> dict: ...
@@ -144,6 +145,12 @@ class EngineBackend:
         engine = self._engine()
         prompt = checked.prompt_ids if checked is not None else None
         return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel, prompt))
+
+    def hint(self, req: GenerationRequest) -> None:
+        """A checked request is about to wait in the queue: let the scheduler preload its draft."""
+        scheduler = getattr(self.engine, "scheduler", None)
+        if scheduler is not None:
+            scheduler.hint([req])
 
     def record(self, completion: Completion) -> None:
         name = draft_used(completion.stats)

@@ -99,6 +99,8 @@ class MemSpecServicer:
             fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft, policy=req.policy)
             cancel = threading.Event()
             context.add_callback(cancel.set)  # client cancel, deadline, shutdown past grace
+            if self.admission.would_queue():  # preload what it will want while it waits
+                self.backend.hint(req)
             with self.admission.enter(checked.kv_bytes, context.time_remaining(), cancel.is_set) as slot:
                 self.counters.count("started")
                 fields["queue_ms"] = round(slot.queued_s * 1e3, 3)

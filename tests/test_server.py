@@ -304,8 +304,19 @@ def test_full_queue_is_resource_exhausted(make):
     first.close()
 
 
-def test_queued_request_waits_for_a_slot(make):
+class Hints:
+    """The scheduler's side of queue hints: the requests it was told will wait."""
+
+    def __init__(self):
+        self.queued = []
+
+    def hint(self, reqs):
+        self.queued += [r.prompt for r in reqs]
+
+
+def test_queued_request_waits_for_a_slot_and_its_draft_is_preloaded_meanwhile(make):
     h = make(max_concurrent=1, max_queue=4, step_s=0.02)
+    h.engine.scheduler = hints = Hints()
     first = h.client.generate("a b", max_tokens=10)
     next(first)
     result = {}
@@ -315,6 +326,7 @@ def test_queued_request_waits_for_a_slot(make):
     collect(first)
     t.join(5)
     assert result["done"].text == "d c " and result["done"].finish_reason == "length"
+    assert hints.queued == ["c d"]  # the one that had to wait, not the one that started at once
 
 
 def test_request_over_free_memory_is_resource_exhausted(make):
