@@ -355,8 +355,7 @@ def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tup
     target = TargetModel.load(store, config.model.target, args.variant or config.model.variant, config.runtime)
     engine = Engine(target, config.limits, spec=spec)
     sizes = draft_sizes(store, target)
-    rec = target.manifest.variants.get(target.variant, {}) if target.manifest else {}
-    target_bytes = rec.get("bytes") or target.session.path.stat().st_size
+    target_bytes = target.file_bytes
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
     base_cfg = config.scheduler
     predictor = load_predictor(base_cfg.predictor, target.variant) if "memspec" in policies else None

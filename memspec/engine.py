@@ -42,6 +42,12 @@ class TargetModel:
     eos_ids: frozenset[int]
     manifest: Manifest | None = None
 
+    @property
+    def file_bytes(self) -> int:
+        """Size of the loaded variant's weights: the manifest's record, else the file on disk."""
+        rec = self.manifest.variants.get(self.variant, {}) if self.manifest else {}
+        return int(rec.get("bytes") or self.session.path.stat().st_size)
+
     @classmethod
     def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
         m = store.get(name)

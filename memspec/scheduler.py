@@ -646,9 +646,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
         return d, planned_footprint(d.nbytes, d.variant)
 
     probe = probe or PsutilProbe()
-    rec = target.manifest.variants.get(target.variant, {}) if target.manifest else {}
-    target_bytes = rec.get("bytes") or target.session.path.stat().st_size
     # the target is pinned at what the process holds now: the runtime, Python and the target
-    return Scheduler(config, loader, sizes, probe, target=(target.name, max(target_bytes, probe.rss_bytes())),
+    return Scheduler(config, loader, sizes, probe, target=(target.name, max(target.file_bytes, probe.rss_bytes())),
                      decode=target.tokenizer.decode, kv_bytes=kv_sizer(target, drafts), variant=target.variant,
                      **kwargs)
