@@ -129,6 +129,30 @@ def run(engine, workload: list[dict], policies: list[str], max_tokens: int, prog
     return cells
 
 
+def teacher_forced_agreement(engine, prompts: list[str], max_tokens: int, verify_len: int = 6) -> tuple[int, int]:
+    """How often verification agrees with target-only decoding: along each prompt's greedy
+    target-only sequence, target passes of `verify_len` tokens ([last, d1..d5], as the
+    speculative loop runs them) whose argmax is the token decoding chose.  Returns (agree, total)."""
+    import numpy as np
+
+    s = engine.target.session
+    agree = total = 0
+    for prompt in prompts:
+        base = engine.generate(GenerationRequest(prompt=prompt, max_tokens=max_tokens, draft="none"))
+        seq = base.prompt_token_ids + base.token_ids
+        cache = s.new_cache(len(seq) + verify_len)
+        pos = len(base.prompt_token_ids) - 1
+        s.forward(cache, seq[:pos], keep=1)
+        while pos < len(seq) - 1:
+            chunk = seq[pos: pos + verify_len]
+            want = seq[pos + 1: pos + 1 + len(chunk)]
+            got = s.forward(cache, chunk, keep=len(chunk)).argmax(-1)[: len(want)]
+            agree += int((got == np.asarray(want)).sum())
+            total += len(want)
+            pos += len(chunk)
+    return agree, total
+
+
 def summarize(cells: dict, policies: list[str]) -> list[dict]:
     """The `runs` rows: one per (policy, category) plus category 'all'."""
     cats = sorted({c for _, c in cells})

@@ -52,7 +52,8 @@ class TargetModel:
     def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
         m = store.get(name)
         folder = Path(m.folder)
-        session = DecoderSession(m.variant_path(variant), config, arena=True)  # pinned: never unloaded
+        session = DecoderSession(m.variant_path(variant), config, arena=True,  # pinned: never unloaded
+                                 min_rows=2 if config.batch_invariant else 1)
         tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
         eos = set(m.extra.get("eos_token_ids", []))
         if tok.eos_token_id is not None:

@@ -41,6 +41,8 @@ class SessionConfig:
     draft_threads: int = 1  # draft threads: drafts are tiny, and a second spinning thread pool
     #                         would steal the cores the target verifies on
     max_context: int = 2048  # KV capacity in tokens (prompt + generated)
+    batch_invariant: bool = False  # target passes of one token run as two, so that target-only
+    #                                 decoding and multi-token verification use the same kernels
 
 
 def resolve_providers(wanted: Sequence[str]) -> list[str]:
@@ -130,10 +132,17 @@ class DecoderSession:
     """One decoder model in ONNX Runtime, shapes read from the model itself."""
 
     def __init__(self, path: str | Path, config: SessionConfig = SessionConfig(), arena: bool = False,
-                 threads: int | None = None):
+                 threads: int | None = None, min_rows: int = 1):
         """arena=True keeps ORT's CPU memory arena: faster steps, but freed memory stays in the
-        process.  The pinned target uses it; drafts, which are loaded and evicted, do not."""
+        process.  The pinned target uses it; drafts, which are loaded and evicted, do not.
+
+        min_rows=2 runs every pass over at least two tokens (a one-token step is padded with a
+        copy of its token, whose logits and K/V are dropped).  ONNX Runtime's CPU attention takes
+        another GEMM kernel for a single query row, which rounds differently; with int8
+        activations that flips near-ties between target-only decoding and verification.  Padded,
+        every pass takes the multi-row kernels and the two agree bit for bit."""
         self.path = Path(path)
+        self.min_rows = min_rows
         if not self.path.is_file():
             raise ModelFormatError(f"model file not found: {self.path}")
         opts = ort.SessionOptions()
@@ -213,11 +222,18 @@ class DecoderSession:
                 f"context overflow: {cache.length} cached + {n} new tokens > capacity {cache.capacity}"
             )
         keep = min(max(keep, 1), n)
+        # padding rows (min_rows), when the cache has room for them; they are dropped below
+        pad = min(max(self.min_rows - n, 0), cache.capacity - cache.length - n)
+        if pad:
+            ids = [*ids, *[ids[-1]] * pad]
         if isinstance(cache, SharedBufferCache):
-            logits = self._forward_shared(cache, ids, keep)
+            logits = self._forward_shared(cache, ids, keep + pad)
         else:
-            logits = self._forward_growing(cache, ids, keep)
-        cache.length += n
+            logits = self._forward_growing(cache, ids, keep + pad)
+        cache.length += n + pad
+        if pad:
+            cache.truncate(cache.length - pad)
+            logits = logits[:keep]
         return logits
 
     def _forward_shared(self, cache: SharedBufferCache, ids: Sequence[int], keep: int) -> np.ndarray:

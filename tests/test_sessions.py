@@ -74,6 +74,31 @@ def test_single_steps_equal_one_multi_token_step(session):
         assert (single.argmax(-1) == multi.argmax(-1)).mean() >= 0.875
 
 
+@pytest.mark.parametrize("variant", ["fp32", "q4"])
+def test_batch_invariant_single_steps_equal_multi_token_steps_bit_for_bit(model_store, variant):
+    """min_rows=2 (`[runtime] batch_invariant`): a one-token step runs as a padded two-token pass,
+    so it takes the same kernels as a verification pass, and its logits are those of the
+    multi-token pass exactly, on q4 too; the padding leaves no trace in the cache."""
+    path = model_store.get("smollm2-135m").variant_path(variant)
+    s = DecoderSession(path, SessionConfig(max_context=128, intra_op_threads=2), min_rows=2)
+    c = s.new_cache()
+    s.forward(c, IDS[:30], keep=1)
+    multi = s.forward(c, IDS[30:36], keep=6)
+    c.truncate(30)
+    single = np.stack([s.forward(c, [t], keep=1)[0] for t in IDS[30:36]])
+    assert c.length == 36
+    np.testing.assert_array_equal(single, multi)
+    # the cache holds what one multi-token pass would have written: the padding left no trace
+    c2 = s.new_cache()
+    s.forward(c2, IDS[:30], keep=1)
+    s.forward(c2, IDS[30:36], keep=6)
+    np.testing.assert_array_equal(s.forward(c, IDS[36:40], keep=4), s.forward(c2, IDS[36:40], keep=4))
+    # no room for a padding row at the last slot of the cache: a plain one-row pass
+    full = s.new_cache(capacity=11)
+    s.forward(full, IDS[:10], keep=1)
+    assert s.forward(full, IDS[10:11], keep=1).shape == (1, s.vocab_size) and full.length == 11
+
+
 def test_rollback_overwrites_rejected_tokens(session):
     _, s = session
     c = s.new_cache()
