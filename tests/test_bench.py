@@ -3,6 +3,7 @@ are), and the stream benchmark end to end."""
 
 from __future__ import annotations
 
+import importlib.util
 import itertools
 import json
 
@@ -58,4 +59,7 @@ def test_stream_bench_runs_every_policy_under_the_budget_with_target_only_output
             assert row["peak_rss_mb"] <= row["budget_mb"]
     assert rows[("oracle", "all")]["fraction_of_oracle"] == 1.0 and rows[("bandit", "all")]["ratio_vs_bandit"] == 1.0
     assert {c for _, c in rows} == {"all", "code", "math", "summarization"}
-    assert png.stat().st_size > 1000
+    if importlib.util.find_spec("matplotlib") is not None:
+        assert png.stat().st_size > 1000
+    else:  # an optional extra: the run says how to get the chart instead of failing
+        assert not png.exists() and "pip install -e .[bench]" in r.stderr
