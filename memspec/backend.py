@@ -11,6 +11,7 @@ its counters and the predictor's are what `status()` reports under
 from __future__ import annotations
 
 import dataclasses
+import logging
 import threading
 import time
 from dataclasses import dataclass, field
@@ -20,6 +21,8 @@ from memspec.config import Config
 from memspec.errors import InvalidRequestError, ModelNotFoundError, NotLoadedError, UnavailableError
 from memspec.request import Chunk, Completion, GenerationRequest, validate
 from memspec.store import ModelStore
+
+log = logging.getLogger("memspec.backend")
 
 EngineLoader = Callable[[Config, str], object]  # (config, variant) -> Engine (memspec.cli.load_engine)
 
@@ -150,7 +153,10 @@ class EngineBackend:
         """A checked request is about to wait in the queue: let the scheduler preload its draft."""
         scheduler = getattr(self.engine, "scheduler", None)
         if scheduler is not None:
-            scheduler.hint([req])
+            try:
+                scheduler.hint([req])
+            except Exception:  # advisory: a failed preload must not fail the request
+                log.warning("queue hint failed", exc_info=True)
 
     def record(self, completion: Completion) -> None:
         name = draft_used(completion.stats)

@@ -202,7 +202,9 @@ class DecoderSession:
         pages only when they are written: one (layer, K/V, head) row of `capacity`
         slots each, filled from the front.  So it costs the pages of `tokens` slots
         per row, rounded up to whole pages plus one (rows need not start on a page),
-        never more than the capacity.  A growing cache holds exactly `tokens`."""
+        never more than the capacity.  A growing cache holds exactly `tokens`.  With
+        min_rows, a padded step writes min_rows - 1 slots past the last token."""
+        tokens += self.min_rows - 1
         if self.layout != "gqa":
             return self.kv_bytes_per_token() * max(0, min(tokens, self.max_context))
         return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.head_dim, tokens, self.max_context)

@@ -329,6 +329,23 @@ def test_queued_request_waits_for_a_slot_and_its_draft_is_preloaded_meanwhile(ma
     assert hints.queued == ["c d"]  # the one that had to wait, not the one that started at once
 
 
+def test_a_failing_queue_hint_does_not_fail_the_request(make):
+    class Failing:
+        def hint(self, reqs):
+            raise RuntimeError("predictor broke")
+
+    h = make(max_concurrent=1, max_queue=4, step_s=0.02)
+    h.engine.scheduler = Failing()
+    first = h.client.generate("a b", max_tokens=10)
+    next(first)
+    result = {}
+    t = threading.Thread(target=lambda: result.update(done=collect(h.client.generate("c d", max_tokens=2))[1]))
+    t.start()
+    collect(first)
+    t.join(5)
+    assert result["done"].text == "d c "
+
+
 def test_request_over_free_memory_is_resource_exhausted(make):
     h = make(memory=300 * MiB, memory_headroom_mb=300)
     with pytest.raises(OverloadedError, match="the system has 300 MiB available"):

@@ -74,6 +74,10 @@ def test_single_steps_equal_one_multi_token_step(session):
         assert (single.argmax(-1) == multi.argmax(-1)).mean() >= 0.875
 
 
+def plain_nbytes(path, tokens: int) -> int:
+    return DecoderSession(path, SessionConfig(max_context=128, intra_op_threads=2)).cache_nbytes(tokens)
+
+
 @pytest.mark.parametrize("variant", ["fp32", "q4"])
 def test_batch_invariant_single_steps_equal_multi_token_steps_bit_for_bit(model_store, variant):
     """min_rows=2 (`[runtime] batch_invariant`): a one-token step runs as a padded two-token pass,
@@ -93,6 +97,8 @@ def test_batch_invariant_single_steps_equal_multi_token_steps_bit_for_bit(model_
     s.forward(c2, IDS[:30], keep=1)
     s.forward(c2, IDS[30:36], keep=6)
     np.testing.assert_array_equal(s.forward(c, IDS[36:40], keep=4), s.forward(c2, IDS[36:40], keep=4))
+    # the budget counts the padding slot a step writes past the last token
+    assert s.cache_nbytes(100) == plain_nbytes(path, 101)
     # no room for a padding row at the last slot of the cache: a plain one-row pass
     full = s.new_cache(capacity=11)
     s.forward(full, IDS[:10], keep=1)
