@@ -292,6 +292,18 @@ def generate(teacher, prompts: list[list[int]], max_new: int, eos: int, batch: i
     return out
 
 
+def measured_prompts() -> set[str]:
+    """The prompts the benchmarks measure drafts on: the built-in workload and, in a checkout,
+    bench/heldout_mixed.jsonl.  Training never uses them."""
+    from importlib import resources
+
+    texts = [resources.files("memspec.data").joinpath("bench_prompts.jsonl").read_text()]
+    heldout = Path(__file__).resolve().parents[1] / "bench" / "heldout_mixed.jsonl"
+    if heldout.is_file():
+        texts.append(heldout.read_text())
+    return {json.loads(line)["prompt"] for text in texts for line in text.splitlines() if line.strip()}
+
+
 def data_key(domain: str, seed: int) -> str:
     """Cache name of one domain's data set made with prompt seed `seed` (seed 0: the domain's name)."""
     return domain if seed == 0 else f"{domain}-seed{seed}"
@@ -310,6 +322,9 @@ def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, 
     from memspec.train_prompts import domain_prompts
 
     texts = prompts if prompts is not None else domain_prompts(domain, n_prompts, seed, exclude)
+    if not texts:  # every prompt of the domain is in an earlier seed's data set already
+        _log(f"{domain} (seed {seed}): no new prompts; nothing to add")
+        return {"train": [], "eval": [], "info": {"domain": domain, "prompts": 0, "seed": seed}}
     ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     t0 = time.time()
     samples = generate(teacher_fn(), ids, max_new, tokenizer.eos_token_id)
@@ -537,7 +552,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `train-draft` (torch needed only when it runs)."""
     p = subparsers.add_parser("train-draft", help="train a draft model by self-distillation from the target")
     p.add_argument("--name", required=True, help="draft name, e.g. draft-code")
-    p.add_argument("--domain", nargs="+", default=None, help="built-in prompt domains (code, math, chat)")
+    p.add_argument("--domain", nargs="+", default=None, help="built-in prompt domains (code, math, chat, scripts)")
     p.add_argument("--prompts", help="JSONL file with a 'prompt' field per line (instead of --domain)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--width", type=int, default=256)
@@ -622,7 +637,7 @@ def run_cli(args) -> int:
     if getattr(args, "export_only", False):
         return export_only(args)
     if not args.domain and not args.prompts:
-        raise MemspecError("give --domain (code, math, chat) or --prompts FILE")
+        raise MemspecError("give --domain (code, math, chat, scripts) or --prompts FILE")
     tok, gguf = _target_files(args.target, getattr(getattr(args, "config", None), "store_home", None))
     work = Path(args.work) / args.target
     teacher_cache: list = []
@@ -633,18 +648,23 @@ def run_cli(args) -> int:
             teacher_cache.append(load_teacher(gguf))
         return teacher_cache[0]
 
+    measured = measured_prompts()
     datasets = {}
     if args.prompts:
         lines = [json.loads(x) for x in Path(args.prompts).read_text().splitlines() if x.strip()]
         key = "prompts-" + Path(args.prompts).stem
         datasets[key] = domain_data(work, key, teacher, tok, 0, args.max_new, args.seed, [x["prompt"] for x in lines])
     for d in args.domain or []:
-        used: set[str] = set()
+        used: set[str] = set(measured)  # new prompts avoid the benchmarks' prompts too
         for seed in args.data_seeds:
             data = domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, seed, exclude=used)
             datasets[data_key(d, seed)] = data
             used |= {s["text"] for s in data["train"] + data["eval"]}
     samples = [s for d in datasets.values() for s in d["train"]]
+    leaked = [s for s in samples if s.get("text") in measured]
+    if leaked:  # data sets made before the benchmarks' prompts were excluded
+        _log(f"dropping {len(leaked)} training samples whose prompt a benchmark measures")
+        samples = [s for s in samples if s.get("text") not in measured]
 
     ckpt = work / f"{args.name}.pt"
     resume = getattr(args, "resume", False) and ckpt.is_file()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import random
 
-DOMAINS = ("code", "math", "chat")
+DOMAINS = ("code", "math", "chat", "scripts")
 
 CODE_TASKS = [
     "reverse a string", "check whether a number is prime", "compute the factorial of n",
@@ -85,6 +85,52 @@ CODE_EXTRA = [  # whole prompts: shell, SQL and other languages' idioms
     "Write a Python generator that yields the Fibonacci numbers.",
     "Write a Python dataclass for a book with title, author and year.",
     "Write a Python script that uses argparse to read a file name and prints its contents.",
+]
+SQL_TASKS = [  # "Write a SQL query that {t}."
+    "returns the five customers with the most orders from tables customers(id, name) and orders(id, customer_id)",
+    "lists every product that has never been ordered, from products(id, name) and order_items(product_id)",
+    "computes the total sales per month from a table sales(id, amount, sold_at)",
+    "finds duplicate email addresses in a table users(id, email)",
+    "returns the average salary per department from employees(id, department, salary)",
+    "deletes the rows older than 30 days from a table logs(id, created_at)",
+    "updates the price of every product in the category books by ten percent",
+    "returns the top three highest paid employees in each department",
+    "counts the orders per customer and keeps only customers with more than five",
+    "joins students(id, name), courses(id, title) and enrollments(student_id, course_id)",
+    "returns the customers who placed an order in 2023 but not in 2024",
+    "finds the day with the highest revenue from orders(id, total, created_at)",
+    "creates an index on the email column of a users table",
+    "returns the running total of payments(id, amount, paid_at) ordered by date",
+    "returns each customer's most recent order date",
+    "lists the departments with no employees from departments(id, name) and employees(id, department_id)",
+    "computes the percentage of orders that were cancelled from orders(id, status)",
+    "returns the names of employees and their managers from employees(id, name, manager_id)",
+    "returns the product with the highest stock from products(id, name, stock)",
+    "inserts three rows into a table products(id, name, price)",
+]
+SHELL_TASKS = [  # "Write a bash script that {t}."
+    "prints the number of files in every subfolder", "renames every .jpeg file to .jpg",
+    "counts how many files of each extension a folder holds", "deletes log files older than seven days",
+    "prints the ten most frequent words of a text file", "checks whether a process is running and starts it if not",
+    "prints the free disk space of every mounted filesystem", "compresses every folder in the current directory",
+    "reads a file line by line and prints the line numbers", "downloads a list of URLs from a file",
+    "prints the total number of lines of all Python files in a project", "creates a dated backup of a folder",
+    "prints the memory used by each running process", "finds every file containing the word TODO",
+    "loops over the numbers 1 to 10 and prints the even ones", "asks for a name and greets the user",
+    "prints the five largest files under the home directory", "replaces a word in every .txt file",
+    "monitors a log file and prints lines containing ERROR", "prints the current date, user and hostname",
+]
+DATA_TASKS = [  # Python data handling, the kind of task users bring
+    "reads a CSV file and prints the number of rows per value of its first column",
+    "reads two text files and prints the lines they have in common",
+    "reads a JSON file of users and prints the names of those older than 30",
+    "groups the rows of a CSV file by a column and sums another",
+    "removes the duplicate lines of a text file", "merges two CSV files on a shared id column",
+    "finds the longest line in a text file", "converts a CSV file to a list of dictionaries",
+    "writes a list of dictionaries to a JSON file", "computes the mean, median and standard deviation of a list",
+    "counts the lines of a log file that contain the word ERROR", "reads a text file and counts its sentences",
+    "filters a list of dictionaries by the value of a key", "sorts the rows of a CSV file by a numeric column",
+    "computes the word count of every .txt file in a folder",
 ]
 
 MATH_TEMPLATES = [
@@ -210,6 +256,22 @@ def _code(rng: random.Random) -> str:
     return rng.choice(CODE_TEMPLATES).format(t=rng.choice(CODE_TASKS))
 
 
+def _scripts(rng: random.Random) -> str:
+    """SQL, shell and Python data tasks: the code a user brings besides algorithms."""
+    kind = rng.random()
+    if kind < 0.35:
+        form = rng.choice(["Write a SQL query that {t}.", "How do I write a SQL query that {t}?",
+                           "Write a PostgreSQL query that {t}, and explain it briefly."])
+        return form.format(t=rng.choice(SQL_TASKS))
+    if kind < 0.7:
+        form = rng.choice(["Write a bash script that {t}.", "How can I write a shell script that {t}?",
+                           "Write a short bash script that {t}, with comments."])
+        return form.format(t=rng.choice(SHELL_TASKS))
+    form = rng.choice(["Write a Python function that {t}.", "Write a Python script that {t}.",
+                       "Show me Python code that {t}."])
+    return form.format(t=rng.choice(DATA_TASKS))
+
+
 def _math(rng: random.Random) -> str:
     a, b, c = rng.randint(2, 25), rng.randint(2, 12), rng.randint(3, 40)
     s, q = rng.randint(2, 6), rng.randint(1, 5)
@@ -226,7 +288,7 @@ def _chat(rng: random.Random) -> str:
     )
 
 
-_MAKERS = {"code": _code, "math": _math, "chat": _chat}
+_MAKERS = {"code": _code, "math": _math, "chat": _chat, "scripts": _scripts}
 
 
 def domain_prompts(domain: str, n: int, seed: int = 0, exclude=()) -> list[str]:

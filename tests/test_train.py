@@ -9,6 +9,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -219,3 +220,22 @@ def test_train_draft_refuses_a_bad_shape_before_any_work(flags, message):
     args = parser.parse_args(["train-draft", "--name", "draft-x", "--domain", "chat", *flags])
     with pytest.raises(MemspecError, match=message):
         run_cli(args)  # raises before torch is needed, so this runs without the [train] extra
+
+
+def test_training_prompts_are_distinct_reproducible_and_never_a_benchmark_prompt():
+    """Each domain's prompts as train-draft draws them: distinct within a seed, the same for the
+    same seed, disjoint across seeds, and none of them a prompt the benchmarks measure drafts on
+    (the templates can produce some: "Write a haiku about autumn leaves." is a bench prompt)."""
+    from memspec.train import measured_prompts
+    from memspec.train_prompts import DOMAINS, domain_prompts
+
+    measured = measured_prompts()
+    assert len(measured) == 48 + 24 and "Write a haiku about autumn leaves." in measured
+    for domain in DOMAINS:
+        used = set(measured)
+        for seed in (0, 1, 2):
+            got = domain_prompts(domain, 512, seed, exclude=used)
+            assert len(got) == len(set(got)) and not used & set(got), domain
+            assert got == domain_prompts(domain, 512, seed, exclude=used), domain
+            used |= set(got)
+        assert len(used) > len(measured), domain
