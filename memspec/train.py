@@ -32,6 +32,7 @@ import numpy as np
 
 from memspec.errors import MemspecError
 from memspec.gguf_reader import LlamaConfig
+from memspec.train_prompts import DOMAINS
 
 TOP_K = 64  # teacher log-probs kept per answer position
 GAMMA = 5  # draft tokens per verification step in the acceptance simulation
@@ -295,13 +296,11 @@ def generate(teacher, prompts: list[list[int]], max_new: int, eos: int, batch: i
 def measured_prompts() -> set[str]:
     """The prompts the benchmarks measure drafts on: the built-in workload and, in a checkout,
     bench/heldout_mixed.jsonl.  Training never uses them."""
-    from importlib import resources
+    from memspec.bench import load_workload
 
-    texts = [resources.files("memspec.data").joinpath("bench_prompts.jsonl").read_text()]
     heldout = Path(__file__).resolve().parents[1] / "bench" / "heldout_mixed.jsonl"
-    if heldout.is_file():
-        texts.append(heldout.read_text())
-    return {json.loads(line)["prompt"] for text in texts for line in text.splitlines() if line.strip()}
+    workloads = [None, str(heldout)] if heldout.is_file() else [None]
+    return {w["prompt"] for path in workloads for w in load_workload(path)}
 
 
 def data_key(domain: str, seed: int) -> str:
@@ -552,7 +551,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     """Register `train-draft` (torch needed only when it runs)."""
     p = subparsers.add_parser("train-draft", help="train a draft model by self-distillation from the target")
     p.add_argument("--name", required=True, help="draft name, e.g. draft-code")
-    p.add_argument("--domain", nargs="+", default=None, help="built-in prompt domains (code, math, chat, scripts)")
+    p.add_argument("--domain", nargs="+", default=None, help=f"built-in prompt domains ({', '.join(DOMAINS)})")
     p.add_argument("--prompts", help="JSONL file with a 'prompt' field per line (instead of --domain)")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--width", type=int, default=256)
@@ -637,7 +636,7 @@ def run_cli(args) -> int:
     if getattr(args, "export_only", False):
         return export_only(args)
     if not args.domain and not args.prompts:
-        raise MemspecError("give --domain (code, math, chat, scripts) or --prompts FILE")
+        raise MemspecError(f"give --domain ({', '.join(DOMAINS)}) or --prompts FILE")
     tok, gguf = _target_files(args.target, getattr(getattr(args, "config", None), "store_home", None))
     work = Path(args.work) / args.target
     teacher_cache: list = []
@@ -660,11 +659,10 @@ def run_cli(args) -> int:
             data = domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, seed, exclude=used)
             datasets[data_key(d, seed)] = data
             used |= {s["text"] for s in data["train"] + data["eval"]}
-    samples = [s for d in datasets.values() for s in d["train"]]
-    leaked = [s for s in samples if s.get("text") in measured]
-    if leaked:  # data sets made before the benchmarks' prompts were excluded
-        _log(f"dropping {len(leaked)} training samples whose prompt a benchmark measures")
-        samples = [s for s in samples if s.get("text") not in measured]
+    every = [s for d in datasets.values() for s in d["train"]]
+    samples = [s for s in every if s.get("text") not in measured]
+    if len(samples) < len(every):  # data sets made before the benchmarks' prompts were excluded
+        _log(f"dropping {len(every) - len(samples)} training samples whose prompt a benchmark measures")
 
     ckpt = work / f"{args.name}.pt"
     resume = getattr(args, "resume", False) and ckpt.is_file()
