@@ -614,6 +614,9 @@ def export_only(args) -> int:
     model.load_state_dict(torch.load(ckpt))
     model.eval()
     vocab = [int(i) for i in json.loads((old.folder / old.extra.get("draft_vocab", "vocab.json")).read_text())]
+    if ckpt.with_suffix(".vocab.json").is_file() and checkpoint_record(ckpt)[0] != vocab:
+        raise MemspecError(f"{ckpt} was trained on another vocabulary than {old.folder}'s; --export-only would "
+                           f"scramble its tokens (write it with the --out of the run that made it)")
     vmap = VocabMap(vocab, max(vocab) + 1)  # write_draft reads only its draft -> target ids
     extra = {k: v for k, v in old.extra.items() if k != "draft_vocab"}
     provenance = {**old.provenance, "exported": f"memspec train-draft --export-only --weights {args.weights} "
@@ -666,10 +669,12 @@ def run_cli(args) -> int:
 
     ckpt = work / f"{args.name}.pt"
     resume = getattr(args, "resume", False) and ckpt.is_file()
-    old_vocab = Path(args.out or SHIPPED_MODELS) / args.name / "vocab.json"
-    if resume and old_vocab.is_file():  # the checkpoint's rows are these ids, whatever data comes now
-        vocab = [int(i) for i in json.loads(old_vocab.read_text())]
-        _log(f"keeping the vocabulary of {old_vocab} ({len(vocab)} ids)")
+    if resume:  # the checkpoint's embedding rows are its own ids, whatever data comes now
+        vocab, shape = checkpoint_record(ckpt)
+        if (shape["n_layers"], shape["hidden"]) != (args.layers, args.width):
+            raise MemspecError(f"--resume continues {ckpt}, which has {shape['n_layers']} layers x {shape['hidden']}; "
+                               f"pass --layers {shape['n_layers']} --width {shape['hidden']}, or train without --resume")
+        _log(f"keeping the vocabulary of {ckpt.name} ({len(vocab)} ids)")
     else:
         vocab = select_vocab(token_counts(samples, tok.vocab_size), args.vocab_size, required_ids(tok))
     vmap = VocabMap(vocab, tok.vocab_size)
@@ -680,11 +685,7 @@ def run_cli(args) -> int:
     previous = None
     if resume:
         model.load_state_dict(torch.load(ckpt))
-        old = Path(args.out or SHIPPED_MODELS) / args.name / "manifest.json"
-        if old.is_file():
-            t = json.loads(old.read_text())["extra"]["training"]
-            previous = {k: t.get(k) for k in ("steps", "epochs", "seconds", "lr")}
-            previous["previous"] = t.get("previous")
+        previous = shape.get("training")  # the run(s) these weights come from
         _log(f"resuming from {ckpt}")
     n_params = sum(p.numel() for p in model.parameters())
     steps = args.steps or max(1, int(args.epochs * len(samples) / args.batch))
@@ -718,9 +719,31 @@ def run_cli(args) -> int:
     extra = {"target": args.target, "domain": domain, "training": summary,
              "unknown_target_id": UNKNOWN_TARGET_ID}
     path = write_draft(out / args.name, args.name, model, vmap, provenance, extra, getattr(args, "weights", "q8"))
-    torch.save(model.state_dict(), work / f"{args.name}.pt")
+    save_checkpoint(model, vmap, work / f"{args.name}.pt",
+                    {**{k: summary.get(k) for k in ("steps", "epochs", "seconds", "lr")}, "previous": previous})
     _log(f"wrote {path}")
     return 0
+
+
+def save_checkpoint(model, vmap: VocabMap, ckpt: Path, training: dict | None = None) -> None:
+    """The weights of a run (NAME.pt) and, beside them, what their rows mean (NAME.vocab.json):
+    the draft -> target id map and the shape, so that --resume never pairs them with another
+    vocabulary, and the record of the run(s) that made them."""
+    torch = _torch()
+    record = {"vocab": [int(i) for i in vmap.to_target], "n_layers": model.c.n_layers, "hidden": model.c.hidden,
+              "training": training}
+    torch.save(model.state_dict(), ckpt)
+    ckpt.with_suffix(".vocab.json").write_text(json.dumps(record) + "\n")
+
+
+def checkpoint_record(ckpt: Path) -> tuple[list[int], dict]:
+    """The vocabulary and shape that `save_checkpoint` recorded beside `ckpt`."""
+    side = ckpt.with_suffix(".vocab.json")
+    if not side.is_file():
+        raise MemspecError(f"--resume needs {side}, the record of which target ids the rows of {ckpt} stand for; "
+                           "it is missing (a checkpoint from an older train-draft), so train without --resume")
+    record = json.loads(side.read_text())
+    return [int(i) for i in record["vocab"]], {k: record.get(k) for k in ("n_layers", "hidden", "training")}
 
 
 def main(argv=None) -> int:

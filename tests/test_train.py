@@ -239,3 +239,42 @@ def test_training_prompts_are_distinct_reproducible_and_never_a_benchmark_prompt
             assert got == domain_prompts(domain, 512, seed, exclude=used), domain
             used |= set(got)
         assert len(used) > len(measured), domain
+
+
+def test_resume_refuses_a_checkpoint_without_the_record_of_its_vocabulary(tmp_path):
+    """Regression: --resume with an --out that held no vocab.json chose a new vocabulary and loaded
+    the old embedding rows under it, so every token's row belonged to another token."""
+    from memspec.errors import MemspecError
+    from memspec.train import checkpoint_record
+
+    (tmp_path / "draft-chat.pt").write_bytes(b"weights")
+    with pytest.raises(MemspecError, match="train without --resume"):
+        checkpoint_record(tmp_path / "draft-chat.pt")
+
+
+@pytest.mark.skipif(not HAS_TORCH, reason="needs the [train] extra (torch)")
+def test_checkpoint_keeps_its_vocabulary_and_export_only_refuses_another(tmp_path):
+    import argparse
+
+    from memspec.errors import MemspecError
+    from memspec.train import add_parser, checkpoint_record, llama_class, run_cli, save_checkpoint, write_draft
+
+    cfg = draft_config(layers=1, width=64, vocab=32, head_dim=32, context=128)
+    model = llama_class()(cfg).eval()
+    work = tmp_path / "work" / "smollm2-135m"
+    work.mkdir(parents=True)
+    trained = VocabMap([0] + list(range(40, 71)), 100)
+    save_checkpoint(model, trained, work / "draft-x.pt", {"steps": 3})
+    vocab, record = checkpoint_record(work / "draft-x.pt")
+    assert vocab == [0] + list(range(40, 71)) and record == {"n_layers": 1, "hidden": 64, "training": {"steps": 3}}
+
+    # a folder of the same name and size, but another vocabulary
+    write_draft(tmp_path / "out" / "draft-x", "draft-x", model, VocabMap(list(range(32)), 100), {"source": "x"},
+                {"target": "smollm2-135m", "training": {}}, weights="fp16")
+    parser = argparse.ArgumentParser()
+    add_parser(parser.add_subparsers())
+    args = parser.parse_args(["train-draft", "--name", "draft-x", "--export-only", "--out", str(tmp_path / "out"),
+                              "--work", str(tmp_path / "work")])
+    with pytest.raises(MemspecError, match="another vocabulary"):
+        run_cli(args)
+
