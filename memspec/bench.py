@@ -383,7 +383,7 @@ def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tup
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
     base_cfg = config.scheduler
     predictor = load_predictor(base_cfg.predictor, target.variant) if "memspec" in policies else None
-    limits = DraftLimits(spec.p_min, spec.max_entropy)
+    limits = DraftLimits(spec.p_min, spec.max_entropy, spec.loop_tokens)
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
     oracle_table = None
 

@@ -31,6 +31,7 @@ class DraftLimits:
 
     p_min: float = 0.3  # stop when the draft's top probability falls below this
     max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
+    loop_tokens: int = 8  # a context ending in a loop this long continues it instead (0: never)
 
 
 @dataclass
@@ -51,6 +52,27 @@ class Proposer(Protocol):
     nbytes: int
 
     def begin(self, capacity: int) -> DraftState: ...
+
+
+def loop_continuation(context: list[int], k: int, min_tokens: int, max_period: int = 8) -> list[int]:
+    """The next `k` tokens of the loop the context ends in, or [] if it ends in none.
+
+    A loop: the last `min_tokens` tokens, and at least two periods, each equal the token one
+    period `p` <= `max_period` earlier (`id = 5111111`, the same line again and again).  Small
+    targets fall into such loops under greedy decoding and, once in one, stay with near certainty
+    (SmolLM2's argmax continues a repeated span 80-90% of the time after 12 repeated tokens), but a
+    draft trained on the target's sensible answers does not follow them.
+    """
+    if min_tokens <= 0 or k <= 0:
+        return []
+    n = len(context)
+    for p in range(1, max_period + 1):
+        m = max(min_tokens, 2 * p)
+        if n < m + p:
+            break
+        if context[n - m:] == context[n - m - p:n - p]:
+            return [context[n - p + j % p] for j in range(k)]
+    return []
 
 
 # -- model drafts -----------------------------------------------------------------
@@ -132,6 +154,9 @@ class ModelDraftState:
         k = min(k, self.cache.capacity - len(context))
         if k <= 0:
             return Proposal([], None, [])
+        loop = loop_continuation(context, k, self.d.limits.loop_tokens)
+        if loop:  # the model does not run; its cache catches up when it next does
+            return deterministic_proposal(loop, self.d.target_vocab, params)
         logits = self._catch_up(context)
         tokens, qs, ents = [], [], []
         for i in range(k):
@@ -154,6 +179,15 @@ class ModelDraftState:
 
     def close(self) -> None:
         self.cache = None
+
+
+def deterministic_proposal(tokens: list[int], target_vocab: int, params: SamplingParams) -> Proposal:
+    """Tokens proposed without a distribution: when sampling, q is one-hot on each of them."""
+    q = None
+    if tokens and not params.greedy:
+        q = np.zeros((len(tokens), target_vocab))
+        q[np.arange(len(tokens)), tokens] = 1.0
+    return Proposal(list(tokens), q, [0.0] * len(tokens))
 
 
 # -- prompt lookup -------------------------------------------------------------------
@@ -190,12 +224,7 @@ class PromptLookupState:
         return []
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
-        tokens = self.find(context, k) if k > 0 else []
-        q = None
-        if tokens and not params.greedy:
-            q = np.zeros((len(tokens), self.pl.target_vocab))  # deterministic proposal: q is one-hot
-            q[np.arange(len(tokens)), tokens] = 1.0
-        return Proposal(tokens, q, [0.0] * len(tokens))
+        return deterministic_proposal(self.find(context, k) if k > 0 else [], self.pl.target_vocab, params)
 
     def close(self) -> None:
         pass

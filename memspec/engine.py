@@ -102,7 +102,7 @@ class Engine:
         store = ModelStore(config.store_home)
         target = TargetModel.load(store, config.model.target, variant or config.model.variant, config.runtime)
         spec = config.speculative
-        limits = DraftLimits(spec.p_min, spec.max_entropy)
+        limits = DraftLimits(spec.p_min, spec.max_entropy, spec.loop_tokens)
         if drafts == "scheduler":
             from memspec.scheduler import from_store
 

@@ -33,6 +33,7 @@ class SpecConfig:
 
     p_min: float = 0.3  # a draft stops proposing when its top probability falls below this
     max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
+    loop_tokens: int = 8  # a model draft continues a loop of this many tokens itself (0: never)
     gamma: int = 5  # draft tokens proposed per step at the start
     gamma_min: int = 1  # the step controller never proposes fewer (while drafting at all)
     gamma_max: int = 8  # never propose more

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from memspec import sampling
-from memspec.drafts import DraftLimits, DraftModel, PromptLookup
+from memspec.drafts import DraftLimits, DraftModel, PromptLookup, loop_continuation
 from memspec.metrics import SpecMetrics
 from memspec.request import GenerationRequest, SamplingParams
 from memspec.sessions import DecoderSession, SessionConfig
@@ -27,19 +27,19 @@ def tiny(tmp_path_factory):
     return target, DraftModel("tiny-draft", draft_session, np.arange(V), V)
 
 
-def exact_second_token_distribution(target, params):
+def exact_second_token_distribution(target, params, prompt=PROMPT):
     """P(t2) = sum_t1 P(t1) P(t2 | t1), from target-only forwards."""
     c = target.new_cache()
-    p1 = sampling.probabilities(target.forward(c, PROMPT, keep=1)[-1], params.temperature)
+    p1 = sampling.probabilities(target.forward(c, prompt, keep=1)[-1], params.temperature)
     p2 = np.zeros(V)
     for t1 in range(V):
-        c.truncate(len(PROMPT))
+        c.truncate(len(prompt))
         p2 += p1[t1] * sampling.probabilities(target.forward(c, [t1], keep=1)[-1], params.temperature)
     return p2
 
 
-def second_token_counts(tiny, n=2000, verify=None, monkeypatch=None):
-    target, draft = tiny
+def second_token_counts(tiny, n=2000, verify=None, monkeypatch=None, prompt=PROMPT, draft=None):
+    target, draft = tiny[0], draft or tiny[1]
     params = SamplingParams(temperature=1.0, seed=0)
     if verify is not None:
         monkeypatch.setattr(sampling, "verify_sampled", verify)
@@ -47,12 +47,12 @@ def second_token_counts(tiny, n=2000, verify=None, monkeypatch=None):
     counts = np.zeros(V, dtype=np.int64)
     cfg = SpecConfig(gamma=3, adaptive=False)
     for _ in range(n):
-        steps = speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)), params, rng,
+        steps = speculative_steps(target, target.new_cache(), prompt, FixedDraft("d", draft.begin(64)), params, rng,
                                   cfg, SpecMetrics())
         next(steps)  # t1 comes from the prefill
         counts[next(steps)[0]] += 1  # t2 is the first token the draft-and-verify step commits
         steps.close()
-    return counts, exact_second_token_distribution(target, params)
+    return counts, exact_second_token_distribution(target, params, prompt)
 
 
 def test_speculative_sampling_matches_target_on_onnx_models(tiny):
@@ -119,6 +119,43 @@ def test_prompt_lookup_finds_latest_ngram():
     assert st.find([5, 6, 7], 3) == []
     assert st.find([4, 4], 3) == [4]  # a repetition continues itself
     assert st.find([1, 2, 1], 2) == [2, 1]
+
+
+def test_loop_continuation_follows_the_shortest_period():
+    assert loop_continuation([9, 5] + [1] * 9, 4, min_tokens=8) == [1, 1, 1, 1]  # 8 ones each equal the one before
+    assert loop_continuation([9, 5] + [1] * 8, 4, min_tokens=8) == []  # 7 do
+    three = [7, 8, 4, 5, 6, 4, 5, 6, 4, 5, 6, 4, 5]  # period 3: the last 8 tokens each equal the one 3 before
+    assert loop_continuation(three, 5, min_tokens=8) == [6, 4, 5, 6, 4]
+    assert loop_continuation(three, 5, min_tokens=9) == []
+    assert loop_continuation(three, 5, min_tokens=0) == []  # 0: off
+    assert loop_continuation([4, 5, 4, 5, 4, 5], 3, min_tokens=1) == [4, 5, 4]  # two periods repeat the first
+    assert loop_continuation([4, 5, 4, 5], 3, min_tokens=1) == []  # one does not
+    assert loop_continuation([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, min_tokens=2) == []
+
+
+def test_model_draft_continues_a_loop_without_running_its_model(tiny, monkeypatch):
+    target, draft = tiny
+    calls = []
+    forward = draft.session.forward
+    monkeypatch.setattr(draft.session, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    st = draft.begin(64)
+    loop = [3, 1, 4] + [2, 7] * 5 + [2]  # 9 tokens each equal the one 2 before
+    got = st.propose(loop, 3, SamplingParams(), np.random.default_rng(0))
+    assert got.tokens == [7, 2, 7] and not calls
+    sampled = st.propose(loop, 2, SamplingParams(temperature=1.0), np.random.default_rng(0))
+    assert sampled.tokens == [7, 2] and (sampled.q[[0, 1], [7, 2]] == 1.0).all() and sampled.q.sum() == 2.0
+    st.propose(loop + [5], 2, SamplingParams(), np.random.default_rng(0))  # the loop broke: the model drafts
+    assert calls and st.cached[: len(loop) + 1] == loop + [5]  # after catching up on the whole context
+
+
+def test_loop_proposals_keep_the_sampling_distribution(tiny):
+    """A loop proposal has no distribution (q is one-hot); the rejection rule must still
+    reproduce the target's next-token distribution."""
+    target, _ = tiny
+    looping = DraftModel("loop", tiny[1].session, np.arange(V), V, DraftLimits(loop_tokens=4))
+    counts, p2 = second_token_counts(tiny, prompt=[6, 2, 2, 2, 2, 2], draft=looping)
+    assert p2[2] > 0.01  # the loop token is a real candidate, so both accept and reject paths run
+    assert chi_square_p(counts, p2) > 1e-3
 
 
 # -- the real target ---------------------------------------------------------------
@@ -265,3 +302,17 @@ def test_cost_controller_is_exact_on_onnx_models(tiny):
                                        verify_cost_s=costs):
         got.extend(committed)
     assert got == greedy_target_only(target, PROMPT, len(got))
+
+
+def test_a_model_draft_follows_the_targets_loop_exactly(fp32_engine):
+    """Greedy SmolLM2 loops on this prompt (`WHERE id = 5111111...`).  draft-code alone was
+    accepted about once per step there (acceptance length 1.06-1.15); continuing the loop
+    itself, it is accepted in long runs, and the output stays the target's."""
+    e = fp32_engine
+    prompt = ("Write a SQL query that returns the five customers with the highest total order amount "
+              "from tables customers(id, name) and orders(id, customer_id, amount).")
+    base = e.generate(GenerationRequest(prompt=prompt, max_tokens=64, draft="none"))
+    assert "5111111111" in base.text  # the target's loop
+    r = e.generate(GenerationRequest(prompt=prompt, max_tokens=64, draft="draft-code"))
+    assert r.token_ids == base.token_ids
+    assert r.stats["mean_acceptance_length"] > 2.5
