@@ -642,6 +642,13 @@ def run_cli(args) -> int:
         raise MemspecError(f"give --domain ({', '.join(DOMAINS)}) or --prompts FILE")
     tok, gguf = _target_files(args.target, getattr(getattr(args, "config", None), "store_home", None))
     work = Path(args.work) / args.target
+    ckpt = work / f"{args.name}.pt"
+    resume = getattr(args, "resume", False) and ckpt.is_file()
+    if resume:  # checked before any teacher data is made
+        vocab, shape = checkpoint_record(ckpt)
+        if (shape["n_layers"], shape["hidden"]) != (args.layers, args.width):
+            raise MemspecError(f"--resume continues {ckpt}, which has {shape['n_layers']} layers x {shape['hidden']}; "
+                               f"pass --layers {shape['n_layers']} --width {shape['hidden']}, or train without --resume")
     teacher_cache: list = []
 
     def teacher():
@@ -667,13 +674,7 @@ def run_cli(args) -> int:
     if len(samples) < len(every):  # data sets made before the benchmarks' prompts were excluded
         _log(f"dropping {len(every) - len(samples)} training samples whose prompt a benchmark measures")
 
-    ckpt = work / f"{args.name}.pt"
-    resume = getattr(args, "resume", False) and ckpt.is_file()
     if resume:  # the checkpoint's embedding rows are its own ids, whatever data comes now
-        vocab, shape = checkpoint_record(ckpt)
-        if (shape["n_layers"], shape["hidden"]) != (args.layers, args.width):
-            raise MemspecError(f"--resume continues {ckpt}, which has {shape['n_layers']} layers x {shape['hidden']}; "
-                               f"pass --layers {shape['n_layers']} --width {shape['hidden']}, or train without --resume")
         _log(f"keeping the vocabulary of {ckpt.name} ({len(vocab)} ids)")
     else:
         vocab = select_vocab(token_counts(samples, tok.vocab_size), args.vocab_size, required_ids(tok))
@@ -751,7 +752,11 @@ def main(argv=None) -> int:
     sub = parser.add_subparsers(dest="cmd", required=True)
     add_parser(sub)
     args = parser.parse_args(argv)
-    return run_cli(args)
+    try:
+        return run_cli(args)
+    except MemspecError as exc:  # as `memspec train-draft` reports it: a message, no traceback
+        print(f"memspec-train: error: {exc}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
