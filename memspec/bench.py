@@ -369,7 +369,7 @@ def print_stream_table(rows: list[dict], out=sys.stdout) -> None:
 def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tuple[list[dict], dict]:
     import dataclasses
 
-    from memspec.drafts import DraftLimits, target_drafts
+    from memspec.drafts import target_drafts
     from memspec.engine import Engine, TargetModel
     from memspec.scheduler import from_store, kv_sizer, load_predictor
     from memspec.store import ModelStore
@@ -383,7 +383,7 @@ def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tup
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
     base_cfg = config.scheduler
     predictor = load_predictor(base_cfg.predictor, target.variant) if "memspec" in policies else None
-    limits = DraftLimits(spec.p_min, spec.max_entropy, spec.loop_tokens)
+    limits = spec.draft_limits()
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
     oracle_table = None
 

@@ -95,14 +95,14 @@ class Engine:
         request's draft; "all": every draft made for the target is loaded up front and a request
         names the one it wants (the fixed-policy benchmark); "none": target only.
         """
-        from memspec.drafts import DraftLimits, load_pool
+        from memspec.drafts import load_pool
 
         if drafts not in ("scheduler", "all", "none"):
             raise ValueError(f"drafts must be 'scheduler', 'all' or 'none', got {drafts!r}")
         store = ModelStore(config.store_home)
         target = TargetModel.load(store, config.model.target, variant or config.model.variant, config.runtime)
         spec = config.speculative
-        limits = DraftLimits(spec.p_min, spec.max_entropy, spec.loop_tokens)
+        limits = spec.draft_limits()
         if drafts == "scheduler":
             from memspec.scheduler import from_store
 

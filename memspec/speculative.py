@@ -21,7 +21,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from memspec import sampling
-from memspec.drafts import DraftState, Proposal
+from memspec.drafts import DraftLimits, DraftState, Proposal
 from memspec.metrics import SpecMetrics
 from memspec.request import SamplingParams
 from memspec.sessions import DecoderSession, KVCache
@@ -42,6 +42,10 @@ class SpecConfig:
     #                           acceptance seen so far and the target's measured verification cost (0 =
     #                           a plain target step when drafting does not pay); "step": +1 after a full
     #                           acceptance, -1 after a rejection
+
+    def draft_limits(self) -> DraftLimits:
+        """What a draft model reads of this config: when it stops proposing, and loops."""
+        return DraftLimits(self.p_min, self.max_entropy, self.loop_tokens)
 
 
 def next_gamma(cfg: SpecConfig, gamma: int, n_drafted: int, n_accepted: int) -> int:
