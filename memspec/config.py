@@ -91,7 +91,7 @@ def _section(cls: type, name: str, values: Any) -> Any:
             val = tuple(val)
         elif isinstance(default, bool) != isinstance(val, bool) or (
             isinstance(default, (int, float)) and not isinstance(val, (int, float))
-        ) or (isinstance(default, str) and not isinstance(val, str)):
+        ) or (isinstance(default, int) and not isinstance(default, bool) and isinstance(val, float)) or (isinstance(default, str) and not isinstance(val, str)):
             raise ConfigError(f"[{name}] {key} must be {type(default).__name__}, got {val!r}")
         out[key] = val
     return cls(**out)

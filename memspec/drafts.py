@@ -23,6 +23,7 @@ from memspec.sessions import DecoderSession, SessionConfig
 from memspec.store import Manifest, ModelStore
 
 PROMPT_LOOKUP = "prompt-lookup"
+LOOKUP_MAX_NGRAM = 8  # a model draft's lookup prefers the longest earlier match up to this many tokens
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class DraftLimits:
     p_min: float = 0.3  # stop when the draft's top probability falls below this
     max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
     loop_tokens: int = 8  # a context ending in a loop this long continues it instead (0: never)
+    lookup_ngram: int = 2  # ... or one whose last n >= this many tokens occurred before, that occurrence (0: never)
 
 
 @dataclass
@@ -72,6 +74,22 @@ def loop_continuation(context: list[int], k: int, min_tokens: int, max_period: i
             break
         if context[n - m:] == context[n - m - p:n - p]:
             return [context[n - p + j % p] for j in range(k)]
+    return []
+
+
+def ngram_continuation(context: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
+    """Up to `k` tokens that followed the latest earlier occurrence of the context's last n-gram,
+    for the longest n in [min_ngram, max_ngram] that occurred before; [] if none did (or min_ngram < 1)."""
+    if min_ngram < 1 or k <= 0:
+        return []
+    arr = np.asarray(context)
+    L = len(arr)
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+        hits = np.nonzero((windows == arr[L - n:]).all(axis=1))[0]
+        if len(hits):  # every window of arr[:L-1] ends before the last token, so a continuation exists
+            start = int(hits[-1]) + n
+            return arr[start: start + k].tolist()
     return []
 
 
@@ -154,9 +172,11 @@ class ModelDraftState:
         k = min(k, self.cache.capacity - len(context))
         if k <= 0:
             return Proposal([], None, [])
-        loop = loop_continuation(context, k, self.d.limits.loop_tokens)
-        if loop:  # the model does not run; its cache catches up when it next does
-            return deterministic_proposal(loop, self.d.target_vocab, params)
+        lim = self.d.limits
+        seen = (loop_continuation(context, k, lim.loop_tokens)
+                or ngram_continuation(context, k, lim.lookup_ngram, LOOKUP_MAX_NGRAM))
+        if seen:  # the model does not run; its cache catches up when it next does
+            return deterministic_proposal(seen, self.d.target_vocab, params)
         logits = self._catch_up(context)
         tokens, qs, ents = [], [], []
         for i in range(k):
@@ -211,17 +231,7 @@ class PromptLookupState:
         self.pl = pl
 
     def find(self, context: list[int], k: int) -> list[int]:
-        arr = np.asarray(context)
-        L = len(arr)
-        for n in range(min(self.pl.max_ngram, L - 1), self.pl.min_ngram - 1, -1):
-            pattern = arr[L - n:]
-            windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
-            hits = np.nonzero((windows == pattern).all(axis=1))[0]
-            hits = hits[hits + n < L]
-            if len(hits):
-                start = int(hits[-1]) + n
-                return arr[start: start + k].tolist()
-        return []
+        return ngram_continuation(context, k, self.pl.min_ngram, self.pl.max_ngram)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
         return deterministic_proposal(self.find(context, k) if k > 0 else [], self.pl.target_vocab, params)

@@ -34,6 +34,7 @@ class SpecConfig:
     p_min: float = 0.3  # a draft stops proposing when its top probability falls below this
     max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
     loop_tokens: int = 8  # a model draft continues a loop of this many tokens itself (0: never)
+    lookup_ngram: int = 2  # ... and an earlier occurrence of the text's last n >= this many tokens (0: never)
     gamma: int = 5  # draft tokens proposed per step at the start
     gamma_min: int = 1  # the step controller never proposes fewer (while drafting at all)
     gamma_max: int = 8  # never propose more
@@ -44,8 +45,8 @@ class SpecConfig:
     #                           acceptance, -1 after a rejection
 
     def draft_limits(self) -> DraftLimits:
-        """What a draft model reads of this config: when it stops proposing, and loops."""
-        return DraftLimits(self.p_min, self.max_entropy, self.loop_tokens)
+        """What a draft model reads of this config: when it stops proposing, and when it copies."""
+        return DraftLimits(self.p_min, self.max_entropy, self.loop_tokens, self.lookup_ngram)
 
 
 def next_gamma(cfg: SpecConfig, gamma: int, n_drafted: int, n_accepted: int) -> int:

@@ -477,6 +477,18 @@ def test_the_old_server_budget_option_says_where_the_budget_went(tmp_path):
         load_config(cfg)
 
 
+def test_a_fraction_for_a_whole_number_option_is_refused(tmp_path):
+    from memspec.config import load_config
+    from memspec.errors import ConfigError
+
+    cfg = tmp_path / "m.toml"
+    cfg.write_text("[speculative]\nlookup_ngram = 2.5\n")
+    with pytest.raises(ConfigError, match=r"\[speculative\] lookup_ngram must be int, got 2.5"):
+        load_config(cfg)
+    cfg.write_text("[speculative]\nlookup_ngram = 3\np_min = 1\n")  # a whole number is a fine float
+    assert load_config(cfg).speculative.draft_limits().lookup_ngram == 3
+
+
 def test_admission_is_fifo_and_releases():
     adm = Admission(AdmissionConfig(max_concurrent=1, max_queue=1), lambda: 1 << 40)
     a = adm.enter(5)

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from memspec import sampling
-from memspec.drafts import DraftLimits, DraftModel, PromptLookup, loop_continuation
+from memspec.drafts import DraftLimits, DraftModel, PromptLookup, loop_continuation, ngram_continuation
 from memspec.metrics import SpecMetrics
 from memspec.request import GenerationRequest, SamplingParams
 from memspec.sessions import DecoderSession, SessionConfig
@@ -131,6 +131,41 @@ def test_loop_continuation_follows_the_shortest_period():
     assert loop_continuation([4, 5, 4, 5, 4, 5], 3, min_tokens=1) == [4, 5, 4]  # two periods repeat the first
     assert loop_continuation([4, 5, 4, 5], 3, min_tokens=1) == []  # one does not
     assert loop_continuation([1, 2, 3, 4, 5, 6, 7, 8, 9], 3, min_tokens=2) == []
+
+
+def test_ngram_continuation_prefers_the_longest_then_the_latest_match():
+    text = [1, 2, 3, 9, 2, 3, 8, 7, 1, 2, 3]
+    assert ngram_continuation(text, 2, 2, 8) == [9, 2]  # "1 2 3" occurred at the start: the longest match
+    assert ngram_continuation(text[1:], 2, 2, 8) == [8, 7]  # only "2 3" now: its latest occurrence
+    assert ngram_continuation(text[1:], 2, 3, 8) == []  # no 3-gram occurred before
+    assert ngram_continuation(text, 9, 2, 8) == [9, 2, 3, 8, 7, 1, 2, 3]  # up to the end of the text
+    assert ngram_continuation(text, 2, 0, 8) == [] and ngram_continuation(text, 0, 2, 8) == []  # off, k = 0
+    assert ngram_continuation([5], 2, 1, 8) == []
+
+
+def test_model_draft_copies_an_earlier_occurrence_without_running_its_model(tiny, monkeypatch):
+    target, draft = tiny
+    calls = []
+    forward = draft.session.forward
+    monkeypatch.setattr(draft.session, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    st = draft.begin(64)
+    text = [3, 1, 4, 1, 5, 9, 2, 6, 1, 4]  # "1 4" occurred before, followed by "1 5 9"
+    assert st.propose(text, 3, SamplingParams(), np.random.default_rng(0)).tokens == [1, 5, 9] and not calls
+    strict = DraftModel("strict", draft.session, draft.to_target, V, DraftLimits(lookup_ngram=3)).begin(64)
+    got = strict.propose(text, 3, SamplingParams(), np.random.default_rng(0))  # "1 4" is too short for it
+    assert calls and len(got.tokens) == 3
+
+
+def test_lookup_proposals_keep_the_sampling_distribution(tiny):
+    target, _ = tiny
+    """A copied proposal has no distribution (q is one-hot); the rejection rule must still
+    reproduce the target's next-token distribution."""
+    copying = DraftModel("copy", tiny[1].session, np.arange(V), V, DraftLimits(loop_tokens=0, lookup_ngram=1))
+    prompt = list(range(V)) + [3]  # whatever the first token is, it occurred before: every proposal is a copy
+    st = copying.begin(64)
+    assert all(st.propose(prompt + [t], 3, SamplingParams(temperature=1.0), None).tokens for t in range(V))
+    counts, p2 = second_token_counts(tiny, prompt=prompt, draft=copying)
+    assert chi_square_p(counts, p2) > 1e-3
 
 
 def test_model_draft_continues_a_loop_without_running_its_model(tiny, monkeypatch):
