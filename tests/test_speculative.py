@@ -143,11 +143,17 @@ def test_ngram_continuation_prefers_the_longest_then_the_latest_match():
     assert ngram_continuation([5], 2, 1, 8) == []
 
 
-def test_model_draft_copies_an_earlier_occurrence_without_running_its_model(tiny, monkeypatch):
-    target, draft = tiny
+def count_model_runs(draft, monkeypatch) -> list:
+    """A list that grows by one each time the draft's model runs."""
     calls = []
     forward = draft.session.forward
     monkeypatch.setattr(draft.session, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    return calls
+
+
+def test_model_draft_copies_an_earlier_occurrence_without_running_its_model(tiny, monkeypatch):
+    draft = tiny[1]
+    calls = count_model_runs(draft, monkeypatch)
     st = draft.begin(64)
     text = [3, 1, 4, 1, 5, 9, 2, 6, 1, 4]  # "1 4" occurred before, followed by "1 5 9"
     assert st.propose(text, 3, SamplingParams(), np.random.default_rng(0)).tokens == [1, 5, 9] and not calls
@@ -157,7 +163,6 @@ def test_model_draft_copies_an_earlier_occurrence_without_running_its_model(tiny
 
 
 def test_lookup_proposals_keep_the_sampling_distribution(tiny):
-    target, _ = tiny
     """A copied proposal has no distribution (q is one-hot); the rejection rule must still
     reproduce the target's next-token distribution."""
     copying = DraftModel("copy", tiny[1].session, np.arange(V), V, DraftLimits(loop_tokens=0, lookup_ngram=1))
@@ -169,10 +174,8 @@ def test_lookup_proposals_keep_the_sampling_distribution(tiny):
 
 
 def test_model_draft_continues_a_loop_without_running_its_model(tiny, monkeypatch):
-    target, draft = tiny
-    calls = []
-    forward = draft.session.forward
-    monkeypatch.setattr(draft.session, "forward", lambda *a, **k: calls.append(1) or forward(*a, **k))
+    draft = tiny[1]
+    calls = count_model_runs(draft, monkeypatch)
     st = draft.begin(64)
     loop = [3, 1, 4] + [2, 7] * 5 + [2]  # 9 tokens each equal the one 2 before
     got = st.propose(loop, 3, SamplingParams(), np.random.default_rng(0))
