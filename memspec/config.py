@@ -72,6 +72,20 @@ MOVED = {"server": {"memory_budget_mb": "memspec has one memory budget, [schedul
                                         "the process (runtime and target), the drafts and the KV caches"}}
 
 
+def _wrong_type(default: Any, val: Any) -> bool:
+    """Whether a TOML value cannot stand for an option with this default (a whole number is a fine
+    float; a fraction is not a fine int)."""
+    if isinstance(default, bool) or isinstance(val, bool):
+        return not (isinstance(default, bool) and isinstance(val, bool))
+    if isinstance(default, int):
+        return not isinstance(val, int)
+    if isinstance(default, float):
+        return not isinstance(val, (int, float))
+    if isinstance(default, str):
+        return not isinstance(val, str)
+    return False
+
+
 def _section(cls: type, name: str, values: Any) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"[{name}] must be a table, got {type(values).__name__}")
@@ -89,9 +103,7 @@ def _section(cls: type, name: str, values: Any) -> Any:
             if not isinstance(val, list):
                 raise ConfigError(f"[{name}] {key} must be a list, got {val!r}")
             val = tuple(val)
-        elif isinstance(default, bool) != isinstance(val, bool) or (
-            isinstance(default, (int, float)) and not isinstance(val, (int, float))
-        ) or (isinstance(default, int) and not isinstance(default, bool) and isinstance(val, float)) or (isinstance(default, str) and not isinstance(val, str)):
+        elif _wrong_type(default, val):
             raise ConfigError(f"[{name}] {key} must be {type(default).__name__}, got {val!r}")
         out[key] = val
     return cls(**out)
