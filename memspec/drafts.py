@@ -33,7 +33,7 @@ class DraftLimits:
     p_min: float = 0.3  # stop when the draft's top probability falls below this
     max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
     loop_tokens: int = 8  # a context ending in a loop this long continues it instead (0: never)
-    lookup_ngram: int = 2  # ... or one whose last n >= this many tokens occurred before, that occurrence (0: never)
+    lookup_ngram: int = 2  # ... or one whose last n >= this many tokens occurred before, what followed (0: never)
 
 
 @dataclass
@@ -234,7 +234,7 @@ class PromptLookupState:
         return ngram_continuation(context, k, self.pl.min_ngram, self.pl.max_ngram)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
-        return deterministic_proposal(self.find(context, k) if k > 0 else [], self.pl.target_vocab, params)
+        return deterministic_proposal(self.find(context, k), self.pl.target_vocab, params)
 
     def close(self) -> None:
         pass

@@ -31,10 +31,10 @@ from memspec.sessions import DecoderSession, KVCache
 class SpecConfig:
     """How long draft proposals are ([speculative] in the config; [scheduler] picks the draft)."""
 
-    p_min: float = 0.3  # a draft stops proposing when its top probability falls below this
-    max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
-    loop_tokens: int = 8  # a model draft continues a loop of this many tokens itself (0: never)
-    lookup_ngram: int = 2  # ... and an earlier occurrence of the text's last n >= this many tokens (0: never)
+    p_min: float = DraftLimits.p_min  # a draft stops proposing when its top probability falls below this
+    max_entropy: float = DraftLimits.max_entropy  # ... or when its entropy (nats) rises above this
+    loop_tokens: int = DraftLimits.loop_tokens  # a model draft continues a loop this long itself (0: never)
+    lookup_ngram: int = DraftLimits.lookup_ngram  # ... and copies what followed its last n >= this earlier (0: never)
     gamma: int = 5  # draft tokens proposed per step at the start
     gamma_min: int = 1  # the step controller never proposes fewer (while drafting at all)
     gamma_max: int = 8  # never propose more

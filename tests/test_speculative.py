@@ -189,7 +189,6 @@ def test_model_draft_continues_a_loop_without_running_its_model(tiny, monkeypatc
 def test_loop_proposals_keep_the_sampling_distribution(tiny):
     """A loop proposal has no distribution (q is one-hot); the rejection rule must still
     reproduce the target's next-token distribution."""
-    target, _ = tiny
     looping = DraftModel("loop", tiny[1].session, np.arange(V), V, DraftLimits(loop_tokens=4))
     counts, p2 = second_token_counts(tiny, prompt=[6, 2, 2, 2, 2, 2], draft=looping)
     assert p2[2] > 0.01  # the loop token is a real candidate, so both accept and reject paths run

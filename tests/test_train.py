@@ -279,7 +279,6 @@ def test_checkpoint_keeps_its_vocabulary_and_export_only_refuses_another(tmp_pat
         run_cli(args)
 
 
-
 def test_python_m_memspec_train_reports_errors_without_a_traceback(capsys):
     """`python -m memspec.train` (the way to train without installing the CLI) printed a
     traceback for a bad argument; it now reports it as `memspec train-draft` does."""
