@@ -63,3 +63,33 @@ def test_stream_bench_runs_every_policy_under_the_budget_with_target_only_output
         assert png.stat().st_size > 1000
     else:  # an optional extra: the run says how to get the chart instead of failing
         assert not png.exists() and "pip install -e .[bench]" in r.stderr
+
+
+# -- bench/ep_check.py: an execution provider against the CPU --------------------------------------
+def _ep_check():
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "bench" / "ep_check.py"
+    spec = importlib.util.spec_from_file_location("ep_check", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_ep_check_lines_up_rollback_logits_with_the_steps_they_repeat(tmp_path):
+    """The CPU against itself: identical logits, and a rolled-back verification pass that matches
+    the one-token steps over the same positions.  An off-by-one in lining the two up would compare
+    logits of different positions, which differ by far more than rounding."""
+    import numpy as np
+    from tiny_models import build_tiny
+
+    ep = _ep_check()
+    path = build_tiny(tmp_path / "m.onnx", seed=4, vocab=64)
+    ids = [int(i) for i in np.random.default_rng(0).integers(0, 64, 40)]
+    r = ep.check_model("tiny", path, ids, ["CPUExecutionProvider"], max_context=64, threads=1)
+    assert r["placement"] == "all nodes (CPU)" and r["kv_device"] == "cpu"
+    assert r["positions"] == len(ids) - len(ids) // 2 + 1
+    assert r["max_abs_logit_diff"] == 0.0 and r["argmax_agreement"] == 1.0
+    assert r["rollback_max_abs_diff"] < 1e-4
+    steps, verify = ep.run_sequence(ep.DecoderSession(path), ids, len(ids) // 2)
+    assert np.max(np.abs(steps[-ep.VERIFY + 1:] - verify[:-1])) > 1e-2  # shifted by one: far apart
