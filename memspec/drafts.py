@@ -212,15 +212,18 @@ def deterministic_proposal(tokens: list[int], target_vocab: int, params: Samplin
 
 # -- prompt lookup -------------------------------------------------------------------
 class PromptLookup:
-    """Zero-memory draft: continue the latest earlier occurrence of the context's last n-gram."""
+    """Zero-memory draft: continue the loop the context ends in, else the latest earlier
+    occurrence of the context's last n-gram (the longest n up to `max_ngram` first)."""
 
     name = PROMPT_LOOKUP
     nbytes = 0
 
-    def __init__(self, target_vocab: int, max_ngram: int = 3, min_ngram: int = 1):
+    def __init__(self, target_vocab: int, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1,
+                 loop_tokens: int = DraftLimits.loop_tokens):
         self.target_vocab = target_vocab
         self.max_ngram = max_ngram
         self.min_ngram = min_ngram
+        self.loop_tokens = loop_tokens
 
     def begin(self, capacity: int) -> "PromptLookupState":
         return PromptLookupState(self)
@@ -231,7 +234,8 @@ class PromptLookupState:
         self.pl = pl
 
     def find(self, context: list[int], k: int) -> list[int]:
-        return ngram_continuation(context, k, self.pl.min_ngram, self.pl.max_ngram)
+        return (loop_continuation(context, k, self.pl.loop_tokens)
+                or ngram_continuation(context, k, self.pl.min_ngram, self.pl.max_ngram))
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
         return deterministic_proposal(self.find(context, k), self.pl.target_vocab, params)
@@ -249,7 +253,7 @@ def target_drafts(store: ModelStore, target_name: str, names: list[str] | None =
 def load_pool(store: ModelStore, target_name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
               names: list[str] | None = None, limits: DraftLimits = DraftLimits()) -> dict[str, Proposer]:
     """Prompt lookup plus every draft in the store made for `target_name` (or only `names`)."""
-    pool: dict[str, Proposer] = {PROMPT_LOOKUP: PromptLookup(target_vocab)}
+    pool: dict[str, Proposer] = {PROMPT_LOOKUP: PromptLookup(target_vocab, loop_tokens=limits.loop_tokens)}
     for m in target_drafts(store, target_name, names):
         pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
     return pool

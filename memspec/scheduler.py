@@ -641,7 +641,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
 
     def loader(name: str):
         if name == PROMPT_LOOKUP:
-            return PromptLookup(vocab), 0
+            return PromptLookup(vocab, loop_tokens=draft_limits.loop_tokens), 0
         d = DraftModel.load(store, name, vocab, session_config, draft_limits)
         return d, planned_footprint(d.nbytes, d.variant)
 

@@ -121,6 +121,17 @@ def test_prompt_lookup_finds_latest_ngram():
     assert st.find([1, 2, 1], 2) == [2, 1]
 
 
+def test_prompt_lookup_prefers_the_longest_match_and_continues_loops():
+    ctx = [1, 2, 3, 4, 5, 7, 9, 3, 4, 5, 8, 0, 1, 2, 3, 4, 5]
+    assert PromptLookup(100).begin(64).find(ctx, 2) == [7, 9]  # "1 2 3 4 5" occurred before
+    assert PromptLookup(100, max_ngram=3).begin(64).find(ctx, 2) == [8, 0]  # the latest "3 4 5"
+    # a text ending in a loop: a copy of the previous period runs out where the text ends,
+    # loop continuation goes on for all k tokens
+    loop = [9] + [4, 5, 6] * 4
+    assert PromptLookup(100).begin(64).find(loop, 5) == [4, 5, 6, 4, 5]
+    assert PromptLookup(100, loop_tokens=0).begin(64).find(loop, 5) == [4, 5, 6]
+
+
 def test_loop_continuation_follows_the_shortest_period():
     assert loop_continuation([9, 5] + [1] * 9, 4, min_tokens=8) == [1, 1, 1, 1]  # 8 ones each equal the one before
     assert loop_continuation([9, 5] + [1] * 8, 4, min_tokens=8) == []  # 7 do
