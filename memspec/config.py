@@ -100,8 +100,8 @@ def _section(cls: type, name: str, values: Any) -> Any:
     for key, val in values.items():
         default = getattr(cls(), key)
         if isinstance(default, tuple):
-            if not isinstance(val, list):
-                raise ConfigError(f"[{name}] {key} must be a list, got {val!r}")
+            if not isinstance(val, list) or not all(isinstance(v, str) for v in val):
+                raise ConfigError(f"[{name}] {key} must be a list of strings, got {val!r}")
             val = tuple(val)
         elif _wrong_type(default, val):
             raise ConfigError(f"[{name}] {key} must be {type(default).__name__}, got {val!r}")

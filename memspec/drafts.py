@@ -9,6 +9,7 @@ tokens are rolled back and a fully accepted run is completed.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -136,6 +137,8 @@ class DraftModel:
                 f"draft {name!r} is not compatible with the target: its vocabulary map holds ids "
                 f"{to_target.min()}..{to_target.max()}, the target's vocabulary has {target_vocab}"
             )
+        if config.draft_providers:
+            config = dataclasses.replace(config, providers=config.draft_providers)
         session = DecoderSession(m.variant_path(draft_variant(m)), config, threads=config.draft_threads)
         if session.vocab_size not in (None, len(to_target)):
             raise ModelFormatError(

@@ -37,6 +37,8 @@ class SessionConfig:
     """How ONNX Runtime runs a model."""
 
     providers: tuple[str, ...] = ("auto",)  # EP names, or "auto" = best that ORT reports
+    draft_providers: tuple[str, ...] = ()  # the drafts' EPs, if not the target's (a tiny draft step
+    #                                        can be cheaper on the CPU than a GPU kernel launch each)
     intra_op_threads: int = 0  # target threads; 0 = one per physical core
     draft_threads: int = 1  # draft threads: drafts are tiny, and a second spinning thread pool
     #                         would steal the cores the target verifies on

@@ -489,6 +489,20 @@ def test_a_fraction_for_a_whole_number_option_is_refused(tmp_path):
     assert load_config(cfg).speculative.draft_limits().lookup_ngram == 3
 
 
+def test_a_provider_list_holds_names(tmp_path):
+    """A number in a provider list was let through and failed at load time with a TypeError."""
+    from memspec.config import load_config
+    from memspec.errors import ConfigError
+
+    cfg = tmp_path / "m.toml"
+    for line in ('providers = [1]', 'draft_providers = ["CPUExecutionProvider", 2]', 'providers = "auto"'):
+        cfg.write_text(f"[runtime]\n{line}\n")
+        with pytest.raises(ConfigError, match=r"\[runtime\] \w*providers must be a list of strings"):
+            load_config(cfg)
+    cfg.write_text('[runtime]\ndraft_providers = ["CPUExecutionProvider"]\n')
+    assert load_config(cfg).runtime.draft_providers == ("CPUExecutionProvider",)
+
+
 def test_admission_is_fifo_and_releases():
     adm = Admission(AdmissionConfig(max_concurrent=1, max_queue=1), lambda: 1 << 40)
     a = adm.enter(5)

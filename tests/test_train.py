@@ -286,3 +286,19 @@ def test_python_m_memspec_train_reports_errors_without_a_traceback(capsys):
 
     assert main(["train-draft", "--name", "draft-x", "--domain", "chat", "--width", "200"]) == 2
     assert "memspec-train: error: --width must be a multiple of 64" in capsys.readouterr().err
+
+
+def test_drafts_run_on_their_own_providers_when_the_config_names_them():
+    """[runtime] draft_providers puts drafts on other execution providers than the target (a
+    tiny draft can step faster on the CPU than a GPU kernel launch each); a provider this
+    onnxruntime build lacks is an error naming it, at load time."""
+    from memspec.drafts import DraftModel
+    from memspec.errors import ModelFormatError
+
+    store = ModelStore(home=SHIPPED_MODELS.parent / "_none", shipped=SHIPPED_MODELS)
+    cpu_only = SessionConfig(providers=("auto",), draft_providers=("CPUExecutionProvider",), max_context=64)
+    d = DraftModel.load(store, "draft-code", 49152, cpu_only)
+    assert d.session.providers == ["CPUExecutionProvider"] and d.session.device == "cpu"
+    missing = SessionConfig(draft_providers=("NoSuchExecutionProvider",), max_context=64)
+    with pytest.raises(ModelFormatError, match="NoSuchExecutionProvider are not in this onnxruntime build"):
+        DraftModel.load(store, "draft-code", 49152, missing)
