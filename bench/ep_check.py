@@ -7,9 +7,9 @@ For the target's variants and every draft made for it, each loaded once on the C
 with the given providers (the way memspec loads them: shared KV buffers on the provider's
 device, IOBinding), it reports:
 
-* placement: whether every node runs on the first provider.  A second session is opened with
-  CPU fallback disabled; it loads only if the provider takes every node, else its error names
-  the node it could not place;
+* placement: whether the given providers take every node, or some fall back to the CPU.  A
+  second session is opened with CPU fallback disabled; it loads only if no node needs the CPU,
+  else its error names the node that does;
 * logits: a real prompt fed as one prefill, then one token at a time through the KV cache, then
   rolled back 6 tokens and fed again as one verification pass.  The largest difference from the
   CPU's logits, and how often the argmax agrees;
@@ -41,7 +41,7 @@ VERIFY = 6  # tokens in one verification pass (gamma 5 + 1)
 
 
 def placement(path: Path, providers: list[str]) -> str:
-    """'all nodes' if the first provider takes every node, else ORT's reason."""
+    """'all nodes' if the providers other than the CPU take every node, else ORT's reason."""
     if providers[0] == "CPUExecutionProvider":
         return "all nodes (CPU)"
     opts = ort.SessionOptions()
