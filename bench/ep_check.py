@@ -32,6 +32,7 @@ import onnxruntime as ort
 
 from memspec.bench import load_workload
 from memspec.drafts import draft_variant, target_drafts
+from memspec.errors import MemspecError
 from memspec.sessions import DecoderSession, SessionConfig, resolve_providers
 from memspec.store import ModelStore, default_home
 from memspec.tokenizer import Tokenizer
@@ -143,4 +144,8 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    try:
+        raise SystemExit(main())
+    except MemspecError as exc:  # an unknown provider, a store without the target: say so, no traceback
+        print(f"ep_check: {exc}", file=sys.stderr)
+        raise SystemExit(2) from None
