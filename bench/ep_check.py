@@ -31,7 +31,7 @@ import numpy as np
 import onnxruntime as ort
 
 from memspec.bench import load_workload
-from memspec.drafts import draft_variant, target_drafts
+from memspec.drafts import draft_variant, read_vocab_map, target_drafts, target_to_draft
 from memspec.errors import MemspecError
 from memspec.sessions import DecoderSession, SessionConfig, resolve_providers
 from memspec.store import ModelStore, default_home
@@ -115,11 +115,10 @@ def main() -> int:
     text = "\n".join(w["prompt"] for w in load_workload(None)[::8])
     target_ids = tok.encode(text)[: args.tokens]
     models = [(f"{TARGET}:{v}", m.variant_path(v), target_ids) for v in args.variants.split(",") if v]
+    vocab = int(m.architecture["vocab"])
     for d in target_drafts(store, TARGET):
-        to_target = np.asarray(json.loads((Path(d.folder) / d.extra.get("draft_vocab", "vocab.json")).read_text()))
-        to_draft = {int(t): i for i, t in enumerate(to_target)}
-        unk = to_draft.get(0, 0)
-        models.append((d.name, d.variant_path(draft_variant(d)), [to_draft.get(t, unk) for t in target_ids]))
+        to_draft = target_to_draft(read_vocab_map(d, vocab), vocab)
+        models.append((d.name, d.variant_path(draft_variant(d)), to_draft[target_ids].tolist()))
     results, bad = [], []
     print(f"{'model':<22} {'placement':<10} {'max|dlogit|':>11} {'argmax':>7} {'rollback':>9} "
           f"{'cpu ms 1/6':>13} {'dev ms 1/6':>13}")

@@ -100,6 +100,31 @@ def draft_variant(m: Manifest) -> str:
     return next(iter(m.variants))
 
 
+def read_vocab_map(m: Manifest, target_vocab: int) -> np.ndarray:
+    """A draft's vocabulary map, (V_draft,) the target id of each draft id, checked against the
+    target's vocabulary."""
+    vocab_file = Path(m.folder) / m.extra.get("draft_vocab", "vocab.json")
+    try:
+        to_target = np.asarray(json.loads(vocab_file.read_text()), dtype=np.int64)
+    except (OSError, ValueError) as exc:
+        raise ModelFormatError(f"draft {m.name!r}: cannot read its vocabulary map {vocab_file}: {exc}") from None
+    if to_target.ndim != 1 or to_target.min() < 0 or to_target.max() >= target_vocab:
+        raise ModelFormatError(
+            f"draft {m.name!r} is not compatible with the target: its vocabulary map holds ids "
+            f"{to_target.min()}..{to_target.max()}, the target's vocabulary has {target_vocab}"
+        )
+    return to_target
+
+
+def target_to_draft(to_target: np.ndarray, target_vocab: int) -> np.ndarray:
+    """(V_target,) the draft id of each target id; ids the draft lacks map to its id of the
+    target's token 0 (the unknown token), else to 0."""
+    hits = np.nonzero(to_target == 0)[0]
+    to_draft = np.full(target_vocab, int(hits[0]) if len(hits) else 0, dtype=np.int64)
+    to_draft[to_target] = np.arange(len(to_target))
+    return to_draft
+
+
 class DraftModel:
     """An ONNX draft and the map between its vocabulary and the target's."""
 
@@ -108,18 +133,12 @@ class DraftModel:
         self.name = name
         self.session = session
         self.to_target = to_target  # (V_draft,) target id of each draft id
-        self.to_draft = np.full(target_vocab, self._unk_id(to_target), dtype=np.int64)  # (V_target,)
-        self.to_draft[to_target] = np.arange(len(to_target))
+        self.to_draft = target_to_draft(to_target, target_vocab)  # (V_target,)
         self.target_vocab = target_vocab
         self.limits = limits
         self.manifest = manifest
         self.nbytes = manifest.total_bytes if manifest else session.path.stat().st_size
         self.variant = draft_variant(manifest) if manifest else session.path.stem
-
-    @staticmethod
-    def _unk_id(to_target: np.ndarray) -> int:
-        hits = np.nonzero(to_target == 0)[0]
-        return int(hits[0]) if len(hits) else 0
 
     @classmethod
     def load(cls, store: ModelStore, name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
@@ -127,16 +146,7 @@ class DraftModel:
         m = store.get(name)
         if m.role != "draft":
             raise ModelFormatError(f"model {name!r} is a {m.role}, not a draft")
-        vocab_file = Path(m.folder) / m.extra.get("draft_vocab", "vocab.json")
-        try:
-            to_target = np.asarray(json.loads(vocab_file.read_text()), dtype=np.int64)
-        except (OSError, ValueError) as exc:
-            raise ModelFormatError(f"draft {name!r}: cannot read its vocabulary map {vocab_file}: {exc}") from None
-        if to_target.ndim != 1 or to_target.min() < 0 or to_target.max() >= target_vocab:
-            raise ModelFormatError(
-                f"draft {name!r} is not compatible with the target: its vocabulary map holds ids "
-                f"{to_target.min()}..{to_target.max()}, the target's vocabulary has {target_vocab}"
-            )
+        to_target = read_vocab_map(m, target_vocab)
         if config.draft_providers:
             config = dataclasses.replace(config, providers=config.draft_providers)
         session = DecoderSession(m.variant_path(draft_variant(m)), config, threads=config.draft_threads)

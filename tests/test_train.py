@@ -9,7 +9,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -302,3 +301,20 @@ def test_drafts_run_on_their_own_providers_when_the_config_names_them():
     missing = SessionConfig(draft_providers=("NoSuchExecutionProvider",), max_context=64)
     with pytest.raises(ModelFormatError, match="NoSuchExecutionProvider are not in this onnxruntime build"):
         DraftModel.load(store, "draft-code", 49152, missing)
+
+
+def test_a_draft_vocabulary_map_that_does_not_fit_the_target_is_a_clear_error(tmp_path):
+    from types import SimpleNamespace
+
+    from memspec.drafts import read_vocab_map, target_to_draft
+    from memspec.errors import ModelFormatError
+
+    m = SimpleNamespace(name="d", folder=str(tmp_path), extra={"draft_vocab": "vocab.json"})
+    with pytest.raises(ModelFormatError, match="draft 'd': cannot read its vocabulary map"):
+        read_vocab_map(m, 10)
+    (tmp_path / "vocab.json").write_text("[3, 0, 12]")
+    with pytest.raises(ModelFormatError, match=r"holds ids 0\.\.12, the target's vocabulary has 10"):
+        read_vocab_map(m, 10)
+    to_target = read_vocab_map(m, 13)
+    # every target id maps to its draft id, and the ones the draft lacks to its unknown token (target id 0)
+    assert target_to_draft(to_target, 13).tolist() == [1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2]
