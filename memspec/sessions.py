@@ -108,6 +108,10 @@ class SharedBufferCache(KVCache):
             ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, device, 0) for _ in range(2 * n_layers)
         ]
         self._nbytes = 2 * n_layers * int(np.prod(shape)) * 4
+        # Set up by the session on the first pass, then reused by every pass of the request:
+        self.binding = None  # its IOBinding, with the buffers bound as past and present
+        self.ones = None  # (1, capacity) int64 ones: the attention mask is a prefix of it
+        self.logits = None  # (1, 1, V) float32 output of one-position passes
 
     @property
     def nbytes(self) -> int:
@@ -241,15 +245,28 @@ class DecoderSession:
         return logits
 
     def _forward_shared(self, cache: SharedBufferCache, ids: Sequence[int], keep: int) -> np.ndarray:
+        """One pass with the cache's buffers as past and present.  The binding, the mask and the
+        one-position logits are made on the request's first pass and reused (rebuilding them
+        cost 0.9 ms of a 12 ms q4 step)."""
         total = cache.length + len(ids)
-        binding = self.session.io_binding()
+        binding = cache.binding
+        if binding is None:
+            binding = cache.binding = self.session.io_binding()
+            binding.bind_output("logits", "cpu")  # first: a rebound name keeps its place, get_outputs()[0]
+            for name, present, buf in zip(self.past_names, self.present_names, cache.buffers):
+                binding.bind_ortvalue_input(name, buf)
+                binding.bind_ortvalue_output(present, buf)
+            cache.ones = np.ones((1, cache.capacity), dtype=np.int64)
+            if self.vocab_size:
+                cache.logits = ort.OrtValue.ortvalue_from_shape_and_type((1, 1, self.vocab_size), np.float32, "cpu", 0)
         binding.bind_cpu_input("input_ids", np.asarray([ids], dtype=np.int64))
-        binding.bind_cpu_input("attention_mask", np.ones((1, total), dtype=np.int64))
+        binding.bind_cpu_input("attention_mask", cache.ones[:, :total])
         binding.bind_cpu_input("logits_to_keep", np.array(keep, dtype=np.int64))
-        binding.bind_output("logits", "cpu")  # first, so it is get_outputs()[0]
-        for name, present, buf in zip(self.past_names, self.present_names, cache.buffers):
-            binding.bind_ortvalue_input(name, buf)
-            binding.bind_ortvalue_output(present, buf)
+        if keep == 1 and cache.logits is not None:
+            binding.bind_ortvalue_output("logits", cache.logits)
+            self.session.run_with_iobinding(binding)
+            return cache.logits.numpy()[0].copy()  # numpy() is a view the next pass overwrites
+        binding.bind_output("logits", "cpu")  # a verification pass: its own (keep, V) array
         self.session.run_with_iobinding(binding)
         return binding.get_outputs()[0].numpy()[0]
 

@@ -117,6 +117,25 @@ def test_rollback_overwrites_rejected_tokens(session):
     np.testing.assert_allclose(got, want, atol=1e-5)
 
 
+def test_requests_interleaved_on_one_session_keep_their_own_caches(session):
+    """Each cache keeps its own binding (its buffers as past and present) and its own output
+    buffer: two requests stepping in turn get what each gets alone, and the logits a step
+    returned stay as they were after the next step."""
+    _, s = session
+    alone = s.new_cache()
+    want = [s.forward(alone, IDS[:8], keep=1)] + [s.forward(alone, [t], keep=1) for t in IDS[8:14]]
+    a, b = s.new_cache(), s.new_cache()
+    got_a = [s.forward(a, IDS[:8], keep=1)]
+    s.forward(b, IDS[20:30], keep=1)
+    for t in IDS[8:14]:
+        got_a.append(s.forward(a, [t], keep=1))
+        s.forward(b, [t + 1], keep=1)
+        s.forward(b, [t + 2, t + 3], keep=2)  # a verification pass between one-position steps
+    assert all(np.abs(w1 - w2).max() > 0 for w1, w2 in zip(want, want[1:]))  # not one buffer's views
+    for g, w in zip(got_a, want):
+        np.testing.assert_array_equal(g, w)
+
+
 def test_keep_returns_last_rows(session):
     _, s = session
     all_rows = s.forward(s.new_cache(), IDS[:10], keep=10)
