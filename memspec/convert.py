@@ -1,7 +1,8 @@
 """Build an ONNX Runtime decoder from a llama GGUF.
 
 The graph follows the onnxruntime-genai layout so that any tool that knows it
-can run our files:
+can run our files (onnxruntime-genai itself, once logits_to_keep is fixed to 0,
+which genai does not feed: bench/engines.py runs it on our q4 file):
 
     inputs : input_ids (B, S) int64, attention_mask (B, P+S) int64,
              past_key_values.{i}.key/value (B, kvh, P, hd) float32,

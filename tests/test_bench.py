@@ -1,9 +1,11 @@
 """The benchmark: its default memory budget (room for at most half the drafts, whichever they
-are), and the stream benchmark end to end."""
+are), the stream benchmark end to end, ep_check, and bench/engines.py (memspec side by side with
+onnxruntime-genai and llama.cpp)."""
 
 from __future__ import annotations
 
 import importlib.util
+import io
 import itertools
 import json
 
@@ -65,17 +67,17 @@ def test_stream_bench_runs_every_policy_under_the_budget_with_target_only_output
         assert not png.exists() and "pip install -e .[bench]" in r.stderr
 
 
-# -- bench/ep_check.py: an execution provider against the CPU --------------------------------------
-def _ep_check():
+def _bench_module(name: str):
     from pathlib import Path
 
-    path = Path(__file__).resolve().parents[1] / "bench" / "ep_check.py"
-    spec = importlib.util.spec_from_file_location("ep_check", path)
+    path = Path(__file__).resolve().parents[1] / "bench" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
 
 
+# -- bench/ep_check.py: an execution provider against the CPU --------------------------------------
 def test_ep_check_lines_up_rollback_logits_with_the_steps_they_repeat(tmp_path):
     """The CPU against itself: identical logits, and a rolled-back verification pass that matches
     the one-token steps over the same positions.  An off-by-one in lining the two up would compare
@@ -83,7 +85,7 @@ def test_ep_check_lines_up_rollback_logits_with_the_steps_they_repeat(tmp_path):
     import numpy as np
     from tiny_models import build_tiny
 
-    ep = _ep_check()
+    ep = _bench_module("ep_check")
     path = build_tiny(tmp_path / "m.onnx", seed=4, vocab=64)
     ids = [int(i) for i in np.random.default_rng(0).integers(0, 64, 40)]
     r = ep.check_model("tiny", path, ids, ["CPUExecutionProvider"], max_context=64, threads=1)
@@ -93,3 +95,92 @@ def test_ep_check_lines_up_rollback_logits_with_the_steps_they_repeat(tmp_path):
     assert r["rollback_max_abs_diff"] < 1e-4
     steps, verify = ep.run_sequence(ep.DecoderSession(path), ids, len(ids) // 2)
     assert np.max(np.abs(steps[-ep.VERIFY + 1:] - verify[:-1])) > 1e-2  # shifted by one: far apart
+
+
+# -- bench/engines.py: memspec side by side with onnxruntime-genai and llama.cpp ---------------------
+def test_onnxruntime_genai_runs_memspecs_q4_graph_token_for_token(tmp_path):
+    """The graph the bench hands onnxruntime-genai (memspec's own, logits_to_keep fixed) decodes
+    exactly as memspec's session does: genai runs our file, not something like it."""
+    import dataclasses
+
+    import numpy as np
+    import onnx
+    import pytest
+    from tiny_models import tiny_config, tiny_weights
+
+    from memspec.convert import DecoderBuilder
+    from memspec.gguf_reader import ArrayWeights
+    from memspec.sessions import DecoderSession, SessionConfig
+
+    og = pytest.importorskip("onnxruntime_genai")
+    engines = _bench_module("engines")
+    cfg = dataclasses.replace(tiny_config(vocab=32), tied_embeddings=False)  # untied: varied output
+    tensors = dict(tiny_weights(cfg, 7)._tensors)
+    tensors["output.weight"] = np.random.default_rng(1).standard_normal((cfg.vocab, cfg.hidden)) * 4
+    (tmp_path / "m").mkdir()
+    path = tmp_path / "m" / "q4.onnx"
+    onnx.save(DecoderBuilder(ArrayWeights(cfg, tensors, quantize="Q4_1"), "q4", 256).build(), str(path))
+    arch = {k: getattr(cfg, k) for k in ("vocab", "head_dim", "hidden", "n_heads", "n_kv_heads", "n_layers")}
+    (tmp_path / "g").mkdir()
+    folder = engines.genai_folder(path, tmp_path / "g", arch, eos=31, threads=1)
+    worker = engines.GenaiWorker.__new__(engines.GenaiWorker)  # its model, without the temp folder
+    worker.og, worker.model = og, og.Model(str(folder))
+    prompt = [1, 4, 9, 2, 7]
+    got = worker.generate(prompt, "", 24)
+
+    s = DecoderSession(path, SessionConfig(max_context=256, intra_op_threads=1))
+    cache = s.new_cache(64)
+    logits, want = s.forward(cache, prompt), []
+    while len(want) < 24 and (not want or want[-1] != 31):
+        want.append(int(logits[-1].argmax()))
+        logits = s.forward(cache, want[-1:])
+    assert len(set(want)) >= 5, want  # a sequence worth comparing
+    assert got == want
+
+
+def test_engines_summary_gives_ratios_memory_and_agreement():
+    engines = _bench_module("engines")
+    per_round = {"memspec": [{"tokens": 30, "seconds": 0.3, "tok_per_s": 100.0},
+                             {"tokens": 30, "seconds": 0.25, "tok_per_s": 120.0},
+                             {"tokens": 30, "seconds": 0.2, "tok_per_s": 150.0}],
+                 "target-only": [{"tokens": 30, "seconds": 0.5, "tok_per_s": 60.0}] * 3,
+                 "llama.cpp": [{"tokens": 29, "seconds": 0.58, "tok_per_s": 50.0}] * 3}
+    outputs = {"memspec": [[1, 2], [3, 4], [5]], "target-only": [[1, 2], [3, 4], [6]],
+               "llama.cpp": [[1, 2], [3, 5], [6]]}
+    rows = {r["engine"]: r for r in engines.summarize(per_round, outputs, {n: 300.0 for n in per_round},
+                                                      {n: 1.0 for n in per_round})["rows"]}
+    assert rows["memspec"]["tok_per_s"] == 120.0  # the median round
+    assert rows["memspec"]["vs_llama_cpp"] == 2.4 and rows["memspec"]["vs_target_only"] == 2.0
+    assert rows["llama.cpp"]["vs_llama_cpp"] == 1.0 and rows["llama.cpp"]["tokens"] == 29
+    assert [rows[n]["same_output_as_target_only"] for n in ("memspec", "target-only", "llama.cpp")] == [2, 3, 2]
+    out = io.StringIO()
+    engines.print_report({"rows": list(rows.values())}, out)
+    assert "2.40x" in out.getvalue() and "2/3" in out.getvalue()
+    without = engines.summarize({"memspec": per_round["memspec"]}, {"memspec": outputs["memspec"]},
+                                {"memspec": 1.0}, {"memspec": 1.0})["rows"][0]
+    assert without["vs_llama_cpp"] is None and without["same_output_as_target_only"] is None
+
+
+def test_engines_bench_runs_each_engine_in_its_own_process(model_store, tmp_path):
+    """Real model, two prompts, a few tokens: every engine that is installed answers, target-only
+    agrees with itself, and the JSON holds the rows."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    names = ["memspec", "target-only"] + [n for n, mod in (("onnxruntime-genai", "onnxruntime_genai"),
+                                                          ("llama.cpp", "llama_cpp"))
+                                         if importlib.util.find_spec(mod)]
+    out = tmp_path / "engines.json"
+    script = Path(__file__).resolve().parents[1] / "bench" / "engines.py"
+    r = subprocess.run([sys.executable, str(script), "--limit", "2", "--max-tokens", "6", "--rounds", "1",
+                        "--threads", "1", "--engines", ",".join(names), "--json", str(out)],
+                       capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["engine"]: row for row in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == sorted(names)
+    assert rows["target-only"]["same_output_as_target_only"] == 2 and rows["target-only"]["vs_target_only"] == 1.0
+    for row in rows.values():
+        assert row["tok_per_s"] > 0 and 2 <= row["tokens"] <= 12 and row["peak_rss_mib"] > 50
+    bad = subprocess.run([sys.executable, str(script), "--engines", "ollama"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown ollama" in bad.stderr

@@ -1,0 +1,367 @@
+"""End-to-end generation, side by side: memspec against llama.cpp and onnxruntime-genai on one model.
+
+    python bench/engines.py [--workload FILE] [--limit N] [--max-tokens 128] [--rounds 3]
+                            [--threads 2] [--engines memspec,target-only,onnxruntime-genai,llama.cpp]
+                            [--config FILE] [--json FILE]
+
+Every engine gets the same token ids (each prompt of the workload with the chat template,
+tokenized by memspec, whose tokenizer matches llama.cpp's) and decodes greedily until EOS or
+--max-tokens, the way a user runs it:
+
+  memspec            memspec's engine as the daemon runs it: the configured target (q4 by default)
+                     and the scheduler's drafts, picked per request and step by its policy
+  target-only        the same target, no drafts
+  onnxruntime-genai  onnxruntime-genai's Generator on memspec's q4 file: the same ONNX graph and
+                     weights, with genai's own decoding loop and KV handling
+  llama.cpp          llama-cpp-python on the GGUF the q4 file was converted from
+
+Ollama serves llama.cpp: its numbers are llama.cpp's plus an HTTP server (it is not installable
+from a package index, so it is not run here).  Each engine runs in its own process, loaded once
+and warmed on the first prompt; the rounds interleave the engines in rotating order, so that
+machine noise falls on all of them.  Per engine and round, tok/s = generated tokens / seconds
+over the whole workload (time to first token included); the report gives the median over rounds,
+the ratio to llama.cpp, the process's resident memory, and how many prompts each engine answers
+exactly as memspec's target-only does (the 4-bit kernels of the three runtimes differ, so
+near-ties can go either way).
+
+Needs `pip install -e .[bench]` (llama-cpp-python, onnxruntime-genai); an engine whose package is
+missing is reported and left out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ENGINES = ("memspec", "target-only", "onnxruntime-genai", "llama.cpp")
+BASELINE = "llama.cpp"
+
+
+# -- workers: one process per engine -------------------------------------------------------
+def _rss_mb() -> float:
+    import psutil
+
+    return psutil.Process().memory_info().rss / 2**20
+
+
+class MemspecWorker:
+    def __init__(self, setup: dict, drafts: bool):
+        import dataclasses
+
+        from memspec.config import load_config
+        from memspec.engine import Engine
+
+        config = load_config(setup["config"])
+        config = dataclasses.replace(config, runtime=dataclasses.replace(
+            config.runtime, intra_op_threads=setup["threads"]))
+        self.engine = Engine.from_config(config, drafts="scheduler" if drafts else "none")
+
+    def generate(self, ids: list[int], text: str, max_new: int) -> list[int]:
+        from memspec.request import GenerationRequest
+
+        c = self.engine.generate(GenerationRequest(prompt=text, max_tokens=max_new))
+        if c.prompt_token_ids != ids:  # the bench tokenizes with the same template: a bug if not
+            raise RuntimeError("memspec tokenized the prompt differently from the bench")
+        return c.token_ids
+
+    def close(self) -> None:
+        self.engine.close()
+
+
+def genai_config(arch: dict, filename: str, eos: int, threads: int) -> dict:
+    """onnxruntime-genai's description of a memspec decoder: its "llama" model type, with past and
+    present sharing one buffer, greedy."""
+    return {
+        "model": {
+            "type": "llama", "vocab_size": arch["vocab"], "context_length": 2048,
+            "bos_token_id": 1, "eos_token_id": eos, "pad_token_id": eos,
+            "decoder": {
+                "filename": filename,
+                "session_options": {"log_id": "bench", "intra_op_num_threads": threads, "provider_options": []},
+                "head_size": arch["head_dim"], "hidden_size": arch["hidden"],
+                "num_attention_heads": arch["n_heads"], "num_key_value_heads": arch["n_kv_heads"],
+                "num_hidden_layers": arch["n_layers"],
+                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                            "present_value_names": "present.%d.value"},
+            },
+        },
+        "search": {"do_sample": False, "num_beams": 1, "max_length": 2048, "min_length": 0,
+                   "past_present_share_buffer": True, "top_k": 1, "top_p": 1.0, "temperature": 1.0,
+                   "repetition_penalty": 1.0},
+    }
+
+
+def genai_folder(model_path: Path, folder: Path, arch: dict, eos: int, threads: int) -> Path:
+    """A folder onnxruntime-genai loads: memspec's graph with `logits_to_keep` fixed to 0 (every
+    position; genai does not feed that input), the tokenizer files and genai_config.json."""
+    import numpy as np
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(model_path))
+    inputs = [i for i in model.graph.input if i.name != "logits_to_keep"]
+    del model.graph.input[:]
+    model.graph.input.extend(inputs)
+    model.graph.initializer.append(numpy_helper.from_array(np.array(0, dtype=np.int64), "logits_to_keep"))
+    onnx.save(model, str(folder / "model.onnx"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):  # genai reads them only for its Tokenizer
+        if (model_path.parent / name).is_file():
+            (folder / name).write_bytes((model_path.parent / name).read_bytes())
+    (folder / "genai_config.json").write_text(json.dumps(genai_config(arch, "model.onnx", eos, threads)))
+    return folder
+
+
+class GenaiWorker:
+    def __init__(self, setup: dict):
+        import onnxruntime_genai as og
+
+        self.og = og
+        self.tmp = tempfile.TemporaryDirectory(prefix="memspec-genai-")
+        folder = genai_folder(Path(setup["model"]), Path(self.tmp.name), setup["arch"], setup["eos"],
+                              setup["threads"])
+        self.model = og.Model(str(folder))
+
+    def generate(self, ids: list[int], text: str, max_new: int) -> list[int]:
+        og = self.og
+        params = og.GeneratorParams(self.model)
+        params.set_search_options(max_length=len(ids) + max_new, do_sample=False)
+        gen = og.Generator(self.model, params)
+        gen.append_tokens(ids)
+        out: list[int] = []
+        while not gen.is_done():
+            gen.generate_next_token()
+            out.append(int(gen.get_next_tokens()[0]))
+        return out
+
+    def close(self) -> None:
+        self.tmp.cleanup()
+
+
+class LlamaCppWorker:
+    def __init__(self, setup: dict):
+        from llama_cpp import Llama
+
+        self.llm = Llama(setup["gguf"], n_ctx=2048, n_threads=setup["threads"], n_threads_batch=setup["threads"],
+                         n_batch=512, verbose=False, use_extra_bufts=False)  # AMX buffers SIGILL on some VMs
+        self.eos = setup["eos"]
+
+    def _argmax(self) -> int:  # the last row of logits, read in place
+        import llama_cpp
+        import numpy as np
+
+        ptr = llama_cpp.llama_get_logits_ith(self.llm._ctx.ctx, -1)
+        return int(np.ctypeslib.as_array(ptr, shape=(self.llm.n_vocab(),)).argmax())
+
+    def generate(self, ids: list[int], text: str, max_new: int) -> list[int]:
+        self.llm.reset()
+        self.llm.eval(ids)
+        out = [self._argmax()]
+        while out[-1] != self.eos and len(out) < max_new:
+            self.llm.eval([out[-1]])
+            out.append(self._argmax())
+        return out
+
+    def close(self) -> None:
+        self.llm.close()
+
+
+def worker_main(name: str, setup: dict) -> int:
+    """Load `name`, say ready, then answer one JSON request per stdin line.  The answers go to the
+    process's original stdout; anything a library prints there goes to stderr instead."""
+    reply = os.fdopen(os.dup(1), "w")
+    os.dup2(2, 1)
+
+    def say(obj: dict) -> None:
+        reply.write(json.dumps(obj) + "\n")
+        reply.flush()
+
+    t = time.perf_counter()
+    try:
+        if name in ("memspec", "target-only"):
+            w = MemspecWorker(setup, drafts=name == "memspec")
+        elif name == "onnxruntime-genai":
+            w = GenaiWorker(setup)
+        else:
+            w = LlamaCppWorker(setup)
+    except ImportError as exc:
+        say({"error": f"{exc.name or exc} is not installed (pip install -e .[bench])"})
+        return 1
+    say({"ready": True, "load_s": time.perf_counter() - t, "rss_mb": _rss_mb()})
+    try:
+        for line in sys.stdin:
+            req = json.loads(line)
+            t = time.perf_counter()
+            out = w.generate(req["ids"], req["text"], req["max_new"])
+            say({"ids": out, "seconds": time.perf_counter() - t, "rss_mb": _rss_mb()})
+    finally:
+        w.close()
+    return 0
+
+
+class Engine:
+    """The parent's handle on one worker process."""
+
+    def __init__(self, name: str, setup: dict):
+        self.name = name
+        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name, "--setup", json.dumps(setup)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        self.info = self._read()
+        self.peak_rss_mb = self.info.get("rss_mb", 0.0)
+
+    def _read(self) -> dict:
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"{self.name}: the worker exited (status {self.proc.wait()}); its stderr is above")
+        return json.loads(line)
+
+    def generate(self, ids: list[int], text: str, max_new: int) -> dict:
+        self.proc.stdin.write(json.dumps({"ids": ids, "text": text, "max_new": max_new}) + "\n")
+        self.proc.stdin.flush()
+        r = self._read()
+        self.peak_rss_mb = max(self.peak_rss_mb, r["rss_mb"])
+        return r
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.stdin.close()
+            self.proc.wait(timeout=60)
+
+
+# -- the run -------------------------------------------------------------------------------
+def prompts(workload: str | None, limit: int | None, config_path: str | None) -> tuple[list[dict], dict]:
+    """The workload's prompts with their token ids, and what the workers need to load the target."""
+    from memspec.bench import load_workload
+    from memspec.config import load_config
+    from memspec.store import ModelStore
+    from memspec.tokenizer import Tokenizer
+
+    config = load_config(config_path)
+    m = ModelStore(config.store_home).get(config.model.target)
+    tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
+    items = load_workload(workload)[:limit]
+    for w in items:
+        w["ids"] = tok.encode(tok.apply_chat_template([{"role": "user", "content": w["prompt"]}]))
+    setup = {"config": config_path, "model": str(m.variant_path("q4")), "arch": m.architecture,
+             "eos": int(m.extra["eos_token_ids"][0]), "gguf": str(ModelStore(config.store_home).downloads_dir
+                                                                  / m.provenance["gguf_file"])}
+    return items, setup
+
+
+def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: int, progress=print) -> dict:
+    engines: dict[str, Engine] = {}
+    for name in names:
+        e = Engine(name, setup)
+        if "error" in e.info:
+            progress(f"{name}: left out: {e.info['error']}")
+            e.close()
+            continue
+        e.generate(items[0]["ids"], items[0]["prompt"], 8)  # warm-up
+        engines[name] = e
+        progress(f"{name}: loaded in {e.info['load_s']:.2f} s, {e.info['rss_mb']:.0f} MiB")
+    per_round: dict[str, list[dict]] = {n: [] for n in engines}
+    outputs: dict[str, list[list[int]]] = {}
+    try:
+        for r in range(rounds):
+            order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]
+            for name in order:
+                tokens, seconds, outs = 0, 0.0, []
+                for w in items:
+                    res = engines[name].generate(w["ids"], w["prompt"], max_new)
+                    tokens += len(res["ids"])
+                    seconds += res["seconds"]
+                    outs.append(res["ids"])
+                per_round[name].append({"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds})
+                outputs.setdefault(name, outs)
+                progress(f"round {r + 1}/{rounds} {name}: {tokens / seconds:.1f} tok/s ({tokens} tokens)")
+    finally:
+        for e in engines.values():
+            e.close()
+    return summarize(per_round, outputs, {n: e.peak_rss_mb for n, e in engines.items()},
+                     {n: e.info["load_s"] for n, e in engines.items()})
+
+
+def summarize(per_round: dict, outputs: dict, rss: dict, load_s: dict) -> dict:
+    """Median tok/s per engine, its ratio to llama.cpp (and to target-only), memory, agreement."""
+    med = {n: statistics.median(r["tok_per_s"] for r in runs) for n, runs in per_round.items()}
+    ref = outputs.get("target-only")
+    rows = []
+    for n in per_round:
+        same = sum(a == b for a, b in zip(outputs[n], ref)) if ref is not None else None
+        rows.append({
+            "engine": n, "tok_per_s": round(med[n], 2),
+            "vs_llama_cpp": round(med[n] / med[BASELINE], 3) if BASELINE in med else None,
+            "vs_target_only": round(med[n] / med["target-only"], 3) if "target-only" in med else None,
+            "tokens": per_round[n][0]["tokens"], "rounds": [round(r["tok_per_s"], 2) for r in per_round[n]],
+            "peak_rss_mib": round(rss[n], 1), "load_s": round(load_s[n], 2),
+            "same_output_as_target_only": same, "prompts": len(outputs[n]),
+        })
+    return {"rows": rows}
+
+
+def print_report(result: dict, out=sys.stdout) -> None:
+    def ratio(v):
+        return "-" if v is None else f"{v:.2f}x"
+
+    print(f"{'engine':<18} {'tok/s':>7} {'vs llama.cpp':>12} {'vs target-only':>14} {'tokens':>7} "
+          f"{'RSS MiB':>8} {'load s':>6}  same output as target-only", file=out)
+    for r in result["rows"]:
+        same = "-" if r["same_output_as_target_only"] is None else f"{r['same_output_as_target_only']}/{r['prompts']}"
+        print(f"{r['engine']:<18} {r['tok_per_s']:>7.1f} {ratio(r['vs_llama_cpp']):>12} "
+              f"{ratio(r['vs_target_only']):>14} {r['tokens']:>7} {r['peak_rss_mib']:>8.0f} {r['load_s']:>6.2f}  "
+              f"{same}", file=out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--workload", help="JSONL with `prompt` fields (default: memspec's built-in 48 prompts)")
+    ap.add_argument("--limit", type=int, help="only the first N prompts")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the workload")
+    ap.add_argument("--threads", type=int, default=None, help="threads per engine (default: physical cores)")
+    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
+    ap.add_argument("--config", help="memspec TOML config for the memspec engines")
+    ap.add_argument("--json", metavar="FILE")
+    ap.add_argument("--worker", help=argparse.SUPPRESS)
+    ap.add_argument("--setup", help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    if args.worker:
+        return worker_main(args.worker, json.loads(args.setup))
+    names = [n.strip() for n in args.engines.split(",") if n.strip()]
+    bad = [n for n in names if n not in ENGINES]
+    if bad or not names:
+        ap.error(f"--engines: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(ENGINES)}")
+    if args.max_tokens < 1 or args.rounds < 1 or (args.limit is not None and args.limit < 1):
+        ap.error("--max-tokens, --rounds and --limit must be at least 1")
+    import psutil
+
+    from memspec.errors import MemspecError
+
+    try:
+        items, setup = prompts(args.workload, args.limit, args.config)
+    except MemspecError as exc:
+        print(f"engines: {exc}", file=sys.stderr)
+        return 2
+    setup["threads"] = args.threads or psutil.cpu_count(logical=False) or 2
+    progress = (lambda m: print(m, file=sys.stderr, flush=True))
+    result = run(names, items, setup, args.max_tokens, args.rounds, progress)
+    result.update({"prompts": len(items), "max_tokens": args.max_tokens, "rounds": args.rounds,
+                   "threads": setup["threads"], "workload": args.workload or "built-in"})
+    print(f"\n{len(items)} prompts, greedy, up to {args.max_tokens} tokens each, {setup['threads']} threads per "
+          f"engine, median of {args.rounds} interleaved rounds")
+    print_report(result)
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
