@@ -20,6 +20,7 @@ import numpy as np
 
 from memspec.drafts import Proposer
 from memspec.errors import ContextOverflowError, InvalidRequestError
+from memspec.memory import release_heap
 from memspec.metrics import SpecMetrics
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
 from memspec.sessions import DecoderSession, KVCache, SessionConfig
@@ -58,6 +59,10 @@ class TargetModel:
         eos = set(m.extra.get("eos_token_ids", []))
         if tok.eos_token_id is not None:
             eos.add(tok.eos_token_id)
+        # ONNX Runtime frees its load-time copies of the weights once it has packed them, and the
+        # tokenizer its parse of tokenizer.json, but glibc keeps the freed pages (a q4 load left
+        # 56 MiB), which would count against the memory budget and the device's shared memory.
+        release_heap()
         return cls(name, variant, session, tok, frozenset(eos), m)
 
 
