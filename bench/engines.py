@@ -220,7 +220,7 @@ class Engine:
     def _read(self) -> dict:
         line = self.proc.stdout.readline()
         if not line:
-            raise RuntimeError(f"{self.name}: the worker exited (status {self.proc.wait()}); its stderr is above")
+            raise RuntimeError(f"the {self.name} worker exited (status {self.proc.wait()}); its stderr is above")
         return json.loads(line)
 
     def generate(self, ids: list[int], text: str, max_new: int) -> dict:
@@ -259,7 +259,11 @@ def prompts(workload: str | None, limit: int | None, config_path: str | None) ->
 def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: int, progress=print) -> dict:
     engines: dict[str, Engine] = {}
     for name in names:
-        e = Engine(name, setup)
+        try:
+            e = Engine(name, setup)
+        except RuntimeError as exc:  # it could not load (the worker's traceback is on stderr)
+            progress(f"{name}: left out: {exc}")
+            continue
         if "error" in e.info:
             progress(f"{name}: left out: {e.info['error']}")
             e.close()
@@ -267,6 +271,8 @@ def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: 
         e.generate(items[0]["ids"], items[0]["prompt"], 8)  # warm-up
         engines[name] = e
         progress(f"{name}: loaded in {e.info['load_s']:.2f} s, {e.info['rss_mb']:.0f} MiB")
+    if not engines:
+        return {"rows": []}
     per_round: dict[str, list[dict]] = {n: [] for n in engines}
     outputs: dict[str, list[list[int]]] = {}
     try:
@@ -352,7 +358,14 @@ def main(argv=None) -> int:
         return 2
     setup["threads"] = args.threads or psutil.cpu_count(logical=False) or 2
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
-    result = run(names, items, setup, args.max_tokens, args.rounds, progress)
+    try:
+        result = run(names, items, setup, args.max_tokens, args.rounds, progress)
+    except RuntimeError as exc:  # a worker died mid-run
+        print(f"engines: {exc}", file=sys.stderr)
+        return 1
+    if not result["rows"]:
+        print("engines: no engine could run", file=sys.stderr)
+        return 1
     result.update({"prompts": len(items), "max_tokens": args.max_tokens, "rounds": args.rounds,
                    "threads": setup["threads"], "workload": args.workload or "built-in"})
     print(f"\n{len(items)} prompts, greedy, up to {args.max_tokens} tokens each, {setup['threads']} threads per "

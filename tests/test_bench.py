@@ -184,3 +184,16 @@ def test_engines_bench_runs_each_engine_in_its_own_process(model_store, tmp_path
         assert row["tok_per_s"] > 0 and 2 <= row["tokens"] <= 12 and row["peak_rss_mib"] > 50
     bad = subprocess.run([sys.executable, str(script), "--engines", "ollama"], capture_output=True, text=True)
     assert bad.returncode == 2 and "unknown ollama" in bad.stderr
+
+
+def test_an_engine_that_cannot_load_is_left_out(tmp_path):
+    """A worker that dies while loading (here: memspec with an unreadable config) is named and left
+    out; the run goes on with the others (none here)."""
+    engines = _bench_module("engines")
+    bad = tmp_path / "bad.toml"
+    bad.write_text("[runtime]\nproviders = 3\n")
+    said = []
+    result = engines.run(["target-only"], [{"ids": [1, 2], "prompt": "hi"}], {"config": str(bad), "threads": 1},
+                         max_new=2, rounds=1, progress=said.append)
+    assert result == {"rows": []}
+    assert said and said[0].startswith("target-only: left out: the target-only worker exited (status 1)")
