@@ -245,14 +245,14 @@ def prompts(workload: str | None, limit: int | None, config_path: str | None) ->
     from memspec.tokenizer import Tokenizer
 
     config = load_config(config_path)
-    m = ModelStore(config.store_home).get(config.model.target)
+    store = ModelStore(config.store_home)
+    m = store.get(config.model.target)
     tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
     items = load_workload(workload)[:limit]
     for w in items:
         w["ids"] = tok.encode(tok.apply_chat_template([{"role": "user", "content": w["prompt"]}]))
     setup = {"config": config_path, "model": str(m.variant_path("q4")), "arch": m.architecture,
-             "eos": int(m.extra["eos_token_ids"][0]), "gguf": str(ModelStore(config.store_home).downloads_dir
-                                                                  / m.provenance["gguf_file"])}
+             "eos": int(m.extra["eos_token_ids"][0]), "gguf": str(store.downloads_dir / m.provenance["gguf_file"])}
     return items, setup
 
 
