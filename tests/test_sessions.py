@@ -121,7 +121,16 @@ def test_requests_interleaved_on_one_session_keep_their_own_caches(session):
     """Each cache keeps its own binding (its buffers as past and present) and its own output
     buffer: two requests stepping in turn get what each gets alone, and the logits a step
     returned stay as they were after the next step."""
-    _, s = session
+    check_interleaved_requests(session[1])
+
+
+def test_padded_requests_interleaved_keep_their_own_caches(model_store):
+    """The same with batch_invariant's padded one-token passes (two rows, one dropped)."""
+    path = model_store.get("smollm2-135m").variant_path("q4")
+    check_interleaved_requests(DecoderSession(path, SessionConfig(max_context=128, intra_op_threads=2), min_rows=2))
+
+
+def check_interleaved_requests(s: DecoderSession) -> None:
     alone = s.new_cache()
     want = [s.forward(alone, IDS[:8], keep=1)] + [s.forward(alone, [t], keep=1) for t in IDS[8:14]]
     a, b = s.new_cache(), s.new_cache()
