@@ -46,7 +46,7 @@ class SessionConfig:
     batch_invariant: bool = True  # target passes of one token run as two, so that target-only
     #                                decoding and multi-token verification use the same kernels and
     #                                greedy speculative output is target-only output token for token
-    #                                (on q4 ~2% of tokens flip otherwise); costs target-only steps ~11%
+    #                                (on q4 ~2% of tokens flip otherwise); costs target-only steps ~15%
 
 
 def resolve_providers(wanted: Sequence[str]) -> list[str]:
