@@ -46,9 +46,9 @@ BASELINE = "llama.cpp"
 
 # -- workers: one process per engine -------------------------------------------------------
 def _rss_mb() -> float:
-    import psutil
+    from memspec.memory import MiB, PsutilProbe
 
-    return psutil.Process().memory_info().rss / 2**20
+    return PsutilProbe().rss_bytes() / MiB
 
 
 class MemspecWorker:
@@ -347,16 +347,15 @@ def main(argv=None) -> int:
         ap.error(f"--engines: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(ENGINES)}")
     if args.max_tokens < 1 or args.rounds < 1 or (args.limit is not None and args.limit < 1):
         ap.error("--max-tokens, --rounds and --limit must be at least 1")
-    import psutil
-
     from memspec.errors import MemspecError
+    from memspec.sessions import physical_cores
 
     try:
         items, setup = prompts(args.workload, args.limit, args.config)
     except MemspecError as exc:
         print(f"engines: {exc}", file=sys.stderr)
         return 2
-    setup["threads"] = args.threads or psutil.cpu_count(logical=False) or 2
+    setup["threads"] = args.threads or physical_cores()
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         result = run(names, items, setup, args.max_tokens, args.rounds, progress)
