@@ -1,4 +1,4 @@
-"""Build hook: generate the gRPC modules from protos/ (see memspec/proto.py).
+"""Build hook: generate the gRPC modules from protos/ (see memspec/serving/proto.py).
 
 Everything else about the package is in pyproject.toml.  `build_py` writes
 memspec/_proto/ into the build directory for wheels and plain installs, and
@@ -18,8 +18,8 @@ HERE = Path(__file__).resolve().parent
 
 
 def _proto_module():
-    # Load memspec/proto.py by path: importing the package is not needed to build it.
-    spec = importlib.util.spec_from_file_location("_memspec_proto", HERE / "memspec" / "proto.py")
+    # Load memspec/serving/proto.py by path: importing the package is not needed to build it.
+    spec = importlib.util.spec_from_file_location("_memspec_proto", HERE / "memspec" / "serving" / "proto.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -32,7 +32,7 @@ class BuildWithProto(build_py):
         out = HERE / "memspec" / "_proto" if self.editable_mode else Path(self.build_lib) / "memspec" / "_proto"
         proto.generate(out, HERE / "protos")
         if not self.editable_mode and (HERE / "models").is_dir():
-            # the shipped drafts and predictor travel inside the wheel (memspec.store.SHIPPED_MODELS)
+            # the shipped drafts and predictor travel inside the wheel (memspec.models.store.SHIPPED_MODELS)
             shutil.copytree(HERE / "models", Path(self.build_lib) / "memspec" / "_models", dirs_exist_ok=True)
 
 

@@ -14,10 +14,10 @@ from __future__ import annotations
 import argparse
 from collections import defaultdict
 
-from memspec.bench import load_workload, teacher_forced_agreement
-from memspec.engine import Engine, TargetModel
-from memspec.sessions import SessionConfig
-from memspec.store import ModelStore, default_home
+from memspec.bench.policies import load_workload, teacher_forced_agreement
+from memspec.speculation.engine import Engine, TargetModel
+from memspec.runtime.sessions import SessionConfig
+from memspec.models.store import ModelStore, default_home
 
 
 def main() -> int:

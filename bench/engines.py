@@ -46,7 +46,7 @@ BASELINE = "llama.cpp"
 
 # -- workers: one process per engine -------------------------------------------------------
 def _rss_mb() -> float:
-    from memspec.memory import MiB, PsutilProbe
+    from memspec.runtime.memory import MiB, PsutilProbe
 
     return PsutilProbe().rss_bytes() / MiB
 
@@ -56,7 +56,7 @@ class MemspecWorker:
         import dataclasses
 
         from memspec.config import load_config
-        from memspec.engine import Engine
+        from memspec.speculation.engine import Engine
 
         config = load_config(setup["config"])
         config = dataclasses.replace(config, runtime=dataclasses.replace(
@@ -239,10 +239,10 @@ class Engine:
 # -- the run -------------------------------------------------------------------------------
 def prompts(workload: str | None, limit: int | None, config_path: str | None) -> tuple[list[dict], dict]:
     """The workload's prompts with their token ids, and what the workers need to load the target."""
-    from memspec.bench import load_workload
+    from memspec.bench.policies import load_workload
     from memspec.config import load_config
-    from memspec.store import ModelStore
-    from memspec.tokenizer import Tokenizer
+    from memspec.models.store import ModelStore
+    from memspec.models.tokenizer import Tokenizer
 
     config = load_config(config_path)
     store = ModelStore(config.store_home)
@@ -348,7 +348,7 @@ def main(argv=None) -> int:
     if args.max_tokens < 1 or args.rounds < 1 or (args.limit is not None and args.limit < 1):
         ap.error("--max-tokens, --rounds and --limit must be at least 1")
     from memspec.errors import MemspecError
-    from memspec.sessions import physical_cores
+    from memspec.runtime.sessions import physical_cores
 
     try:
         items, setup = prompts(args.workload, args.limit, args.config)

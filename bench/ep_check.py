@@ -30,12 +30,12 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 
-from memspec.bench import load_workload
-from memspec.drafts import draft_variant, read_vocab_map, target_drafts, target_to_draft
+from memspec.bench.policies import load_workload
+from memspec.speculation.drafts import draft_variant, read_vocab_map, target_drafts, target_to_draft
 from memspec.errors import MemspecError
-from memspec.sessions import DecoderSession, SessionConfig, resolve_providers
-from memspec.store import ModelStore, default_home
-from memspec.tokenizer import Tokenizer
+from memspec.runtime.sessions import DecoderSession, SessionConfig, resolve_providers
+from memspec.models.store import ModelStore, default_home
+from memspec.models.tokenizer import Tokenizer
 
 TARGET = "smollm2-135m"
 VERIFY = 6  # tokens in one verification pass (gamma 5 + 1)

@@ -24,9 +24,9 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from memspec.sessions import DecoderSession, SessionConfig
-from memspec.store import ModelStore
-from memspec.tokenizer import Tokenizer
+from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.models.store import ModelStore
+from memspec.models.tokenizer import Tokenizer
 
 TEXT = (
     "The history of the lighthouse begins with fires lit on hilltops to guide ships. Later, towers were built "

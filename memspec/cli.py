@@ -15,7 +15,7 @@ class CLIError(MemspecError):
 
 
 def _store(args):
-    from memspec.store import ModelStore
+    from memspec.models.store import ModelStore
 
     return ModelStore(args.config.store_home)
 
@@ -28,7 +28,7 @@ def _progress(msg: str) -> None:
 def cmd_pull(args) -> int:
     from pathlib import Path
 
-    from memspec.pull import import_gguf, pull
+    from memspec.models.pull import import_gguf, pull
 
     store = _store(args)
     variants = tuple(args.variant) if args.variant else ("fp32", "q4")
@@ -61,7 +61,7 @@ def cmd_models(args) -> int:
 
 
 def _daemon_models(args) -> int:
-    from memspec.client import Client
+    from memspec.serving.client import Client
 
     with Client(args.address) as c:
         models = c.models()
@@ -96,7 +96,7 @@ def _request(args, messages=None):
 
 def load_engine(config, variant: str | None = None):
     """Build the local engine from the config: the target and its draft pool from the store."""
-    from memspec.engine import Engine
+    from memspec.speculation.engine import Engine
 
     return Engine.from_config(config, variant)
 
@@ -111,7 +111,7 @@ def _daemon(args):
     """
     import os
 
-    from memspec.address import client_address
+    from memspec.serving.address import client_address
     from memspec.errors import UnavailableError
 
     explicit = bool(args.address or os.environ.get("MEMSPEC_ADDRESS"))
@@ -124,7 +124,7 @@ def _daemon(args):
     if not explicit and address.is_unix and not address.path.exists():
         _progress(f"memspec: no daemon at {address}; generating locally (--local skips this check)")
         return None
-    from memspec.client import Client
+    from memspec.serving.client import Client
 
     client = Client(args.address)
     if explicit:
@@ -225,7 +225,7 @@ def _stdin_turns():
 
 # -- daemon ----------------------------------------------------------------------------
 def cmd_serve(args) -> int:
-    from memspec.daemon import serve
+    from memspec.serving.daemon import serve
 
     return serve(args.config, args.config_path, args.listen, load_engine)
 
@@ -235,7 +235,7 @@ def _mib(n: int) -> str:
 
 
 def cmd_status(args) -> int:
-    from memspec.client import Client
+    from memspec.serving.client import Client
 
     with Client(args.address) as c:
         st = c.status()
@@ -264,7 +264,7 @@ def cmd_status(args) -> int:
 
 
 def cmd_load(args) -> int:
-    from memspec.client import Client
+    from memspec.serving.client import Client
 
     with Client(args.address) as c:
         out = c.load(args.name, args.variant)
@@ -274,7 +274,7 @@ def cmd_load(args) -> int:
 
 
 def cmd_unload(args) -> int:
-    from memspec.client import Client
+    from memspec.serving.client import Client
 
     with Client(args.address) as c:
         freed = c.unload(args.name)
@@ -283,7 +283,7 @@ def cmd_unload(args) -> int:
 
 
 def cmd_bench(args) -> int:
-    from memspec import bench
+    from memspec.bench import policies as bench
 
     return bench.run_cli(args)
 
@@ -365,12 +365,13 @@ def build_parser() -> argparse.ArgumentParser:
     ul.set_defaults(func=cmd_unload)
 
     b = sub.add_parser("bench", parents=[common], help="run a prompt workload under draft policies, side by side")
-    from memspec import bench
+    from memspec.bench import policies as bench
 
     bench.add_arguments(b)
     b.set_defaults(func=cmd_bench)
 
-    from memspec import predictor, profile, train  # torch is imported only when train-draft runs
+    from memspec.scheduling import predictor
+    from memspec.training import drafts as train, profile  # torch is imported only when train-draft runs
 
     train.add_parser(sub).set_defaults(func=train.run_cli)
     profile.add_parser(sub)

@@ -15,9 +15,9 @@ from typing import Any
 
 from memspec.errors import ConfigError
 from memspec.request import Limits
-from memspec.scheduler import SchedulerConfig
-from memspec.sessions import SessionConfig
-from memspec.speculative import SpecConfig
+from memspec.scheduling.scheduler import SchedulerConfig
+from memspec.runtime.sessions import SessionConfig
+from memspec.speculation.speculative import SpecConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -26,7 +26,7 @@ class ContextOverflowError(InvalidRequestError):
     """The prompt (plus what must be generated) does not fit in the context window."""
 
 
-# -- daemon (memspec.server, memspec.client) ---------------------------------------
+# -- daemon (memspec.serving.server, memspec.serving.client) ---------------------------------------
 class NotLoadedError(MemspecError):
     """The daemon has no resident model to serve this (it was unloaded)."""
 

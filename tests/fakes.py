@@ -8,7 +8,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 
-from memspec.drafts import Proposal
+from memspec.speculation.drafts import Proposal
 
 MiB = 1 << 20
 
@@ -99,7 +99,7 @@ class FakeLoader:
 
 @dataclass
 class Ctx:
-    """Stands in for memspec.features.GenerationContext (same fields)."""
+    """Stands in for memspec.scheduling.features.GenerationContext (same fields)."""
 
     position: int
     recent_acceptance: dict

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memspec.gguf_reader import GGUFModel
+from memspec.models.gguf import GGUFModel
 
 
 class ReferenceLlama:

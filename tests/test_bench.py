@@ -9,7 +9,7 @@ import io
 import itertools
 import json
 
-from memspec.bench import default_budget_mb, draft_room
+from memspec.bench.policies import default_budget_mb, draft_room
 
 MiB = 1 << 20
 
@@ -108,9 +108,9 @@ def test_onnxruntime_genai_runs_memspecs_q4_graph_token_for_token(tmp_path):
     import pytest
     from tiny_models import tiny_config, tiny_weights
 
-    from memspec.convert import DecoderBuilder
-    from memspec.gguf_reader import ArrayWeights
-    from memspec.sessions import DecoderSession, SessionConfig
+    from memspec.models.convert import DecoderBuilder
+    from memspec.models.gguf import ArrayWeights
+    from memspec.runtime.sessions import DecoderSession, SessionConfig
 
     og = pytest.importorskip("onnxruntime_genai")
     engines = _bench_module("engines")

@@ -22,9 +22,9 @@ import grpc
 import pytest
 
 import fakes
-from memspec import wire
+from memspec.serving import wire
 from memspec.cli import load_engine, main
-from memspec.client import Client
+from memspec.serving.client import Client
 from memspec.config import load_config
 from memspec.errors import CancelledError, UnavailableError
 from memspec.request import Completion, GenerationRequest, SamplingParams

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from memspec import proto
+from memspec.serving import proto
 from memspec.config import _SECTIONS, Config, load_config, tomllib
 
 REPO = Path(__file__).resolve().parents[1]
@@ -108,7 +108,7 @@ def test_build_hook_ships_generated_code_in_a_plain_build(tmp_path):
     assert out.returncode == 0, out.stderr
     gen = lib / "memspec" / "_proto" / "memspec" / "v1"
     assert {"memspec_pb2.py", "memspec_pb2_grpc.py", "memspec.proto"} <= {p.name for p in gen.iterdir()}
-    check = ("import memspec.proto as p; pb2, grpc_mod = p.load(); "
+    check = ("import memspec.serving.proto as p; pb2, grpc_mod = p.load(); "
              "assert p.proto_root() == p.OUT_DIR and not p.stale(); print(pb2.DESCRIPTOR.name)")
     ran = subprocess.run([sys.executable, "-c", check], cwd=tmp_path, env={**os.environ, "PYTHONPATH": str(lib)},
                          capture_output=True, text=True, timeout=60)

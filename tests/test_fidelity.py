@@ -12,7 +12,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memspec.sessions import DecoderSession, SessionConfig
+from memspec.runtime.sessions import DecoderSession, SessionConfig
 
 FIXTURE = Path(__file__).parent / "fixtures" / "golden_logits.json"
 

@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from fakes import FakeClock, FakeProbe, MiB
-from memspec.drafts import DraftModel
-from memspec.memory import Ledger, PsutilProbe, RssSampler, measure, release_heap
+from memspec.speculation.drafts import DraftModel
+from memspec.runtime.memory import Ledger, PsutilProbe, RssSampler, measure, release_heap
 from memspec.request import SamplingParams
-from memspec.sessions import DecoderSession, SessionConfig
-from memspec.workingset import WorkingSet
+from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.scheduling.workingset import WorkingSet
 from tiny_models import build_tiny
 
 
@@ -54,7 +54,7 @@ def test_loading_the_target_leaves_no_freed_heap_behind(model_store):
     """ONNX Runtime frees its load-time copies of the weights once it has packed them; the load
     hands those pages back (a trim right after a q4 load used to release 56 MiB), so the memory
     budget and the device see only what stays resident."""
-    from memspec.engine import TargetModel
+    from memspec.speculation.engine import TargetModel
 
     target = TargetModel.load(model_store, "smollm2-135m", "q4")
     probe = PsutilProbe()

@@ -10,12 +10,12 @@ import time
 import numpy as np
 import pytest
 
-from memspec import features as F
+from memspec.scheduling import features as F
 from memspec.errors import ModelFormatError
-from memspec.predictor import (DEFAULT_PATH, FEATURES, NONE, Forest, Predictor, TrainConfig, cross_validate, fit,
+from memspec.scheduling.predictor import (DEFAULT_PATH, FEATURES, NONE, Forest, Predictor, TrainConfig, cross_validate, fit,
                                gbr_to_json, measure_latency, pick_margin)
-from memspec.profile import _tally, first_mismatch
-from memspec.store import SHIPPED_MODELS
+from memspec.training.profile import _tally, first_mismatch
+from memspec.models.store import SHIPPED_MODELS
 
 CODE = "Write a Python function `merge(a, b)` that merges two sorted lists:\n\n    def merge(a, b):\n        pass"
 PROSE = "Tell me about the history of the city of Rome and why people still visit it today."
@@ -271,10 +271,10 @@ def test_prediction_cost_benchmark(synthetic, capsys):
 def test_profile_one_short_request_on_the_real_target(model_store):
     """Segments of every policy line up with target-only's, and a trace record makes training rows."""
     from memspec.config import Config
-    from memspec.drafts import PromptLookup
-    from memspec.engine import Engine
-    from memspec.predictor import training_rows
-    from memspec.profile import ProfileConfig, profile_request
+    from memspec.speculation.drafts import PromptLookup
+    from memspec.speculation.engine import Engine
+    from memspec.scheduling.predictor import training_rows
+    from memspec.training.profile import ProfileConfig, profile_request
 
     engine = Engine.from_config(Config(), drafts="none")
     engine.drafts = {"prompt-lookup": PromptLookup(engine.target.session.vocab_size)}
@@ -296,7 +296,7 @@ def test_train_predictor_saves_the_chosen_default_and_margin(tmp_path, capsys):
     """`memspec train-predictor` stores the single best policy as the default and the held-out margin."""
     import argparse
 
-    from memspec.predictor import add_parser, run_cli, single_best_policy
+    from memspec.scheduling.predictor import add_parser, run_cli, single_best_policy
 
     traces = _synthetic_traces(6)
     path = tmp_path / "traces.jsonl"

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 
 from memspec.errors import ModelFormatError, ModelNotFoundError
-from memspec.pull import KNOWN_MODELS, check_gguf, fetch_gguf, import_gguf, pull
-from memspec.store import ModelStore
+from memspec.models.pull import KNOWN_MODELS, check_gguf, fetch_gguf, import_gguf, pull
+from memspec.models.store import ModelStore
 
 SOURCE = KNOWN_MODELS["smollm2-135m"]
 

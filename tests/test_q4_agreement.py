@@ -17,9 +17,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memspec.engine import Engine, TargetModel
+from memspec.speculation.engine import Engine, TargetModel
 from memspec.request import GenerationRequest
-from memspec.sessions import SessionConfig
+from memspec.runtime.sessions import SessionConfig
 
 PROMPTS = [
     "Write a Python function that merges two sorted lists.",
@@ -37,7 +37,7 @@ def q4(model_store):
 
 
 def teacher_forced_agreement(engine) -> tuple[float, int]:
-    from memspec.bench import teacher_forced_agreement as measure
+    from memspec.bench.policies import teacher_forced_agreement as measure
 
     agree, total = measure(engine, PROMPTS, max_tokens=64)
     return agree / total, total
@@ -65,7 +65,7 @@ def test_batch_invariant_q4_verification_agrees_with_decoding(q4_invariant):
 
 
 def test_batch_invariant_q4_speculative_output_is_target_only_output(q4_invariant, model_store):
-    from memspec.drafts import load_pool
+    from memspec.speculation.drafts import load_pool
 
     q4_invariant.drafts = load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512))
     for prompt in PROMPTS:
@@ -76,7 +76,7 @@ def test_batch_invariant_q4_speculative_output_is_target_only_output(q4_invarian
 
 
 def test_q4_speculative_sequences_differ_only_at_near_ties(q4, model_store):
-    from memspec.drafts import load_pool
+    from memspec.speculation.drafts import load_pool
 
     q4.drafts = load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512))
     s = q4.target.session

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memspec import sampling
+from memspec.speculation import sampling
 
 
 def chi_square_p(counts: np.ndarray, probs: np.ndarray) -> float:

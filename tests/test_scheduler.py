@@ -10,9 +10,9 @@ import pytest
 
 from fakes import Ctx, FakeClock, FakeLoader, FakeProbe, MiB, StandInPredictor
 from memspec.errors import ConfigError, InvalidRequestError
-from memspec.metrics import SpecMetrics
+from memspec.speculation.metrics import SpecMetrics
 from memspec.request import GenerationRequest
-from memspec.scheduler import (Scheduler, SchedulerConfig, expected_seconds, load_oracle_table, request_reward,
+from memspec.scheduling.scheduler import (Scheduler, SchedulerConfig, expected_seconds, load_oracle_table, request_reward,
                                ucb_pick)
 
 SIZES = {"draft-chat": 10 * MiB, "draft-code": 10 * MiB, "draft-math": 10 * MiB, "prompt-lookup": 0}
@@ -109,16 +109,16 @@ def test_unknown_policy_and_draft_are_refused():
 
 
 def test_memspec_refuses_to_start_without_the_predictor(monkeypatch):
-    monkeypatch.setitem(sys.modules, "memspec.predictor", None)  # as if predictor.py were not there
-    with pytest.raises(ConfigError, match="memspec/predictor.py"):
+    monkeypatch.setitem(sys.modules, "memspec.scheduling.predictor", None)  # as if predictor.py were not there
+    with pytest.raises(ConfigError, match="memspec/scheduling/predictor.py"):
         Scheduler(SchedulerConfig(policy="memspec"), FakeLoader(SIZES), SIZES, FakeProbe())
 
 
 def test_the_predictor_fitted_for_the_target_variant_is_preferred(monkeypatch, tmp_path):
-    import memspec.store
-    from memspec.scheduler import predictor_file
+    import memspec.models.store
+    from memspec.scheduling.scheduler import predictor_file
 
-    monkeypatch.setattr(memspec.store, "SHIPPED_MODELS", tmp_path)
+    monkeypatch.setattr(memspec.models.store, "SHIPPED_MODELS", tmp_path)
     (tmp_path / "predictor.json").write_text("{}")
     assert predictor_file("", "fp32") == tmp_path / "predictor.json"  # no fp32 one: the default
     (tmp_path / "predictor-fp32.json").write_text("{}")

@@ -7,15 +7,15 @@ import threading
 
 import numpy as np
 
-from memspec.speculative import SpecConfig
+from memspec.speculation.speculative import SpecConfig
 import pytest
 
 from fakes import FakeProbe, MiB
-from memspec.drafts import DraftLimits, DraftModel, PromptLookup, Proposal
-from memspec.engine import Engine, TargetModel
+from memspec.speculation.drafts import DraftLimits, DraftModel, PromptLookup, Proposal
+from memspec.speculation.engine import Engine, TargetModel
 from memspec.request import GenerationRequest
-from memspec.scheduler import Scheduler, SchedulerConfig
-from memspec.sessions import SessionConfig
+from memspec.scheduling.scheduler import Scheduler, SchedulerConfig
+from memspec.runtime.sessions import SessionConfig
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 V = 49152

@@ -18,19 +18,20 @@ import pytest
 
 from fakes import wait_for
 
-from memspec import errors, wire
-from memspec.address import client_address, default_socket, parse
-from memspec.admission import Admission, AdmissionConfig, fits
-from memspec.backend import EngineBackend
-from memspec.client import Client
+from memspec import errors
+from memspec.serving import wire
+from memspec.serving.address import client_address, default_socket, parse
+from memspec.serving.admission import Admission, AdmissionConfig, fits
+from memspec.serving.backend import EngineBackend
+from memspec.serving.client import Client
 from memspec.config import Config, ServerConfig
 from memspec.errors import (
     ContextOverflowError, DeadlineExceededError, InvalidRequestError, ModelNotFoundError, NotLoadedError,
     OverloadedError, RemoteError, UnavailableError,
 )
-from memspec.notify import Notifier
+from memspec.serving.notify import Notifier
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
-from memspec.server import MemSpecServicer, create_server
+from memspec.serving.server import MemSpecServicer, create_server
 
 KV_PER_TOKEN = 1000
 CONTEXT = 64
@@ -567,8 +568,8 @@ def test_cli_falls_back_to_local_with_a_note_when_no_daemon_serves(tmp_path, mon
     from memspec.cli import _daemon
 
     monkeypatch.delenv("MEMSPEC_ADDRESS", raising=False)
-    monkeypatch.setattr("memspec.address.default_socket", lambda env=None, uid=None: tmp_path / "none.sock")
-    monkeypatch.setattr("memspec.address.SYSTEM_SOCKET", tmp_path / "system.sock")
+    monkeypatch.setattr("memspec.serving.address.default_socket", lambda env=None, uid=None: tmp_path / "none.sock")
+    monkeypatch.setattr("memspec.serving.address.SYSTEM_SOCKET", tmp_path / "system.sock")
     assert _daemon(_args()) is None
     assert "no daemon at" in capsys.readouterr().err
     assert _daemon(_args(local=True)) is None and _daemon(_args(variant="fp32")) is None
@@ -578,7 +579,7 @@ def test_cli_uses_the_daemon_it_finds_or_is_told(h, monkeypatch):
     from memspec.cli import CLIError, _daemon
 
     monkeypatch.delenv("MEMSPEC_ADDRESS", raising=False)
-    monkeypatch.setattr("memspec.address.default_socket", lambda env=None, uid=None: h.path)
+    monkeypatch.setattr("memspec.serving.address.default_socket", lambda env=None, uid=None: h.path)
     with _daemon(_args()) as found:
         assert found.address.path == h.path
     with _daemon(_args(address=str(h.path))) as told:

@@ -5,12 +5,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memspec import sampling
-from memspec.drafts import DraftLimits, DraftModel, PromptLookup, loop_continuation, ngram_continuation
-from memspec.metrics import SpecMetrics
+from memspec.speculation import sampling
+from memspec.speculation.drafts import DraftLimits, DraftModel, PromptLookup, loop_continuation, ngram_continuation
+from memspec.speculation.metrics import SpecMetrics
 from memspec.request import GenerationRequest, SamplingParams
-from memspec.sessions import DecoderSession, SessionConfig
-from memspec.speculative import FixedDraft, SpecConfig, next_gamma, speculative_steps
+from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.speculation.speculative import FixedDraft, SpecConfig, next_gamma, speculative_steps
 from test_sampling import chi_square_p
 from tiny_models import build_tiny
 
@@ -218,8 +218,8 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def fp32_engine(model_store):
-    from memspec.drafts import load_pool
-    from memspec.engine import Engine, TargetModel
+    from memspec.speculation.drafts import load_pool
+    from memspec.speculation.engine import Engine, TargetModel
 
     target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
     pool = load_pool(model_store, "smollm2-135m", target.session.vocab_size, SessionConfig(max_context=512))
@@ -267,7 +267,7 @@ def test_zero_acceptance_still_exact(fp32_engine):
             return self
 
         def propose(self, context, k, params, rng):
-            from memspec.drafts import Proposal
+            from memspec.speculation.drafts import Proposal
             return Proposal([0] * k, None, [0.0] * k)
 
         def close(self):
@@ -284,7 +284,7 @@ def test_zero_acceptance_still_exact(fp32_engine):
 
 
 def test_context_limit_mid_run(model_store):
-    from memspec.engine import Engine, TargetModel
+    from memspec.speculation.engine import Engine, TargetModel
 
     target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=48))
     e = Engine(target, drafts={"self": DraftModel("self", target.session, np.arange(49152), 49152, DraftLimits(0.0, np.inf))},
@@ -305,7 +305,7 @@ def test_unknown_draft_is_refused(fp32_engine):
 
 
 # -- the cost controller -----------------------------------------------------------------
-from memspec.speculative import CostController, best_gamma, expected_tokens  # noqa: E402
+from memspec.speculation.speculative import CostController, best_gamma, expected_tokens  # noqa: E402
 
 Q4_LIKE = [0.0, 1.0, 1.23, 1.35, 1.5, 1.74, 1.93, 2.1, 2.4, 2.6]  # verify cost of k tokens / 1 token
 

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from memspec.errors import InvalidRequestError, MemspecError
-from memspec.tokenizer import (
+from memspec.models.tokenizer import (
     ChatTemplateError,
     Tokenizer,
     TokenizerError,

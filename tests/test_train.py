@@ -1,4 +1,4 @@
-"""Draft training pipeline (memspec.train) and the shipped draft pool (models/).
+"""Draft training pipeline (memspec.training.drafts) and the shipped draft pool (models/).
 
 Only the export-vs-torch test needs torch; everything else runs on the runtime
 dependencies alone.
@@ -13,11 +13,11 @@ import os
 import numpy as np
 import pytest
 
-from memspec.drafts import draft_variant
-from memspec.gguf_reader import ArrayWeights
-from memspec.sessions import DecoderSession, SessionConfig
-from memspec.store import SHIPPED_MODELS, ModelStore
-from memspec.train import UNKNOWN_TARGET_ID, VocabMap, acceptance, draft_config, select_vocab
+from memspec.speculation.drafts import draft_variant
+from memspec.models.gguf import ArrayWeights
+from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.models.store import SHIPPED_MODELS, ModelStore
+from memspec.training.drafts import UNKNOWN_TARGET_ID, VocabMap, acceptance, draft_config, select_vocab
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 DRAFTS = ("draft-code", "draft-math", "draft-chat", "draft-general")
@@ -63,7 +63,7 @@ def test_draft_config_uses_gqa():
 def test_tiny_export_matches_torch_forward(tmp_path):
     import torch
 
-    from memspec.train import export_onnx, llama_class
+    from memspec.training.drafts import export_onnx, llama_class
 
     torch.manual_seed(0)
     cfg = draft_config(layers=2, width=64, vocab=256, head_dim=32, context=128)
@@ -131,7 +131,7 @@ def test_q8_draft_export_tracks_the_float_model(tmp_path):
     """The shipped drafts' format: 8-bit MatMulNBits layers, 8-bit embedding and LM head."""
     import onnx
 
-    from memspec.convert import DecoderBuilder
+    from memspec.models.convert import DecoderBuilder
     from tiny_models import tiny_config, tiny_weights
 
     cfg = tiny_config(vocab=256, hidden=64)
@@ -159,7 +159,7 @@ def test_q8_draft_export_tracks_the_float_model(tmp_path):
 def test_write_draft_ships_one_q8_variant(tmp_path):
     from types import SimpleNamespace
 
-    from memspec.train import write_draft
+    from memspec.training.drafts import write_draft
     from tiny_models import tiny_config, tiny_weights
 
     cfg = tiny_config(vocab=64)
@@ -184,7 +184,7 @@ def test_export_only_keeps_the_record_of_the_folder_it_rewrites(tmp_path):
 
     import torch
 
-    from memspec.train import add_parser, llama_class, run_cli, write_draft
+    from memspec.training.drafts import add_parser, llama_class, run_cli, write_draft
 
     cfg = draft_config(layers=1, width=64, vocab=32, head_dim=32, context=128)
     model = llama_class()(cfg).eval()
@@ -212,7 +212,7 @@ def test_train_draft_refuses_a_bad_shape_before_any_work(flags, message):
     import argparse
 
     from memspec.errors import MemspecError
-    from memspec.train import add_parser, run_cli
+    from memspec.training.drafts import add_parser, run_cli
 
     parser = argparse.ArgumentParser()
     add_parser(parser.add_subparsers())
@@ -225,8 +225,8 @@ def test_training_prompts_are_distinct_reproducible_and_never_a_benchmark_prompt
     """Each domain's prompts as train-draft draws them: distinct within a seed, the same for the
     same seed, disjoint across seeds, and none of them a prompt the benchmarks measure drafts on
     (the templates can produce some: "Write a haiku about autumn leaves." is a bench prompt)."""
-    from memspec.train import measured_prompts
-    from memspec.train_prompts import DOMAINS, domain_prompts
+    from memspec.training.drafts import measured_prompts
+    from memspec.training.prompts import DOMAINS, domain_prompts
 
     measured = measured_prompts()
     assert len(measured) == 48 + 21 and "Write a haiku about autumn leaves." in measured
@@ -244,7 +244,7 @@ def test_resume_refuses_a_checkpoint_without_the_record_of_its_vocabulary(tmp_pa
     """Regression: --resume with an --out that held no vocab.json chose a new vocabulary and loaded
     the old embedding rows under it, so every token's row belonged to another token."""
     from memspec.errors import MemspecError
-    from memspec.train import checkpoint_record
+    from memspec.training.drafts import checkpoint_record
 
     (tmp_path / "draft-chat.pt").write_bytes(b"weights")
     with pytest.raises(MemspecError, match="train without --resume"):
@@ -256,7 +256,7 @@ def test_checkpoint_keeps_its_vocabulary_and_export_only_refuses_another(tmp_pat
     import argparse
 
     from memspec.errors import MemspecError
-    from memspec.train import add_parser, checkpoint_record, llama_class, run_cli, save_checkpoint, write_draft
+    from memspec.training.drafts import add_parser, checkpoint_record, llama_class, run_cli, save_checkpoint, write_draft
 
     cfg = draft_config(layers=1, width=64, vocab=32, head_dim=32, context=128)
     model = llama_class()(cfg).eval()
@@ -279,9 +279,9 @@ def test_checkpoint_keeps_its_vocabulary_and_export_only_refuses_another(tmp_pat
 
 
 def test_python_m_memspec_train_reports_errors_without_a_traceback(capsys):
-    """`python -m memspec.train` (the way to train without installing the CLI) printed a
+    """`python -m memspec.training.drafts` (the way to train without installing the CLI) printed a
     traceback for a bad argument; it now reports it as `memspec train-draft` does."""
-    from memspec.train import main
+    from memspec.training.drafts import main
 
     assert main(["train-draft", "--name", "draft-x", "--domain", "chat", "--width", "200"]) == 2
     assert "memspec-train: error: --width must be a multiple of 64" in capsys.readouterr().err
@@ -291,7 +291,7 @@ def test_drafts_run_on_their_own_providers_when_the_config_names_them():
     """[runtime] draft_providers puts drafts on other execution providers than the target (a
     tiny draft can step faster on the CPU than a GPU kernel launch each); a provider this
     onnxruntime build lacks is an error naming it, at load time."""
-    from memspec.drafts import DraftModel
+    from memspec.speculation.drafts import DraftModel
     from memspec.errors import ModelFormatError
 
     store = ModelStore(home=SHIPPED_MODELS.parent / "_none", shipped=SHIPPED_MODELS)
@@ -306,7 +306,7 @@ def test_drafts_run_on_their_own_providers_when_the_config_names_them():
 def test_a_draft_vocabulary_map_that_does_not_fit_the_target_is_a_clear_error(tmp_path):
     from types import SimpleNamespace
 
-    from memspec.drafts import read_vocab_map, target_to_draft
+    from memspec.speculation.drafts import read_vocab_map, target_to_draft
     from memspec.errors import ModelFormatError
 
     m = SimpleNamespace(name="d", folder=str(tmp_path), extra={"draft_vocab": "vocab.json"})

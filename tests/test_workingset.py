@@ -8,7 +8,7 @@ import pytest
 
 from fakes import FakeClock, FakeLoader, FakeProbe, MiB
 from memspec.errors import ConfigError, InvalidRequestError
-from memspec.workingset import Candidate, WorkingSet, admit, eviction_order
+from memspec.scheduling.workingset import Candidate, WorkingSet, admit, eviction_order
 
 
 # -- pure functions ----------------------------------------------------------------------

@@ -9,8 +9,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
-from memspec.convert import DecoderBuilder
-from memspec.gguf_reader import ArrayWeights, LlamaConfig
+from memspec.models.convert import DecoderBuilder
+from memspec.models.gguf import ArrayWeights, LlamaConfig
 
 
 def tiny_config(vocab: int = 16, hidden: int = 64, layers: int = 2) -> LlamaConfig:

@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 
 from memspec.errors import InvalidRequestError, MemspecError
-from memspec.memory import MiB
+from memspec.runtime.memory import MiB
 from memspec.request import Completion, GenerationRequest
 
 DEFAULT_WORKLOAD = "bench_prompts.jsonl"
@@ -244,8 +244,8 @@ class PolicyRun:
 
 def draft_sizes(store, target) -> dict[str, int]:
     """Every draft made for the target, with its planned RSS footprint (prompt lookup: 0)."""
-    from memspec.drafts import target_drafts
-    from memspec.scheduler import draft_footprints
+    from memspec.speculation.drafts import target_drafts
+    from memspec.scheduling.scheduler import draft_footprints
 
     return draft_footprints(target_drafts(store, target.name))
 
@@ -269,7 +269,7 @@ def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str]
                lookahead: int = 1, progress=None) -> tuple[dict, dict[str, PolicyRun], dict[str, list[int]]]:
     """Each policy over the same stream with its own scheduler; returns (cells, runs, target-only outputs).
     The engine must be warm (ONNX Runtime's first runs are slow): run_stream_cli warms it."""
-    from memspec.memory import PsutilProbe, RssSampler, reclaim
+    from memspec.runtime.memory import PsutilProbe, RssSampler, reclaim
 
     cells: dict[tuple[str, str], Tally] = defaultdict(Tally)
     runs: dict[str, PolicyRun] = {}
@@ -369,10 +369,10 @@ def print_stream_table(rows: list[dict], out=sys.stdout) -> None:
 def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tuple[list[dict], dict]:
     import dataclasses
 
-    from memspec.drafts import target_drafts
-    from memspec.engine import Engine, TargetModel
-    from memspec.scheduler import from_store, kv_sizer, load_predictor
-    from memspec.store import ModelStore
+    from memspec.speculation.drafts import target_drafts
+    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.scheduling.scheduler import from_store, kv_sizer, load_predictor
+    from memspec.models.store import ModelStore
 
     config = args.config
     store = ModelStore(config.store_home)
@@ -399,11 +399,11 @@ def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tup
                                       f"{', '.join(SCHEDULED)}")
     if "oracle" in policies:
         if args.oracle_table:
-            from memspec.scheduler import load_oracle_table
+            from memspec.scheduling.scheduler import load_oracle_table
             oracle_table = load_oracle_table(args.oracle_table)
         else:
             oracle_table = profile_oracle(engine, make_scheduler, workload, sorted(sizes), args.max_tokens, progress)
-    from memspec.memory import PsutilProbe, reclaim
+    from memspec.runtime.memory import PsutilProbe, reclaim
 
     engine.scheduler = None
     # warm on the longest prompt: the target's arena grows to its largest pass and stays there,
@@ -455,7 +455,7 @@ def add_arguments(b) -> None:
 def run_cli(args) -> int:
     import dataclasses
 
-    from memspec.engine import Engine
+    from memspec.speculation.engine import Engine
 
     if args.max_tokens <= 0:
         raise InvalidRequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")

@@ -31,7 +31,7 @@ import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from memspec.gguf_reader import QK, ArrayWeights, GGUFModel, LlamaConfig
+from memspec.models.gguf import QK, ArrayWeights, GGUFModel, LlamaConfig
 
 VARIANTS = ("fp32", "q4")
 MS = "com.microsoft"

@@ -16,10 +16,10 @@ from pathlib import Path
 from typing import Callable
 
 from memspec import __version__
-from memspec.convert import VARIANTS, convert
+from memspec.models.convert import VARIANTS, convert
 from memspec.errors import ModelFormatError, ModelNotFoundError
-from memspec.gguf_reader import GGUFModel
-from memspec.store import Manifest, ModelStore, file_record, sha256_file
+from memspec.models.gguf import GGUFModel
+from memspec.models.store import Manifest, ModelStore, file_record, sha256_file
 
 Progress = Callable[[str], None]
 
@@ -112,7 +112,7 @@ def _provenance(gguf: Path, source: PyPISource | None, gguf_sha: str) -> dict:
     prov = {
         "gguf_file": gguf.name,
         "gguf_sha256": gguf_sha,
-        "converter": f"memspec {__version__} (memspec.convert)",
+        "converter": f"memspec {__version__} (memspec.models.convert)",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
     }
     if source:
@@ -136,7 +136,7 @@ def import_gguf(store: ModelStore, gguf: Path, name: str, variants: tuple[str, .
                 source: PyPISource | None = None, progress: Progress | None = None,
                 force: bool = False) -> Manifest:
     """Convert a local llama GGUF into the store under `name`."""
-    from memspec.tokenizer import write_tokenizer_files
+    from memspec.models.tokenizer import write_tokenizer_files
 
     bad = [v for v in variants if v not in VARIANTS]
     if bad:

@@ -26,7 +26,7 @@ MANIFEST = "manifest.json"
 def _shipped_models() -> Path:
     """The drafts and predictor that ship with memspec: the repository's models/ in a
     checkout or an editable install, memspec/_models/ in a wheel (setup.py copies it)."""
-    here = Path(__file__).resolve().parent
+    here = Path(__file__).resolve().parents[1]  # memspec/
     checkout = here.parent / "models"
     return checkout if checkout.is_dir() else here / "_models"
 

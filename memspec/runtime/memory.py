@@ -4,7 +4,7 @@
   `PsutilProbe` answers from the OS, tests pass fakes.
 * `release_heap()` hands freed heap pages back to the OS (glibc `malloc_trim(0)`).
   Unloading a model gives its RSS back only when all of these hold:
-  1. ONNX Runtime keeps no CPU memory arena (memspec.sessions), so a dropped
+  1. ONNX Runtime keeps no CPU memory arena (memspec.runtime.sessions), so a dropped
      session frees its buffers to malloc;
   2. nothing else references the session (the working set drops the proposer
      before it trims, and its loader thread keeps no local copy);

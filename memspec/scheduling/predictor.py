@@ -21,7 +21,7 @@ every node) and evaluated here with NumPy alone, all ensembles at once, in
 float32 comparisons exactly as scikit-learn does, so a loaded predictor gives
 the numbers of the scikit-learn model it was exported from.  scikit-learn is
 needed only to train (`memspec train-predictor`, the second half of this file),
-on the traces `memspec profile` records (memspec.profile).
+on the traces `memspec profile` records (memspec.training.profile).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from memspec.errors import ModelFormatError
-from memspec.features import (CONTEXT_FEATURES, OVERLAP_FEATURES, PROMPT_FEATURES, UNKNOWN, GenerationContext,
+from memspec.scheduling.features import (CONTEXT_FEATURES, OVERLAP_FEATURES, PROMPT_FEATURES, UNKNOWN, GenerationContext,
                               context_features, overlap_features, prompt_features, prompt_ngrams)
 
 FORMAT = "memspec-predictor"
@@ -45,7 +45,7 @@ NONE = "none"  # the target-only policy
 SELF_FEATURES = ("self_acc",)  # the scored draft's own recent acceptance (UNKNOWN when it has not run)
 FEATURES = (*PROMPT_FEATURES, *CONTEXT_FEATURES, *OVERLAP_FEATURES, *SELF_FEATURES)
 QUANTITIES = ("mal", "drafted")  # per draft: tokens committed per step, draft tokens proposed per step
-from memspec.store import SHIPPED_MODELS  # noqa: E402
+from memspec.models.store import SHIPPED_MODELS  # noqa: E402
 DEFAULT_PATH = SHIPPED_MODELS / "predictor.json"
 
 

@@ -1,7 +1,7 @@
 """The scheduler: which draft each request runs with, and which drafts stay resident.
 
 For every request the engine asks `Scheduler.selector()` for a `DraftSelector`
-(memspec.speculative); the selector holds at most one draft lease from the
+(memspec.speculation.speculative); the selector holds at most one draft lease from the
 `WorkingSet` at a time and releases it when the request ends, however it ends
 (the engine closes the selector on completion, cancellation and exceptions).
 
@@ -38,12 +38,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from memspec.drafts import PROMPT_LOOKUP
+from memspec.speculation.drafts import PROMPT_LOOKUP
 from memspec.errors import ConfigError, InvalidRequestError
-from memspec.memory import MiB, MemoryProbe
-from memspec.metrics import SpecMetrics
+from memspec.runtime.memory import MiB, MemoryProbe
+from memspec.speculation.metrics import SpecMetrics
 from memspec.request import GenerationRequest
-from memspec.workingset import Lease, Loader, WorkingSet
+from memspec.scheduling.workingset import Lease, Loader, WorkingSet
 
 log = logging.getLogger("memspec.scheduler")
 
@@ -73,7 +73,7 @@ class SchedulerConfig:
 def prompt_text(req: GenerationRequest) -> str:
     """What the request asks, as the predictor and the oracle table see it."""
     try:
-        from memspec.features import request_text
+        from memspec.scheduling.features import request_text
     except ImportError:  # the predictor's module is not installed: the oracle table keys on the prompt
         return req.prompt if req.prompt is not None else "\n".join(c for _, c in req.messages or ())
     return request_text(req)
@@ -151,7 +151,7 @@ def load_oracle_table(path: str | Path) -> dict[str, str]:
 def predictor_file(path: str, variant: str = "") -> Path:
     """The predictor to use: `path` when set, else the shipped one fitted on traces of the target's
     variant (models/predictor-VARIANT.json) when there is one, else models/predictor.json."""
-    from memspec.store import SHIPPED_MODELS
+    from memspec.models.store import SHIPPED_MODELS
 
     if path:
         return Path(path)
@@ -162,9 +162,9 @@ def predictor_file(path: str, variant: str = "") -> Path:
 def load_predictor(path: str, variant: str = ""):
     """The predictor for a target of `variant` (see predictor_file), or a ConfigError naming what is missing."""
     try:
-        from memspec.predictor import Predictor
+        from memspec.scheduling.predictor import Predictor
     except ImportError as exc:
-        raise ConfigError(f"policy 'memspec' needs the predictor, but memspec/predictor.py cannot be imported "
+        raise ConfigError(f"policy 'memspec' needs the predictor, but memspec/scheduling/predictor.py cannot be imported "
                           f"({exc}); use another [scheduler] policy until it is installed") from None
     file = predictor_file(path, variant)
     if not file.is_file():
@@ -182,9 +182,9 @@ def load_predictor(path: str, variant: str = ""):
 def context_type():
     """GenerationContext from the predictor's features module."""
     try:
-        from memspec.features import GenerationContext
+        from memspec.scheduling.features import GenerationContext
     except ImportError:
-        from memspec.predictor import GenerationContext  # type: ignore[no-redef]
+        from memspec.scheduling.predictor import GenerationContext  # type: ignore[no-redef]
     return GenerationContext
 
 
@@ -601,8 +601,8 @@ class Scheduler:
 
 def draft_footprints(drafts: list) -> dict[str, int]:
     """Every draft (manifests) with the RSS footprint budgets plan it at, plus prompt lookup (0)."""
-    from memspec.drafts import draft_variant
-    from memspec.memory import planned_footprint
+    from memspec.speculation.drafts import draft_variant
+    from memspec.runtime.memory import planned_footprint
 
     return {PROMPT_LOOKUP: 0, **{m.name: planned_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
 
@@ -610,8 +610,8 @@ def draft_footprints(drafts: list) -> dict[str, int]:
 def kv_sizer(target, drafts: list) -> Callable[[int], int]:
     """tokens -> bytes of one request's KV caches: the target's (a TargetModel) plus the largest
     of these drafts' (manifests), with room for the slots a verification pass writes."""
-    from memspec.sessions import kv_cache_nbytes
-    from memspec.speculative import SpecConfig
+    from memspec.runtime.sessions import kv_cache_nbytes
+    from memspec.speculation.speculative import SpecConfig
 
     rows = []  # (layers, kv heads, head dim) of each draft's KV cache
     for m in drafts:
@@ -632,8 +632,8 @@ def kv_sizer(target, drafts: list) -> Callable[[int], int]:
 def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
                names: list[str] | None = None, **kwargs) -> Scheduler:
     """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup."""
-    from memspec.drafts import DraftModel, PromptLookup, target_drafts
-    from memspec.memory import PsutilProbe, planned_footprint
+    from memspec.speculation.drafts import DraftModel, PromptLookup, target_drafts
+    from memspec.runtime.memory import PsutilProbe, planned_footprint
 
     vocab = target.session.vocab_size
     drafts = target_drafts(store, target.name, names)

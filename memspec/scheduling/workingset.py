@@ -30,7 +30,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Callable
 
 from memspec.errors import CancelledError, ConfigError, InvalidRequestError, OverloadedError
-from memspec.memory import Ledger, MemoryProbe, MiB, reclaim, tune_malloc
+from memspec.runtime.memory import Ledger, MemoryProbe, MiB, reclaim, tune_malloc
 
 log = logging.getLogger("memspec.workingset")
 
@@ -170,7 +170,7 @@ class WorkingSet:
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
         self._thread: threading.Thread | None = None
         self._closed = False
-        tune_malloc()  # so that evicting a draft gives its memory back (memspec.memory)
+        tune_malloc()  # so that evicting a draft gives its memory back (memspec.runtime.memory)
 
     # -- accounting ------------------------------------------------------------------
     def used_bytes(self) -> int:

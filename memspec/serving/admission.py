@@ -8,7 +8,7 @@ queue is full or when it could not fit even on an idle daemon (`fits()` fails
 and nothing is running that would free memory).  Deadlines and cancellation end
 the wait.  The memory budget ([scheduler] budget_mb) is not checked here: the
 working set holds it, and the request reserves its KV caches there as it starts
-(memspec.workingset.WorkingSet.reserve, which waits and refuses the same way).
+(memspec.scheduling.workingset.WorkingSet.reserve, which waits and refuses the same way).
 """
 
 from __future__ import annotations

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Protocol
 from memspec.config import Config
 from memspec.errors import InvalidRequestError, ModelNotFoundError, NotLoadedError, UnavailableError
 from memspec.request import Chunk, Completion, GenerationRequest, validate
-from memspec.store import ModelStore
+from memspec.models.store import ModelStore
 
 log = logging.getLogger("memspec.backend")
 
@@ -256,7 +256,7 @@ class EngineBackend:
             self.engine.limits = config.limits
 
     def close(self) -> None:
-        """Drop the engine at shutdown, joining its loader thread (memspec.engine.Engine.close)."""
+        """Drop the engine at shutdown, joining its loader thread (memspec.speculation.engine.Engine.close)."""
         with self._lock:
             engine, self.engine = self.engine, None
         _retire(engine)

@@ -1,6 +1,6 @@
 """A client for the memspec daemon.
 
-    with Client() as c:                      # the default socket (see memspec.address)
+    with Client() as c:                      # the default socket (see memspec.serving.address)
         for item in c.generate("What is 2+2?", max_tokens=32):
             print(item.text, end="")         # Chunks, then one Completion with stats
 
@@ -16,8 +16,8 @@ from typing import Iterator, Mapping, Sequence
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memspec import wire
-from memspec.address import client_address
+from memspec.serving import wire
+from memspec.serving.address import client_address
 from memspec.errors import InvalidRequestError
 from memspec.request import Chunk, Completion, GenerationRequest, SamplingParams
 

@@ -28,14 +28,14 @@ from typing import Callable
 
 import psutil
 
-from memspec.address import Address, default_socket, server_address
-from memspec.admission import MiB, Admission, AdmissionConfig
-from memspec.backend import EngineBackend
+from memspec.serving.address import Address, default_socket, server_address
+from memspec.serving.admission import MiB, Admission, AdmissionConfig
+from memspec.serving.backend import EngineBackend
 from memspec.config import Config, ServerConfig, load_config
 from memspec.errors import ConfigError, MemspecError
-from memspec.notify import Notifier
-from memspec.server import MemSpecServicer, create_server
-from memspec.store import ModelStore
+from memspec.serving.notify import Notifier
+from memspec.serving.server import MemSpecServicer, create_server
+from memspec.models.store import ModelStore
 
 log = logging.getLogger("memspec.daemon")
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)

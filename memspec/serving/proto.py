@@ -9,7 +9,7 @@ modules, ``memspec/_proto/memspec/v1/memspec_pb2{,_grpc}.py``, are produced by
   read-only site-packages (the hardened systemd unit) never needs to write;
 * at import time, by `load()`, in a source checkout (``pip install -e .``):
   the files are regenerated when missing or older than the .proto, so editing
-  the API needs no reinstall.  ``python -m memspec.proto`` does it on demand.
+  the API needs no reinstall.  ``python -m memspec.serving.proto`` does it on demand.
 
 protoc writes ``from memspec.v1 import memspec_pb2`` into the _grpc module (its
 import path mirrors the .proto path); that would resolve inside this package,
@@ -27,7 +27,7 @@ import tempfile
 from pathlib import Path
 from types import ModuleType
 
-PACKAGE_DIR = Path(__file__).resolve().parent
+PACKAGE_DIR = Path(__file__).resolve().parent.parent  # memspec/
 OUT_DIR = PACKAGE_DIR / "_proto"  # the generated package root
 CHECKOUT_PROTOS = PACKAGE_DIR.parent / "protos"  # the source of truth in a checkout
 PROTO = "memspec/v1/memspec.proto"  # path below the include root
@@ -69,7 +69,7 @@ def generate(out_dir: Path = OUT_DIR, root: Path | None = None) -> list[Path]:
     except ImportError:
         raise RuntimeError(
             "generating the gRPC modules needs grpcio-tools: pip install grpcio-tools "
-            "(then `python -m memspec.proto`)"
+            "(then `python -m memspec.serving.proto`)"
         ) from None
     out_dir.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=out_dir, prefix=".gen-") as tmp:
@@ -113,7 +113,7 @@ def load() -> tuple[ModuleType, ModuleType]:
             return _import()
         raise RuntimeError(
             f"the generated gRPC modules under {OUT_DIR} cannot be imported ({exc}); "
-            f"reinstall memspec, or run `python -m memspec.proto` with a matching grpcio-tools"
+            f"reinstall memspec, or run `python -m memspec.serving.proto` with a matching grpcio-tools"
         ) from None
 
 
@@ -124,7 +124,7 @@ def _import() -> tuple[ModuleType, ModuleType]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    """``python -m memspec.proto [OUT_DIR]``: regenerate the modules now."""
+    """``python -m memspec.serving.proto [OUT_DIR]``: regenerate the modules now."""
     argv = sys.argv[1:] if argv is None else argv
     out = Path(argv[0]) if argv else OUT_DIR
     for path in generate(out):

@@ -1,8 +1,8 @@
 """The gRPC servicer: parse the request, call the domain layer, build the reply.
 
 Every failure leaves through one place, `_abort`, which maps the named
-exception to its status code (memspec.wire.CODES) and names it in the trailing
-metadata.  The daemon's lifecycle (socket, signals, systemd) is memspec.daemon.
+exception to its status code (memspec.serving.wire.CODES) and names it in the trailing
+metadata.  The daemon's lifecycle (socket, signals, systemd) is memspec.serving.daemon.
 """
 
 from __future__ import annotations
@@ -19,9 +19,10 @@ import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from memspec import __version__, wire
-from memspec.admission import Admission
-from memspec.backend import Backend
+from memspec import __version__
+from memspec.serving import wire
+from memspec.serving.admission import Admission
+from memspec.serving.backend import Backend
 from memspec.errors import ConfigError, InvalidRequestError, MemspecError, UnavailableError
 from memspec.request import Completion
 
@@ -210,7 +211,7 @@ def _guarded(fn, streaming: bool):
 
 
 def _handlers(servicer: MemSpecServicer) -> grpc.GenericRpcHandler:
-    """MemSpec's methods with lenient request parsing (see memspec.wire.lenient)."""
+    """MemSpec's methods with lenient request parsing (see memspec.serving.wire.lenient)."""
     service = pb2.DESCRIPTOR.services_by_name["MemSpec"]
     handlers = {}
     for m in service.methods:

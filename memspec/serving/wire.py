@@ -15,7 +15,8 @@ from google.protobuf import json_format
 from google.protobuf.descriptor import Descriptor, FieldDescriptor
 from google.protobuf.message import DecodeError, Message
 
-from memspec import errors, proto
+from memspec import errors
+from memspec.serving import proto
 from memspec.errors import (
     CancelledError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelFormatError,
     ModelNotFoundError, NotLoadedError, OverloadedError, RemoteError, UnavailableError,

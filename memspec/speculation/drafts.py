@@ -17,11 +17,11 @@ from typing import Protocol
 
 import numpy as np
 
-from memspec import sampling
+from memspec.speculation import sampling
 from memspec.errors import ModelFormatError
 from memspec.request import SamplingParams
-from memspec.sessions import DecoderSession, SessionConfig
-from memspec.store import Manifest, ModelStore
+from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.models.store import Manifest, ModelStore
 
 PROMPT_LOOKUP = "prompt-lookup"
 LOOKUP_MAX_NGRAM = 8  # a model draft's lookup prefers the longest earlier match up to this many tokens

@@ -3,7 +3,7 @@
 `Engine.stream()` turns a checked request into a stream of `Chunk`s and one
 final `Completion`.  The decode loop underneath yields lists of committed token
 ids: one per step for target-only decoding, several per step once a draft
-proposes and the target verifies (memspec.speculative).  Everything about
+proposes and the target verifies (memspec.speculation.speculative).  Everything about
 stopping (EOS, stop strings, max tokens, context end, cancellation), text and
 timing lives here, once, for both.
 """
@@ -18,16 +18,16 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from memspec.drafts import Proposer
+from memspec.speculation.drafts import Proposer
 from memspec.errors import ContextOverflowError, InvalidRequestError
-from memspec.memory import release_heap
-from memspec.metrics import SpecMetrics
+from memspec.runtime.memory import release_heap
+from memspec.speculation.metrics import SpecMetrics
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
-from memspec.sessions import DecoderSession, KVCache, SessionConfig
-from memspec.speculative import DraftSelector, FixedDraft, NoDraft, SpecConfig, speculative_steps
-from memspec.stopping import StopMatcher
-from memspec.store import Manifest, ModelStore
-from memspec.tokenizer import Tokenizer
+from memspec.runtime.sessions import DecoderSession, KVCache, SessionConfig
+from memspec.speculation.speculative import DraftSelector, FixedDraft, NoDraft, SpecConfig, speculative_steps
+from memspec.speculation.stopping import StopMatcher
+from memspec.models.store import Manifest, ModelStore
+from memspec.models.tokenizer import Tokenizer
 
 Clock = Callable[[], float]
 
@@ -79,7 +79,7 @@ class Engine:
         self.drafts: dict[str, Proposer] = dict(drafts or {})  # name -> loaded proposer
         self.default_draft = default_draft  # used when a request names none; None = target only
         self.spec = spec
-        self.scheduler = scheduler  # memspec.scheduler.Scheduler: picks each request's draft (replaces `drafts`)
+        self.scheduler = scheduler  # memspec.scheduling.scheduler.Scheduler: picks each request's draft (replaces `drafts`)
         self.verify_cost_s: list[float] | None = None  # [k] = seconds of a k-token target pass (measured once)
         self._calibrate_lock = threading.Lock()
 
@@ -100,7 +100,7 @@ class Engine:
         request's draft; "all": every draft made for the target is loaded up front and a request
         names the one it wants (the fixed-policy benchmark); "none": target only.
         """
-        from memspec.drafts import load_pool
+        from memspec.speculation.drafts import load_pool
 
         if drafts not in ("scheduler", "all", "none"):
             raise ValueError(f"drafts must be 'scheduler', 'all' or 'none', got {drafts!r}")
@@ -109,7 +109,7 @@ class Engine:
         spec = config.speculative
         limits = spec.draft_limits()
         if drafts == "scheduler":
-            from memspec.scheduler import from_store
+            from memspec.scheduling.scheduler import from_store
 
             sched = from_store(config.scheduler, store, target, config.runtime, limits)
             return cls(target, config.limits, spec=spec, scheduler=sched)

@@ -3,7 +3,7 @@
 Per step, with the target cache holding every committed token but the last:
 
     feed   = [last, d1 .. dk]                  one target forward, k+1 logits rows
-    accept = verify_greedy / verify_sampled     (memspec.sampling, pure NumPy)
+    accept = verify_greedy / verify_sampled     (memspec.speculation.sampling, pure NumPy)
     commit = d1 .. dn + [recovered | bonus]
     target cache -> committed length - 1       (rollback is a truncation)
 
@@ -20,11 +20,11 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from memspec import sampling
-from memspec.drafts import DraftLimits, DraftState, Proposal
-from memspec.metrics import SpecMetrics
+from memspec.speculation import sampling
+from memspec.speculation.drafts import DraftLimits, DraftState, Proposal
+from memspec.speculation.metrics import SpecMetrics
 from memspec.request import SamplingParams
-from memspec.sessions import DecoderSession, KVCache
+from memspec.runtime.sessions import DecoderSession, KVCache
 
 
 @dataclass(frozen=True)

@@ -31,8 +31,8 @@ from pathlib import Path
 import numpy as np
 
 from memspec.errors import MemspecError
-from memspec.gguf_reader import LlamaConfig
-from memspec.train_prompts import DOMAINS
+from memspec.models.gguf import LlamaConfig
+from memspec.training.prompts import DOMAINS
 
 TOP_K = 64  # teacher log-probs kept per answer position
 GAMMA = 5  # draft tokens per verification step in the acceptance simulation
@@ -231,7 +231,7 @@ def llama_class():
 
 def load_teacher(gguf_path: Path):
     """The target as a float32 torch module, from its GGUF."""
-    from memspec.gguf_reader import GGUFModel
+    from memspec.models.gguf import GGUFModel
 
     g = GGUFModel(gguf_path)
     model = llama_class()(g.config)
@@ -296,9 +296,9 @@ def generate(teacher, prompts: list[list[int]], max_new: int, eos: int, batch: i
 def measured_prompts() -> set[str]:
     """The prompts the benchmarks measure drafts on: the built-in workload and, in a checkout,
     bench/heldout_mixed.jsonl.  Training never uses them."""
-    from memspec.bench import load_workload
+    from memspec.bench.policies import load_workload
 
-    heldout = Path(__file__).resolve().parents[1] / "bench" / "heldout_mixed.jsonl"
+    heldout = Path(__file__).resolve().parents[2] / "bench" / "heldout_mixed.jsonl"
     workloads = [None, str(heldout)] if heldout.is_file() else [None]
     return {w["prompt"] for path in workloads for w in load_workload(path)}
 
@@ -318,7 +318,7 @@ def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, 
     path = work / f"data-{domain if prompts is not None else data_key(domain, seed)}.pt"
     if path.is_file():
         return torch.load(path, weights_only=False)
-    from memspec.train_prompts import domain_prompts
+    from memspec.training.prompts import domain_prompts
 
     texts = prompts if prompts is not None else domain_prompts(domain, n_prompts, seed, exclude)
     if not texts:  # every prompt of the domain is in an earlier seed's data set already
@@ -510,8 +510,8 @@ def export_onnx(model, path: Path, max_positions: int = 2048, weights: str = "q8
     97.7% of held-out positions.  weights="fp16": float16-stored float32 matrices."""
     import onnx
 
-    from memspec.convert import DecoderBuilder
-    from memspec.gguf_reader import ArrayWeights
+    from memspec.models.convert import DecoderBuilder
+    from memspec.models.gguf import ArrayWeights
 
     _, quantize, _ = WEIGHTS[weights]
     arrays = ArrayWeights(model.c, model.tensors(), quantize=quantize)
@@ -528,7 +528,7 @@ def export_onnx(model, path: Path, max_positions: int = 2048, weights: str = "q8
 def write_draft(folder: Path, name: str, model, vmap: VocabMap, provenance: dict, extra: dict,
                 weights: str = "q8") -> Path:
     """VARIANT.onnx, vocab.json and manifest.json in `folder` (VARIANT: q8, or fp32 for float16 weights)."""
-    from memspec.store import Manifest, ModelStore, file_record
+    from memspec.models.store import Manifest, ModelStore, file_record
 
     folder.mkdir(parents=True, exist_ok=True)
     variant, _, note = WEIGHTS[weights]
@@ -583,8 +583,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 
 def _target_files(target: str, home=None):
     """The target's tokenizer and its GGUF (the teacher's weights), from the store."""
-    from memspec.store import ModelStore
-    from memspec.tokenizer import Tokenizer
+    from memspec.models.store import ModelStore
+    from memspec.models.tokenizer import Tokenizer
 
     store = ModelStore(home)
     m = store.get(target)
@@ -598,7 +598,7 @@ def _target_files(target: str, home=None):
 def export_only(args) -> int:
     """Write --name again from its checkpoint in --work (say with other --weights), keeping its record."""
     torch = _torch()
-    from memspec.store import MANIFEST, SHIPPED_MODELS, Manifest
+    from memspec.models.store import MANIFEST, SHIPPED_MODELS, Manifest
 
     out = Path(args.out) if args.out else SHIPPED_MODELS
     ckpt = Path(args.work) / args.target / f"{args.name}.pt"
@@ -632,7 +632,7 @@ def run_cli(args) -> int:
     if args.layers < 1:
         raise MemspecError(f"--layers must be at least 1, got {args.layers}")
     torch = _torch()
-    from memspec.store import SHIPPED_MODELS
+    from memspec.models.store import SHIPPED_MODELS
 
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -680,7 +680,7 @@ def run_cli(args) -> int:
         vocab = select_vocab(token_counts(samples, tok.vocab_size), args.vocab_size, required_ids(tok))
     vmap = VocabMap(vocab, tok.vocab_size)
     cfg = draft_config(args.layers, args.width, len(vocab))
-    from memspec.gguf_reader import GGUFModel
+    from memspec.models.gguf import GGUFModel
 
     model = init_draft(cfg, GGUFModel(gguf).float32("token_embd.weight"), vmap, args.seed)
     previous = None
@@ -712,7 +712,7 @@ def run_cli(args) -> int:
         "source": f"memspec train-draft (self-distillation from {args.target})",
         "teacher": f"{args.target} ({gguf.name}, dequantized to float32, greedy)",
         "data": {k: d["info"] for k, d in datasets.items()},
-        "command": "memspec " + " ".join(sys.argv[1:]),  # python -m memspec.train takes the same arguments
+        "command": "memspec " + " ".join(sys.argv[1:]),  # python -m memspec.training.drafts takes the same arguments
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "torch": torch.__version__,
         "params": n_params,

@@ -30,12 +30,12 @@ from pathlib import Path
 
 import numpy as np
 
-from memspec.drafts import PROMPT_LOOKUP, Proposal
-from memspec.features import context_of, request_text
-from memspec.metrics import SpecMetrics
-from memspec.predictor import NONE, TRACE_FORMAT
+from memspec.speculation.drafts import PROMPT_LOOKUP, Proposal
+from memspec.scheduling.features import context_of, request_text
+from memspec.speculation.metrics import SpecMetrics
+from memspec.scheduling.predictor import NONE, TRACE_FORMAT
 from memspec.request import GenerationRequest, SamplingParams
-from memspec.speculative import speculative_steps
+from memspec.speculation.speculative import speculative_steps
 
 TRACE_VERSION = 1
 
@@ -207,8 +207,8 @@ def add_parser(subparsers):
 
 
 def run_cli(args) -> int:
-    from memspec.bench import load_workload
-    from memspec.engine import Engine
+    from memspec.bench.policies import load_workload
+    from memspec.speculation.engine import Engine
     from memspec.errors import InvalidRequestError
 
     if args.max_tokens < 2 or args.segment_tokens < 1:

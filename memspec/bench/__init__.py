@@ -1,0 +1,1 @@
+"""`memspec bench`: draft policies side by side on a prompt workload."""

@@ -1,0 +1,1 @@
+"""Models on disk: the GGUF reader, ONNX conversion, the tokenizer, the store and `memspec pull`."""

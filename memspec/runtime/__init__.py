@@ -1,0 +1,1 @@
+"""ONNX Runtime underneath: decoder sessions with their KV caches, and memory accounting."""

@@ -1,0 +1,1 @@
+"""The gRPC daemon and its client: servicer, backend, admission, lifecycle, wire format."""
