@@ -16,7 +16,7 @@ from collections import defaultdict
 
 from memspec.bench.policies import load_workload, teacher_forced_agreement
 from memspec.speculation.engine import Engine, TargetModel
-from memspec.runtime.sessions import SessionConfig
+from memspec.runtime.config import SessionConfig
 from memspec.models.store import ModelStore, default_home
 
 

@@ -33,7 +33,8 @@ import onnxruntime as ort
 from memspec.bench.policies import load_workload
 from memspec.speculation.drafts import draft_variant, read_vocab_map, target_drafts, target_to_draft
 from memspec.errors import MemspecError
-from memspec.runtime.sessions import DecoderSession, SessionConfig, resolve_providers
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.sessions import DecoderSession, resolve_providers
 from memspec.models.store import ModelStore, default_home
 from memspec.models.tokenizer import Tokenizer
 

@@ -24,7 +24,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
-from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.sessions import DecoderSession
 from memspec.models.store import ModelStore
 from memspec.models.tokenizer import Tokenizer
 

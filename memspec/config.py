@@ -15,9 +15,9 @@ from typing import Any
 
 from memspec.errors import ConfigError
 from memspec.request import Limits
-from memspec.scheduling.scheduler import SchedulerConfig
-from memspec.runtime.sessions import SessionConfig
-from memspec.speculation.speculative import SpecConfig
+from memspec.runtime.config import SessionConfig
+from memspec.scheduling.config import SchedulerConfig
+from memspec.speculation.config import SpecConfig
 
 if sys.version_info >= (3, 11):
     import tomllib

@@ -110,7 +110,8 @@ def test_onnxruntime_genai_runs_memspecs_q4_graph_token_for_token(tmp_path):
 
     from memspec.models.convert import DecoderBuilder
     from memspec.models.gguf import ArrayWeights
-    from memspec.runtime.sessions import DecoderSession, SessionConfig
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.sessions import DecoderSession
 
     og = pytest.importorskip("onnxruntime_genai")
     engines = _bench_module("engines")

@@ -12,7 +12,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.sessions import DecoderSession
 
 FIXTURE = Path(__file__).parent / "fixtures" / "golden_logits.json"
 

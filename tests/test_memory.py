@@ -12,7 +12,8 @@ from fakes import FakeClock, FakeProbe, MiB
 from memspec.speculation.drafts import DraftModel
 from memspec.runtime.memory import Ledger, PsutilProbe, RssSampler, measure, release_heap
 from memspec.request import SamplingParams
-from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.sessions import DecoderSession
 from memspec.scheduling.workingset import WorkingSet
 from tiny_models import build_tiny
 

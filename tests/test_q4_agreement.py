@@ -19,7 +19,7 @@ import pytest
 
 from memspec.speculation.engine import Engine, TargetModel
 from memspec.request import GenerationRequest
-from memspec.runtime.sessions import SessionConfig
+from memspec.runtime.config import SessionConfig
 
 PROMPTS = [
     "Write a Python function that merges two sorted lists.",

@@ -12,8 +12,8 @@ from fakes import Ctx, FakeClock, FakeLoader, FakeProbe, MiB, StandInPredictor
 from memspec.errors import ConfigError, InvalidRequestError
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import GenerationRequest
-from memspec.scheduling.scheduler import (Scheduler, SchedulerConfig, expected_seconds, load_oracle_table, request_reward,
-                               ucb_pick)
+from memspec.scheduling.config import SchedulerConfig
+from memspec.scheduling.scheduler import Scheduler, expected_seconds, load_oracle_table, request_reward, ucb_pick
 
 SIZES = {"draft-chat": 10 * MiB, "draft-code": 10 * MiB, "draft-math": 10 * MiB, "prompt-lookup": 0}
 FENCE = 7  # token id the fake decoder turns into ``` (every other id is "x")

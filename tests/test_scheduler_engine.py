@@ -7,15 +7,16 @@ import threading
 
 import numpy as np
 
-from memspec.speculation.speculative import SpecConfig
+from memspec.speculation.config import DraftLimits, SpecConfig
 import pytest
 
 from fakes import FakeProbe, MiB
-from memspec.speculation.drafts import DraftLimits, DraftModel, PromptLookup, Proposal
+from memspec.speculation.drafts import DraftModel, PromptLookup, Proposal
 from memspec.speculation.engine import Engine, TargetModel
 from memspec.request import GenerationRequest
-from memspec.scheduling.scheduler import Scheduler, SchedulerConfig
-from memspec.runtime.sessions import SessionConfig
+from memspec.scheduling.config import SchedulerConfig
+from memspec.scheduling.scheduler import Scheduler
+from memspec.runtime.config import SessionConfig
 
 PROMPT = "Write a Python function that returns the n-th Fibonacci number."
 V = 49152

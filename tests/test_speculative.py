@@ -6,11 +6,13 @@ import numpy as np
 import pytest
 
 from memspec.speculation import sampling
-from memspec.speculation.drafts import DraftLimits, DraftModel, PromptLookup, loop_continuation, ngram_continuation
+from memspec.speculation.config import DraftLimits, SpecConfig
+from memspec.speculation.drafts import DraftModel, PromptLookup, loop_continuation, ngram_continuation
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import GenerationRequest, SamplingParams
-from memspec.runtime.sessions import DecoderSession, SessionConfig
-from memspec.speculation.speculative import FixedDraft, SpecConfig, next_gamma, speculative_steps
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.sessions import DecoderSession
+from memspec.speculation.speculative import FixedDraft, next_gamma, speculative_steps
 from test_sampling import chi_square_p
 from tiny_models import build_tiny
 

@@ -15,7 +15,8 @@ import pytest
 
 from memspec.speculation.drafts import draft_variant
 from memspec.models.gguf import ArrayWeights
-from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.sessions import DecoderSession
 from memspec.models.store import SHIPPED_MODELS, ModelStore
 from memspec.training.drafts import UNKNOWN_TARGET_ID, VocabMap, acceptance, draft_config, select_vocab
 

@@ -19,7 +19,6 @@ Two graph layouts are understood, read from the model's own inputs:
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
@@ -27,26 +26,10 @@ import numpy as np
 import onnxruntime as ort
 
 from memspec.errors import ContextOverflowError, ModelFormatError
+from memspec.runtime.config import SessionConfig
 
 PAGE = 4096  # bytes the OS commits at a time (Linux, x86-64 and aarch64 defaults)
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
-
-
-@dataclass(frozen=True)
-class SessionConfig:
-    """How ONNX Runtime runs a model."""
-
-    providers: tuple[str, ...] = ("auto",)  # EP names, or "auto" = best that ORT reports
-    draft_providers: tuple[str, ...] = ()  # the drafts' EPs, if not the target's (a tiny draft step
-    #                                        can be cheaper on the CPU than a GPU kernel launch each)
-    intra_op_threads: int = 0  # target threads; 0 = one per physical core
-    draft_threads: int = 1  # draft threads: drafts are tiny, and a second spinning thread pool
-    #                         would steal the cores the target verifies on
-    max_context: int = 2048  # KV capacity in tokens (prompt + generated)
-    batch_invariant: bool = True  # target passes of one token run as two, so that target-only
-    #                                decoding and multi-token verification use the same kernels and
-    #                                greedy speculative output is target-only output token for token
-    #                                (on q4 ~2% of tokens flip otherwise); costs target-only steps ~15%
 
 
 def resolve_providers(wanted: Sequence[str]) -> list[str]:

@@ -34,7 +34,6 @@ import logging
 import math
 import time
 from collections import Counter, deque
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -43,31 +42,13 @@ from memspec.errors import ConfigError, InvalidRequestError
 from memspec.runtime.memory import MiB, MemoryProbe
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import GenerationRequest
+from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.workingset import Lease, Loader, WorkingSet
 
 log = logging.getLogger("memspec.scheduler")
 
 POLICIES = ("target-only", "fixed:<draft>", "bandit", "memspec", "oracle")
 NONE = "none"  # the predictor's name for target-only decoding
-
-
-@dataclass(frozen=True)
-class SchedulerConfig:
-    """Draft selection and the resident set ([scheduler] in the config)."""
-
-    policy: str = "memspec"  # target-only, fixed:<draft>, bandit, memspec or oracle
-    budget_mb: int = 0  # target + resident drafts may not exceed this; 0 = no budget
-    pressure_floor_mb: int = 256  # below this much available system memory: evict drafts, then target-only; 0 = off
-    switch_every_steps: int = 8  # memspec: ask the predictor again every this many steps
-    switch_margin: float = 0.15  # memspec: switch only for a predicted gain of at least this fraction
-    ucb_c: float = 0.5  # bandit: exploration weight (rewards are scaled to [0, 1])
-    bandit_reward: str = "tok_per_s"  # bandit: "tok_per_s" or "acceptance_per_cost"
-    preload: bool = True  # memspec: load what queued and likely requests need ahead of time
-    expected_tokens: int = 128  # memspec: tokens a request is expected to run for (capped by max_tokens)
-    value_decay: float = 0.8  # memspec: weight of the past in each draft's expected value (EMA)
-    predictor: str = ""  # memspec: predictor JSON; "" = models/predictor-VARIANT.json, else models/predictor.json
-    oracle: str = ""  # oracle: JSON {prompt: draft} or JSONL traces {prompt, draft, tok_per_s}
-    retry_after_s: float = 30.0  # a draft that failed to load is not tried again for this long
 
 
 def prompt_text(req: GenerationRequest) -> str:
@@ -611,7 +592,7 @@ def kv_sizer(target, drafts: list) -> Callable[[int], int]:
     """tokens -> bytes of one request's KV caches: the target's (a TargetModel) plus the largest
     of these drafts' (manifests), with room for the slots a verification pass writes."""
     from memspec.runtime.sessions import kv_cache_nbytes
-    from memspec.speculation.speculative import SpecConfig
+    from memspec.speculation.config import SpecConfig
 
     rows = []  # (layers, kv heads, head dim) of each draft's KV cache
     for m in drafts:

@@ -20,21 +20,13 @@ import numpy as np
 from memspec.speculation import sampling
 from memspec.errors import ModelFormatError
 from memspec.request import SamplingParams
-from memspec.runtime.sessions import DecoderSession, SessionConfig
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.sessions import DecoderSession
+from memspec.speculation.config import DraftLimits
 from memspec.models.store import Manifest, ModelStore
 
 PROMPT_LOOKUP = "prompt-lookup"
 LOOKUP_MAX_NGRAM = 8  # a model draft's lookup prefers the longest earlier match up to this many tokens
-
-
-@dataclass(frozen=True)
-class DraftLimits:
-    """When a draft stops proposing early (GELATO / llama.cpp p_min)."""
-
-    p_min: float = 0.3  # stop when the draft's top probability falls below this
-    max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
-    loop_tokens: int = 8  # a context ending in a loop this long continues it instead (0: never)
-    lookup_ngram: int = 2  # ... or one whose last n >= this many tokens occurred before, what followed (0: never)
 
 
 @dataclass

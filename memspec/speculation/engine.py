@@ -23,8 +23,10 @@ from memspec.errors import ContextOverflowError, InvalidRequestError
 from memspec.runtime.memory import release_heap
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
-from memspec.runtime.sessions import DecoderSession, KVCache, SessionConfig
-from memspec.speculation.speculative import DraftSelector, FixedDraft, NoDraft, SpecConfig, speculative_steps
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.sessions import DecoderSession, KVCache
+from memspec.speculation.config import SpecConfig
+from memspec.speculation.speculative import DraftSelector, FixedDraft, NoDraft, speculative_steps
 from memspec.speculation.stopping import StopMatcher
 from memspec.models.store import Manifest, ModelStore
 from memspec.models.tokenizer import Tokenizer

@@ -15,38 +15,16 @@ draft catches up on dk and the bonus token.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
 from memspec.speculation import sampling
-from memspec.speculation.drafts import DraftLimits, DraftState, Proposal
+from memspec.speculation.config import DraftLimits, SpecConfig
+from memspec.speculation.drafts import DraftState, Proposal
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import SamplingParams
 from memspec.runtime.sessions import DecoderSession, KVCache
-
-
-@dataclass(frozen=True)
-class SpecConfig:
-    """How long draft proposals are ([speculative] in the config; [scheduler] picks the draft)."""
-
-    p_min: float = DraftLimits.p_min  # a draft stops proposing when its top probability falls below this
-    max_entropy: float = DraftLimits.max_entropy  # ... or when its entropy (nats) rises above this
-    loop_tokens: int = DraftLimits.loop_tokens  # a model draft continues a loop this long itself (0: never)
-    lookup_ngram: int = DraftLimits.lookup_ngram  # ... and copies what followed its last n >= this earlier (0: never)
-    gamma: int = 5  # draft tokens proposed per step at the start
-    gamma_min: int = 1  # the step controller never proposes fewer (while drafting at all)
-    gamma_max: int = 8  # never propose more
-    adaptive: bool = True  # adapt gamma as the request runs (False: always `gamma`)
-    controller: str = "cost"  # "cost": gamma that maximises expected tokens per unit of cost, from the
-    #                           acceptance seen so far and the target's measured verification cost (0 =
-    #                           a plain target step when drafting does not pay); "step": +1 after a full
-    #                           acceptance, -1 after a rejection
-
-    def draft_limits(self) -> DraftLimits:
-        """What a draft model reads of this config: when it stops proposing, and when it copies."""
-        return DraftLimits(self.p_min, self.max_entropy, self.loop_tokens, self.lookup_ngram)
 
 
 def next_gamma(cfg: SpecConfig, gamma: int, n_drafted: int, n_accepted: int) -> int:

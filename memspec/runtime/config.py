@@ -1,0 +1,26 @@
+"""The runtime's config: how ONNX Runtime runs a model ([runtime] in the config file).
+
+Kept apart from memspec.runtime.sessions, which imports onnxruntime and NumPy, so
+that loading a config (and the light CLI commands) does not.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class SessionConfig:
+    """How ONNX Runtime runs a model."""
+
+    providers: tuple[str, ...] = ("auto",)  # EP names, or "auto" = best that ORT reports
+    draft_providers: tuple[str, ...] = ()  # the drafts' EPs, if not the target's (a tiny draft step
+    #                                        can be cheaper on the CPU than a GPU kernel launch each)
+    intra_op_threads: int = 0  # target threads; 0 = one per physical core
+    draft_threads: int = 1  # draft threads: drafts are tiny, and a second spinning thread pool
+    #                         would steal the cores the target verifies on
+    max_context: int = 2048  # KV capacity in tokens (prompt + generated)
+    batch_invariant: bool = True  # target passes of one token run as two, so that target-only
+    #                                decoding and multi-token verification use the same kernels and
+    #                                greedy speculative output is target-only output token for token
+    #                                (on q4 ~2% of tokens flip otherwise); costs target-only steps ~15%
