@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 
-from memspec.errors import InvalidRequestError, MemspecError
+from memspec.errors import InvalidRequestError, MemspecError, ModelFormatError
+from memspec.models.gguf import read_metadata
 from memspec.models.tokenizer import (
     ChatTemplateError,
     Tokenizer,
     TokenizerError,
     build_tokenizer_json,
-    read_gguf_metadata,
     write_tokenizer_files,
 )
 
@@ -76,18 +76,39 @@ def test_invalid_input_raises(tokenizer: Tokenizer) -> None:
 
 
 def test_unsupported_pretokenizer_raises(gguf_path: Path) -> None:
-    meta = dict(read_gguf_metadata(gguf_path), **{"tokenizer.ggml.pre": "llama-bpe"})
+    meta = dict(read_metadata(gguf_path), **{"tokenizer.ggml.pre": "llama-bpe"})
     with pytest.raises(TokenizerError, match="'llama-bpe'"):
         build_tokenizer_json(meta)
 
 
 def test_fast_metadata_reader_matches_gguf_package(gguf_path: Path) -> None:
     gguf = pytest.importorskip("gguf")
-    ours = read_gguf_metadata(gguf_path)
+    ours = read_metadata(gguf_path)
     reader = gguf.GGUFReader(gguf_path)
-    for key, field in reader.fields.items():
-        if key.startswith(("tokenizer.", "general.")):
-            assert ours[key] == field.contents(), key
+    theirs = {key: field.contents() for key, field in reader.fields.items() if not key.startswith("GGUF.")}
+    assert ours == theirs
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"", "it is empty"),
+        (b"this is not a gguf file", r"magic b'this', expected b'GGUF'"),
+        (b"GGUF\x07\x00\x00\x00" + b"\0" * 16, r"unsupported GGUF version 7 \(expected 2 or 3\)"),
+        (b"GGUF\x03\x00\x00\x00" + b"\xff" * 64, r"metadata needs \d+ bytes at byte 32, past the end \(72 bytes\)"),
+        (b"GGUF\x03\x00\x00\x00" + bytes(8) + (1).to_bytes(8, "little") + (1).to_bytes(8, "little") + b"k"
+         + (13).to_bytes(4, "little"), "unknown metadata value type 13 at byte 37"),
+    ],
+    ids=["empty", "magic", "version", "truncated", "value-type"],
+)
+def test_metadata_reader_names_what_is_wrong(tmp_path: Path, data: bytes, match: str) -> None:
+    path = tmp_path / "bad.gguf"
+    path.write_bytes(data)
+    with pytest.raises(ModelFormatError, match=match) as info:
+        read_metadata(path)
+    assert "is not a readable GGUF file" in str(info.value)
+    with pytest.raises(ModelFormatError, match="GGUF file not found"):
+        Tokenizer.from_gguf(tmp_path / "missing.gguf")
 
 
 def test_written_files_roundtrip(tokenizer: Tokenizer, gguf_path: Path, tmp_path: Path) -> None:

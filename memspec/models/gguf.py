@@ -1,4 +1,10 @@
-"""Read a llama-architecture GGUF file: its hyper-parameters and its tensors.
+"""Read a GGUF file: its key/value metadata, and a llama's hyper-parameters and tensors.
+
+:func:`read_metadata` parses only the header and the key/value section, so the
+tokenizer gets its vocabulary in a few tens of milliseconds; ``gguf.GGUFReader``
+takes seconds on the same file because it wraps every string in a numpy view.
+:class:`GGUFModel` takes its metadata from :func:`read_metadata` too, and the
+``gguf`` package only for the tensors.
 
 The GGUF stores weights the way llama.cpp wants them.  This module turns them
 back into the layout of the Hugging Face checkpoint (``W[out, in]``, Q and K
@@ -8,8 +14,12 @@ quantized blocks for the 4-bit ONNX variant.
 
 from __future__ import annotations
 
+import mmap
+import os
+import struct
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -20,6 +30,14 @@ from memspec.errors import ModelFormatError
 QK = 32
 Q4_1_BLOCK_BYTES = 20
 Q8_0_BLOCK_BYTES = 34
+
+# Metadata value types (gguf.GGUFValueType): scalar code -> struct format, plus string and array.
+_GGUF_MAGIC = b"GGUF"
+_GGUF_VERSIONS = (2, 3)
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGUF_SCALARS: dict[int, str] = {
+    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
+}
 
 
 @dataclass(frozen=True)
@@ -56,6 +74,89 @@ class Q8Blocks:
     d: np.ndarray  # (N, n_blocks) float32 scale
 
 
+class _Cursor:
+    """Sequential little-endian reader over a GGUF header and key/value section."""
+
+    def __init__(self, buf: mmap.mmap, path: Path) -> None:
+        self.buf, self.pos, self.path = buf, 0, path
+
+    def error(self, reason: str) -> ModelFormatError:
+        return ModelFormatError(f"{self.path} is not a readable GGUF file: {reason}")
+
+    def truncated(self, n: int) -> ModelFormatError:
+        return self.error(f"metadata needs {n} bytes at byte {self.pos}, past the end ({len(self.buf)} bytes)")
+
+    def take(self, n: int) -> bytes:
+        raw = self.buf[self.pos : self.pos + n]
+        if len(raw) != n:
+            raise self.truncated(n)
+        self.pos += n
+        return raw
+
+    def scalar(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        try:
+            value = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
+        except struct.error:  # fewer than size bytes left
+            raise self.truncated(size) from None
+        self.pos += size
+        return value
+
+    def string(self) -> str:
+        raw = self.take(self.scalar("Q"))
+        try:
+            return raw.decode("utf-8")
+        except UnicodeDecodeError:
+            raise self.error(f"invalid UTF-8 string {raw[:40]!r} in the metadata") from None
+
+    def value(self, vtype: int) -> Any:
+        if vtype == _GGUF_STRING:
+            return self.string()
+        if vtype == _GGUF_ARRAY:
+            return self.array()
+        if vtype not in _GGUF_SCALARS:
+            raise self.error(f"unknown metadata value type {vtype} at byte {self.pos}")
+        return self.scalar(_GGUF_SCALARS[vtype])
+
+    def array(self) -> list[Any]:
+        etype, count = self.scalar("I"), self.scalar("Q")
+        fmt = _GGUF_SCALARS.get(etype)
+        if fmt is None:
+            return [self.value(etype) for _ in range(count)]
+        raw = self.take(count * struct.calcsize(fmt))
+        return np.frombuffer(raw, dtype=np.dtype("<" + fmt)).tolist()
+
+
+def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """Read the key/value metadata of a GGUF file (v2/v3) into plain Python values.
+
+    Tensor infos are never read.  Raises ModelFormatError, naming the offending
+    value, for a missing, truncated or malformed file.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ModelFormatError(f"GGUF file not found: {path}")
+    if path.stat().st_size == 0:
+        raise ModelFormatError(f"{path} is not a readable GGUF file: it is empty")
+    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        cur = _Cursor(buf, path)
+        magic = buf[:4]
+        if magic != _GGUF_MAGIC:
+            raise cur.error(f"magic {magic!r}, expected {_GGUF_MAGIC!r}")
+        cur.pos = 4
+        version = cur.scalar("I")
+        if version not in _GGUF_VERSIONS:
+            raise cur.error(f"unsupported GGUF version {version} (expected 2 or 3)")
+        cur.scalar("Q")  # tensor count: the tensors are GGUFModel's
+        meta: dict[str, Any] = {}
+        for _ in range(cur.scalar("Q")):
+            key = cur.string()
+            if key in meta:
+                raise cur.error(f"metadata key {key!r} appears twice")
+            meta[key] = cur.value(cur.scalar("I"))
+        return meta
+
+
 class GGUFModel:
     """A llama GGUF opened for conversion."""
 
@@ -63,23 +164,19 @@ class GGUFModel:
         import gguf  # conversion-only dependency
 
         self.path = Path(path)
-        if not self.path.is_file():
-            raise ModelFormatError(f"GGUF file not found: {self.path}")
+        self.metadata = read_metadata(self.path)  # key -> value; refuses missing or malformed files
         try:
-            self._reader = gguf.GGUFReader(self.path)
+            reader = gguf.GGUFReader(self.path)
         except Exception as exc:  # gguf raises bare ValueError/struct errors
             raise ModelFormatError(f"{self.path} is not a readable GGUF file: {exc}") from None
         self._gguf = gguf
-        self._tensors = {t.name: t for t in self._reader.tensors}
+        self._tensors = {t.name: t for t in reader.tensors}
         self.config = self._read_config()
 
     # -- metadata ---------------------------------------------------------
     def field(self, key: str, default=None):
-        """Return one metadata value (decoded to str/int/float/list)."""
-        f = self._reader.fields.get(key)
-        if f is None:
-            return default
-        return f.contents()
+        """Return one metadata value (str/int/float/bool or a list of them)."""
+        return self.metadata.get(key, default)
 
     def _require(self, key: str):
         v = self.field(key)

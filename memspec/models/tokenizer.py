@@ -8,25 +8,23 @@ BPE merges, token types, special-token ids and the chat template. This module
 * wraps it in :class:`Tokenizer` (encode/decode/chat template), and
 * streams text out of generated ids with :class:`IncrementalDetokenizer`.
 
-Only the GGUF key/value section is parsed (:func:`read_gguf_metadata`), which
-is much faster than ``gguf.GGUFReader`` because tensor infos are never read.
+The metadata comes from :func:`memspec.models.gguf.read_metadata`, which reads
+only the GGUF key/value section.
 """
 
 from __future__ import annotations
 
 import codecs
 import json
-import mmap
 import os
-import struct
 from collections.abc import Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
 
 from memspec.errors import InvalidRequestError, MemspecError
+from memspec.models.gguf import read_metadata
 
 __all__ = [
     "ALLOWED_ROLES",
@@ -36,7 +34,6 @@ __all__ = [
     "TokenizerError",
     "build_tokenizer_config",
     "build_tokenizer_json",
-    "read_gguf_metadata",
     "write_tokenizer_files",
 ]
 
@@ -60,12 +57,6 @@ _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
     },
 }
 
-_GGUF_MAGIC = b"GGUF"
-_GGUF_STRING, _GGUF_ARRAY = 8, 9
-_GGUF_SCALARS: dict[int, str] = {
-    0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d",
-}
-
 
 class TokenizerError(MemspecError, ValueError):
     """Raised for unusable tokenizer metadata or invalid tokenizer input."""
@@ -77,79 +68,12 @@ class ChatTemplateError(TokenizerError, InvalidRequestError):
 
 # --------------------------------------------------------------------------- GGUF
 
-
-class _Cursor:
-    """Sequential little-endian reader over the GGUF key/value section."""
-
-    def __init__(self, buf: mmap.mmap, path: Path) -> None:
-        self.buf, self.pos, self.path = buf, 0, path
-
-    def scalar(self, fmt: str) -> Any:
-        value = struct.unpack_from("<" + fmt, self.buf, self.pos)[0]
-        self.pos += struct.calcsize(fmt)
-        return value
-
-    def string(self) -> str:
-        size = self.scalar("Q")
-        raw = self.buf[self.pos : self.pos + size]
-        self.pos += size
-        try:
-            return raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            raise TokenizerError(f"{self.path}: invalid UTF-8 string {raw[:40]!r} in GGUF metadata") from exc
-
-    def value(self, vtype: int) -> Any:
-        if vtype == _GGUF_STRING:
-            return self.string()
-        if vtype == _GGUF_ARRAY:
-            return self.array()
-        if vtype not in _GGUF_SCALARS:
-            raise TokenizerError(f"{self.path}: unknown GGUF value type {vtype} at byte {self.pos}")
-        return self.scalar(_GGUF_SCALARS[vtype])
-
-    def array(self) -> list[Any]:
-        etype, count = self.scalar("I"), self.scalar("Q")
-        fmt = _GGUF_SCALARS.get(etype)
-        if fmt is None:
-            return [self.value(etype) for _ in range(count)]
-        nbytes = count * struct.calcsize(fmt)
-        data = np.frombuffer(self.buf[self.pos : self.pos + nbytes], dtype=np.dtype("<" + fmt))
-        self.pos += nbytes
-        return data.tolist()
+GGUFSource = str | os.PathLike[str] | Mapping[str, Any]  # a GGUF path or metadata it holds
 
 
-def read_gguf_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
-    """Read the key/value metadata of a GGUF file (v2/v3) into plain Python values."""
-    path = Path(path)
-    if not path.is_file():
-        raise TokenizerError(f"GGUF file not found: {path}")
-    with path.open("rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
-        if buf[:4] != _GGUF_MAGIC:
-            raise TokenizerError(f"{path}: not a GGUF file (magic {buf[:4]!r})")
-        cur = _Cursor(buf, path)
-        cur.pos = 4
-        version = cur.scalar("I")
-        if version not in (2, 3):
-            raise TokenizerError(f"{path}: unsupported GGUF version {version} (expected 2 or 3)")
-        cur.scalar("Q")  # tensor count, unused
-        n_kv = cur.scalar("Q")
-        meta: dict[str, Any] = {}
-        for _ in range(n_kv):
-            key = cur.string()
-            meta[key] = cur.value(cur.scalar("I"))
-        return meta
-
-
-def _metadata(reader_or_path: Any) -> Mapping[str, Any]:
-    """Metadata from a path, an already-read metadata mapping or a ``gguf.GGUFReader``."""
-    if isinstance(reader_or_path, (str, os.PathLike)):
-        return read_gguf_metadata(reader_or_path)
-    if isinstance(reader_or_path, Mapping):
-        return reader_or_path
-    fields = getattr(reader_or_path, "fields", None)
-    if fields is None:
-        raise TokenizerError(f"expected a GGUF path, metadata dict or GGUFReader, got {type(reader_or_path).__name__}")
-    return {k: f.contents() for k, f in fields.items() if k.startswith("tokenizer.")}
+def _metadata(source: GGUFSource) -> Mapping[str, Any]:
+    """The metadata of a GGUF path (read by models.gguf), or the mapping itself."""
+    return source if isinstance(source, Mapping) else read_metadata(source)
 
 
 def _require(meta: Mapping[str, Any], key: str) -> Any:
@@ -181,14 +105,14 @@ def _split_merge(merge: str) -> list[str]:
     return parts
 
 
-def build_tokenizer_json(reader_or_path: Any) -> dict[str, Any]:
-    """Build an HF ``tokenizer.json`` dict from a GGUF path, metadata dict or ``GGUFReader``.
+def build_tokenizer_json(source: GGUFSource) -> dict[str, Any]:
+    """Build an HF ``tokenizer.json`` dict from a GGUF path or its metadata dict.
 
     Control (type 3) and user-defined (type 4) tokens become added tokens that
     are matched whole in text; control tokens are flagged ``special``. No BOS
     or EOS is inserted by the post-processor (``add_bos_token`` must be false).
     """
-    meta = _metadata(reader_or_path)
+    meta = _metadata(source)
     pre = _check_supported(meta)
     if meta.get("tokenizer.ggml.add_bos_token", False):
         raise TokenizerError("tokenizer.ggml.add_bos_token=True is not supported (no BOS post-processor)")
@@ -224,9 +148,9 @@ def build_tokenizer_json(reader_or_path: Any) -> dict[str, Any]:
     }
 
 
-def build_tokenizer_config(reader_or_path: Any) -> dict[str, Any]:
+def build_tokenizer_config(source: GGUFSource) -> dict[str, Any]:
     """Build a ``tokenizer_config.json`` dict: chat template and special token ids/strings."""
-    meta = _metadata(reader_or_path)
+    meta = _metadata(source)
     tokens: list[str] = _require(meta, "tokenizer.ggml.tokens")
     config: dict[str, Any] = {
         "tokenizer_class": "PreTrainedTokenizerFast",
@@ -249,7 +173,7 @@ def build_tokenizer_config(reader_or_path: Any) -> dict[str, Any]:
 
 def write_tokenizer_files(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
     """Write ``tokenizer.json`` and ``tokenizer_config.json`` for a GGUF into ``out_dir``."""
-    meta = read_gguf_metadata(gguf_path)
+    meta = read_metadata(gguf_path)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     paths = {"tokenizer.json": out / "tokenizer.json", "tokenizer_config.json": out / "tokenizer_config.json"}
@@ -329,9 +253,9 @@ class Tokenizer:
         return cls(_load_json(tokenizer_json_path), _load_json(config))
 
     @classmethod
-    def from_gguf(cls, reader_or_path: Any) -> Tokenizer:
-        """Build directly from a GGUF path, metadata dict or ``GGUFReader``."""
-        meta = _metadata(reader_or_path)
+    def from_gguf(cls, source: GGUFSource) -> Tokenizer:
+        """Build directly from a GGUF path or its metadata dict."""
+        meta = _metadata(source)
         return cls(build_tokenizer_json(meta), build_tokenizer_config(meta))
 
     @property
