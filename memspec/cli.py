@@ -1,4 +1,9 @@
-"""The `memspec` command line."""
+"""The `memspec` command line.
+
+It imports only what the command given needs: --help, --version, `status` and
+`models` never load NumPy or ONNX Runtime (tests/test_cli.py checks), so every
+heavy import is inside the function that runs a command.
+"""
 
 from __future__ import annotations
 
@@ -7,6 +12,7 @@ import json
 import sys
 from typing import Sequence
 
+from memspec import __version__
 from memspec.errors import MemspecError
 
 
@@ -305,10 +311,14 @@ def _sampling_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--local", action="store_true", help="generate in this process, without the daemon")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
+    """The parser of every command; of the developer commands only `dev_command` gets its real
+    options (importing its module), the others stand-ins that list them in --help."""
     p = argparse.ArgumentParser(prog="memspec", description="memory-aware speculative decoding runtime")
+    p.add_argument("--version", action="version", version=f"memspec {__version__}")
     p.add_argument("--config", metavar="FILE", help="TOML config file (see memspec.example.toml)")
-    sub = p.add_subparsers(dest="command", required=True)
+    sub = p.add_subparsers(dest="command", required=True, title="commands", metavar="COMMAND",
+                           help="`memspec COMMAND --help` shows its options")
     # --config is accepted after the command too (`memspec serve --config FILE`)
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--config", metavar="FILE", default=argparse.SUPPRESS, help="TOML config file")
@@ -364,25 +374,67 @@ def build_parser() -> argparse.ArgumentParser:
     ul.add_argument("name")
     ul.set_defaults(func=cmd_unload)
 
-    b = sub.add_parser("bench", parents=[common], help="run a prompt workload under draft policies, side by side")
-    from memspec.bench import policies as bench
-
-    bench.add_arguments(b)
-    b.set_defaults(func=cmd_bench)
-
-    from memspec.scheduling import predictor
-    from memspec.training import drafts as train, profile  # torch is imported only when train-draft runs
-
-    train.add_parser(sub).set_defaults(func=train.run_cli)
-    profile.add_parser(sub)
-    predictor.add_parser(sub)
+    for name, summary in DEV_COMMANDS.items():
+        if name == dev_command:
+            _add_dev_command(sub, common, name)
+        else:  # parse_args builds the real one when this is the command given
+            sub.add_parser(name, help=summary, add_help=False)
+    _list_apart(p, sub, "developer commands", DEV_COMMANDS)
     return p
 
 
+DEV_COMMANDS = {  # what --help says of each; its module (NumPy, ONNX Runtime, ...) is imported only to run it
+    "bench": "run a prompt workload under draft policies, side by side",
+    "train-draft": "train a draft model by self-distillation from the target",
+    "profile": "record draft traces for `memspec train-predictor`",
+    "train-predictor": "fit the draft predictor on `memspec profile` traces",
+}
+
+
+def _add_dev_command(sub, common: argparse.ArgumentParser, name: str) -> None:
+    """Register developer command `name` with its options; this imports its module."""
+    if name == "bench":
+        b = sub.add_parser("bench", parents=[common], help=DEV_COMMANDS["bench"])
+        from memspec.bench import policies as bench
+
+        bench.add_arguments(b)
+        b.set_defaults(func=cmd_bench)
+    elif name == "train-draft":
+        from memspec.training import drafts as train  # torch is imported only when train-draft runs
+
+        train.add_parser(sub).set_defaults(func=train.run_cli)
+    elif name == "profile":
+        from memspec.training import profile
+
+        profile.add_parser(sub)
+    else:
+        from memspec.scheduling import predictor
+
+        predictor.add_parser(sub)
+
+
+def _list_apart(p: argparse.ArgumentParser, sub, title: str, names) -> None:
+    """List these commands in --help under a heading of their own instead of under "commands"
+    (argparse has one list per subparsers action: move their lines to a new group)."""
+    apart = [a for a in sub._choices_actions if a.dest in names]
+    sub._choices_actions[:] = [a for a in sub._choices_actions if a.dest not in names]
+    p.add_argument_group(title)._group_actions.extend(apart)
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    """The command line, parsed in two passes: the first finds the command, so that a developer
+    command's module is imported only when it is the one given."""
+    parser = build_parser()
+    command = parser.parse_known_args(argv)[0].command
+    if command in DEV_COMMANDS:
+        parser = build_parser(command)
+    return parser.parse_args(argv)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
+    args = parse_args(argv)  # --help and --version exit here, before the config is loaded
     from memspec.config import load_config
 
-    args = build_parser().parse_args(argv)
     try:
         args.config_path = args.config
         args.config = load_config(args.config)

@@ -10,12 +10,75 @@ import sys
 import pytest
 
 
-def memspec(*args, home=None, timeout=300):
+HEAVY = ("numpy", "onnxruntime", "sklearn", "torch")  # what the light commands must not import
+
+
+def memspec(*args, home=None, timeout=300, python=()):
     env = dict(os.environ)
     if home is not None:
         env["MEMSPEC_HOME"] = str(home)
-    return subprocess.run([sys.executable, "-m", "memspec.cli", *args], capture_output=True, text=True,
+    return subprocess.run([sys.executable, *python, "-m", "memspec.cli", *args], capture_output=True, text=True,
                           env=env, timeout=timeout)
+
+
+def imported(importtime_stderr: str) -> set[str]:
+    """The modules that `python -X importtime` says it imported (one line each on stderr)."""
+    return {line.rsplit("|", 1)[1].strip() for line in importtime_stderr.splitlines()
+            if line.startswith("import time:") and line.count("|") == 2}
+
+
+def test_imported_sees_numpy():
+    """The check below can fail: importtime's lines name numpy when it is imported."""
+    r = subprocess.run([sys.executable, "-X", "importtime", "-c", "import numpy"], capture_output=True, text=True)
+    assert "numpy" in imported(r.stderr)
+
+
+@pytest.mark.parametrize("args, rc", [
+    (["--help"], 0),
+    (["--version"], 0),
+    (["status", "--address", "{sock}"], 2),
+    (["models", "--address", "{sock}"], 2),
+    (["models"], 0),
+], ids=["help", "version", "status", "models-address", "models-store"])
+def test_light_commands_import_no_numpy_or_onnxruntime(tmp_path, args, rc):
+    args = [a.format(sock=tmp_path / "missing.sock") for a in args]
+    r = memspec(*args, home=tmp_path / "store", python=("-X", "importtime"))
+    assert r.returncode == rc, r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    modules = imported(r.stderr)
+    assert "memspec.cli" in modules or "memspec.errors" in modules  # the output was importtime's
+    assert not modules & set(HEAVY), f"memspec {' '.join(args)} imported {sorted(modules & set(HEAVY))}"
+
+
+def test_version():
+    from memspec import __version__
+
+    r = memspec("--version")
+    assert r.returncode == 0 and r.stdout == f"memspec {__version__}\n" == "memspec 0.1.0\n", r
+
+
+def test_help_lists_developer_commands_apart():
+    r = memspec("--help")
+    assert r.returncode == 0, r.stderr
+    user, dev = r.stdout.split("\ncommands:\n")[1].split("\ndeveloper commands:\n")
+
+    def listed(section: str) -> set[str]:
+        return {line.split()[0] for line in section.splitlines() if line.startswith("  ")}
+
+    assert listed(user) == {"COMMAND", "pull", "models", "generate", "chat", "serve", "status", "load", "unload"}
+    assert listed(dev) == {"bench", "profile", "train-draft", "train-predictor"}
+
+
+@pytest.mark.parametrize("command, option", [("bench", "--policies"), ("profile", "--segment-tokens"),
+                                             ("train-draft", "--vocab-size"), ("train-predictor", "--traces")])
+def test_developer_commands_keep_their_options(capsys, command, option):
+    from memspec.cli import parse_args
+
+    with pytest.raises(SystemExit) as exc:
+        parse_args([command, "--help"])
+    assert exc.value.code == 0
+    out = capsys.readouterr().out
+    assert out.startswith(f"usage: memspec {command} ") and option in out
 
 
 @pytest.fixture(scope="module")
