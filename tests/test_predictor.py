@@ -13,7 +13,7 @@ import pytest
 from memspec.scheduling import features as F
 from memspec.errors import ModelFormatError
 from memspec.scheduling.predictor import (DEFAULT_PATH, FEATURES, NONE, Forest, Predictor, TrainConfig, cross_validate, fit,
-                               gbr_to_json, measure_latency, pick_margin)
+                               gbr_to_json, measure_latency, pick_margin, segment_context)
 from memspec.training.profile import _tally, first_mismatch
 from memspec.models.store import SHIPPED_MODELS
 
@@ -26,6 +26,24 @@ REWRITE = ("Rewrite this paragraph in the passive voice: The committee approved 
 
 def feat(text: str) -> dict[str, float]:
     return dict(zip(F.PROMPT_FEATURES, F.prompt_features(text)))
+
+
+SPECIAL = 0  # the one special token of `decode`
+
+
+def decode(ids, *, skip_special_tokens=False) -> str:
+    """A tiny detokenizer (features.Detokenize): id 0 is <|im_end|>, any other id n is the character chr(n)."""
+    return "".join("<|im_end|>" if i == SPECIAL else chr(i) for i in ids if not (skip_special_tokens and i == SPECIAL))
+
+
+def tokens(text: str) -> list[int]:
+    """The ids `decode` turns into `text`, one per character."""
+    return [ord(c) for c in text]
+
+
+def context(text: str, acceptance=None, entropy=float("nan")) -> F.GenerationContext:
+    """The predictor's context after generating `text` (one token per character)."""
+    return F.generation_context(decode, tokens(text), acceptance, entropy)
 
 
 # -- features -------------------------------------------------------------------------------------------
@@ -69,15 +87,43 @@ def test_chat_structure_and_repetition():
 def test_context_features():
     none = dict(zip(F.CONTEXT_FEATURES, F.context_features(None)))
     assert none["has_context"] == 0 and none["acc:draft-code"] == F.UNKNOWN and none["draft_entropy"] == F.UNKNOWN
-    ctx = F.context_of(40, "Sure:\n```python\ndef f(x):\n    return x\n", {"draft-code": 0.75})
+    text = "Sure:\n```python\ndef f(x):\n    return x\n"
+    ctx = context(text, {"draft-code": 0.75})
     c = dict(zip(F.CONTEXT_FEATURES, F.context_features(ctx)))
     assert c["in_code_block"] == 1.0 and c["acc:draft-code"] == 0.75 and c["acc:draft-math"] == F.UNKNOWN
-    assert c["acc_max"] == 0.75 and c["tail_indented"] > 0 and c["log_position"] == pytest.approx(np.log1p(40))
-    assert not F.context_of(40, "```py\nx\n```\n").in_code_block
+    assert c["acc_max"] == 0.75 and c["tail_indented"] > 0
+    assert c["log_position"] == pytest.approx(np.log1p(len(text)))  # one token per character
+    assert not context("```py\nx\n```\n").in_code_block
     grams = F.prompt_ngrams(REWRITE)
-    copying = F.overlap_features(grams, F.context_of(9, "The budget was approved by the committee."))
-    echoing = F.overlap_features(grams, F.context_of(9, "the manager announced the decision and"))
+    copying = F.overlap_features(grams, context("The budget was approved by the committee."))
+    echoing = F.overlap_features(grams, context("the manager announced the decision and"))
     assert echoing[0] > copying[0] == 0.0
+
+
+def test_generation_context_reads_every_generated_token_without_special_tokens():
+    """The one rule of the predictor's context, which profiling, training rows and the scheduler share."""
+    text = "Here it is:\n```python\n" + "x = x + 1\n" * 40  # the fence opens long before the tail
+    ids = [SPECIAL, *tokens(text), SPECIAL]
+    ctx = F.generation_context(decode, ids, {"draft-code": 0.5}, 0.7, tail_chars=50)
+    assert ctx.position == len(ids)  # generated tokens, special ones included
+    assert ctx.generated_tail == text[-50:]  # the last tail_chars characters, special tokens skipped
+    assert "```" not in ctx.generated_tail and ctx.in_code_block  # decided over all the text, not the tail
+    assert ctx.recent_acceptance == {"draft-code": 0.5} and ctx.draft_entropy == 0.7
+    closed = "```py\nx\n```\n" + "y" * 300
+    assert not F.generation_context(decode, tokens(closed), tail_chars=50).in_code_block
+    assert F.generation_context(decode, tokens(closed)).generated_tail == closed[-F.TAIL_CHARS:]
+
+
+def test_training_rows_see_the_context_profiling_recorded():
+    """A trace keeps the text part of the context (to_record); a training row gets it back with the
+    acceptance of the draft that ran the segment before, as the scheduler would have built it."""
+    ids = tokens("Sure:\n```python\ndef f(x):\n")
+    seg = {"context": F.generation_context(decode, ids).to_record(), "drafts": {}}
+    prev = {"drafts": {"draft-code": {"drafted": 8, "accepted": 6, "entropy": 0.4}}}
+    assert segment_context(seg, prev, "draft-code") == F.generation_context(decode, ids, {"draft-code": 0.75}, 0.4)
+    first = segment_context(seg, None, None)  # the first segment: nothing ran before
+    assert (first.position, first.in_code_block, first.generated_tail, first.recent_acceptance) == \
+        (len(ids), True, "Sure:\n```python\ndef f(x):\n", {})
 
 
 # -- exact export of the trees -----------------------------------------------------------------------------
@@ -189,7 +235,7 @@ def test_save_load_round_trip_predicts_identically(synthetic, tmp_path):
     _, pred = synthetic
     pred.save(tmp_path / "p.json")
     again = Predictor.load(tmp_path / "p.json")
-    ctx = F.context_of(33, "def f(x):\n    return", {"draft-code": 0.8}, entropy=0.7)
+    ctx = context("def f(x):\n    return", {"draft-code": 0.8}, entropy=0.7)
     for prompt, c in ((CODE, None), (REWRITE, ctx), (PROSE, ctx)):
         assert again.predict(prompt, c) == pred.predict(prompt, c)
 
@@ -247,7 +293,7 @@ def test_shipped_predictor_scores_every_shipped_draft(file, variant):
     assert shipped, "no drafts in models/"
     assert shipped | {NONE, "prompt-lookup"} <= set(pred.drafts)
     for prompt in (CODE, PROSE, MATH, REWRITE):
-        for ctx in (None, F.context_of(20, "Here is the code:\n```python\n", {"draft-code": 0.6}, entropy=1.0)):
+        for ctx in (None, context("Here is the code:\n```python\n", {"draft-code": 0.6}, entropy=1.0)):
             scores = pred.predict(prompt, ctx)
             assert set(scores) == set(pred.drafts)
             assert all(np.isfinite(v) and v > 0 for v in scores.values())

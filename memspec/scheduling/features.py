@@ -5,6 +5,7 @@ code / math / copy / chat markers, repetition); `context_features(ctx)` describe
 the moment of a decision during generation (position, recent acceptance, draft
 entropy, the tail of the generated text); `overlap_features(prompt_ngrams(text), ctx)` says how
 much the generated tail repeats the prompt, which is what prompt lookup feeds on.
+`generation_context(decode, ids)` is the one builder of that context.
 
 Everything is plain Python and NumPy: byte counts in NumPy for character classes,
 `bytes.translate` + `split` for words, set lookups for the lexicon.
@@ -16,6 +17,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 import numpy as np
 
@@ -50,6 +52,18 @@ class GenerationContext:
     draft_entropy: float = float("nan")  # mean draft entropy over the recent steps (nats); NaN = no model draft ran
     in_code_block: bool = False  # an unclosed ``` in the generated text
     generated_tail: str = ""  # the last ~200 characters generated
+
+    def to_record(self) -> dict:
+        """What a trace segment keeps of the context (`memspec profile`): the part the text decides.
+        Acceptance and entropy depend on which draft ran before, so training rows supply them."""
+        return {"position": self.position, "in_code_block": self.in_code_block, "generated_tail": self.generated_tail}
+
+    @classmethod
+    def from_record(cls, record: dict, acceptance: dict[str, float] | None = None,
+                    entropy: float = float("nan")) -> "GenerationContext":
+        """The context `to_record` kept, with the acceptance and entropy a scheduler would have seen."""
+        return cls(record["position"], dict(acceptance or {}), entropy, record["in_code_block"],
+                   record["generated_tail"])
 
 
 # -- lexicon ------------------------------------------------------------------------------
@@ -207,10 +221,24 @@ def overlap_features(prompt_grams: frozenset, ctx: GenerationContext | None, n: 
     return np.asarray([len(prompt_grams.intersection(grams)) / len(set(grams))])
 
 
-def context_of(prompt_position: int, generated_text: str, acceptance: dict[str, float] | None = None,
-               entropy: float = float("nan"), tail_chars: int = 200) -> GenerationContext:
-    """A GenerationContext from the text generated so far (what profile and the scheduler both build)."""
+class Detokenize(Protocol):
+    """Token ids -> text (memspec.models.tokenizer.Tokenizer.decode)."""
+
+    def __call__(self, ids: Sequence[int], *, skip_special_tokens: bool = False) -> str: ...
+
+
+TAIL_CHARS = 200  # generated text a context keeps (GenerationContext.generated_tail)
+
+
+def generation_context(decode: Detokenize, generated: Sequence[int], acceptance: dict[str, float] | None = None,
+                       entropy: float = float("nan"), tail_chars: int = TAIL_CHARS) -> GenerationContext:
+    """The predictor's context after `generated` (the token ids after the prompt).
+
+    The one place a context is built: profiling records it for every trace segment (training
+    rows read those records back), and the scheduler asks the predictor with it while a request
+    runs, so both see the same text: every generated token, special tokens skipped."""
+    text = decode(list(generated), skip_special_tokens=True)
     return GenerationContext(
-        position=prompt_position, recent_acceptance=dict(acceptance or {}), draft_entropy=entropy,
-        in_code_block=generated_text.count("```") % 2 == 1, generated_tail=generated_text[-tail_chars:],
+        position=len(generated), recent_acceptance=dict(acceptance or {}), draft_entropy=entropy,
+        in_code_block=text.count("```") % 2 == 1, generated_tail=text[-tail_chars:],
     )

@@ -334,15 +334,15 @@ def _rate(m: dict | None) -> tuple[float, float] | None:
 
 
 def segment_context(seg: dict, prev: dict | None, current: str | None) -> GenerationContext:
-    """The context at a segment's start as a scheduler running `current` since `prev` would see it."""
-    c = seg["context"]
+    """The context at a segment's start as a scheduler running `current` since `prev` would see it:
+    the text part as profiling recorded it (features.generation_context), the acceptance of the last segment."""
     acc, ent = {}, float("nan")
     last = prev["drafts"].get(current) if prev and current else None
     if last and last["drafted"]:
         acc[current] = last["accepted"] / last["drafted"]
         if last.get("entropy") is not None:
             ent = last["entropy"]
-    return GenerationContext(c["position"], acc, ent, c["in_code_block"], c["generated_tail"])
+    return GenerationContext.from_record(seg["context"], acc, ent)
 
 
 def training_rows(traces: list[dict], drafts: list[str]):

@@ -31,7 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from memspec.speculation.drafts import PROMPT_LOOKUP, Proposal
-from memspec.scheduling.features import context_of, request_text
+from memspec.scheduling.features import TAIL_CHARS, generation_context, request_text
 from memspec.speculation.metrics import SpecMetrics
 from memspec.scheduling.predictor import NONE, TRACE_FORMAT
 from memspec.request import GenerationRequest, SamplingParams
@@ -46,7 +46,7 @@ class ProfileConfig:
 
     max_tokens: int = 128  # new tokens per request (the first comes from the prefill)
     segment_tokens: int = 16  # committed tokens per segment
-    tail_chars: int = 200  # generated text kept as context at each segment start
+    tail_chars: int = TAIL_CHARS  # generated text kept as context at each segment start
 
 
 class _Recorder:
@@ -149,10 +149,9 @@ def profile_request(engine, item: dict, index: int, policies: list[str], cfg: Pr
         hi = min(lo + cfg.segment_tokens, L)
         if hi - lo < cfg.segment_tokens // 4:
             break
-        ctx = context_of(lo, tok.decode(ref[:lo], skip_special_tokens=True), tail_chars=cfg.tail_chars)
+        ctx = generation_context(tok.decode, ref[:lo], tail_chars=cfg.tail_chars)
         segments.append({
-            "start": lo, "end": hi,
-            "context": {"position": lo, "in_code_block": ctx.in_code_block, "generated_tail": ctx.generated_tail},
+            "start": lo, "end": hi, "context": ctx.to_record(),
             "drafts": {p: _segment(runs[p], lo, hi, mismatch[p]) for p in policies},
         })
     return {"format": TRACE_FORMAT, "version": TRACE_VERSION, "id": index, "category": item["category"],
