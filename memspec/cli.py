@@ -408,9 +408,9 @@ def _add_dev_command(sub, common: argparse.ArgumentParser, name: str) -> None:
 
         profile.add_parser(sub)
     else:
-        from memspec.scheduling import predictor
+        from memspec.training import predictor_fit
 
-        predictor.add_parser(sub)
+        predictor_fit.add_train_predictor_parser(sub)
 
 
 def _list_apart(p: argparse.ArgumentParser, sub, title: str, names) -> None:

@@ -12,8 +12,9 @@ import pytest
 
 from memspec.scheduling import features as F
 from memspec.errors import ModelFormatError
-from memspec.scheduling.predictor import (DEFAULT_PATH, FEATURES, NONE, Forest, Predictor, TrainConfig, cross_validate, fit,
-                               gbr_to_json, measure_latency, pick_margin, segment_context)
+from memspec.scheduling.predictor import DEFAULT_PATH, FEATURES, NONE, Forest, Predictor
+from memspec.training.predictor_fit import (PredictorFitConfig, cross_validate, fit, gbr_to_json, measure_latency,
+                                            pick_margin, segment_context)
 from memspec.training.profile import _tally, first_mismatch
 from memspec.models.store import SHIPPED_MODELS
 
@@ -184,7 +185,7 @@ def _synthetic_traces(n_per_kind: int = 8) -> list[dict]:
 @pytest.fixture(scope="module")
 def synthetic():
     traces = _synthetic_traces()
-    return traces, fit(traces, TrainConfig(n_estimators=30, learning_rate=0.2, min_samples_leaf=3))
+    return traces, fit(traces, PredictorFitConfig(n_estimators=30, learning_rate=0.2, min_samples_leaf=3))
 
 
 def test_trained_predictor_picks_the_right_draft(synthetic):
@@ -200,7 +201,7 @@ def test_trained_predictor_picks_the_right_draft(synthetic):
 
 def test_cross_validation_reports_accuracy_and_regret(synthetic):
     traces, _ = synthetic
-    by_margin = cross_validate(traces, TrainConfig(n_estimators=20, learning_rate=0.2, min_samples_leaf=3, folds=3),
+    by_margin = cross_validate(traces, PredictorFitConfig(n_estimators=20, learning_rate=0.2, min_samples_leaf=3, folds=3),
                                margins=(0.0, 0.1, 1e9))
     res = by_margin[0.0]
     assert res["request"]["n"] == len(traces) and res["segment"]["n"] == 4 * len(traces)
@@ -319,7 +320,7 @@ def test_profile_one_short_request_on_the_real_target(model_store):
     from memspec.config import Config
     from memspec.speculation.drafts import PromptLookup
     from memspec.speculation.engine import Engine
-    from memspec.scheduling.predictor import training_rows
+    from memspec.training.predictor_fit import training_rows
     from memspec.training.profile import ProfileConfig, profile_request
 
     engine = Engine.from_config(Config(), drafts="none")
@@ -342,16 +343,16 @@ def test_train_predictor_saves_the_chosen_default_and_margin(tmp_path, capsys):
     """`memspec train-predictor` stores the single best policy as the default and the held-out margin."""
     import argparse
 
-    from memspec.scheduling.predictor import add_parser, run_cli, single_best_policy
+    from memspec.training.predictor_fit import add_train_predictor_parser, run_train_predictor, single_best_policy
 
     traces = _synthetic_traces(6)
     path = tmp_path / "traces.jsonl"
     path.write_text("".join(json.dumps(t) + "\n" for t in traces))
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    add_train_predictor_parser(parser.add_subparsers())
     args = parser.parse_args(["train-predictor", "--traces", str(path), "--out", str(tmp_path / "p.json"),
                               "--folds", "3", "--trees", "20"])
-    assert run_cli(args) == 0
+    assert run_train_predictor(args) == 0
     chosen = float(re.search(r"chosen margin ([\d.]+)", capsys.readouterr().out)[1])
     pred = Predictor.load(tmp_path / "p.json")
     assert pred.default == single_best_policy(traces, pred.drafts)

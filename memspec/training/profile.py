@@ -33,9 +33,10 @@ import numpy as np
 from memspec.speculation.drafts import PROMPT_LOOKUP, Proposal
 from memspec.scheduling.features import TAIL_CHARS, generation_context, request_text
 from memspec.speculation.metrics import SpecMetrics
-from memspec.scheduling.predictor import NONE, TRACE_FORMAT
+from memspec.scheduling.predictor import NONE
 from memspec.request import GenerationRequest, SamplingParams
 from memspec.speculation.speculative import speculative_steps
+from memspec.training.predictor_fit import TRACE_FORMAT
 
 TRACE_VERSION = 1
 
