@@ -402,7 +402,7 @@ def _add_dev_command(sub, common: argparse.ArgumentParser, name: str) -> None:
     elif name == "train-draft":
         from memspec.training import drafts as train  # torch is imported only when train-draft runs
 
-        train.add_parser(sub).set_defaults(func=train.run_cli)
+        train.add_train_draft_parser(sub).set_defaults(func=train.run_train_draft)
     elif name == "profile":
         from memspec.training import profile
 

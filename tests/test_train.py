@@ -64,11 +64,12 @@ def test_draft_config_uses_gqa():
 def test_tiny_export_matches_torch_forward(tmp_path):
     import torch
 
-    from memspec.training.drafts import export_onnx, llama_class
+    from memspec.training.drafts import export_onnx
+    from memspec.training.torch_model import Llama
 
     torch.manual_seed(0)
     cfg = draft_config(layers=2, width=64, vocab=256, head_dim=32, context=128)
-    model = llama_class()(cfg).eval()
+    model = Llama(cfg).eval()
     with torch.no_grad():
         for p in model.parameters():
             p.normal_(0, 0.2) if p.ndim == 2 else p.uniform_(0.5, 1.5)
@@ -185,10 +186,11 @@ def test_export_only_keeps_the_record_of_the_folder_it_rewrites(tmp_path):
 
     import torch
 
-    from memspec.training.drafts import add_parser, llama_class, run_cli, write_draft
+    from memspec.training.drafts import add_train_draft_parser, run_train_draft, write_draft
+    from memspec.training.torch_model import Llama
 
     cfg = draft_config(layers=1, width=64, vocab=32, head_dim=32, context=128)
-    model = llama_class()(cfg).eval()
+    model = Llama(cfg).eval()
     work = tmp_path / "work" / "smollm2-135m"
     work.mkdir(parents=True)
     torch.save(model.state_dict(), work / "draft-code.pt")  # the name of a shipped draft
@@ -196,10 +198,10 @@ def test_export_only_keeps_the_record_of_the_folder_it_rewrites(tmp_path):
     write_draft(tmp_path / "out" / "draft-code", "draft-code", model, vmap, {"source": "this run"},
                 {"target": "smollm2-135m", "training": {"steps": 7}}, weights="fp16")
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    add_train_draft_parser(parser.add_subparsers())
     args = parser.parse_args(["train-draft", "--name", "draft-code", "--export-only", "--out", str(tmp_path / "out"),
                               "--work", str(tmp_path / "work")])
-    assert run_cli(args) == 0
+    assert run_train_draft(args) == 0
     m = json.loads((tmp_path / "out" / "draft-code" / "manifest.json").read_text())
     assert m["provenance"]["source"] == "this run" and m["extra"]["training"] == {"steps": 7}
     assert set(m["variants"]) == {"q8"}
@@ -213,21 +215,20 @@ def test_train_draft_refuses_a_bad_shape_before_any_work(flags, message):
     import argparse
 
     from memspec.errors import MemspecError
-    from memspec.training.drafts import add_parser, run_cli
+    from memspec.training.drafts import add_train_draft_parser, run_train_draft
 
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    add_train_draft_parser(parser.add_subparsers())
     args = parser.parse_args(["train-draft", "--name", "draft-x", "--domain", "chat", *flags])
     with pytest.raises(MemspecError, match=message):
-        run_cli(args)  # raises before torch is needed, so this runs without the [train] extra
+        run_train_draft(args)  # raises before torch is needed, so this runs without the [train] extra
 
 
 def test_training_prompts_are_distinct_reproducible_and_never_a_benchmark_prompt():
     """Each domain's prompts as train-draft draws them: distinct within a seed, the same for the
     same seed, disjoint across seeds, and none of them a prompt the benchmarks measure drafts on
     (the templates can produce some: "Write a haiku about autumn leaves." is a bench prompt)."""
-    from memspec.training.drafts import measured_prompts
-    from memspec.training.prompts import DOMAINS, domain_prompts
+    from memspec.training.prompts import DOMAINS, domain_prompts, measured_prompts
 
     measured = measured_prompts()
     assert len(measured) == 48 + 21 and "Write a haiku about autumn leaves." in measured
@@ -257,10 +258,12 @@ def test_checkpoint_keeps_its_vocabulary_and_export_only_refuses_another(tmp_pat
     import argparse
 
     from memspec.errors import MemspecError
-    from memspec.training.drafts import add_parser, checkpoint_record, llama_class, run_cli, save_checkpoint, write_draft
+    from memspec.training.drafts import (add_train_draft_parser, checkpoint_record, run_train_draft, save_checkpoint,
+                                         write_draft)
+    from memspec.training.torch_model import Llama
 
     cfg = draft_config(layers=1, width=64, vocab=32, head_dim=32, context=128)
-    model = llama_class()(cfg).eval()
+    model = Llama(cfg).eval()
     work = tmp_path / "work" / "smollm2-135m"
     work.mkdir(parents=True)
     trained = VocabMap([0] + list(range(40, 71)), 100)
@@ -272,11 +275,11 @@ def test_checkpoint_keeps_its_vocabulary_and_export_only_refuses_another(tmp_pat
     write_draft(tmp_path / "out" / "draft-x", "draft-x", model, VocabMap(list(range(32)), 100), {"source": "x"},
                 {"target": "smollm2-135m", "training": {}}, weights="fp16")
     parser = argparse.ArgumentParser()
-    add_parser(parser.add_subparsers())
+    add_train_draft_parser(parser.add_subparsers())
     args = parser.parse_args(["train-draft", "--name", "draft-x", "--export-only", "--out", str(tmp_path / "out"),
                               "--work", str(tmp_path / "work")])
     with pytest.raises(MemspecError, match="another vocabulary"):
-        run_cli(args)
+        run_train_draft(args)
 
 
 def test_python_m_memspec_train_reports_errors_without_a_traceback(capsys):

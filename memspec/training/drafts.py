@@ -2,19 +2,20 @@
 
 Pipeline, each stage a function:
 
-  1. `generate_data`  the target (a torch copy built from its GGUF) answers domain
+  1. `teacher.domain_data`  the target (a torch copy built from its GGUF) answers domain
      prompts greedily, as the served path does, and keeps its top-k log-probs
      at every answer position (soft labels).  Cached per domain in --work.
   2. `select_vocab`   the draft's own vocabulary: control and whitespace tokens,
      then the target ids most frequent in that data.
   3. `train`          KL(teacher || draft) on the draft vocabulary plus
      cross-entropy on the teacher's greedy token, answers only.
-  4. `evaluate`       teacher-forced top-1 agreement and the mean acceptance
+  4. `evaluate_draft` teacher-forced top-1 agreement and the mean acceptance
      length of greedy speculative decoding at gamma=5 on held-out prompts.
-  5. `export`         the same ONNX layout as the target (convert.DecoderBuilder),
-     weights stored as float16, plus vocab.json and manifest.json.
+  5. `write_draft`    the same ONNX layout as the target (convert.DecoderBuilder),
+     weights as 8-bit blocks (or float16), plus vocab.json and manifest.json.
 
-torch is imported inside functions only: the runtime never needs it.
+The model itself is memspec.training.torch_model.  torch is imported inside
+functions only: the runtime, and `memspec --help`, never need it.
 """
 
 from __future__ import annotations
@@ -32,25 +33,13 @@ import numpy as np
 
 from memspec.errors import MemspecError
 from memspec.models.gguf import LlamaConfig
-from memspec.training.prompts import DOMAINS
+from memspec.training import log, require_torch
+from memspec.training.prompts import DOMAINS, measured_prompts
+from memspec.training.teacher import data_key, domain_data, load_teacher
 
-TOP_K = 64  # teacher log-probs kept per answer position
 GAMMA = 5  # draft tokens per verification step in the acceptance simulation
-HELD_OUT = 0.1  # fraction of each domain's prompts kept for evaluation
 N_CONTROL = 17  # SmolLM2 control tokens are ids 0..16
 UNKNOWN_TARGET_ID = 0  # target ids outside a draft vocab are fed as this one (<|endoftext|>)
-
-
-def _torch():
-    try:
-        import torch
-    except ImportError:
-        raise MemspecError("draft training needs PyTorch: pip install 'memspec[train]'") from None
-    return torch
-
-
-def _log(msg: str) -> None:
-    print(f"[{time.strftime('%H:%M:%S')}] {msg}", file=sys.stderr, flush=True)
 
 
 # -- vocabulary ----------------------------------------------------------------------
@@ -102,6 +91,16 @@ class VocabMap:
         return self.to_target[np.asarray(ids, dtype=np.int64)]
 
 
+def token_counts(samples: list[dict], vocab: int) -> np.ndarray:
+    """Answer-token frequency plus the teacher's probability mass on each id (alternatives)."""
+    counts = np.zeros(vocab, dtype=np.float64)
+    for s in samples:
+        np.add.at(counts, np.asarray(s["answer"]), 1.0)
+        np.add.at(counts, np.asarray(s["prompt"]), 0.25)
+        np.add.at(counts, s["top_ids"].reshape(-1), np.exp(s["top_lp"].astype(np.float64)).reshape(-1) * 0.5)
+    return counts
+
+
 # -- model -------------------------------------------------------------------------
 HEAD_DIM = 64  # drafts' attention head size (GroupQueryAttention on the CPU needs a multiple of 16)
 
@@ -116,247 +115,11 @@ def draft_config(layers: int, width: int, vocab: int, head_dim: int = HEAD_DIM, 
                        vocab=vocab, rope_theta=100000.0, rms_eps=1e-5, context_length=context, tied_embeddings=True)
 
 
-_LLAMA = None
-
-
-def llama_class():
-    """The torch llama module (defined on first use so that torch stays optional)."""
-    global _LLAMA
-    if _LLAMA is not None:
-        return _LLAMA
-    torch = _torch()
-    nn, F = torch.nn, torch.nn.functional
-
-    def rms(x, w, eps):
-        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
-
-    def rotate(x, cos, sin):  # HF rotate_half (non-interleaved)
-        h = x.shape[-1] // 2
-        return x * cos + torch.cat([-x[..., h:], x[..., :h]], dim=-1) * sin
-
-    class Block(nn.Module):
-        def __init__(self, c: LlamaConfig):
-            super().__init__()
-            self.c = c
-            self.attn_norm = nn.Parameter(torch.ones(c.hidden))
-            self.attn_q = nn.Linear(c.hidden, c.n_heads * c.head_dim, bias=False)
-            self.attn_k = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
-            self.attn_v = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
-            self.attn_output = nn.Linear(c.n_heads * c.head_dim, c.hidden, bias=False)
-            self.ffn_norm = nn.Parameter(torch.ones(c.hidden))
-            self.ffn_gate = nn.Linear(c.hidden, c.ffn, bias=False)
-            self.ffn_up = nn.Linear(c.hidden, c.ffn, bias=False)
-            self.ffn_down = nn.Linear(c.ffn, c.hidden, bias=False)
-
-        def forward(self, x, cos, sin, mask, cache, i):
-            c = self.c
-            B, T, _ = x.shape
-            h = rms(x, self.attn_norm, c.rms_eps)
-            q = self.attn_q(h).view(B, T, c.n_heads, c.head_dim).transpose(1, 2)  # (B, nh, T, hd)
-            k = self.attn_k(h).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)  # (B, kvh, T, hd)
-            v = self.attn_v(h).view(B, T, c.n_kv_heads, c.head_dim).transpose(1, 2)
-            q, k = rotate(q, cos, sin), rotate(k, cos, sin)
-            if cache is not None:
-                if len(cache) > i:
-                    k = torch.cat([cache[i][0], k], dim=2)
-                    v = torch.cat([cache[i][1], v], dim=2)
-                    cache[i] = (k, v)
-                else:
-                    cache.append((k, v))
-            a = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, enable_gqa=True)
-            x = x + self.attn_output(a.transpose(1, 2).reshape(B, T, -1))
-            h = rms(x, self.ffn_norm, c.rms_eps)
-            return x + self.ffn_down(F.silu(self.ffn_gate(h)) * self.ffn_up(h))
-
-    class Llama(nn.Module):
-        """Llama decoder with a tied head; tensor names map 1:1 to GGUF names (see `tensors`)."""
-
-        def __init__(self, c: LlamaConfig):
-            super().__init__()
-            assert c.tied_embeddings, "only tied-embedding models are supported"
-            self.c = c
-            self.token_embd = nn.Embedding(c.vocab, c.hidden)
-            self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
-            self.output_norm = nn.Parameter(torch.ones(c.hidden))
-            inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
-            self.register_buffer("inv_freq", inv, persistent=False)
-
-        def forward(self, ids, pos=None, mask=None, cache=None):
-            """ids (B, T) -> logits (B, T, V).  pos (B, T) positions; mask (B, 1, T, S) bool, None = causal."""
-            B, T = ids.shape
-            if pos is None:
-                pos = torch.arange(T).expand(B, T)
-            ang = pos.to(torch.float64)[..., None] * self.inv_freq  # (B, T, hd/2)
-            ang = torch.cat([ang, ang], dim=-1)[:, None]  # (B, 1, T, hd)
-            cos, sin = ang.cos().float(), ang.sin().float()
-            x = self.token_embd(ids)
-            for i, blk in enumerate(self.blocks):
-                x = blk(x, cos, sin, mask, cache, i)
-            return rms(x, self.output_norm, self.c.rms_eps) @ self.token_embd.weight.T
-
-        def tensors(self) -> dict[str, np.ndarray]:
-            """Float32 weights under GGUF names, HF layout (what ArrayWeights takes)."""
-            out = {"token_embd.weight": self.token_embd.weight, "output_norm.weight": self.output_norm}
-            for i, blk in enumerate(self.blocks):
-                for name, p in blk.named_parameters():
-                    out[f"blk.{i}.{name}.weight" if not name.endswith(".weight") else f"blk.{i}.{name}"] = p
-            return {k: v.detach().float().cpu().numpy() for k, v in out.items()}
-
-        def load_tensors(self, tensors) -> None:
-            """Inverse of `tensors`: takes a name -> array mapping or a GGUFModel/ArrayWeights."""
-            get = tensors.float32 if hasattr(tensors, "float32") else tensors.__getitem__
-            with torch.no_grad():
-                for name in self.tensors_names():
-                    self._param(name).copy_(torch.from_numpy(np.array(get(name), dtype=np.float32)))
-
-        def tensors_names(self) -> list[str]:
-            names = ["token_embd.weight", "output_norm.weight"]
-            for i in range(self.c.n_layers):
-                names += [f"blk.{i}.{k}.weight" for k in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
-                                                        "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
-            return names
-
-        def _param(self, name: str):
-            if name == "token_embd.weight":
-                return self.token_embd.weight
-            if name == "output_norm.weight":
-                return self.output_norm
-            _, i, k, _ = name.split(".")
-            p = getattr(self.blocks[int(i)], k)
-            return p if isinstance(p, nn.Parameter) else p.weight
-
-    _LLAMA = Llama
-    return Llama
-
-
-def load_teacher(gguf_path: Path):
-    """The target as a float32 torch module, from its GGUF."""
-    from memspec.models.gguf import GGUFModel
-
-    g = GGUFModel(gguf_path)
-    model = llama_class()(g.config)
-    model.load_tensors(g)
-    return model.eval()
-
-
-# -- data --------------------------------------------------------------------------
-def generate(teacher, prompts: list[list[int]], max_new: int, eos: int, batch: int = 64) -> list[dict]:
-    """Greedy answers of the teacher with its top-k log-probs at every answer position.
-
-    Prompts are sorted by length and left-padded per batch; positions and the
-    attention mask skip the padding, so each row decodes as if alone.
-    Returns per prompt {"prompt", "answer" (target ids, EOS included when produced),
-    "top_ids" (n, K) int32, "top_lp" (n, K) float16}.
-    """
-    torch = _torch()
-    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-    out: list[dict | None] = [None] * len(prompts)
-    for b0 in range(0, len(order), batch):
-        idx = order[b0:b0 + batch]
-        rows = [prompts[i] for i in idx]
-        B, L = len(rows), max(len(r) for r in rows)
-        ids = torch.zeros(B, L, dtype=torch.long)
-        valid = torch.zeros(B, L, dtype=torch.bool)
-        for r, p in enumerate(rows):
-            ids[r, L - len(p):] = torch.tensor(p)
-            valid[r, L - len(p):] = True
-        pos = (valid.long().cumsum(1) - 1).clamp(min=0)
-        causal = torch.ones(L, L, dtype=torch.bool).tril()
-        mask = (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]  # (B, L, L)
-        cache: list = []
-        answers = [[] for _ in range(B)]
-        tops_i = [[] for _ in range(B)]
-        tops_v = [[] for _ in range(B)]
-        done = torch.zeros(B, dtype=torch.bool)
-        with torch.inference_mode():
-            logits = teacher(ids, pos, mask[:, None], cache)[:, -1]
-            cur = pos[:, -1]
-            for _ in range(max_new):
-                lp = torch.log_softmax(logits.float(), dim=-1)
-                v, i = lp.topk(TOP_K, dim=-1)
-                nxt = i[:, 0]
-                for r in range(B):
-                    if not done[r]:
-                        answers[r].append(int(nxt[r]))
-                        tops_i[r].append(i[r].numpy().astype(np.int32))
-                        tops_v[r].append(v[r].numpy().astype(np.float16))
-                done |= nxt == eos
-                if bool(done.all()):
-                    break
-                valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool)], dim=1)
-                cur = cur + 1
-                logits = teacher(nxt[:, None], cur[:, None], valid[:, None, None, :], cache)[:, -1]
-        for r, i in enumerate(idx):
-            out[i] = {"prompt": prompts[i], "answer": answers[r],
-                      "top_ids": np.stack(tops_i[r]), "top_lp": np.stack(tops_v[r])}
-        _log(f"  generated {min(b0 + batch, len(order))}/{len(order)} (prompt len {L})")
-    return out
-
-
-def measured_prompts() -> set[str]:
-    """The prompts the benchmarks measure drafts on: the built-in workload and, in a checkout,
-    bench/heldout_mixed.jsonl.  Training never uses them."""
-    from memspec.bench.policies import load_workload
-
-    heldout = Path(__file__).resolve().parents[2] / "bench" / "heldout_mixed.jsonl"
-    workloads = [None, str(heldout)] if heldout.is_file() else [None]
-    return {w["prompt"] for path in workloads for w in load_workload(path)}
-
-
-def data_key(domain: str, seed: int) -> str:
-    """Cache name of one domain's data set made with prompt seed `seed` (seed 0: the domain's name)."""
-    return domain if seed == 0 else f"{domain}-seed{seed}"
-
-
-def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, max_new: int, seed: int,
-                prompts: list[str] | None = None, exclude=()) -> dict:
-    """Load or make one domain's distillation data: {"train": [...], "eval": [...], "info": {...}}.
-
-    `exclude` lists prompts that other data sets already hold; new prompts avoid them.
-    """
-    torch = _torch()
-    path = work / f"data-{domain if prompts is not None else data_key(domain, seed)}.pt"
-    if path.is_file():
-        return torch.load(path, weights_only=False)
-    from memspec.training.prompts import domain_prompts
-
-    texts = prompts if prompts is not None else domain_prompts(domain, n_prompts, seed, exclude)
-    if not texts:  # every prompt of the domain is in an earlier seed's data set already
-        _log(f"{domain} (seed {seed}): no new prompts; nothing to add")
-        return {"train": [], "eval": [], "info": {"domain": domain, "prompts": 0, "seed": seed}}
-    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
-    t0 = time.time()
-    samples = generate(teacher_fn(), ids, max_new, tokenizer.eos_token_id)
-    for s, t in zip(samples, texts):
-        s["text"] = t
-    n_eval = max(1, int(round(len(samples) * HELD_OUT)))
-    data = {
-        "train": samples[:-n_eval], "eval": samples[-n_eval:],
-        "info": {"domain": domain, "prompts": len(samples), "eval_prompts": n_eval, "max_new": max_new,
-                 "answer_tokens": int(sum(len(s["answer"]) for s in samples)),
-                 "prompt_tokens": int(sum(len(s["prompt"]) for s in samples)),
-                 "seconds": round(time.time() - t0, 1), "seed": seed},
-    }
-    work.mkdir(parents=True, exist_ok=True)
-    torch.save(data, path.with_suffix(".partial"))
-    path.with_suffix(".partial").replace(path)
-    _log(f"{domain}: {data['info']}")
-    return data
-
-
-def token_counts(samples: list[dict], vocab: int) -> np.ndarray:
-    """Answer-token frequency plus the teacher's probability mass on each id (alternatives)."""
-    counts = np.zeros(vocab, dtype=np.float64)
-    for s in samples:
-        np.add.at(counts, np.asarray(s["answer"]), 1.0)
-        np.add.at(counts, np.asarray(s["prompt"]), 0.25)
-        np.add.at(counts, s["top_ids"].reshape(-1), np.exp(s["top_lp"].astype(np.float64)).reshape(-1) * 0.5)
-    return counts
-
-
 # -- training ---------------------------------------------------------------------
-@dataclass
-class TrainConfig:
+@dataclass(frozen=True)
+class DraftTrainConfig:
+    """How `train-draft` fits a draft (AdamW, loss weights)."""
+
     steps: int = 600  # optimizer steps
     batch: int = 16  # sequences per step
     lr: float = 2e-3  # peak AdamW learning rate (cosine decay, linear warm-up)
@@ -367,7 +130,7 @@ class TrainConfig:
 
 def _batch(samples: list[dict], vmap: VocabMap):
     """Right-padded draft ids (B, T) and, per answer position, the flat index and teacher labels."""
-    torch = _torch()
+    torch = require_torch()
     seqs = [list(s["prompt"]) + list(s["answer"][:-1]) for s in samples]
     T = max(len(q) for q in seqs)
     ids = torch.zeros(len(seqs), T, dtype=torch.long)
@@ -383,7 +146,7 @@ def _batch(samples: list[dict], vmap: VocabMap):
 
 def _labels(tid: np.ndarray, tlp: np.ndarray, vmap: VocabMap):
     """Teacher probs renormalised over the draft vocab: (N, K) draft ids, (N, K) probs; greedy draft id or -1."""
-    torch = _torch()
+    torch = require_torch()
     known = vmap.known[tid]  # (N, K)
     p = np.exp(tlp.astype(np.float32)) * known
     p /= np.maximum(p.sum(-1, keepdims=True), 1e-9)
@@ -393,9 +156,11 @@ def _labels(tid: np.ndarray, tlp: np.ndarray, vmap: VocabMap):
 
 def init_draft(cfg: LlamaConfig, target_emb: np.ndarray, vmap: VocabMap, seed: int):
     """A draft whose embedding is the PCA projection of the target's rows for its vocabulary."""
-    torch = _torch()
+    torch = require_torch()
+    from memspec.training.torch_model import Llama
+
     torch.manual_seed(seed)
-    model = llama_class()(cfg)
+    model = Llama(cfg)
     with torch.no_grad():
         for name, p in model.named_parameters():
             if p.ndim == 2:
@@ -411,9 +176,9 @@ def init_draft(cfg: LlamaConfig, target_emb: np.ndarray, vmap: VocabMap, seed: i
     return model
 
 
-def train(model, samples: list[dict], vmap: VocabMap, tc: TrainConfig, eval_fn=None) -> dict:
+def train(model, samples: list[dict], vmap: VocabMap, tc: DraftTrainConfig, eval_fn=None) -> dict:
     """Distil into `model`; returns a summary of the loss curve."""
-    torch = _torch()
+    torch = require_torch()
     F = torch.nn.functional
     rng = np.random.default_rng(tc.seed)
     opt = torch.optim.AdamW(model.parameters(), lr=tc.lr, weight_decay=0.01, betas=(0.9, 0.95))
@@ -445,7 +210,7 @@ def train(model, samples: list[dict], vmap: VocabMap, tc: TrainConfig, eval_fn=N
             curve.append({"step": step + 1, "kl": round(float(kl_m), 4), "ce": round(float(ce_m), 4),
                           "seconds": round(time.time() - t0, 1)})
             window = []
-            _log(f"  step {step + 1}/{tc.steps} kl {kl_m:.3f} ce {ce_m:.3f} ({time.time() - t0:.0f}s)")
+            log(f"  step {step + 1}/{tc.steps} kl {kl_m:.3f} ce {ce_m:.3f} ({time.time() - t0:.0f}s)")
     model.eval()
     n_tokens = sum(len(s["answer"]) for s in samples)
     return {"steps": tc.steps, "batch": tc.batch, "lr": tc.lr, "ce_weight": tc.ce_weight,
@@ -473,9 +238,9 @@ def acceptance(match: np.ndarray, gamma: int = GAMMA) -> tuple[int, int]:
     return n, steps
 
 
-def evaluate(model, samples: list[dict], vmap: VocabMap, batch: int = 16) -> dict:
+def evaluate_draft(model, samples: list[dict], vmap: VocabMap, batch: int = 16) -> dict:
     """Top-1 agreement with the target's greedy token and mean acceptance length at gamma=5."""
-    torch = _torch()
+    torch = require_torch()
     agree, total, tokens, steps = 0, 0, 0, 0
     with torch.inference_mode():
         for b0 in range(0, len(samples), batch):
@@ -547,7 +312,7 @@ def write_draft(folder: Path, name: str, model, vmap: VocabMap, provenance: dict
 
 
 # -- command line ---------------------------------------------------------------------
-def add_parser(subparsers) -> argparse.ArgumentParser:
+def add_train_draft_parser(subparsers) -> argparse.ArgumentParser:
     """Register `train-draft` (torch needed only when it runs)."""
     p = subparsers.add_parser("train-draft", help="train a draft model by self-distillation from the target")
     p.add_argument("--name", required=True, help="draft name, e.g. draft-code")
@@ -597,8 +362,9 @@ def _target_files(target: str, home=None):
 
 def export_only(args) -> int:
     """Write --name again from its checkpoint in --work (say with other --weights), keeping its record."""
-    torch = _torch()
+    torch = require_torch()
     from memspec.models.store import MANIFEST, SHIPPED_MODELS, Manifest
+    from memspec.training.torch_model import Llama
 
     out = Path(args.out) if args.out else SHIPPED_MODELS
     ckpt = Path(args.work) / args.target / f"{args.name}.pt"
@@ -610,7 +376,7 @@ def export_only(args) -> int:
         raise MemspecError(f"--export-only needs the weights of {args.name}'s last run, {ckpt}, which is missing")
     a = old.architecture
     cfg = draft_config(a["n_layers"], a["hidden"], a["vocab"], a.get("head_dim", 64), a.get("context_length", 2048))
-    model = llama_class()(cfg)
+    model = Llama(cfg)
     model.load_state_dict(torch.load(ckpt))
     model.eval()
     vocab = [int(i) for i in json.loads((old.folder / old.extra.get("draft_vocab", "vocab.json")).read_text())]
@@ -622,16 +388,16 @@ def export_only(args) -> int:
     provenance = {**old.provenance, "exported": f"memspec train-draft --export-only --weights {args.weights} "
                                                 f"({datetime.now(timezone.utc).isoformat(timespec='seconds')})"}
     path = write_draft(out / args.name, args.name, model, vmap, provenance, extra, args.weights)
-    _log(f"wrote {path}")
+    log(f"wrote {path}")
     return 0
 
 
-def run_cli(args) -> int:
+def run_train_draft(args) -> int:
     if not getattr(args, "export_only", False) and (args.width < HEAD_DIM or args.width % HEAD_DIM):
         raise MemspecError(f"--width must be a multiple of {HEAD_DIM} (the attention head size), got {args.width}")
     if args.layers < 1:
         raise MemspecError(f"--layers must be at least 1, got {args.layers}")
-    torch = _torch()
+    torch = require_torch()
     from memspec.models.store import SHIPPED_MODELS
 
     if args.threads:
@@ -653,7 +419,7 @@ def run_cli(args) -> int:
 
     def teacher():
         if not teacher_cache:
-            _log(f"loading teacher from {gguf.name}")
+            log(f"loading teacher from {gguf.name}")
             teacher_cache.append(load_teacher(gguf))
         return teacher_cache[0]
 
@@ -672,10 +438,10 @@ def run_cli(args) -> int:
     every = [s for d in datasets.values() for s in d["train"]]
     samples = [s for s in every if s.get("text") not in measured]
     if len(samples) < len(every):  # data sets made before the benchmarks' prompts were excluded
-        _log(f"dropping {len(every) - len(samples)} training samples whose prompt a benchmark measures")
+        log(f"dropping {len(every) - len(samples)} training samples whose prompt a benchmark measures")
 
     if resume:  # the checkpoint's embedding rows are its own ids, whatever data comes now
-        _log(f"keeping the vocabulary of {ckpt.name} ({len(vocab)} ids)")
+        log(f"keeping the vocabulary of {ckpt.name} ({len(vocab)} ids)")
     else:
         vocab = select_vocab(token_counts(samples, tok.vocab_size), args.vocab_size, required_ids(tok))
     vmap = VocabMap(vocab, tok.vocab_size)
@@ -687,12 +453,12 @@ def run_cli(args) -> int:
     if resume:
         model.load_state_dict(torch.load(ckpt))
         previous = shape.get("training")  # the run(s) these weights come from
-        _log(f"resuming from {ckpt}")
+        log(f"resuming from {ckpt}")
     n_params = sum(p.numel() for p in model.parameters())
     steps = args.steps or max(1, int(args.epochs * len(samples) / args.batch))
-    _log(f"{args.name}: {cfg.n_layers} layers x {cfg.hidden}, vocab {cfg.vocab}, {n_params / 1e6:.2f}M params, "
+    log(f"{args.name}: {cfg.n_layers} layers x {cfg.hidden}, vocab {cfg.vocab}, {n_params / 1e6:.2f}M params, "
          f"{len(samples)} sequences, {steps} steps")
-    summary = train(model, samples, vmap, TrainConfig(steps=steps, batch=args.batch, lr=args.lr, seed=args.seed))
+    summary = train(model, samples, vmap, DraftTrainConfig(steps=steps, batch=args.batch, lr=args.lr, seed=args.seed))
 
     eval_domains = args.eval_domains
     if eval_domains is None:
@@ -700,8 +466,8 @@ def run_cli(args) -> int:
     results = {}
     for d in eval_domains:
         data = datasets.get(d) or domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, 0)
-        results[d] = evaluate(model, data["eval"], vmap)
-        _log(f"  eval {d}: {results[d]}")
+        results[d] = evaluate_draft(model, data["eval"], vmap)
+        log(f"  eval {d}: {results[d]}")
     summary["held_out"] = results
     if previous:
         summary["previous"] = previous  # earlier run(s) this one continued from
@@ -722,7 +488,7 @@ def run_cli(args) -> int:
     path = write_draft(out / args.name, args.name, model, vmap, provenance, extra, getattr(args, "weights", "q8"))
     save_checkpoint(model, vmap, work / f"{args.name}.pt",
                     {**{k: summary.get(k) for k in ("steps", "epochs", "seconds", "lr")}, "previous": previous})
-    _log(f"wrote {path}")
+    log(f"wrote {path}")
     return 0
 
 
@@ -730,7 +496,7 @@ def save_checkpoint(model, vmap: VocabMap, ckpt: Path, training: dict | None = N
     """The weights of a run (NAME.pt) and, beside them, what their rows mean (NAME.vocab.json):
     the draft -> target id map and the shape, so that --resume never pairs them with another
     vocabulary, and the record of the run(s) that made them."""
-    torch = _torch()
+    torch = require_torch()
     record = {"vocab": [int(i) for i in vmap.to_target], "n_layers": model.c.n_layers, "hidden": model.c.hidden,
               "training": training}
     torch.save(model.state_dict(), ckpt)
@@ -750,10 +516,10 @@ def checkpoint_record(ckpt: Path) -> tuple[list[int], dict]:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="memspec-train")
     sub = parser.add_subparsers(dest="cmd", required=True)
-    add_parser(sub)
+    add_train_draft_parser(sub)
     args = parser.parse_args(argv)
     try:
-        return run_cli(args)
+        return run_train_draft(args)
     except MemspecError as exc:  # as `memspec train-draft` reports it: a message, no traceback
         print(f"memspec-train: error: {exc}", file=sys.stderr)
         return 2

@@ -3,11 +3,13 @@
 `domain_prompts(domain, n, seed)` returns `n` distinct user messages for one of
 DOMAINS.  The target answers them (greedy) and the drafts learn to predict its
 answers, so the prompts only need to cover what users ask in that domain.
+`measured_prompts()` are the prompts the benchmarks measure drafts on; training never uses them.
 """
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 DOMAINS = ("code", "math", "chat", "scripts")
 
@@ -309,3 +311,13 @@ def domain_prompts(domain: str, n: int, seed: int = 0, exclude=()) -> list[str]:
         if p not in skip:
             seen.setdefault(p, None)
     return list(seen)
+
+
+def measured_prompts() -> set[str]:
+    """The prompts the benchmarks measure drafts on: the built-in workload and, in a checkout,
+    bench/heldout_mixed.jsonl.  Training never uses them."""
+    from memspec.bench.policies import load_workload
+
+    heldout = Path(__file__).resolve().parents[2] / "bench" / "heldout_mixed.jsonl"
+    workloads = [None, str(heldout)] if heldout.is_file() else [None]
+    return {w["prompt"] for path in workloads for w in load_workload(path)}

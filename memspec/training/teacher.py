@@ -1,0 +1,123 @@
+"""The teacher's side of self-distillation (`memspec train-draft`): the target, as a torch
+model built from its GGUF, answers domain prompts greedily and keeps its top-k log-probs
+at every answer position; those soft labels are a domain's data set, cached in --work.
+
+torch is imported inside functions only (memspec.training.require_torch).
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from memspec.training import log, require_torch
+
+TOP_K = 64  # teacher log-probs kept per answer position
+HELD_OUT = 0.1  # fraction of each domain's prompts kept for evaluation
+
+
+def load_teacher(gguf_path: Path):
+    """The target as a float32 torch module, from its GGUF."""
+    from memspec.models.gguf import GGUFModel
+    from memspec.training.torch_model import Llama
+
+    g = GGUFModel(gguf_path)
+    model = Llama(g.config)
+    model.load_tensors(g)
+    return model.eval()
+
+
+def generate_answers(teacher, prompts: list[list[int]], max_new: int, eos: int, batch: int = 64) -> list[dict]:
+    """Greedy answers of the teacher with its top-k log-probs at every answer position.
+
+    Prompts are sorted by length and left-padded per batch; positions and the
+    attention mask skip the padding, so each row decodes as if alone.
+    Returns per prompt {"prompt", "answer" (target ids, EOS included when produced),
+    "top_ids" (n, K) int32, "top_lp" (n, K) float16}.
+    """
+    torch = require_torch()
+    order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+    out: list[dict | None] = [None] * len(prompts)
+    for b0 in range(0, len(order), batch):
+        idx = order[b0:b0 + batch]
+        rows = [prompts[i] for i in idx]
+        B, L = len(rows), max(len(r) for r in rows)
+        ids = torch.zeros(B, L, dtype=torch.long)
+        valid = torch.zeros(B, L, dtype=torch.bool)
+        for r, p in enumerate(rows):
+            ids[r, L - len(p):] = torch.tensor(p)
+            valid[r, L - len(p):] = True
+        pos = (valid.long().cumsum(1) - 1).clamp(min=0)
+        causal = torch.ones(L, L, dtype=torch.bool).tril()
+        mask = (causal[None] & valid[:, None, :]) | torch.eye(L, dtype=torch.bool)[None]  # (B, L, L)
+        cache: list = []
+        answers = [[] for _ in range(B)]
+        tops_i = [[] for _ in range(B)]
+        tops_v = [[] for _ in range(B)]
+        done = torch.zeros(B, dtype=torch.bool)
+        with torch.inference_mode():
+            logits = teacher(ids, pos, mask[:, None], cache)[:, -1]
+            cur = pos[:, -1]
+            for _ in range(max_new):
+                lp = torch.log_softmax(logits.float(), dim=-1)
+                v, i = lp.topk(TOP_K, dim=-1)
+                nxt = i[:, 0]
+                for r in range(B):
+                    if not done[r]:
+                        answers[r].append(int(nxt[r]))
+                        tops_i[r].append(i[r].numpy().astype(np.int32))
+                        tops_v[r].append(v[r].numpy().astype(np.float16))
+                done |= nxt == eos
+                if bool(done.all()):
+                    break
+                valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool)], dim=1)
+                cur = cur + 1
+                logits = teacher(nxt[:, None], cur[:, None], valid[:, None, None, :], cache)[:, -1]
+        for r, i in enumerate(idx):
+            out[i] = {"prompt": prompts[i], "answer": answers[r],
+                      "top_ids": np.stack(tops_i[r]), "top_lp": np.stack(tops_v[r])}
+        log(f"  generated {min(b0 + batch, len(order))}/{len(order)} (prompt len {L})")
+    return out
+
+
+def data_key(domain: str, seed: int) -> str:
+    """Cache name of one domain's data set made with prompt seed `seed` (seed 0: the domain's name)."""
+    return domain if seed == 0 else f"{domain}-seed{seed}"
+
+
+def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, max_new: int, seed: int,
+                prompts: list[str] | None = None, exclude=()) -> dict:
+    """Load or make one domain's distillation data: {"train": [...], "eval": [...], "info": {...}}.
+
+    `exclude` lists prompts that other data sets already hold; new prompts avoid them.
+    """
+    torch = require_torch()
+    path = work / f"data-{domain if prompts is not None else data_key(domain, seed)}.pt"
+    if path.is_file():
+        return torch.load(path, weights_only=False)
+    from memspec.training.prompts import domain_prompts
+
+    texts = prompts if prompts is not None else domain_prompts(domain, n_prompts, seed, exclude)
+    if not texts:  # every prompt of the domain is in an earlier seed's data set already
+        log(f"{domain} (seed {seed}): no new prompts; nothing to add")
+        return {"train": [], "eval": [], "info": {"domain": domain, "prompts": 0, "seed": seed}}
+    ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
+    t0 = time.time()
+    samples = generate_answers(teacher_fn(), ids, max_new, tokenizer.eos_token_id)
+    for s, t in zip(samples, texts):
+        s["text"] = t
+    n_eval = max(1, int(round(len(samples) * HELD_OUT)))
+    data = {
+        "train": samples[:-n_eval], "eval": samples[-n_eval:],
+        "info": {"domain": domain, "prompts": len(samples), "eval_prompts": n_eval, "max_new": max_new,
+                 "answer_tokens": int(sum(len(s["answer"]) for s in samples)),
+                 "prompt_tokens": int(sum(len(s["prompt"]) for s in samples)),
+                 "seconds": round(time.time() - t0, 1), "seed": seed},
+    }
+    work.mkdir(parents=True, exist_ok=True)
+    torch.save(data, path.with_suffix(".partial"))
+    path.with_suffix(".partial").replace(path)
+    log(f"{domain}: {data['info']}")
+    return data
