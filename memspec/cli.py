@@ -291,7 +291,7 @@ def cmd_unload(args) -> int:
 def cmd_bench(args) -> int:
     from memspec.bench import policies as bench
 
-    return bench.run_cli(args)
+    return bench.run_bench(args)
 
 
 # -- parser --------------------------------------------------------------------------
@@ -406,7 +406,7 @@ def _add_dev_command(sub, common: argparse.ArgumentParser, name: str) -> None:
     elif name == "profile":
         from memspec.training import profile
 
-        profile.add_parser(sub)
+        profile.add_profile_parser(sub)
     else:
         from memspec.training import predictor_fit
 

@@ -153,7 +153,7 @@ def teacher_forced_agreement(engine, prompts: list[str], max_tokens: int, verify
     return agree, total
 
 
-def summarize(cells: dict, policies: list[str]) -> list[dict]:
+def summarize_runs(cells: dict, policies: list[str]) -> list[dict]:
     """The `runs` rows: one per (policy, category) plus category 'all'."""
     cats = sorted({c for _, c in cells})
     base = {c: cells[("target-only", c)] for c in cats}
@@ -268,7 +268,7 @@ def default_budget_mb(process_bytes: int, kv_bytes: int, sizes: dict[str, int]) 
 def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str], max_tokens: int,
                lookahead: int = 1, progress=None) -> tuple[dict, dict[str, PolicyRun], dict[str, list[int]]]:
     """Each policy over the same stream with its own scheduler; returns (cells, runs, target-only outputs).
-    The engine must be warm (ONNX Runtime's first runs are slow): run_stream_cli warms it."""
+    The engine must be warm (ONNX Runtime's first runs are slow): run_bench_stream warms it."""
     from memspec.runtime.memory import PsutilProbe, RssSampler, reclaim
 
     cells: dict[tuple[str, str], Tally] = defaultdict(Tally)
@@ -327,8 +327,8 @@ def profile_oracle(engine, make_scheduler, workload: list[dict], drafts: list[st
 
 
 def stream_rows(cells: dict, runs: dict[str, PolicyRun], policies: list[str], budget_mb: int) -> list[dict]:
-    """summarize() rows, with the stream's columns added to each policy's `all` row."""
-    rows = summarize(cells, policies)
+    """summarize_runs() rows, with the stream's columns added to each policy's `all` row."""
+    rows = summarize_runs(cells, policies)
     alls = {r["policy"]: r for r in rows if r["category"] == "all"}
     bandit = alls.get("bandit", {}).get("tok_per_s")
     oracle = alls.get("oracle", {}).get("tok_per_s")
@@ -366,7 +366,7 @@ def print_stream_table(rows: list[dict], out=sys.stdout) -> None:
           "of the running request; peak RSS: the whole process, sampled)", file=out)
 
 
-def run_stream_cli(args, policies: list[str], workload: list[dict], spec) -> tuple[list[dict], dict]:
+def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> tuple[list[dict], dict]:
     import dataclasses
 
     from memspec.speculation.drafts import target_drafts
@@ -452,7 +452,7 @@ def add_arguments(b) -> None:
     b.add_argument("--png", metavar="FILE", help="write a chart of speedups")
 
 
-def run_cli(args) -> int:
+def run_bench(args) -> int:
     import dataclasses
 
     from memspec.speculation.engine import Engine
@@ -474,7 +474,7 @@ def run_cli(args) -> int:
         if args.shuffle is None:
             random.Random(0).shuffle(workload)  # one mixed stream across categories
         spec = _spec(args, args.config.speculative)
-        rows, ctx = run_stream_cli(args, policies, workload, spec)
+        rows, ctx = run_bench_stream(args, policies, workload, spec)
         engine, extra = ctx["engine"], ctx["info"]
         print_table(rows)
         print_stream_table(rows)
@@ -486,7 +486,7 @@ def run_cli(args) -> int:
             policy_draft(p, engine)  # refuse unknown policies before running anything
         cells = run(engine, workload, policies, args.max_tokens,
                     progress=lambda m: print(m, file=sys.stderr, flush=True))
-        rows = summarize(cells, policies)
+        rows = summarize_runs(cells, policies)
         print_table(rows)
         extra = {}
     if args.json:
@@ -509,4 +509,4 @@ def _spec(args, spec):
     return spec
 
 
-__all__ = ["add_arguments", "run_cli", "load_workload", "run", "summarize", "MemspecError"]
+__all__ = ["add_arguments", "run_bench", "load_workload", "run", "summarize_runs", "MemspecError"]

@@ -190,7 +190,7 @@ def print_summary(traces: list[dict], out=sys.stdout) -> None:
 
 
 # -- command line -------------------------------------------------------------------------------------
-def add_parser(subparsers):
+def add_profile_parser(subparsers):
     p = subparsers.add_parser("profile", help="record draft traces for `memspec train-predictor`",
                               description="Runs every draft fixed, and target-only, greedily on a calibration "
                                           "set and writes one JSON line of per-segment measurements per prompt.")
@@ -202,11 +202,11 @@ def add_parser(subparsers):
     p.add_argument("--segment-tokens", type=int, default=ProfileConfig.segment_tokens,
                    help="committed tokens per segment")
     p.add_argument("--limit", type=int, default=0, help="only the first N prompts per category (0 = all)")
-    p.set_defaults(func=run_cli)
+    p.set_defaults(func=run_profile)
     return p
 
 
-def run_cli(args) -> int:
+def run_profile(args) -> int:
     from memspec.bench.policies import load_workload
     from memspec.speculation.engine import Engine
     from memspec.errors import InvalidRequestError
