@@ -8,6 +8,9 @@ from memspec.errors import InvalidRequestError
 
 ROLES = ("system", "user", "assistant")
 FINISH_REASONS = ("stop", "length", "eos", "cancelled")
+NO_DRAFT = "none"  # the draft a request names for target-only decoding
+POLICY_KINDS = ("target-only", "fixed", "bandit", "memspec", "oracle")
+POLICY_FORMS = ("target-only", "fixed:<draft>", "bandit", "memspec", "oracle")  # what a policy may be written as
 
 
 @dataclass(frozen=True)
@@ -33,6 +36,42 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PolicyName:
+    """A draft-selection policy, parsed once from its text form at the boundary (a request,
+    the config, a command line): "target-only", "fixed:<draft>", "bandit", "memspec", "oracle"."""
+
+    kind: str  # one of POLICY_KINDS
+    draft: str | None = None  # the one draft of a "fixed" policy; None for the others
+
+    @classmethod
+    def parse(cls, text: str, field: str = "policy") -> "PolicyName":
+        kind, colon, draft = text.partition(":")
+        if kind == "fixed" and draft:
+            return cls(kind, draft)
+        if not colon and kind in POLICY_KINDS and kind != "fixed":
+            return cls(kind)
+        raise unknown_policy(text, POLICY_FORMS, field)
+
+    @classmethod
+    def of_draft(cls, draft: str) -> "PolicyName":
+        """The policy of a request that names its draft: that draft, or target-only for "none"."""
+        return cls("target-only") if draft == NO_DRAFT else cls("fixed", draft)
+
+    def __str__(self) -> str:
+        return f"fixed:{self.draft}" if self.kind == "fixed" else self.kind
+
+
+def unknown_policy(text: str, known, field: str = "policy") -> InvalidRequestError:
+    """The one message for a policy nobody can run here; `known`: what may be asked for instead."""
+    return _bad(field, f"unknown policy {text!r}; known: {', '.join(known)}")
+
+
+def unknown_draft(name: str, available, field: str = "draft") -> InvalidRequestError:
+    """The one message for a draft that is not there; `available`: the drafts that are."""
+    return _bad(field, f"unknown draft {name!r}; available: {', '.join([NO_DRAFT, *sorted(available)])}")
+
+
+@dataclass(frozen=True)
 class GenerationRequest:
     prompt: str | None = None  # raw text, or the user turn when chat is applied
     messages: tuple[tuple[str, str], ...] | None = None  # ((role, content), ...) chat turns
@@ -40,8 +79,8 @@ class GenerationRequest:
     max_tokens: int = 256  # most new tokens
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()  # generation ends before any of these strings
-    draft: str | None = None  # force one draft ("none" = target only)
-    policy: str | None = None  # draft-selection policy override
+    draft: str | None = None  # force one draft (NO_DRAFT = target only)
+    policy: PolicyName | None = None  # draft-selection policy override (None: the configured one)
 
 
 def _bad(field_name: str, msg: str) -> InvalidRequestError:

@@ -24,7 +24,7 @@ import gc
 import sys
 import threading
 from dataclasses import dataclass, field
-from typing import Callable, Protocol, TypeVar
+from typing import Callable, Iterable, Protocol, TypeVar
 
 MiB = 1 << 20
 T = TypeVar("T")
@@ -111,6 +111,17 @@ FOOTPRINT_PER_FILE_BYTE = {"q8": 2.0, "fp32": 3.5}
 def planned_footprint(file_bytes: int, variant: str = "fp32") -> int:
     """The RSS a draft of `file_bytes` stored as `variant` should add when loaded (what budgets plan with)."""
     return int(file_bytes * FOOTPRINT_PER_FILE_BYTE.get(variant, max(FOOTPRINT_PER_FILE_BYTE.values())))
+
+
+def request_kv_bytes(tokens: int, target: Callable[[int], int], drafts: Iterable[Callable[[int], int]],
+                     slack: int) -> int:
+    """The KV memory one request may touch: the one footprint admission checks and the working set
+    reserves.  `target` and each of `drafts` size a cache (tokens -> bytes; DecoderSession.cache_nbytes);
+    `tokens` is prompt + max_tokens; `slack` the slots a verification pass writes past the committed
+    ones; `drafts` the caches of the drafts the request may run, of which it holds one at a time
+    (the one it names, or any a policy may pick: the largest counts)."""
+    n = tokens + slack
+    return target(n) + max((draft(n) for draft in drafts), default=0)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,38 @@
+"""Request values parsed at the boundary: policy names and the one message for each unknown name."""
+
+from __future__ import annotations
+
+import pytest
+
+from memspec.errors import InvalidRequestError
+from memspec.request import PolicyName, unknown_draft, unknown_policy
+
+
+@pytest.mark.parametrize("text,kind,draft", [
+    ("target-only", "target-only", None), ("bandit", "bandit", None), ("memspec", "memspec", None),
+    ("oracle", "oracle", None), ("fixed:draft-code", "fixed", "draft-code"), ("fixed:a:b", "fixed", "a:b"),
+])
+def test_a_policy_is_parsed_once_into_its_kind_and_draft(text, kind, draft):
+    name = PolicyName.parse(text)
+    assert (name.kind, name.draft) == (kind, draft)
+    assert str(name) == text and PolicyName.parse(str(name)) == name
+
+
+@pytest.mark.parametrize("text", ["", "fastest", "fixed", "fixed:", "bandit:x", "Memspec", "target-only:d"])
+def test_a_policy_nobody_runs_is_refused_with_what_may_be_asked_for(text):
+    with pytest.raises(InvalidRequestError) as e:
+        PolicyName.parse(text, "policies")
+    assert str(e.value) == (f"policies: unknown policy {text!r}; "
+                            "known: target-only, fixed:<draft>, bandit, memspec, oracle")
+
+
+def test_a_named_draft_is_its_fixed_policy():
+    assert PolicyName.of_draft("none") == PolicyName("target-only")
+    assert PolicyName.of_draft("draft-code") == PolicyName.parse("fixed:draft-code")
+
+
+def test_the_unknown_messages_name_the_field_and_what_there_is():
+    assert str(unknown_draft("x", {"b": 1, "a": 2})) == "draft: unknown draft 'x'; available: none, a, b"
+    assert str(unknown_draft("x", [], "policy")) == "policy: unknown draft 'x'; available: none"
+    assert str(unknown_policy("memspec", ["target-only", "fixed:a"])) == \
+        "policy: unknown policy 'memspec'; known: target-only, fixed:a"
