@@ -55,13 +55,13 @@ class MemspecWorker:
     def __init__(self, setup: dict, drafts: bool):
         import dataclasses
 
+        from memspec.build import build_engine
         from memspec.config import load_config
-        from memspec.speculation.engine import Engine
 
         config = load_config(setup["config"])
         config = dataclasses.replace(config, runtime=dataclasses.replace(
             config.runtime, intra_op_threads=setup["threads"]))
-        self.engine = Engine.from_config(config, drafts="scheduler" if drafts else "none")
+        self.engine = build_engine(config, drafts="scheduler" if drafts else "none")
 
     def generate(self, ids: list[int], text: str, max_new: int) -> list[int]:
         from memspec.request import GenerationRequest

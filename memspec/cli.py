@@ -84,7 +84,7 @@ def _daemon_models(args) -> int:
 
 # -- generate ----------------------------------------------------------------------
 def _request(args, messages=None):
-    from memspec.request import GenerationRequest, SamplingParams
+    from memspec.request import GenerationRequest, PolicyName, SamplingParams
 
     if args.max_tokens is not None and args.max_tokens <= 0:
         raise CLIError(f"--max-tokens must be at least 1, got {args.max_tokens}")
@@ -96,15 +96,15 @@ def _request(args, messages=None):
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
         stop=tuple(args.stop or ()),
         draft=getattr(args, "draft", None),
-        policy=getattr(args, "policy", None),
+        policy=PolicyName.parse(args.policy) if getattr(args, "policy", None) else None,
     )
 
 
 def load_engine(config, variant: str | None = None):
     """Build the local engine from the config: the target and its draft pool from the store."""
-    from memspec.speculation.engine import Engine
+    from memspec.build import build_engine
 
-    return Engine.from_config(config, variant)
+    return build_engine(config, variant)
 
 
 # -- daemon or local ---------------------------------------------------------------------

@@ -97,17 +97,6 @@ class FakeLoader:
         return p, self.sizes[name]
 
 
-@dataclass
-class Ctx:
-    """Stands in for memspec.scheduling.features.GenerationContext (same fields)."""
-
-    position: int
-    recent_acceptance: dict
-    draft_entropy: float
-    in_code_block: bool
-    generated_tail: str
-
-
 class StandInPredictor:
     """A predictor double: fixed tok/s per draft, and `code` rates once a code block is open."""
 

@@ -227,9 +227,15 @@ def test_cancel_mid_stream_frees_its_resources(client, engine):
     next(items)
     during = client.status()
     assert during["active_streams"] == 1
-    # the pages its KV cache can touch: prompt + max_tokens slots in each of 30 layers x K,V x 3 heads
-    n = len(engine.prompt_ids(GenerationRequest(prompt="Count from one to one hundred:", raw=True))) + MAX_TOKENS
-    assert during["kv_bytes"] == engine.target.session.cache_nbytes(n) == 2 * 30 * 3 * (-(-n * 64 * 4 // 4096) + 1) * 4096
+    # the pages its cache can touch: prompt + max_tokens + a verification pass's slots in each of the
+    # target's 30 layers x K,V x 3 heads (the policy is target-only: no draft cache)
+    req = GenerationRequest(prompt="Count from one to one hundred:", raw=True, max_tokens=MAX_TOKENS)
+    prompt = engine.prompt_ids(req)
+    n = len(prompt) + MAX_TOKENS + engine.spec.gamma_max + 1
+    target = engine.target.session.cache_nbytes(n)
+    n += engine.target.session.min_rows - 1  # a padded one-token pass writes one slot more
+    assert target == 2 * 30 * 3 * (-(-n * 64 * 4 // 4096) + 1) * 4096
+    assert during["kv_bytes"] == engine.kv_bytes(req, prompt) == target  # admission's and the budget's number
     items.close()  # cancels the call
     wait_for(lambda: client.status()["active_streams"] == 0)
     after = client.status()
@@ -245,8 +251,8 @@ def test_status_reports_what_is_resident(client, engine, model_store):
     assert target["bytes"] == model_store.get("smollm2-135m").variants["q4"]["bytes"]
     assert st["resident_bytes"] == sum(m["bytes"] for m in st["resident"]) and st["budget_bytes"] == 0
     # the scheduler owns the drafts: every draft it may use is listed, with its counters
-    assert [d["name"] for d in st["drafts"]] == sorted(engine.scheduler.drafts)
-    assert "prompt-lookup" in engine.scheduler.drafts
+    assert [d["name"] for d in st["drafts"]] == sorted(engine.drafts.drafts)
+    assert "prompt-lookup" in engine.drafts.drafts
     assert {"hits", "misses", "evictions"} <= set(st["scheduler"])
     assert 0 < st["system_memory"]["available_bytes"] <= st["system_memory"]["total_bytes"]
     assert st["system_memory"]["process_rss_bytes"] > target["bytes"] // 2

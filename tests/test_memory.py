@@ -106,3 +106,12 @@ def test_50_load_unload_cycles_give_rss_back(tmp_path):
     ws.close()
     assert ws.counters.loads == 51 and ws.counters.evictions == 51
     assert abs(end - start) <= 0.05 * start, f"RSS {start / MiB:.1f} MiB -> {end / MiB:.1f} MiB after 50 cycles"
+
+
+def test_one_request_footprint_counts_the_slack_and_the_largest_draft_cache():
+    from memspec.runtime.memory import request_kv_bytes
+
+    per_token = lambda k: (lambda tokens: tokens * k)  # noqa: E731
+    assert request_kv_bytes(100, per_token(10), [], slack=9) == 1090  # target only: no draft cache
+    assert request_kv_bytes(100, per_token(10), [per_token(1), per_token(3)], slack=9) == 1090 + 327
+    assert request_kv_bytes(100, per_token(10), iter([per_token(2)]), slack=0) == 1200

@@ -318,13 +318,14 @@ def test_prediction_cost_benchmark(synthetic, capsys):
 def test_profile_one_short_request_on_the_real_target(model_store):
     """Segments of every policy line up with target-only's, and a trace record makes training rows."""
     from memspec.config import Config
+    from memspec.build import build_engine
     from memspec.speculation.drafts import PromptLookup
-    from memspec.speculation.engine import Engine
+    from memspec.speculation.sources import DraftPool
     from memspec.training.predictor_fit import training_rows
     from memspec.training.profile import ProfileConfig, profile_request
 
-    engine = Engine.from_config(Config(), drafts="none")
-    engine.drafts = {"prompt-lookup": PromptLookup(engine.target.session.vocab_size)}
+    engine = build_engine(Config(), drafts="none")
+    engine.drafts = DraftPool({"prompt-lookup": PromptLookup(engine.target.session.vocab_size)})
     item = {"prompt": "Repeat exactly: one two three four five six seven eight", "category": "rewriting"}
     tr = profile_request(engine, item, 0, [NONE, "prompt-lookup"], ProfileConfig(max_tokens=20, segment_tokens=6))
     assert tr["policies"] == [NONE, "prompt-lookup"] and tr["requests"][NONE]["mismatch_at"] is None

@@ -18,6 +18,7 @@ import numpy as np
 import pytest
 
 from memspec.speculation.engine import Engine, TargetModel
+from memspec.speculation.sources import DraftPool
 from memspec.request import GenerationRequest
 from memspec.runtime.config import SessionConfig
 
@@ -67,7 +68,7 @@ def test_batch_invariant_q4_verification_agrees_with_decoding(q4_invariant):
 def test_batch_invariant_q4_speculative_output_is_target_only_output(q4_invariant, model_store):
     from memspec.speculation.drafts import load_pool
 
-    q4_invariant.drafts = load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512))
+    q4_invariant.drafts = DraftPool(load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512)))
     for prompt in PROMPTS:
         base = q4_invariant.generate(GenerationRequest(prompt=prompt, max_tokens=48, draft="none"))
         for name in ("draft-code", "draft-math", "draft-chat", "prompt-lookup"):
@@ -78,7 +79,7 @@ def test_batch_invariant_q4_speculative_output_is_target_only_output(q4_invarian
 def test_q4_speculative_sequences_differ_only_at_near_ties(q4, model_store):
     from memspec.speculation.drafts import load_pool
 
-    q4.drafts = load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512))
+    q4.drafts = DraftPool(load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512)))
     s = q4.target.session
     same = tokens = 0
     for prompt in PROMPTS[:2]:

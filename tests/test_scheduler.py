@@ -8,18 +8,19 @@ from pathlib import Path
 
 import pytest
 
-from fakes import Ctx, FakeClock, FakeLoader, FakeProbe, MiB, StandInPredictor
+from fakes import FakeClock, FakeLoader, FakeProbe, MiB, StandInPredictor
 from memspec.errors import ConfigError, InvalidRequestError
 from memspec.speculation.metrics import SpecMetrics
-from memspec.request import GenerationRequest
+from memspec.request import GenerationRequest, PolicyName
 from memspec.scheduling.config import SchedulerConfig
-from memspec.scheduling.scheduler import Scheduler, expected_seconds, load_oracle_table, request_reward, ucb_pick
+from memspec.scheduling.policies import expected_seconds, load_oracle_table, request_reward, ucb_pick
+from memspec.scheduling.scheduler import Scheduler
 
 SIZES = {"draft-chat": 10 * MiB, "draft-code": 10 * MiB, "draft-math": 10 * MiB, "prompt-lookup": 0}
 FENCE = 7  # token id the fake decoder turns into ``` (every other id is "x")
 
 
-def decode(ids):
+def decode(ids, *, skip_special_tokens=False):
     return "".join("```" if i == FENCE else "x" for i in ids)
 
 
@@ -28,7 +29,7 @@ def make(policy, budget_mb=125, floor_mb=0, predictor=None, oracle=None, load_s=
     loader = FakeLoader(SIZES, clock, load_s)
     sched = Scheduler(SchedulerConfig(policy=policy, budget_mb=budget_mb, pressure_floor_mb=floor_mb, **cfg),
                       loader, SIZES, probe, target=("target", 100 * MiB), clock=clock, predictor=predictor,
-                      make_context=Ctx, oracle_table=oracle, decode=decode)
+                      oracle_table=oracle, decode=decode)
     sched.ws._reclaim = lambda: None
     return sched, loader, clock, probe
 
@@ -49,6 +50,8 @@ def run_steps(sel, n, tokens_per_step=2, step_s=0.01, fence_at=None, prompt_len=
 
 
 def req(prompt="hello", **kw):
+    if "policy" in kw:  # parsed at the boundary, as the server and the CLI do
+        kw["policy"] = PolicyName.parse(kw["policy"])
     return GenerationRequest(prompt=prompt, max_tokens=kw.pop("max_tokens", 64), **kw)
 
 
@@ -116,7 +119,7 @@ def test_memspec_refuses_to_start_without_the_predictor(monkeypatch):
 
 def test_the_predictor_fitted_for_the_target_variant_is_preferred(monkeypatch, tmp_path):
     import memspec.models.store
-    from memspec.scheduling.scheduler import predictor_file
+    from memspec.scheduling.policies import predictor_file
 
     monkeypatch.setattr(memspec.models.store, "SHIPPED_MODELS", tmp_path)
     (tmp_path / "predictor.json").write_text("{}")
@@ -147,8 +150,9 @@ def test_bandit_learns_the_fastest_draft_and_loads_on_demand():
         name = sel.name
         run_steps(sel, 5, tokens_per_step=speed[name])
         sel.close()
-    assert max(sched.pulls, key=sched.pulls.get) == "draft-code"
-    assert sched.pulls["draft-code"] > 25
+    pulls = sched.policy(PolicyName("bandit")).pulls
+    assert max(pulls, key=pulls.get) == "draft-code"
+    assert pulls["draft-code"] > 25
     c = sched.counters()
     assert c["stalls"] >= 3 and c["evictions"] >= 2 and sched.ws.used_bytes() <= 115 * MiB
 
@@ -251,3 +255,30 @@ def test_status_reports_resident_budget_and_counters():
     assert st["policy"] == "fixed:draft-math" and st["budget_bytes"] == 125 * MiB
     assert st["resident"] == {"target": 100 * MiB, "draft-math": 10 * MiB}
     assert st["counters"]["requests"] == 1 and st["counters"]["loads"] == 1
+
+
+def test_a_request_reserves_the_cache_of_its_own_draft_or_the_largest_a_policy_may_pick():
+    clock, probe = FakeClock(), FakeProbe()
+    sizers = {"draft-code": lambda tokens: 2 * tokens, "draft-chat": lambda tokens: 3 * tokens}
+    sched = Scheduler(SchedulerConfig(policy="bandit"), FakeLoader(SIZES, clock), SIZES, probe, clock=clock,
+                      kv_sizers=sizers)
+    assert [s(10) for s in sched.draft_kv_sizers(req())] == [20, 30]  # bandit may pick either
+    assert [s(10) for s in sched.draft_kv_sizers(req(draft="draft-code"))] == [20]
+    assert [s(10) for s in sched.draft_kv_sizers(req(policy="fixed:draft-chat"))] == [30]
+    assert sched.draft_kv_sizers(req(draft="prompt-lookup")) == []  # holds no cache
+    assert sched.draft_kv_sizers(req(policy="target-only")) == []
+    sched.close()
+
+
+def test_a_policy_keeps_its_own_state_and_is_built_once():
+    sched, *_ = make("bandit")
+    bandit = sched.policy(PolicyName("bandit"))
+    assert sched.policy(PolicyName.parse("bandit")) is bandit
+    sel = sched.selector(req(), [1, 2, 3], 64)
+    run_steps(sel, 4)
+    sel.close()
+    assert sum(bandit.pulls.values()) == 1 and sched.status()["bandit"]
+    with pytest.raises(InvalidRequestError, match="^policy: unknown draft 'nope'; available: none, draft-chat"):
+        sched.check(req(policy="fixed:nope"))
+    with pytest.raises(ConfigError, match=r"\[scheduler\] policy: unknown policy 'fastest'"):
+        make("fastest")

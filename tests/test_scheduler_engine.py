@@ -14,6 +14,7 @@ from fakes import FakeProbe, MiB
 from memspec.speculation.drafts import DraftModel, PromptLookup, Proposal
 from memspec.speculation.engine import Engine, TargetModel
 from memspec.request import GenerationRequest
+from memspec.runtime.memory import request_kv_bytes
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.scheduler import Scheduler
 from memspec.runtime.config import SessionConfig
@@ -25,7 +26,7 @@ V = 49152
 class Broken:
     """A draft whose proposals raise (a request that fails mid-run)."""
 
-    name, nbytes = "broken", 0
+    name, nbytes, session = "broken", 0, None
 
     def begin(self, capacity):
         return self
@@ -64,10 +65,11 @@ def engine_with(target, policy, probe=None, floor_mb=0, budget_mb=0):
     sched = Scheduler(SchedulerConfig(policy=policy, pressure_floor_mb=floor_mb, budget_mb=budget_mb),
                       lambda name: (drafts[name], sizes[name]), sizes, probe or FakeProbe(),
                       target=("target", 100 * MiB), decode=target.tokenizer.decode,
-                      kv_bytes=lambda tokens: target.session.cache_nbytes(tokens) + MiB)
+                      kv_sizers={"self": lambda tokens: MiB})  # its cache: a nominal 1 MiB
+
     # the step controller: "self" costs as much as the target, so the cost controller would
     # (rightly) stop drafting with it, and these tests are about scheduling, not draft length
-    return Engine(target, scheduler=sched, spec=SpecConfig(controller="step")), sched
+    return Engine(target, drafts=sched, spec=SpecConfig(controller="step")), sched
 
 
 def leases(sched):
@@ -124,8 +126,10 @@ def test_leases_are_released_on_close_cancel_and_error(target):
 
 
 def kv_mib(target, baseline, max_tokens):
-    """The KV bytes a request for PROMPT reserves (the kv_bytes of engine_with), and that in whole MiB."""
-    kv = target.session.cache_nbytes(len(baseline.prompt_token_ids) + max_tokens) + MiB
+    """The KV bytes a request for PROMPT reserves (its target cache with a verification pass's
+    slots, and the 1 MiB of "self"'s), and that in whole MiB."""
+    kv = request_kv_bytes(len(baseline.prompt_token_ids) + max_tokens, target.session.cache_nbytes,
+                          [lambda tokens: MiB], slack=SpecConfig().gamma_max + 1)
     return kv, -(-kv // MiB)
 
 

@@ -32,6 +32,7 @@ from memspec.errors import (
 from memspec.serving.notify import Notifier
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
 from memspec.serving.server import MemSpecServicer, create_server
+from memspec.speculation.sources import DraftPool, DraftRow, SourceStatus
 
 KV_PER_TOKEN = 1000
 CONTEXT = 64
@@ -47,10 +48,11 @@ class FakeEngine:
                                   kv_bytes_per_token=lambda: KV_PER_TOKEN,
                                   cache_nbytes=lambda tokens: min(tokens, CONTEXT) * KV_PER_TOKEN)
         manifest = SimpleNamespace(variants={variant: {"bytes": 5 * MiB}})
-        self.target = SimpleNamespace(name=name, variant=variant, session=session, manifest=manifest)
+        self.target = SimpleNamespace(name=name, variant=variant, session=session, manifest=manifest,
+                                      file_bytes=5 * MiB)
         self.limits = limits
         self.step_s = step_s
-        self.drafts: dict = {}
+        self.drafts = DraftPool()  # no drafts: "none" or nothing
         self.open = 0  # streams whose "KV cache" is allocated
         self.checks = 0  # requests validated and tokenized
         self.fail = False
@@ -59,9 +61,8 @@ class FakeEngine:
     def close(self):
         self.closed += 1
 
-    def draft_for(self, req):
-        if req.draft not in (None, "none"):
-            raise InvalidRequestError(f"draft: unknown draft {req.draft!r}; available: none")
+    def calibrate(self):
+        return None
 
     def prompt_ids(self, req):
         text = req.prompt if req.prompt is not None else " ".join(c for _, c in req.messages)
@@ -72,8 +73,12 @@ class FakeEngine:
 
     def check(self, req):
         validate(req, self.limits)
+        self.drafts.check(req)
         self.checks += 1
         return self.prompt_ids(req)
+
+    def kv_bytes(self, req, prompt):
+        return self.target.session.cache_nbytes(len(prompt) + req.max_tokens)
 
     def stream(self, req, cancel=None, prompt=None):
         if prompt is None:
@@ -208,14 +213,17 @@ def test_chat_takes_tuples_and_dicts(h):
 
 
 def test_request_fields_round_trip_through_the_wire():
-    from memspec.request import SamplingParams
+    from memspec.request import PolicyName, SamplingParams
 
-    req = GenerationRequest(prompt="hi", raw=True, max_tokens=9, stop=("a", "b"), draft="none", policy="p",
+    req = GenerationRequest(prompt="hi", raw=True, max_tokens=9, stop=("a", "b"), draft="none",
+                            policy=PolicyName("fixed", "p"),
                             sampling=SamplingParams(temperature=0.7, top_k=5, top_p=0.9, seed=2**64 - 1))
     assert wire.request_from_pb(wire.request_to_pb(req)) == req
     chat = GenerationRequest(messages=(("user", "x"),))
     assert wire.request_from_pb(wire.request_to_pb(chat)) == chat
     assert wire.request_from_pb(wire.pb2.GenerateRequest(prompt="x")) == GenerationRequest(prompt="x")
+    with pytest.raises(InvalidRequestError, match="policy: unknown policy 'fastest'; known: target-only, fixed:<draft>"):
+        wire.request_from_pb(wire.pb2.GenerateRequest(prompt="x", policy="fastest"))  # parsed once, here
 
 
 # -- bad input -------------------------------------------------------------------------------
@@ -305,10 +313,11 @@ def test_full_queue_is_resource_exhausted(make):
     first.close()
 
 
-class Hints:
+class Hints(DraftPool):
     """The scheduler's side of queue hints: the requests it was told will wait."""
 
     def __init__(self):
+        super().__init__()
         self.queued = []
 
     def hint(self, reqs):
@@ -317,7 +326,7 @@ class Hints:
 
 def test_queued_request_waits_for_a_slot_and_its_draft_is_preloaded_meanwhile(make):
     h = make(max_concurrent=1, max_queue=4, step_s=0.02)
-    h.engine.scheduler = hints = Hints()
+    h.engine.drafts = hints = Hints()
     first = h.client.generate("a b", max_tokens=10)
     next(first)
     result = {}
@@ -331,12 +340,12 @@ def test_queued_request_waits_for_a_slot_and_its_draft_is_preloaded_meanwhile(ma
 
 
 def test_a_failing_queue_hint_does_not_fail_the_request(make):
-    class Failing:
+    class Failing(DraftPool):
         def hint(self, reqs):
             raise RuntimeError("predictor broke")
 
     h = make(max_concurrent=1, max_queue=4, step_s=0.02)
-    h.engine.scheduler = Failing()
+    h.engine.drafts = Failing()
     first = h.client.generate("a b", max_tokens=10)
     next(first)
     result = {}
@@ -443,9 +452,11 @@ def test_status_reports_what_exists(h):
 
 
 def test_status_takes_scheduler_and_predictor_counters_from_their_objects(h):
-    h.backend.scheduler = SimpleNamespace(counters=lambda: {"evictions": 2.0})
-    h.backend.predictor = SimpleNamespace(counters=lambda: {"predictions": 5.0})
-    h.engine.drafts = {"d": SimpleNamespace(nbytes=7)}
+    class Reporting(DraftPool):
+        def report(self):
+            return SourceStatus([DraftRow("d", True, 7)], None, {"evictions": 2.0}, {"predictions": 5.0})
+
+    h.engine.drafts = Reporting()
     h.backend.record(Completion([], [], "", "length", {}, {"drafts_used": {"d": 3}, "num_drafts": 3,
                                                            "num_draft_tokens": 12, "num_accepted_tokens": 9}))
     st = h.client.status()

@@ -12,6 +12,7 @@ from memspec.speculation.metrics import SpecMetrics
 from memspec.request import GenerationRequest, SamplingParams
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.sessions import DecoderSession
+from memspec.speculation.sources import DraftPool
 from memspec.speculation.speculative import FixedDraft, next_gamma, speculative_steps
 from test_sampling import chi_square_p
 from tiny_models import build_tiny
@@ -228,7 +229,7 @@ def fp32_engine(model_store):
     pool["self"] = DraftModel("self", target.session, np.arange(49152), 49152, DraftLimits(0.0, np.inf))
     # the step controller keeps drafting with "self" (as costly as the target), so whole runs,
     # EOS among them, are really accepted; the cost controller is tested on its own below
-    return Engine(target, drafts=pool, spec=SpecConfig(controller="step"))
+    return Engine(target, drafts=DraftPool(pool), spec=SpecConfig(controller="step"))
 
 
 @pytest.mark.parametrize("controller", ["step", "cost"])
@@ -264,6 +265,7 @@ def test_zero_acceptance_still_exact(fp32_engine):
         """Always proposes <|endoftext|>, which the target never picks here."""
         name = "wrong"
         nbytes = 0
+        session = None
 
         def begin(self, capacity):
             return self
@@ -276,7 +278,7 @@ def test_zero_acceptance_still_exact(fp32_engine):
             pass
 
     e = fp32_engine
-    e.drafts["wrong"] = WrongDraft()
+    e.drafts.proposers["wrong"] = WrongDraft()
     prompt = PROMPTS[0]
     base = e.generate(GenerationRequest(prompt=prompt, max_tokens=16, draft="none"))
     r = e.generate(GenerationRequest(prompt=prompt, max_tokens=16, draft="wrong"))
@@ -289,7 +291,8 @@ def test_context_limit_mid_run(model_store):
     from memspec.speculation.engine import Engine, TargetModel
 
     target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=48))
-    e = Engine(target, drafts={"self": DraftModel("self", target.session, np.arange(49152), 49152, DraftLimits(0.0, np.inf))},
+    e = Engine(target, drafts=DraftPool({"self": DraftModel("self", target.session, np.arange(49152), 49152,
+                                                            DraftLimits(0.0, np.inf))}),
                spec=SpecConfig(controller="step"))
     prompt = "Tell me a long story about dragons."
     base = e.generate(GenerationRequest(prompt=prompt, max_tokens=200, draft="none"))

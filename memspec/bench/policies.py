@@ -30,7 +30,7 @@ from pathlib import Path
 
 from memspec.errors import InvalidRequestError, MemspecError
 from memspec.runtime.memory import MiB
-from memspec.request import Completion, GenerationRequest
+from memspec.request import NO_DRAFT, Completion, GenerationRequest, PolicyName, unknown_draft, unknown_policy
 
 DEFAULT_WORKLOAD = "bench_prompts.jsonl"
 
@@ -100,21 +100,21 @@ def load_workload(path: str | None) -> list[dict]:
     return items
 
 
-def policy_draft(policy: str, engine) -> str:
-    """The draft a fixed policy runs with ('none' for target-only)."""
-    if policy == "target-only":
-        return "none"
-    if policy.startswith("fixed:") and policy[6:] in engine.drafts:
-        return policy[6:]
-    known = ", ".join(["target-only", *(f"fixed:{d}" for d in sorted(engine.drafts))])
-    raise InvalidRequestError(f"policies: unknown policy {policy!r}; known: {known}")
+def policy_draft(policy: str, pool) -> str:
+    """The draft a policy of a fixed pool (a DraftPool) runs with ('none' for target-only)."""
+    name = PolicyName.parse(policy, "policies")
+    if name.kind not in ("target-only", "fixed"):
+        raise unknown_policy(policy, pool.policies(), "policies")
+    if name.kind == "fixed" and name.draft not in pool:
+        raise unknown_draft(name.draft, pool, "policies")
+    return name.draft or NO_DRAFT
 
 
 def run(engine, workload: list[dict], policies: list[str], max_tokens: int, progress=None) -> dict:
     """Run the workload; returns {(policy, category): Tally}."""
     if "target-only" not in policies:
         policies = ["target-only", *policies]
-    drafts = {p: policy_draft(p, engine) for p in policies}
+    drafts = {p: policy_draft(p, engine.drafts) for p in policies}
     cells: dict[tuple[str, str], Tally] = defaultdict(Tally)
     for i, item in enumerate(workload, 1):
         base = None
@@ -270,6 +270,7 @@ def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str]
     """Each policy over the same stream with its own scheduler; returns (cells, runs, target-only outputs).
     The engine must be warm (ONNX Runtime's first runs are slow): run_bench_stream warms it."""
     from memspec.runtime.memory import PsutilProbe, RssSampler, reclaim
+    from memspec.speculation.sources import DraftPool
 
     cells: dict[tuple[str, str], Tally] = defaultdict(Tally)
     runs: dict[str, PolicyRun] = {}
@@ -278,7 +279,7 @@ def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str]
     reqs = [GenerationRequest(prompt=w["prompt"], max_tokens=max_tokens) for w in workload]
     for policy in policies:
         sched = make_scheduler(policy)
-        engine.scheduler = sched
+        engine.drafts = sched
         reclaim()
         try:
             with RssSampler(probe) as rss:
@@ -297,7 +298,7 @@ def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str]
             runs[policy] = PolicyRun(rss.peak_bytes, int(counters.get("stalls", 0)), counters.get("stall_ms", 0.0),
                                      counters)
         finally:
-            engine.scheduler = None
+            engine.drafts = DraftPool()
             sched.close()
     return cells, runs, base
 
@@ -305,13 +306,15 @@ def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str]
 def profile_oracle(engine, make_scheduler, workload: list[dict], drafts: list[str], max_tokens: int,
                    progress=None) -> dict[str, str]:
     """{prompt: the draft (or 'none') with the best decode tok/s}, every draft preloaded."""
+    from memspec.speculation.sources import DraftPool
+
     best: dict[str, tuple[float, str]] = {}
     for name in ["none", *drafts]:
         sched = make_scheduler("target-only" if name == "none" else f"fixed:{name}", budget_mb=0)
         if name != "none":
             sched.ws.preload(name)
             sched.ws.wait_idle(timeout=600)
-        engine.scheduler = sched
+        engine.drafts = sched
         try:
             for i, w in enumerate(workload, 1):
                 c = engine.generate(GenerationRequest(prompt=w["prompt"], max_tokens=max_tokens))
@@ -321,7 +324,7 @@ def profile_oracle(engine, make_scheduler, workload: list[dict], drafts: list[st
                 if progress:
                     progress(f"[oracle profile {name} {i}/{len(workload)}]")
         finally:
-            engine.scheduler = None
+            engine.drafts = DraftPool()
             sched.close()
     return {p: n for p, (_, n) in best.items()}
 
@@ -371,7 +374,9 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
 
     from memspec.speculation.drafts import target_drafts
     from memspec.speculation.engine import Engine, TargetModel
-    from memspec.scheduling.scheduler import from_store, kv_sizer, load_predictor
+    from memspec.runtime.memory import request_kv_bytes
+    from memspec.scheduling.policies import load_predictor
+    from memspec.scheduling.scheduler import draft_kv_sizers, from_store
     from memspec.models.store import ModelStore
 
     config = args.config
@@ -391,21 +396,18 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
         cfg = dataclasses.replace(base_cfg, policy=policy, budget_mb=budget if budget_mb is None else budget_mb)
         return from_store(cfg, store, target, config.runtime, limits, predictor=predictor, oracle_table=oracle_table)
 
-    for p in policies:
-        if p.startswith("fixed:") and p[6:] not in sizes:
-            raise InvalidRequestError(f"policies: unknown draft in {p!r}; drafts: {', '.join(sorted(sizes))}")
-        if p not in ("target-only", *SCHEDULED) and not p.startswith("fixed:"):
-            raise InvalidRequestError(f"policies: unknown policy {p!r}; known: target-only, fixed:DRAFT, "
-                                      f"{', '.join(SCHEDULED)}")
+    for p in policies:  # refused before anything runs
+        name = PolicyName.parse(p, "policies")
+        if name.kind == "fixed" and name.draft not in sizes:
+            raise unknown_draft(name.draft, sizes, "policies")
     if "oracle" in policies:
         if args.oracle_table:
-            from memspec.scheduling.scheduler import load_oracle_table
+            from memspec.scheduling.policies import load_oracle_table
             oracle_table = load_oracle_table(args.oracle_table)
         else:
             oracle_table = profile_oracle(engine, make_scheduler, workload, sorted(sizes), args.max_tokens, progress)
     from memspec.runtime.memory import PsutilProbe, reclaim
 
-    engine.scheduler = None
     # warm on the longest prompt: the target's arena grows to its largest pass and stays there,
     # so the process measured now is the process every policy runs with
     lengths = [len(engine.prompt_ids(GenerationRequest(prompt=w["prompt"]))) for w in workload]
@@ -413,7 +415,9 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     engine.generate(GenerationRequest(prompt=workload[lengths.index(longest)]["prompt"], max_tokens=args.max_tokens))
     reclaim()
     process = PsutilProbe().rss_bytes()
-    kv = kv_sizer(target, target_drafts(store, target.name))(longest + args.max_tokens)
+    kv = request_kv_bytes(longest + args.max_tokens, target.session.cache_nbytes,  # the most one request may hold
+                          draft_kv_sizers(target_drafts(store, target.name), target.session.max_context).values(),
+                          slack=spec.gamma_max + 1)
     if args.budget_mb is None:
         budget = default_budget_mb(process, kv, sizes)
     print(f"budget {budget} MiB: process with the target {process / MiB:.0f} MiB (target file "
@@ -455,7 +459,7 @@ def add_arguments(b) -> None:
 def run_bench(args) -> int:
     import dataclasses
 
-    from memspec.speculation.engine import Engine
+    from memspec.build import build_engine
 
     if args.max_tokens <= 0:
         raise InvalidRequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
@@ -479,7 +483,7 @@ def run_bench(args) -> int:
         print_table(rows)
         print_stream_table(rows)
     else:
-        engine = Engine.from_config(args.config, args.variant, drafts="all")
+        engine = build_engine(args.config, args.variant, drafts="pool")
         spec = engine.spec = _spec(args, engine.spec)
         policies = policies or ["target-only", *(f"fixed:{d}" for d in sorted(engine.drafts))]
         for p in policies:

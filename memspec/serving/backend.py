@@ -2,10 +2,9 @@
 
 The server asks a `Backend` to check a request (and say how many KV bytes it
 needs), to stream it, and for its models and status.  `EngineBackend` is the
-implementation over one `Engine` (a target and the drafts the engine holds).
-When the scheduler owns the resident set, it implements the same protocol;
-its counters and the predictor's are what `status()` reports under
-"scheduler" and "predictor" (empty while there is none).
+implementation over one engine (`ServingEngine`: memspec.speculation.engine.Engine,
+a target and its draft source); the draft source's report is what `status()`
+gives under "drafts", "scheduler" and "predictor".
 """
 
 from __future__ import annotations
@@ -19,16 +18,27 @@ from typing import Callable, Iterator, Protocol
 
 from memspec.config import Config
 from memspec.errors import InvalidRequestError, ModelNotFoundError, NotLoadedError, UnavailableError
-from memspec.request import Chunk, Completion, GenerationRequest, validate
-from memspec.models.store import ModelStore
+from memspec.request import Chunk, Completion, GenerationRequest, Limits
 
 log = logging.getLogger("memspec.backend")
 
-EngineLoader = Callable[[Config, str], object]  # (config, variant) -> Engine (memspec.cli.load_engine)
+
+class ServingEngine(Protocol):
+    """What the backend needs of an engine (memspec.speculation.engine.Engine)."""
+
+    target: "memspec.speculation.engine.TargetModel"  # noqa: F821  (name, variant, session, manifest, file_bytes)
+    limits: Limits  # bounds every request; reconfigure() replaces them
+    drafts: "memspec.speculation.sources.DraftSource"  # noqa: F821
+
+    def check(self, req: GenerationRequest) -> list[int]: ...  # validate fully; the prompt ids
+    def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int: ...  # memory.request_kv_bytes
+    def stream(self, req: GenerationRequest, cancel: threading.Event | None = None,
+               prompt: list[int] | None = None) -> Iterator[Chunk | Completion]: ...
+    def calibrate(self) -> list[float] | None: ...  # measure verification cost once
+    def close(self) -> None: ...
 
 
-class Counters(Protocol):
-    def counters(self) -> dict[str, float]: ...
+EngineLoader = Callable[[Config, str], ServingEngine]  # (config, variant) -> engine (memspec.cli.load_engine)
 
 
 @dataclass
@@ -45,8 +55,10 @@ class Run:
 
 @dataclass(frozen=True)
 class Checked:
-    """A request that passed check(): its prompt ids (so it is tokenized once) and its KV bytes."""
+    """A request that passed check(): the engine that checked it (and runs it, even after a
+    LoadModel), its prompt ids (so it is tokenized once) and its KV bytes."""
 
+    engine: ServingEngine
     prompt_ids: list[int]
     kv_bytes: int
 
@@ -96,15 +108,12 @@ def draft_used(stats: dict) -> str:
 
 @dataclass
 class EngineBackend:
-    """One engine: its target and drafts are the resident set."""
+    """One engine: its target and the drafts its source holds are the resident set."""
 
     config: Config
-    loader: EngineLoader  # builds an Engine; tests pass a fake
-    store: ModelStore
-    scheduler: Counters | None = None  # the scheduler (default: the engine's, if it has one)
-    predictor: Counters | None = None  # the draft-choice predictor (default: the scheduler's)
-    policies: tuple[str, ...] = ()  # draft-selection policies a request may name
-    engine: object | None = None
+    loader: EngineLoader  # builds an engine; tests pass a fake
+    store: "memspec.models.store.ModelStore"  # noqa: F821
+    engine: ServingEngine | None = None
     started: bool = False  # the first target load has finished
     _lock: threading.Lock = field(default_factory=threading.Lock)  # one LoadModel at a time
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -116,7 +125,7 @@ class EngineBackend:
         self.started = True
         return out
 
-    def _engine(self):
+    def _engine(self) -> ServingEngine:
         engine = self.engine
         if engine is None:
             if not self.started:
@@ -128,33 +137,20 @@ class EngineBackend:
     def check(self, req: GenerationRequest) -> Checked:
         engine = self._engine()
         prompt = engine.check(req)  # limits, draft, policy, context; raises InvalidRequest / ContextOverflow
-        scheduler = getattr(engine, "scheduler", None)
-        if scheduler is None and req.policy is not None and req.policy not in self.policies:
-            known = ", ".join(self.policies) or "none"
-            raise InvalidRequestError(f"policy: unknown policy {req.policy!r}; known: {known}")
-        # a draft named by hand brings its KV cache; the scheduler's picks are reserved as they run
-        proposer = getattr(engine, "drafts", {}).get(req.draft) if scheduler is not None \
-            else engine.draft_for(req) if hasattr(engine, "draft_for") else _target_only(req)
-        session = engine.target.session
-        tokens = len(prompt) + req.max_tokens
-        need = session.cache_nbytes(tokens)
-        draft_session = getattr(proposer, "session", None)
-        if draft_session is not None:
-            need += draft_session.cache_nbytes(tokens)
-        return Checked(prompt, need)
+        return Checked(engine, prompt, engine.kv_bytes(req, prompt))
 
     def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked | None = None) -> Run:
-        # The run holds this engine (and the draft it picks) until it is closed.
-        engine = self._engine()
-        prompt = checked.prompt_ids if checked is not None else None
-        return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel, prompt))
+        # The run holds the engine that checked it (and the draft it picks) until it is closed.
+        checked = checked or self.check(req)
+        engine = checked.engine
+        return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel, checked.prompt_ids))
 
     def hint(self, req: GenerationRequest) -> None:
-        """A checked request is about to wait in the queue: let the scheduler preload its draft."""
-        scheduler = getattr(self.engine, "scheduler", None)
-        if scheduler is not None:
+        """A checked request is about to wait in the queue: let the draft source preload its draft."""
+        engine = self.engine
+        if engine is not None:
             try:
-                scheduler.hint([req])
+                engine.drafts.hint([req])
             except Exception:  # advisory: a failed preload must not fail the request
                 log.warning("queue hint failed", exc_info=True)
 
@@ -166,26 +162,10 @@ class EngineBackend:
 
     # -- models ----------------------------------------------------------------------
     def resident_bytes(self) -> int:
-        return sum(m["bytes"] for m in self._resident())
-
-    def _resident(self) -> list[dict]:
-        engine = self.engine
-        if engine is None:
-            return []
-        t = engine.target
-        rec = t.manifest.variants.get(t.variant, {}) if t.manifest else {}
-        out = [{"name": t.name, "role": "target", "variant": t.variant,
-                "bytes": rec.get("bytes") or t.session.path.stat().st_size,
-                "device": t.session.device, "providers": list(t.session.providers)}]
-        for name, d in sorted(getattr(engine, "drafts", {}).items()):
-            s = getattr(d, "session", None)
-            if s is not None:  # a model draft (prompt lookup holds no weights)
-                out.append({"name": name, "role": "draft", "variant": s.path.stem, "bytes": d.nbytes,
-                            "device": s.device, "providers": list(s.providers)})
-        return out
+        return sum(m["bytes"] for m in _resident(self.engine))
 
     def models(self) -> list[dict]:
-        resident = {m["name"]: m["variant"] for m in self._resident()}
+        resident = {m["name"]: m["variant"] for m in _resident(self.engine)}
         return [{
             "name": m.name, "role": m.role, "variants": {v: r["bytes"] for v, r in m.variants.items()},
             "source": m.provenance.get("source", ""), "resident": m.name in resident,
@@ -203,50 +183,41 @@ class EngineBackend:
         with self._lock:
             t0 = time.perf_counter()
             engine = self.loader(config, variant)
-            if hasattr(engine, "calibrate"):  # measure verification cost now, not in the first request
-                engine.calibrate()
+            engine.calibrate()  # measure verification cost now, not in the first request
             old, self.engine, self.config = self.engine, engine, config  # running streams keep theirs
-            _retire(old)
+            if old is not None:
+                old.close()  # its drafts go; a stream still on it keeps the one it holds
             load_ms = (time.perf_counter() - t0) * 1e3
-        return {"model": self._resident()[0], "load_ms": load_ms}
+            target = _resident(engine)[0]
+        return {"model": target, "load_ms": load_ms}
 
     def unload(self, name: str) -> int:
         with self._lock:
             engine = self.engine
-            resident = self._resident()
+            resident = _resident(engine)
             if engine is not None and engine.target.name == name:
                 self.engine = None
-                _retire(engine)
+                engine.close()
                 return sum(m["bytes"] for m in resident)  # the target takes its drafts with it
-            drafts = getattr(engine, "drafts", {}) if engine is not None else {}
-            if name in drafts:
-                engine.drafts = {k: v for k, v in drafts.items() if k != name}
-                return int(getattr(drafts[name], "nbytes", 0))
-        have = ", ".join([m["name"] for m in resident] + sorted(drafts)) or "none"
+            freed = engine.drafts.unpin(name) if engine is not None else None
+            if freed is not None:
+                return freed
+        have = ", ".join(m["name"] for m in resident) or "none"
         raise ModelNotFoundError(f"name: {name!r} is not resident (resident: {have})")
 
     # -- status ------------------------------------------------------------------------
     def status(self) -> dict:
         engine = self.engine
-        proposers = getattr(engine, "drafts", {}) if engine is not None else {}
-        scheduler = self.scheduler or getattr(engine, "scheduler", None)
-        predictor = self.predictor or getattr(scheduler, "predictor", None)
-        if hasattr(scheduler, "status"):  # the scheduler owns the drafts: every draft it may use
-            table = scheduler.status()["working_set"]["drafts"]
-            drafts = [{"name": n, "resident": table.get(n, {}).get("state") == "resident",
-                       "bytes": int(table.get(n, {}).get("bytes", size)),
-                       **self._drafts.get(n, DraftCounters()).to_dict()} for n, size in sorted(scheduler.drafts.items())]
-        else:
-            drafts = [{"name": n, "resident": True, "bytes": int(getattr(d, "nbytes", 0)),
-                       **self._drafts.get(n, DraftCounters()).to_dict()} for n, d in sorted(proposers.items())]
-        out = {
-            "resident": self._resident(),
-            "drafts": drafts,
-            "predictor": _counters(predictor),
-            "scheduler": _counters(scheduler),
-        }
-        if hasattr(scheduler, "status"):  # the scheduler's memory budget is the one that holds
-            out["budget_bytes"] = int(scheduler.status().get("budget_bytes", 0))
+        if engine is None:
+            return {"resident": [], "drafts": [], "predictor": {}, "scheduler": {}}
+        report = engine.drafts.report()
+        with self._count_lock:
+            drafts = [{"name": d.name, "resident": d.resident, "bytes": d.bytes,
+                       **self._drafts.get(d.name, DraftCounters()).to_dict()} for d in report.drafts]
+        out = {"resident": _resident(engine), "drafts": drafts, "predictor": dict(report.predictor),
+               "scheduler": dict(report.scheduler)}
+        if report.budget_bytes is not None:  # the draft source's memory budget is the one that holds
+            out["budget_bytes"] = int(report.budget_bytes)
         return out
 
     def reconfigure(self, config: Config) -> None:
@@ -259,23 +230,19 @@ class EngineBackend:
         """Drop the engine at shutdown, joining its loader thread (memspec.speculation.engine.Engine.close)."""
         with self._lock:
             engine, self.engine = self.engine, None
-        _retire(engine)
+        if engine is not None:
+            engine.close()
 
 
-def _counters(obj) -> dict[str, float]:
-    """An optional component's counters ({} when there is none, or it keeps none)."""
-    return dict(obj.counters()) if hasattr(obj, "counters") else {}
-
-
-def _retire(engine) -> None:
-    """Stop a replaced or unloaded engine's background loading.  Its drafts go; a stream still
-    running on it keeps the draft it holds, and runs target-only if it wants another."""
-    close = getattr(engine, "close", None)
-    if close is not None:
-        close()
-
-
-def _target_only(req: GenerationRequest):
-    if req.draft not in (None, "none"):
-        raise InvalidRequestError(f"draft: unknown draft {req.draft!r}; available: none")
-    return None
+def _resident(engine: ServingEngine | None) -> list[dict]:
+    """The target and the drafts pinned with it, as ListModels and GetStatus show them."""
+    if engine is None:
+        return []
+    t = engine.target
+    out = [{"name": t.name, "role": "target", "variant": t.variant, "bytes": t.file_bytes,
+            "device": t.session.device, "providers": list(t.session.providers)}]
+    for name, d in sorted(engine.drafts.pinned().items()):
+        if d.session is not None:  # a model draft (prompt lookup holds no weights)
+            out.append({"name": name, "role": "draft", "variant": d.session.path.stem, "bytes": d.nbytes,
+                        "device": d.session.device, "providers": list(d.session.providers)})
+    return out

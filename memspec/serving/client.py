@@ -19,7 +19,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from memspec.serving import wire
 from memspec.serving.address import client_address
 from memspec.errors import InvalidRequestError
-from memspec.request import Chunk, Completion, GenerationRequest, SamplingParams
+from memspec.request import Chunk, Completion, GenerationRequest, PolicyName, SamplingParams
 
 pb2 = wire.pb2
 Message = tuple[str, str] | Mapping[str, str]  # (role, content) or {"role": ..., "content": ...}
@@ -118,7 +118,7 @@ class Client:
         return self.stream(GenerationRequest(
             prompt=prompt, raw=raw, max_tokens=max_tokens or 0,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-            stop=tuple(stop), draft=draft, policy=policy), timeout, max_tokens is None)
+            stop=tuple(stop), draft=draft, policy=_policy(policy)), timeout, max_tokens is None)
 
     def chat(self, messages: Sequence[Message], *, max_tokens: int | None = None, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
@@ -144,7 +144,7 @@ class Client:
         return self.stream(GenerationRequest(
             messages=tuple(turns), max_tokens=max_tokens or 0,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-            stop=tuple(stop), draft=draft, policy=policy), timeout, max_tokens is None)
+            stop=tuple(stop), draft=draft, policy=_policy(policy)), timeout, max_tokens is None)
 
     # -- the rest -------------------------------------------------------------------
     def status(self, timeout: float | None = None) -> dict:
@@ -203,3 +203,8 @@ class Client:
         """
         resp = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def _policy(text: str | None) -> PolicyName | None:
+    """A policy as the caller wrote it, parsed (InvalidRequestError names the field)."""
+    return PolicyName.parse(text) if text is not None else None

@@ -97,7 +97,8 @@ class MemSpecServicer:
                 raise InvalidRequestError(request.reason)
             req = wire.request_from_pb(request, self.backend.config.limits.max_tokens)
             checked = self.backend.check(req)
-            fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft, policy=req.policy)
+            fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft,
+                          policy=str(req.policy) if req.policy is not None else None)
             cancel = threading.Event()
             context.add_callback(cancel.set)  # client cancel, deadline, shutdown past grace
             if self.admission.would_queue():  # preload what it will want while it waits

@@ -21,7 +21,7 @@ from memspec.errors import (
     CancelledError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelFormatError,
     ModelNotFoundError, NotLoadedError, OverloadedError, RemoteError, UnavailableError,
 )
-from memspec.request import Chunk, Completion, GenerationRequest, SamplingParams
+from memspec.request import Chunk, Completion, GenerationRequest, PolicyName, SamplingParams
 
 pb2, pb2_grpc = proto.load()
 
@@ -178,7 +178,7 @@ def request_from_pb(m, max_tokens_limit: int | None = None) -> GenerationRequest
         ),
         stop=tuple(m.stop),
         draft=_opt(m, "draft", None),
-        policy=_opt(m, "policy", None),
+        policy=PolicyName.parse(m.policy) if m.HasField("policy") else None,
     )
 
 
@@ -190,7 +190,7 @@ def _text_fields(req: GenerationRequest) -> Iterable[tuple[str, object]]:
     for i, s in enumerate(req.stop):
         yield f"stop[{i}]", s
     yield "draft", req.draft
-    yield "policy", req.policy
+    yield "policy", str(req.policy) if req.policy is not None else None
 
 
 def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
@@ -210,7 +210,8 @@ def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
         messages=[pb2.ChatMessage(role=r, content=c) for r, c in req.messages or ()], raw=req.raw,
         max_tokens=req.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(req.stop),
     )
-    for name, value in (("prompt", req.prompt), ("seed", s.seed), ("draft", req.draft), ("policy", req.policy)):
+    policy = str(req.policy) if req.policy is not None else None
+    for name, value in (("prompt", req.prompt), ("seed", s.seed), ("draft", req.draft), ("policy", policy)):
         if value is not None:
             setattr(m, name, value)
     if default_max_tokens:

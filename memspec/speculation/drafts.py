@@ -44,7 +44,8 @@ class DraftState(Protocol):
 
 class Proposer(Protocol):
     name: str
-    nbytes: int
+    nbytes: int  # its files' bytes (0: prompt lookup)
+    session: DecoderSession | None  # its model; None for prompt lookup, which holds no weights and no cache
 
     def begin(self, capacity: int) -> DraftState: ...
 
@@ -222,6 +223,7 @@ class PromptLookup:
 
     name = PROMPT_LOOKUP
     nbytes = 0
+    session = None
 
     def __init__(self, target_vocab: int, max_ngram: int = LOOKUP_MAX_NGRAM, min_ngram: int = 1,
                  loop_tokens: int = DraftLimits.loop_tokens):

@@ -18,18 +18,18 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from memspec.speculation.drafts import Proposer
 from memspec.errors import ContextOverflowError, InvalidRequestError
-from memspec.runtime.memory import release_heap
-from memspec.speculation.metrics import SpecMetrics
-from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
-from memspec.runtime.config import SessionConfig
-from memspec.runtime.sessions import DecoderSession, KVCache
-from memspec.speculation.config import SpecConfig
-from memspec.speculation.speculative import DraftSelector, FixedDraft, NoDraft, speculative_steps
-from memspec.speculation.stopping import StopMatcher
 from memspec.models.store import Manifest, ModelStore
 from memspec.models.tokenizer import Tokenizer
+from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.memory import release_heap, request_kv_bytes
+from memspec.runtime.sessions import DecoderSession, KVCache
+from memspec.speculation.config import SpecConfig
+from memspec.speculation.metrics import SpecMetrics
+from memspec.speculation.sources import DraftPool, DraftSource
+from memspec.speculation.speculative import NoDraft, speculative_steps
+from memspec.speculation.stopping import StopMatcher
 
 Clock = Callable[[], float]
 
@@ -69,19 +69,16 @@ class TargetModel:
 
 
 class Engine:
-    """Runs requests against one target, with a draft per request: the one the request names
-    from `drafts`, or, with a scheduler, the one the scheduler's policy picks at each step."""
+    """Runs requests against one target, each with the draft its `drafts` source gives it: a
+    fixed pool (DraftPool), or the scheduler (memspec.build makes either from a config)."""
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
-                 drafts: dict[str, Proposer] | None = None, default_draft: str | None = None,
-                 spec: SpecConfig = SpecConfig(), scheduler=None):
+                 drafts: DraftSource | None = None, spec: SpecConfig = SpecConfig()):
         self.target = target
         self.limits = limits
         self.clock = clock
-        self.drafts: dict[str, Proposer] = dict(drafts or {})  # name -> loaded proposer
-        self.default_draft = default_draft  # used when a request names none; None = target only
+        self.drafts: DraftSource = drafts if drafts is not None else DraftPool()  # default: target only
         self.spec = spec
-        self.scheduler = scheduler  # memspec.scheduling.scheduler.Scheduler: picks each request's draft (replaces `drafts`)
         self.verify_cost_s: list[float] | None = None  # [k] = seconds of a k-token target pass (measured once)
         self._calibrate_lock = threading.Lock()
 
@@ -94,47 +91,11 @@ class Engine:
                 self.verify_cost_s = self.target.session.measure_step_costs(self.spec.gamma_max + 1)
         return self.verify_cost_s
 
-    @classmethod
-    def from_config(cls, config, variant: str | None = None, drafts: str = "scheduler") -> "Engine":
-        """The target from the store named by the config, and its drafts.
-
-        drafts="scheduler": a Scheduler ([scheduler] in the config) owns the drafts and picks each
-        request's draft; "all": every draft made for the target is loaded up front and a request
-        names the one it wants (the fixed-policy benchmark); "none": target only.
-        """
-        from memspec.speculation.drafts import load_pool
-
-        if drafts not in ("scheduler", "all", "none"):
-            raise ValueError(f"drafts must be 'scheduler', 'all' or 'none', got {drafts!r}")
-        store = ModelStore(config.store_home)
-        target = TargetModel.load(store, config.model.target, variant or config.model.variant, config.runtime)
-        spec = config.speculative
-        limits = spec.draft_limits()
-        if drafts == "scheduler":
-            from memspec.scheduling.scheduler import from_store
-
-            sched = from_store(config.scheduler, store, target, config.runtime, limits)
-            return cls(target, config.limits, spec=spec, scheduler=sched)
-        pool = load_pool(store, target.name, target.session.vocab_size, config.runtime, limits=limits) \
-            if drafts == "all" else {}
-        return cls(target, config.limits, drafts=pool, spec=spec)
-
     def close(self) -> None:
-        """Stop the scheduler's loader thread and drop its drafts (idempotent).  A process must
-        call it before it exits: a loader thread still inside ONNX Runtime at interpreter
+        """Stop the draft source's background loading and drop its drafts (idempotent).  A process
+        must call it before it exits: a loader thread still inside ONNX Runtime at interpreter
         shutdown aborts the process ("terminate called without an active exception")."""
-        if self.scheduler is not None:
-            self.scheduler.close()
-
-    def draft_for(self, req: GenerationRequest) -> Proposer | None:
-        """The proposer a request runs with (None = target only)."""
-        name = req.draft if req.draft else self.default_draft
-        if name in (None, "none"):
-            return None
-        if name not in self.drafts:
-            have = ", ".join(["none", *sorted(self.drafts)])
-            raise InvalidRequestError(f"draft: unknown draft {name!r}; available: {have}")
-        return self.drafts[name]
+        self.drafts.close()
 
     # -- prompt ---------------------------------------------------------------
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
@@ -160,7 +121,7 @@ class Engine:
     def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest,
               rng: np.random.Generator, metrics: SpecMetrics) -> Iterator[list[int]]:
         """The decode loop for this request: speculative when a draft is chosen, else target only."""
-        select = self.selector(req, prompt, cache.capacity)
+        select = self.drafts.selector(req, prompt, cache.capacity)
         costs = self.calibrate() if select is not None else None
         select = select or NoDraft()
         try:
@@ -169,22 +130,18 @@ class Engine:
         finally:
             select.close()
 
-    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int) -> DraftSelector | None:
-        """How this request picks its draft at each step (None = plain target-only decoding)."""
-        if self.scheduler is not None:
-            return self.scheduler.selector(req, prompt, capacity)
-        proposer = self.draft_for(req)
-        return FixedDraft(proposer.name, proposer.begin(capacity)) if proposer is not None else None
-
     # -- streaming ---------------------------------------------------------------
     def check(self, req: GenerationRequest) -> list[int]:
         """Validate `req` fully (limits, draft, policy, context) and return its prompt ids."""
         validate(req, self.limits)
-        if self.scheduler is not None:
-            self.scheduler.check(req)  # an unknown draft or policy is refused before any work
-        else:
-            self.draft_for(req)
+        self.drafts.check(req)  # an unknown draft or policy is refused before any work
         return self.prompt_ids(req)
+
+    def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int:
+        """The KV memory this request may touch (memory.request_kv_bytes): what admission checks
+        against free memory and what the draft source reserves in its budget while it runs."""
+        return request_kv_bytes(len(prompt) + req.max_tokens, self.target.session.cache_nbytes,
+                                self.drafts.draft_kv_sizers(req), slack=self.spec.gamma_max + 1)
 
     def stream(self, req: GenerationRequest, cancel: threading.Event | None = None,
                prompt: list[int] | None = None) -> Iterator[Chunk | Completion]:
@@ -193,15 +150,9 @@ class Engine:
         t0 = self.clock()
         if prompt is None:
             prompt = self.check(req)
-        sched, kv_key = self.scheduler, None
-        if sched is not None:  # its KV caches count in the memory budget while it runs
-            cancelled = cancel.is_set if cancel is not None else (lambda: False)
-            kv_key = sched.reserve_kv(len(prompt) + req.max_tokens, cancelled)
-        try:
+        cancelled = cancel.is_set if cancel is not None else (lambda: False)
+        with self.drafts.reserve_kv(self.kv_bytes(req, prompt), cancelled):  # held while it runs
             yield from self._stream(req, cancel, t0, prompt)
-        finally:
-            if kv_key is not None:
-                sched.release_kv(kv_key)
 
     def _stream(self, req: GenerationRequest, cancel: threading.Event | None, t0: float,
                 prompt: list[int]) -> Iterator[Chunk | Completion]:

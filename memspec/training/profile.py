@@ -208,7 +208,7 @@ def add_profile_parser(subparsers):
 
 def run_profile(args) -> int:
     from memspec.bench.policies import load_workload
-    from memspec.speculation.engine import Engine
+    from memspec.build import build_engine
     from memspec.errors import InvalidRequestError
 
     if args.max_tokens < 2 or args.segment_tokens < 1:
@@ -220,7 +220,7 @@ def run_profile(args) -> int:
         for w in workload:
             kept.setdefault(w["category"], []).append(w)
         workload = [w for group in kept.values() for w in group[: args.limit]]
-    engine = Engine.from_config(args.config, args.variant, drafts="all")
+    engine = build_engine(args.config, args.variant, drafts="pool")
     names = sorted(engine.drafts) if not args.drafts else [d.strip() for d in args.drafts.split(",") if d.strip()]
     unknown = [d for d in names if d not in engine.drafts]
     if unknown:

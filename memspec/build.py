@@ -1,0 +1,41 @@
+"""Composition: the engine and its draft source, from a config.
+
+The engine knows only the DraftSource interface (memspec.speculation.sources);
+this module, above both, decides which source it gets, so that the speculation
+layer never imports the scheduling layer.
+"""
+
+from __future__ import annotations
+
+from memspec.config import Config
+
+DRAFT_SOURCES = ("scheduler", "pool", "none")
+
+
+def build_engine(config: Config, variant: str | None = None, drafts: str = "scheduler"):
+    """The target from the store named by the config, with its drafts.
+
+    drafts="scheduler": a Scheduler ([scheduler] in the config) owns the drafts and picks each
+    request's draft; "pool": every draft made for the target is loaded up front and a request
+    names the one it wants (the fixed-policy benchmark); "none": target only.
+    """
+    from memspec.models.store import ModelStore
+    from memspec.speculation.drafts import load_pool
+    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.speculation.sources import DraftPool
+
+    if drafts not in DRAFT_SOURCES:
+        raise ValueError(f"drafts must be one of {', '.join(DRAFT_SOURCES)}, got {drafts!r}")
+    store = ModelStore(config.store_home)
+    target = TargetModel.load(store, config.model.target, variant or config.model.variant, config.runtime)
+    spec = config.speculative
+    limits = spec.draft_limits()
+    if drafts == "scheduler":
+        from memspec.scheduling.scheduler import from_store
+
+        source = from_store(config.scheduler, store, target, config.runtime, limits)
+    elif drafts == "pool":
+        source = DraftPool(load_pool(store, target.name, target.session.vocab_size, config.runtime, limits=limits))
+    else:
+        source = DraftPool()
+    return Engine(target, config.limits, drafts=source, spec=spec)

@@ -1,0 +1,368 @@
+"""The draft-selection policies, one class each, each with its own state.
+
+* ``target-only``: no draft.
+* ``fixed:<draft>``: one draft, loaded on first use.
+* ``bandit``: UCB1 over drafts on the reward each request observed (tok/s, or
+  acceptance per cost), loading the arm it picks on demand under the budget: the
+  request stalls while it loads (BanditSpec / MetaSD style, reactive).
+* ``memspec``: the predictor's expected tok/s per draft, with the load time of a
+  draft that is not resident counted against it; a missing draft is loaded in the
+  background while the request starts on the best resident one, and the request
+  switches when it arrives.  Every few steps it asks again with the generation
+  context (a chat answer turning into code, falling acceptance) and switches;
+  between requests it preloads what queued and likely requests need and ranks
+  drafts for eviction by expected value per byte.
+* ``oracle``: the upper bound: per request the draft measured fastest offline,
+  every draft preloaded at no cost (no budget).
+
+A policy starts a request's `RequestSelector` (or None: plain target-only
+decoding).  The scheduler builds each policy once, from a `PolicyName`, and owns
+the working set they all lease from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from memspec.errors import ConfigError
+from memspec.request import NO_DRAFT, GenerationRequest
+from memspec.scheduling.features import generation_context, request_text
+from memspec.scheduling.selector import RequestSelector
+from memspec.speculation.metrics import SpecMetrics
+
+if TYPE_CHECKING:
+    from memspec.scheduling.scheduler import Scheduler
+
+log = logging.getLogger("memspec.scheduler")
+
+
+class Policy:
+    """How one policy picks drafts.  The defaults are those of a policy that keeps no state."""
+
+    name = ""  # as a request or the config writes it
+
+    def start(self, req: GenerationRequest, prompt: list[int], capacity: int) -> RequestSelector | None:
+        """The selector of a request that starts now (None = target-only decoding)."""
+        raise NotImplementedError
+
+    def hint(self, req: GenerationRequest) -> None:
+        """A request of this policy waits in the queue (memspec preloads its draft)."""
+
+    def counters(self) -> dict[str, float]:
+        return {}
+
+    def status(self) -> dict:
+        """Its own state, for Scheduler.status()."""
+        return {}
+
+
+class TargetOnly(Policy):
+    name = "target-only"
+
+    def start(self, req, prompt, capacity):
+        log.debug("request: target-only")
+        return None
+
+
+class Fixed(Policy):
+    """One draft for the whole request."""
+
+    def __init__(self, sched: "Scheduler", draft: str):
+        self.sched, self.draft, self.name = sched, draft, f"fixed:{draft}"
+
+    def start(self, req, prompt, capacity):
+        return self.sched.leased(self.name, req, prompt, capacity, self.draft)
+
+
+# -- bandit --------------------------------------------------------------------------------
+def ucb_pick(arms: list[str], pulls: dict[str, int], rewards: dict[str, float], c: float) -> str:
+    """UCB1: an arm never tried first (in order), else the best mean + c * sqrt(ln N / n)."""
+    for a in arms:
+        if pulls.get(a, 0) == 0:
+            return a
+    total = sum(pulls[a] for a in arms)
+    return max(arms, key=lambda a: rewards[a] / pulls[a] + c * math.sqrt(math.log(total) / pulls[a]))
+
+
+def request_reward(metrics: SpecMetrics, kind: str) -> float:
+    """What a finished request says about its draft: decode tok/s, or tokens per step
+    divided by the step's cost relative to a target-only step (acceptance per cost)."""
+    tokens = len(metrics.token_latencies_s)
+    seconds = metrics.draft_s + metrics.verify_s
+    if tokens == 0 or seconds <= 0:
+        return 0.0
+    if kind == "tok_per_s":
+        return tokens / seconds
+    if kind == "acceptance_per_cost":
+        return metrics.mean_acceptance_length / (1.0 + metrics.draft_s / max(metrics.verify_s, 1e-9))
+    raise ConfigError(f"[scheduler] bandit_reward: {kind!r}; known: tok_per_s, acceptance_per_cost")
+
+
+class Bandit(Policy):
+    name = "bandit"
+
+    def __init__(self, sched: "Scheduler"):
+        self.sched = sched
+        self.pulls: dict[str, int] = {}  # draft -> requests it finished
+        self.rewards: dict[str, float] = {}  # draft -> sum of its scaled rewards
+        self.reward_max = 0.0  # the largest raw reward seen (rewards are scaled by it into [0, 1])
+
+    def start(self, req, prompt, capacity):
+        ws = self.sched.ws
+        arms = [d for d in self.sched.drafts if ws.is_available(d)]
+        if not arms:
+            return None
+        arm = ucb_pick(arms, self.pulls, self.rewards, self.sched.config.ucb_c)
+        log.debug("bandit: picks %s (pulls %s)", arm, self.pulls)
+        return self.sched.leased(self.name, req, prompt, capacity, arm, on_close=self.learn)
+
+    def learn(self, sel: RequestSelector) -> None:
+        name = sel.name
+        if name is None or not sel.metrics.token_latencies_s:
+            return  # degraded, or ended before a single step: nothing to learn
+        raw = request_reward(sel.metrics, self.sched.config.bandit_reward)
+        self.reward_max = max(self.reward_max, raw)
+        reward = raw / self.reward_max if self.reward_max else 0.0
+        self.pulls[name] = self.pulls.get(name, 0) + 1
+        self.rewards[name] = self.rewards.get(name, 0.0) + reward
+        self.sched.ws.set_value(name, self.rewards[name] / self.pulls[name])
+        log.debug("bandit: %s reward %.3f (raw %.2f)", name, reward, raw)
+
+    def status(self) -> dict:
+        return {"bandit": {d: {"pulls": n, "mean_reward": round(self.rewards[d] / n, 4)}
+                           for d, n in self.pulls.items()}}
+
+
+# -- memspec ---------------------------------------------------------------------------------
+def expected_seconds(tokens: int, tps_now: float, tps_new: float, load_s: float) -> float:
+    """Time to generate `tokens` running at `tps_now` while a draft loads for `load_s`,
+    then at `tps_new` (load_s = 0: the draft is there already)."""
+    tps_now, tps_new = max(tps_now, 1e-6), max(tps_new, 1e-6)
+    during = load_s * tps_now
+    if during >= tokens:
+        return tokens / tps_now
+    return load_s + (tokens - during) / tps_new
+
+
+def predictor_file(path: str, variant: str = "") -> Path:
+    """The predictor to use: `path` when set, else the shipped one fitted on traces of the target's
+    variant (models/predictor-VARIANT.json) when there is one, else models/predictor.json."""
+    from memspec.models.store import SHIPPED_MODELS
+
+    if path:
+        return Path(path)
+    own = SHIPPED_MODELS / f"predictor-{variant}.json"
+    return own if variant and own.is_file() else SHIPPED_MODELS / "predictor.json"
+
+
+def load_predictor(path: str, variant: str = ""):
+    """The predictor for a target of `variant` (see predictor_file), or a ConfigError naming what is missing."""
+    try:
+        from memspec.scheduling.predictor import Predictor
+    except ImportError as exc:
+        raise ConfigError(f"policy 'memspec' needs the predictor, but memspec/scheduling/predictor.py cannot be "
+                          f"imported ({exc}); use another [scheduler] policy until it is installed") from None
+    file = predictor_file(path, variant)
+    if not file.is_file():
+        raise ConfigError(f"policy 'memspec' needs a trained predictor, but {file} does not exist "
+                          f"(memspec train-predictor writes it; or set [scheduler] predictor)")
+    pred = Predictor.load(file)
+    fitted = str(pred.info.get("target") or "")  # "name:variant" of the traces it was fitted on
+    if variant and ":" in fitted and fitted.rsplit(":", 1)[1] != variant:
+        log.warning("predictor %s was fitted on traces of %s, but the target runs as %s; its costs and choices "
+                    "may not hold (memspec profile --variant %s, then memspec train-predictor)",
+                    file, fitted, variant, variant)
+    return pred
+
+
+class Memspec(Policy):
+    name = "memspec"
+
+    def __init__(self, sched: "Scheduler", predictor):
+        self.sched, self.predictor = sched, predictor
+        self.values: dict[str, float] = {}  # draft -> expected gain over target-only (EMA), for eviction
+        self.pred_err = [0.0, 0]  # sum of |observed - predicted| / predicted, checks
+        self.predictions = 0  # predictor calls
+
+    def _predict(self, text: str, ctx=None) -> dict[str, float]:
+        self.predictions += 1
+        pred = self.predictor.predict(text, ctx)
+        ws = self.sched.ws
+        usable = {d: v for d, v in pred.items() if d == NO_DRAFT or (d in self.sched.drafts and ws.is_available(d))}
+        usable.setdefault(NO_DRAFT, 0.0)
+        return usable
+
+    def _best(self, pred: dict[str, float], tokens: int, current: str | None) -> tuple[str, float]:
+        """The draft with the least expected time for `tokens` more tokens, counting loads:
+        a resident draft runs at once; a missing one loads while `current` (or the best
+        resident) runs.  Returns (draft or 'none', expected seconds)."""
+        ws = self.sched.ws
+        resident = {d for d in pred if d == NO_DRAFT or ws.is_resident(d)}
+        now = current if current is not None else max(resident, key=lambda d: pred[d])
+        best, best_s = now, expected_seconds(tokens, pred[now], pred[now], 0.0)
+        for d, tps in pred.items():
+            load_s = 0.0 if d in resident else ws.expected_load_s(d)
+            s = expected_seconds(tokens, pred[now], tps, load_s)
+            if s < best_s:
+                best, best_s = d, s
+        return best, best_s
+
+    def start(self, req, prompt, capacity):
+        sched, ws = self.sched, self.sched.ws
+        pred = self._predict(request_text(req))
+        self._learn_values(pred)
+        best, _ = self._best(pred, min(req.max_tokens, sched.config.expected_tokens), None)
+        lease, pending = None, None
+        if best != NO_DRAFT:
+            lease = ws.lease(best, wait=False)  # a hit, or a miss: then it loads while the request starts
+            if lease is None and ws.fetch(best):
+                pending = best
+        if lease is None:
+            resident = [d for d in pred if d != NO_DRAFT and ws.is_resident(d)]
+            start = max(resident, key=lambda d: pred[d], default=None)
+            if start is not None and pred[start] > pred[NO_DRAFT]:
+                lease = ws.lease(start, wait=False)
+        sel = RequestSelector(ws, sched.count, req, prompt, capacity, lease, on_close=self._done,
+                              switcher=self.switch, switch_every=sched.config.switch_every_steps)
+        sel.pending = pending
+        chosen = sel.name or NO_DRAFT
+        sel.predicted[chosen] = pred.get(chosen, 0.0)
+        sched.count("memspec.start_best" if chosen == best else "memspec.start_while_loading")
+        log.debug("memspec: predicted %s; best %s, starts on %s%s", {k: round(v, 1) for k, v in pred.items()},
+                  best, chosen, f", loading {pending}" if pending else "")
+        return sel
+
+    def switch(self, sel: RequestSelector) -> None:
+        """Every few steps: ask again with the generation context, and switch when it pays."""
+        sched, ws = self.sched, self.sched.ws
+        ctx = generation_context(sched.decode, sel.generated, sel.recent_acceptance(), sel.mean_entropy())
+        pred = self._predict(request_text(sel.req), ctx)
+        self._compare(sel, pred)
+        current = sel.name or NO_DRAFT
+        left = min(sel.req.max_tokens - ctx.position, sched.config.expected_tokens)
+        best, best_s = self._best(pred, max(left, 1), current)
+        if best == current or pred.get(best, 0.0) < pred.get(current, 0.0) * (1 + sched.config.switch_margin):
+            return
+        if best == NO_DRAFT:
+            sel.drop()
+            sched.count("switches")
+            log.debug("memspec: request %s drops %s for target-only (context changed)", id(sel), current)
+        elif ws.is_resident(best):
+            lease = ws.lease(best, wait=False)
+            if lease is not None:
+                sel.switch_to(lease, f"predicted {pred[best]:.1f} vs {pred.get(current, 0):.1f} tok/s")
+        elif sel.pending != best and ws.fetch(best):
+            sel.pending = best
+            log.debug("memspec: request %s loads %s to switch to it", id(sel), best)
+
+    def _compare(self, sel: RequestSelector, pred: dict[str, float]) -> None:
+        """Prediction against what the current draft did so far in this request."""
+        name = sel.name or NO_DRAFT
+        tokens, seconds = sel.observed.get(name, (0.0, 0.0))
+        if name in sel.predicted and seconds > 0 and tokens >= 8:
+            observed = tokens / seconds
+            err = abs(observed - sel.predicted[name]) / max(sel.predicted[name], 1e-6)
+            self.pred_err[0] += err
+            self.pred_err[1] += 1
+            log.debug("memspec: %s predicted %.1f tok/s, observed %.1f", name, sel.predicted[name], observed)
+        sel.predicted.update(pred)
+
+    def _learn_values(self, pred: dict[str, float]) -> None:
+        """Each draft's expected value: a moving average of its predicted gain over target-only."""
+        decay = self.sched.config.value_decay
+        for d in self.sched.drafts:
+            gain = max(pred.get(d, 0.0) - pred.get(NO_DRAFT, 0.0), 0.0)
+            self.values[d] = decay * self.values.get(d, gain) + (1 - decay) * gain
+            self.sched.ws.set_value(d, self.values[d])
+
+    def _done(self, sel: RequestSelector) -> None:
+        if sel.pending:
+            self.sched.count("memspec.pending_at_end")
+        if self.sched.config.preload:
+            self.preload_likely()
+
+    def preload_likely(self) -> None:
+        """Preload the drafts worth most per byte that admission lets in without evicting better ones."""
+        drafts, ws = self.sched.drafts, self.sched.ws
+        for d in sorted(self.values, key=lambda d: -self.values[d] / max(drafts.get(d, 1), 1)):
+            if self.values[d] > 0 and not ws.is_resident(d):
+                ws.preload(d)
+
+    def hint(self, req: GenerationRequest) -> None:
+        """A request waiting in the queue: preload what it will want."""
+        if not self.sched.config.preload:
+            return
+        ws = self.sched.ws
+        pred = self._predict(request_text(req))
+        best = max(pred, key=pred.get)
+        if best != NO_DRAFT and not ws.is_resident(best):
+            ws.set_value(best, max(self.values.get(best, 0.0), pred[best] - pred[NO_DRAFT]) * 2)
+            if ws.preload(best):
+                self.sched.count("memspec.preload_for_queue")
+                log.debug("memspec: preloading %s for a queued request", best)
+
+    def counters(self) -> dict[str, float]:
+        return {"prediction_mean_rel_error": self.pred_err[0] / self.pred_err[1]} if self.pred_err[1] else {}
+
+    def predictor_counters(self) -> dict[str, float]:
+        out = {"predictions": float(self.predictions)}
+        if self.pred_err[1]:
+            out["checked_predictions"] = float(self.pred_err[1])
+        return out
+
+    def status(self) -> dict:
+        return {"values": {d: round(v, 3) for d, v in self.values.items()}}
+
+
+# -- oracle ----------------------------------------------------------------------------------
+def load_oracle_table(path: str | Path) -> dict[str, str]:
+    """{prompt: fastest draft} from a JSON object, or from JSONL rows with `prompt` and one of:
+    `best`; `requests` (memspec profile traces); `draft` and `tok_per_s` (the fastest wins)."""
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise ConfigError(f"[scheduler] oracle: cannot read {p}: {exc.strerror}") from None
+    try:
+        data = json.loads(text)
+        if isinstance(data, dict):
+            return {str(k): str(v) for k, v in data.items()}
+    except json.JSONDecodeError:
+        pass
+    best: dict[str, tuple[float, str]] = {}
+    for n, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            prompt = row["prompt"]
+            if "best" in row:
+                best[prompt] = (math.inf, row["best"])
+            elif "requests" in row:  # a `memspec profile` trace: {policy: {tokens, seconds, ...}}
+                tps = {d: r["tokens"] / max(r["seconds"], 1e-9) for d, r in row["requests"].items()}
+                best[prompt] = (math.inf, max(tps, key=tps.get))
+            elif best.get(prompt, (-math.inf, ""))[0] < float(row["tok_per_s"]):
+                best[prompt] = (float(row["tok_per_s"]), row["draft"])
+        except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
+            raise ConfigError(f"[scheduler] oracle: {p}:{n}: needs prompt and best, or prompt, draft and "
+                              f"tok_per_s ({exc})") from None
+    return {k: v for k, (_, v) in best.items()}
+
+
+class Oracle(Policy):
+    name = "oracle"
+
+    def __init__(self, sched: "Scheduler", table: dict[str, str]):
+        self.sched, self.table = sched, table  # {prompt text: fastest draft}
+
+    def start(self, req, prompt, capacity):
+        best = self.table.get(request_text(req))
+        if best is None:
+            self.sched.count("oracle_unknown_prompt")
+            log.debug("oracle: prompt not in the table: target-only")
+            return None
+        return self.sched.leased(self.name, req, prompt, capacity, best) if best != NO_DRAFT else None

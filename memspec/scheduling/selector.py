@@ -1,0 +1,150 @@
+"""One request's draft selector: the lease it holds, what its steps showed, switching and degrading.
+
+The scheduler's policies hand each request a `RequestSelector` (a DraftSelector of
+memspec.speculation.speculative).  It holds at most one draft lease from the
+working set at a time and releases it when the request ends, however it ends (the
+engine closes the selector on completion, cancellation and exceptions).  Under
+memory pressure it drops its draft and the request goes on target-only; with a
+`switcher` (the memspec policy) it reconsiders every few steps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from typing import Callable
+
+from memspec.request import NO_DRAFT, GenerationRequest
+from memspec.scheduling.workingset import Lease, WorkingSet
+from memspec.speculation.metrics import SpecMetrics
+
+log = logging.getLogger("memspec.scheduler")
+
+
+class _Watched:
+    """A draft state that remembers the entropy of its proposals."""
+
+    def __init__(self, state, entropies: deque):
+        self.state, self.entropies = state, entropies
+
+    def propose(self, context, k, params, rng):
+        prop = self.state.propose(context, k, params, rng)
+        self.entropies.extend(prop.entropy)
+        return prop
+
+    def close(self) -> None:
+        self.state.close()
+
+
+class RequestSelector:
+    """The DraftSelector of one request."""
+
+    def __init__(self, ws: WorkingSet, count: Callable[[str], None], req: GenerationRequest, prompt: list[int],
+                 capacity: int, lease: Lease | None, on_close: Callable[["RequestSelector"], None] | None = None,
+                 switcher: Callable[["RequestSelector"], None] | None = None, switch_every: int = 0):
+        """ws: where its leases come from; count: the scheduler's counter; switcher: called every
+        `switch_every` steps to reconsider the draft; on_close: called once when the request ends."""
+        self.ws, self.count, self.req, self.capacity = ws, count, req, capacity
+        self.n_prompt = len(prompt)
+        self.on_close, self.switcher, self.switch_every = on_close, switcher, switch_every
+        self.lease: Lease | None = None
+        self.state = None
+        self.pending: str | None = None  # a draft loading in the background, switched to once resident
+        self.steps = 0
+        self.context: list[int] = list(prompt)
+        self.metrics = SpecMetrics()
+        self.entropies: deque[float] = deque(maxlen=32)
+        self.window: dict[str, deque] = {}  # draft -> recent (drafted, accepted) per step
+        self.observed: dict[str, list[float]] = {}  # draft -> [tokens, seconds] in this request
+        self.predicted: dict[str, float] = {}  # draft -> tok/s predicted when it was chosen
+        self._last = (0, 0, 0, 0.0)  # metrics totals at the previous step
+        self._ran: str | None = None  # the draft the previous step ran with
+        self.closed = False
+        if lease is not None:
+            self._take(lease)
+
+    @property
+    def name(self) -> str | None:
+        return self.lease.name if self.lease is not None else None
+
+    @property
+    def generated(self) -> list[int]:
+        """The token ids committed after the prompt so far."""
+        return self.context[self.n_prompt:]
+
+    def _take(self, lease: Lease) -> None:
+        self.lease = lease
+        self.state = _Watched(lease.proposer.begin(self.capacity), self.entropies)
+
+    def drop(self) -> None:
+        """Give the current draft back (its state first, then the lease)."""
+        if self.state is not None:
+            self.state.close()
+            self.state = None
+        if self.lease is not None:
+            self.lease.release()
+            self.lease = None
+
+    def switch_to(self, lease: Lease, why: str) -> None:
+        old = self.name
+        self.drop()
+        self._take(lease)
+        self.count("switches")
+        log.debug("request %s: switched %s -> %s at position %d (%s)", id(self), old, lease.name,
+                  len(self.generated), why)
+
+    def _observe(self, metrics: SpecMetrics) -> None:
+        """Attribute the previous step's outcome to the draft that ran it."""
+        now = (metrics.num_draft_tokens, metrics.num_accepted_tokens, len(metrics.token_latencies_s),
+               metrics.draft_s + metrics.verify_s)
+        d_drafted, d_accepted, d_tokens, d_s = (a - b for a, b in zip(now, self._last))
+        self._last = now
+        name = self._ran or NO_DRAFT
+        if self.steps > 1:
+            self.window.setdefault(name, deque(maxlen=16)).append((d_drafted, d_accepted))
+            obs = self.observed.setdefault(name, [0.0, 0.0])
+            obs[0] += d_tokens
+            obs[1] += d_s
+
+    def recent_acceptance(self) -> dict[str, float]:
+        out = {}
+        for name, steps in self.window.items():
+            drafted = sum(d for d, _ in steps)
+            if drafted:
+                out[name] = sum(a for _, a in steps) / drafted
+        return out
+
+    def mean_entropy(self) -> float:
+        """Mean draft entropy over the recent proposals (NaN: no model draft proposed yet)."""
+        return sum(self.entropies) / len(self.entropies) if self.entropies else float("nan")
+
+    def __call__(self, context: list[int], metrics: SpecMetrics):
+        self.steps += 1
+        self.context, self.metrics = context, metrics
+        self._observe(metrics)
+        if self.ws.check_pressure():
+            if self.lease is not None:
+                log.info("memory pressure: request %s drops %s and runs target-only", id(self), self.name)
+                self.count("degraded")
+                self.drop()
+            self.pending = None
+        else:
+            if self.pending is not None and self.ws.is_resident(self.pending):
+                lease = self.ws.lease(self.pending, wait=False)
+                self.pending = None
+                if lease is not None:
+                    self.switch_to(lease, "its background load finished")
+            if self.switcher is not None and self.steps % self.switch_every == 0:
+                self.switcher(self)
+        self._ran = self.name
+        return (self.name, self.state) if self.lease is not None else (None, None)
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            if self.on_close is not None:
+                self.on_close(self)
+        finally:
+            self.drop()

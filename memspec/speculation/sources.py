@@ -1,0 +1,135 @@
+"""Where each request's draft comes from: the interface the engine asks, and the fixed pool.
+
+The engine has one mode.  It asks its `DraftSource` to check a request, to size the
+draft caches the request may hold, and for the request's `DraftSelector`.  Two
+sources exist: `DraftPool` here (drafts loaded up front, a request names the one it
+wants) and the scheduler (memspec.scheduling.scheduler.Scheduler: a policy picks,
+drafts come and go in a memory-bounded working set).  The engine never imports the
+scheduler; memspec.build puts the two together.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Callable, ContextManager, Iterator, Protocol
+
+from memspec.request import NO_DRAFT, GenerationRequest, unknown_draft, unknown_policy
+from memspec.speculation.drafts import Proposer
+from memspec.speculation.speculative import DraftSelector, FixedDraft
+
+KVSizer = Callable[[int], int]  # tokens -> resident bytes of one cache holding that many
+
+
+@dataclass(frozen=True)
+class DraftRow:
+    """One draft a source may run, as GetStatus lists it."""
+
+    name: str
+    resident: bool  # loaded now
+    bytes: int  # what it holds (or, not resident, what it is planned at)
+
+
+@dataclass(frozen=True)
+class SourceStatus:
+    """What a draft source reports (GetStatus)."""
+
+    drafts: list[DraftRow]  # every draft it may run, by name
+    budget_bytes: int | None = None  # the memory budget it keeps; None = it keeps none
+    scheduler: dict[str, float] = field(default_factory=dict)  # its counters ({}: it keeps none)
+    predictor: dict[str, float] = field(default_factory=dict)  # its predictor's counters ({}: none)
+
+
+class DraftSource(Protocol):
+    """The engine's one way to a request's draft."""
+
+    def check(self, req: GenerationRequest) -> None: ...  # refuse an unknown draft or policy before any work
+
+    def draft_kv_sizers(self, req: GenerationRequest) -> list[KVSizer]: ...  # draft caches it may hold (largest counts)
+
+    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int) -> DraftSelector | None: ...
+
+    def reserve_kv(self, nbytes: int, cancelled: Callable[[], bool]) -> ContextManager[None]: ...  # in its budget
+
+    def hint(self, queued: list[GenerationRequest]) -> None: ...  # requests waiting: preload what they need
+
+    def pinned(self) -> dict[str, Proposer]: ...  # drafts held for the engine's whole life (resident with it)
+
+    def unpin(self, name: str) -> int | None: ...  # drop a pinned draft: its bytes, or None when not pinned
+
+    def report(self) -> SourceStatus: ...
+
+    def close(self) -> None: ...  # stop background work and drop the drafts (idempotent)
+
+
+class DraftPool(Mapping[str, Proposer]):
+    """Drafts loaded up front, kept for the engine's life, with no budget: a request runs the
+    draft it names (`draft`, or a fixed / target-only `policy`), else `default`."""
+
+    def __init__(self, proposers: Mapping[str, Proposer] | None = None, default: str | None = None):
+        self.proposers: dict[str, Proposer] = dict(proposers or {})  # name -> loaded proposer
+        self.default = default  # the draft of a request that names none; None = target only
+
+    # -- Mapping: the loaded proposers by name --------------------------------------------
+    def __getitem__(self, name: str) -> Proposer:
+        return self.proposers[name]
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.proposers)
+
+    def __len__(self) -> int:
+        return len(self.proposers)
+
+    # -- DraftSource ----------------------------------------------------------------------
+    def policies(self) -> list[str]:
+        """The policies a pool can run: target-only, or one of its drafts throughout."""
+        return ["target-only", *(f"fixed:{d}" for d in sorted(self.proposers))]
+
+    def draft_of(self, req: GenerationRequest) -> Proposer | None:
+        """The proposer a request runs with (None = target only)."""
+        field_name, name = "draft", req.draft
+        if not name and req.policy is not None:
+            if req.policy.kind not in ("target-only", "fixed"):
+                raise unknown_policy(str(req.policy), self.policies())
+            field_name, name = "policy", req.policy.draft or NO_DRAFT
+        name = name or self.default
+        if name in (None, NO_DRAFT):
+            return None
+        if name not in self.proposers:
+            raise unknown_draft(name, self.proposers, field_name)
+        return self.proposers[name]
+
+    def check(self, req: GenerationRequest) -> None:
+        self.draft_of(req)
+
+    def draft_kv_sizers(self, req: GenerationRequest) -> list[KVSizer]:
+        proposer = self.draft_of(req)
+        return [proposer.session.cache_nbytes] if proposer is not None and proposer.session is not None else []
+
+    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int) -> DraftSelector | None:
+        proposer = self.draft_of(req)
+        return FixedDraft(proposer.name, proposer.begin(capacity)) if proposer is not None else None
+
+    def reserve_kv(self, nbytes: int, cancelled: Callable[[], bool]) -> ContextManager[None]:
+        return contextlib.nullcontext()  # no budget: admission's check against free memory is the only one
+
+    def hint(self, queued: list[GenerationRequest]) -> None:
+        pass  # everything is loaded already
+
+    def pinned(self) -> dict[str, Proposer]:
+        return dict(self.proposers)
+
+    def unpin(self, name: str) -> int | None:
+        proposer = self.proposers.get(name)
+        if proposer is None:
+            return None
+        # a new dict, not a pop: status() may be iterating the old one on another thread
+        self.proposers = {n: p for n, p in self.proposers.items() if n != name}
+        return proposer.nbytes
+
+    def report(self) -> SourceStatus:
+        return SourceStatus([DraftRow(n, True, int(p.nbytes)) for n, p in sorted(self.proposers.items())])
+
+    def close(self) -> None:
+        pass  # the proposers go with the pool; none runs in the background
