@@ -62,13 +62,15 @@ def eviction_order(resident: list[Candidate]) -> list[Candidate]:
 
 
 @dataclass(frozen=True)
-class Admission:
+class LoadDecision:
+    """admit()'s answer for one draft load (or KV reservation)."""
+
     ok: bool
     victims: tuple[str, ...] = ()  # to evict, in order, before loading
     reason: str = ""  # why not (empty when ok)
 
 
-def admit(new: Candidate, resident: list[Candidate], used: int, budget: int, force: bool) -> Admission:
+def admit(new: Candidate, resident: list[Candidate], used: int, budget: int, force: bool) -> LoadDecision:
     """May `new` be loaded now, and what must be evicted first?
 
     used: bytes already accounted (pinned target + resident + loading drafts);
@@ -77,20 +79,20 @@ def admit(new: Candidate, resident: list[Candidate], used: int, budget: int, for
     byte than `new`, so a speculative preload never pushes out something better.
     """
     if not budget or used + new.nbytes <= budget:
-        return Admission(True)
+        return LoadDecision(True)
     pinned_and_held = used - sum(c.nbytes for c in eviction_order(resident))
     if pinned_and_held + new.nbytes > budget:
-        return Admission(False, reason=f"{new.name} ({new.nbytes / MiB:.1f} MiB) does not fit the budget of "
+        return LoadDecision(False, reason=f"{new.name} ({new.nbytes / MiB:.1f} MiB) does not fit the budget of "
                                        f"{budget / MiB:.1f} MiB beside {pinned_and_held / MiB:.1f} MiB pinned or leased")
     victims, freed = [], 0
     for c in eviction_order(resident):
         if used - freed + new.nbytes <= budget:
             break
         if not force and value_per_byte(c) >= value_per_byte(new):
-            return Admission(False, reason=f"preloading {new.name} would evict {c.name}, worth as much or more per byte")
+            return LoadDecision(False, reason=f"preloading {new.name} would evict {c.name}, worth as much or more per byte")
         victims.append(c.name)
         freed += c.nbytes
-    return Admission(True, tuple(victims))
+    return LoadDecision(True, tuple(victims))
 
 
 # -- the working set ---------------------------------------------------------------------
