@@ -282,3 +282,38 @@ def test_a_policy_keeps_its_own_state_and_is_built_once():
         sched.check(req(policy="fixed:nope"))
     with pytest.raises(ConfigError, match=r"\[scheduler\] policy: unknown policy 'fastest'"):
         make("fastest")
+
+
+def test_the_scheduler_asks_with_the_context_profiling_records_for_the_same_tokens():
+    """Training/serving skew: memspec's switch must see what `memspec profile` recorded for the
+    same generated ids (features.generation_context): every generated token, special tokens
+    skipped, in_code_block over the whole text even after a long answer."""
+    from memspec.scheduling.features import generation_context
+
+    SPECIAL = 2
+
+    def decode_special(ids, *, skip_special_tokens=False):
+        return "".join("" if i == SPECIAL and skip_special_tokens else "<|im_end|>" if i == SPECIAL
+                       else "```" if i == FENCE else "x" for i in ids)
+
+    pred = StandInPredictor(RATES)
+    clock, probe = FakeClock(), FakeProbe()
+    sched = Scheduler(SchedulerConfig(policy="memspec", budget_mb=0, pressure_floor_mb=0, switch_every_steps=4),
+                      FakeLoader(SIZES, clock), SIZES, probe, clock=clock, predictor=pred, decode=decode_special)
+    prompt = [1, 2, 3]
+    sel = sched.selector(req("tell me about cats", max_tokens=4096), prompt, 4096)
+    context, m = prompt + [FENCE] + [SPECIAL] * 40, SpecMetrics()  # a fence early, then a long answer
+    for i in range(16):
+        sel(context, m)
+        m.record_step(sel.name, 0, 0, 1, 0.005, 0.005)
+        context = context + [1] * 50  # 800 tokens after the fence: its tail holds no fence
+    asked = [c for _, c in pred.calls if c is not None]
+    assert len(asked) == 4
+    for ctx, step in zip(asked, (4, 8, 12, 16)):
+        generated = (prompt + [FENCE] + [SPECIAL] * 40 + [1] * 50 * (step - 1))[len(prompt):]
+        recorded = generation_context(decode_special, generated).to_record()  # what profile writes
+        assert ctx.to_record() == recorded
+    assert asked[-1].in_code_block and "<|im_end|>" not in asked[-1].generated_tail
+    assert asked[-1].position == 1 + 40 + 50 * 15
+    sel.close()
+    sched.close()
