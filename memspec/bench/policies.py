@@ -138,7 +138,7 @@ def teacher_forced_agreement(engine, prompts: list[str], max_tokens: int, verify
     s = engine.target.session
     agree = total = 0
     for prompt in prompts:
-        base = engine.generate(GenerationRequest(prompt=prompt, max_tokens=max_tokens, draft="none"))
+        base = engine.generate(GenerationRequest(prompt=prompt, max_tokens=max_tokens, draft=NO_DRAFT))
         seq = base.prompt_token_ids + base.token_ids
         cache = s.new_cache(len(seq) + verify_len)
         pos = len(base.prompt_token_ids) - 1
@@ -309,9 +309,9 @@ def profile_oracle(engine, make_scheduler, workload: list[dict], drafts: list[st
     from memspec.speculation.sources import DraftPool
 
     best: dict[str, tuple[float, str]] = {}
-    for name in ["none", *drafts]:
-        sched = make_scheduler("target-only" if name == "none" else f"fixed:{name}", budget_mb=0)
-        if name != "none":
+    for name in [NO_DRAFT, *drafts]:
+        sched = make_scheduler(str(PolicyName.of_draft(name)), budget_mb=0)
+        if name != NO_DRAFT:
             sched.ws.preload(name)
             sched.ws.wait_idle(timeout=600)
         engine.drafts = sched

@@ -35,12 +35,13 @@ from pathlib import Path
 import numpy as np
 
 from memspec.errors import ModelFormatError
+from memspec.request import NO_DRAFT
 from memspec.scheduling.features import (CONTEXT_FEATURES, OVERLAP_FEATURES, PROMPT_FEATURES, UNKNOWN, GenerationContext,
                               context_features, overlap_features, prompt_features, prompt_ngrams)
 
 FORMAT = "memspec-predictor"
 VERSION = 1
-NONE = "none"  # the target-only policy
+NONE = NO_DRAFT  # the target-only policy, as the predictor scores it
 SELF_FEATURES = ("self_acc",)  # the scored draft's own recent acceptance (UNKNOWN when it has not run)
 FEATURES = (*PROMPT_FEATURES, *CONTEXT_FEATURES, *OVERLAP_FEATURES, *SELF_FEATURES)
 QUANTITIES = ("mal", "drafted")  # per draft: tokens committed per step, draft tokens proposed per step

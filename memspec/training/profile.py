@@ -34,7 +34,7 @@ from memspec.speculation.drafts import PROMPT_LOOKUP, Proposal
 from memspec.scheduling.features import TAIL_CHARS, generation_context, request_text
 from memspec.speculation.metrics import SpecMetrics
 from memspec.scheduling.predictor import NONE
-from memspec.request import GenerationRequest, SamplingParams
+from memspec.request import GenerationRequest, SamplingParams, unknown_draft
 from memspec.speculation.speculative import speculative_steps
 from memspec.training.predictor_fit import TRACE_FORMAT
 
@@ -222,9 +222,9 @@ def run_profile(args) -> int:
         workload = [w for group in kept.values() for w in group[: args.limit]]
     engine = build_engine(args.config, args.variant, drafts="pool")
     names = sorted(engine.drafts) if not args.drafts else [d.strip() for d in args.drafts.split(",") if d.strip()]
-    unknown = [d for d in names if d not in engine.drafts]
-    if unknown:
-        raise InvalidRequestError(f"--drafts: unknown {', '.join(unknown)}; loaded: {', '.join(sorted(engine.drafts))}")
+    for d in names:
+        if d not in engine.drafts:
+            raise unknown_draft(d, engine.drafts, "--drafts")
     policies = [NONE, *names]
     cfg = ProfileConfig(args.max_tokens, args.segment_tokens)
     traces = []
