@@ -9,7 +9,10 @@ import io
 import itertools
 import json
 
+import pytest
+
 from memspec.bench.policies import default_budget_mb, draft_room
+from memspec.errors import InvalidRequestError
 
 MiB = 1 << 20
 
@@ -65,6 +68,37 @@ def test_stream_bench_runs_every_policy_under_the_budget_with_target_only_output
         assert png.stat().st_size > 1000
     else:  # an optional extra: the run says how to get the chart instead of failing
         assert not png.exists() and "pip install -e .[bench]" in r.stderr
+
+
+def test_fixed_bench_runs_a_pool_and_refuses_what_a_pool_cannot_run(model_store, tmp_path):
+    """The fixed-policy bench (no budget): every policy on a DraftPool, checked before anything runs."""
+    from test_cli import memspec
+
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt": "Repeat: one two three one two three", "category": "rewriting"}) + "\n")
+    out = tmp_path / "out.json"
+    r = memspec("bench", "--variant", "fp32", "--workload", str(workload), "--max-tokens", "8",
+                "--policies", "target-only,fixed:prompt-lookup", "--json", str(out), home=model_store.home)
+    assert r.returncode == 0, r.stderr
+    rows = {(x["policy"], x["category"]): x for x in json.loads(out.read_text())["runs"]}
+    assert rows[("fixed:prompt-lookup", "all")]["mismatches_vs_target"] == 0
+    bad = memspec("bench", "--workload", str(workload), "--max-tokens", "8", "--policies", "fixed:nope",
+                  home=model_store.home)
+    assert bad.returncode != 0 and "policies: unknown draft 'nope'; available: none, " in bad.stderr
+    bad = memspec("bench", "--workload", str(workload), "--max-tokens", "8", "--policies", "fastest",
+                  home=model_store.home)
+    assert bad.returncode != 0 and "policies: unknown policy 'fastest'" in bad.stderr
+
+
+def test_a_pool_policy_is_its_draft():
+    from memspec.bench.policies import policy_draft
+    from memspec.speculation.drafts import PromptLookup
+    from memspec.speculation.sources import DraftPool
+
+    pool = DraftPool({"prompt-lookup": PromptLookup(10)})
+    assert policy_draft("target-only", pool) == "none" and policy_draft("fixed:prompt-lookup", pool) == "prompt-lookup"
+    with pytest.raises(InvalidRequestError, match="policies: unknown policy 'bandit'; known: target-only, fixed:"):
+        policy_draft("bandit", pool)
 
 
 def _bench_module(name: str):

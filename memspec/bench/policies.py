@@ -487,7 +487,7 @@ def run_bench(args) -> int:
         spec = engine.spec = _spec(args, engine.spec)
         policies = policies or ["target-only", *(f"fixed:{d}" for d in sorted(engine.drafts))]
         for p in policies:
-            policy_draft(p, engine)  # refuse unknown policies before running anything
+            policy_draft(p, engine.drafts)  # refuse unknown policies before running anything
         cells = run(engine, workload, policies, args.max_tokens,
                     progress=lambda m: print(m, file=sys.stderr, flush=True))
         rows = summarize_runs(cells, policies)
