@@ -104,7 +104,7 @@ def test_pressure_mid_request_degrades_to_target_only_without_changing_the_outpu
     sched.close()
 
 
-def test_leases_are_released_on_close_cancel_and_error(target):
+def test_leases_are_released_on_close_cancel_and_error(target, monkeypatch):
     engine, sched = engine_with(target, "fixed:self")
     stream = engine.stream(GenerationRequest(prompt=PROMPT, max_tokens=32))
     next(stream), next(stream)
@@ -119,9 +119,36 @@ def test_leases_are_released_on_close_cancel_and_error(target):
     done = [item for item in stream][-1]
     assert done.finish_reason == "cancelled" and leases(sched) == 0
 
-    with pytest.raises(RuntimeError, match="draft failed"):
-        engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=8, draft="broken"))
+    def failing_forward(*args, **kwargs):
+        raise RuntimeError("the target failed")
+
+    with monkeypatch.context() as m:  # an error outside the draft still ends the request, and frees it
+        m.setattr(target.session, "forward", failing_forward)
+        with pytest.raises(RuntimeError, match="the target failed"):
+            engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=8))
     assert leases(sched) == 0
+    sched.close()
+
+
+def test_a_draft_that_raises_mid_request_is_given_up_and_the_request_finishes_target_only(target, baseline):
+    engine, sched = engine_with(target, "fixed:self")
+    r = engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=16, draft="broken"))
+    assert r.token_ids == baseline.token_ids and r.finish_reason == baseline.finish_reason
+    assert r.stats["draft_failures"] == 1 and r.stats["num_drafts"] == 0
+    assert sched.counters()["draft_failures"] == 1 and leases(sched) == 0
+    sched.close()
+
+
+def test_a_draft_whose_cache_cannot_be_made_hands_its_lease_back(target, baseline):
+    class NoCache(Broken):
+        def begin(self, capacity):
+            raise MemoryError("cannot allocate the draft's KV cache")
+
+    engine, sched = engine_with(target, "fixed:self")
+    sched.ws.loader = lambda name: (NoCache(), 0)  # the next load of any draft
+    r = engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=16, draft="self"))
+    assert r.token_ids == baseline.token_ids and r.stats["num_drafts"] == 0
+    assert sched.counters()["draft_failures"] == 1 and leases(sched) == 0  # no lease leaked
     sched.close()
 
 

@@ -369,3 +369,26 @@ def test_a_model_draft_follows_the_targets_loop_exactly(fp32_engine):
     r = e.generate(GenerationRequest(prompt=prompt, max_tokens=64, draft="draft-code"))
     assert r.token_ids == base.token_ids
     assert r.stats["mean_acceptance_length"] > 2.5
+
+
+def test_a_pool_draft_that_raises_is_given_up_and_the_output_is_unchanged(fp32_engine):
+    class Raising:
+        name, nbytes, session = "raising", 0, None
+
+        def begin(self, capacity):
+            return self
+
+        def propose(self, context, k, params, rng):
+            raise ValueError("corrupt draft weights")
+
+        def close(self):
+            pass
+
+    e = fp32_engine
+    e.drafts.proposers["raising"] = Raising()
+    try:
+        base = e.generate(GenerationRequest(prompt=PROMPTS[1], max_tokens=12, draft="none"))
+        r = e.generate(GenerationRequest(prompt=PROMPTS[1], max_tokens=12, draft="raising"))
+    finally:
+        del e.drafts.proposers["raising"]
+    assert r.token_ids == base.token_ids and r.stats["draft_failures"] == 1 and r.stats["num_drafts"] == 0

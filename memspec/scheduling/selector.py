@@ -59,6 +59,7 @@ class RequestSelector:
         self.predicted: dict[str, float] = {}  # draft -> tok/s predicted when it was chosen
         self._last = (0, 0, 0, 0.0)  # metrics totals at the previous step
         self._ran: str | None = None  # the draft the previous step ran with
+        self.broken: set[str] = set()  # drafts that raised in this request: never taken again by it
         self.closed = False
         if lease is not None:
             self._take(lease)
@@ -73,8 +74,25 @@ class RequestSelector:
         return self.context[self.n_prompt:]
 
     def _take(self, lease: Lease) -> None:
-        self.lease = lease
-        self.state = _Watched(lease.proposer.begin(self.capacity), self.entropies)
+        """Run with the leased draft; a draft whose state cannot be made (its cache allocation
+        fails) is handed back at once and the request goes on target-only."""
+        try:
+            state = lease.proposer.begin(self.capacity)
+        except Exception as exc:
+            lease.release()
+            self._give_up(lease.name, exc)
+            return
+        self.lease, self.state = lease, _Watched(state, self.entropies)
+
+    def failed(self, name: str, exc: Exception) -> None:
+        """The draft raised mid-request: drop it; the rest of the request runs without it."""
+        self.drop()
+        self._give_up(name, exc)
+
+    def _give_up(self, name: str, exc: Exception) -> None:
+        self.broken.add(name)
+        self.count("draft_failures")
+        log.warning("request %s gives up draft %s (%s: %s)", id(self), name, type(exc).__name__, exc)
 
     def drop(self) -> None:
         """Give the current draft back (its state first, then the lease)."""
@@ -86,6 +104,9 @@ class RequestSelector:
             self.lease = None
 
     def switch_to(self, lease: Lease, why: str) -> None:
+        if lease.name in self.broken:  # it failed in this request: stay on the current one
+            lease.release()
+            return
         old = self.name
         self.drop()
         self._take(lease)

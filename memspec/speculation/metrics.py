@@ -22,6 +22,7 @@ class SpecMetrics:
     verify_s: float = 0.0  # time spent in target forwards (prefill excluded)
     token_latencies_s: list[float] = field(default_factory=list)  # inter-token latency of each committed token
     drafts_used: dict[str, int] = field(default_factory=dict)  # draft name -> steps it proposed tokens in
+    draft_failures: int = 0  # drafts that raised and were given up (the request went on target-only)
 
     def record_step(self, draft_name: str | None, n_drafted: int, n_accepted: int, n_committed: int,
                     draft_s: float, verify_s: float) -> None:
@@ -72,4 +73,5 @@ class SpecMetrics:
             "itl_p99_ms": round(float(np.percentile(lat, 99)), 3) if lat.size else 0.0,
             "itl_cv": round(float(lat.std() / mean), 4) if lat.size and mean > 0 else 0.0,
             "drafts_used": dict(self.drafts_used),
+            "draft_failures": self.draft_failures,
         }

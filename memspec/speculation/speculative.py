@@ -14,6 +14,7 @@ draft catches up on dk and the bonus token.
 
 from __future__ import annotations
 
+import logging
 import time
 from typing import Callable, Iterator, Protocol
 
@@ -25,6 +26,8 @@ from memspec.speculation.drafts import DraftState, Proposal
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import SamplingParams
 from memspec.runtime.sessions import DecoderSession, KVCache
+
+log = logging.getLogger("memspec.speculative")
 
 
 def next_gamma(cfg: SpecConfig, gamma: int, n_drafted: int, n_accepted: int) -> int:
@@ -103,6 +106,8 @@ class DraftSelector(Protocol):
 
     def __call__(self, context: list[int], metrics: SpecMetrics) -> tuple[str | None, DraftState | None]: ...
 
+    def failed(self, name: str, exc: Exception) -> None: ...  # the draft raised: give it up for this request
+
     def close(self) -> None: ...
 
 
@@ -111,6 +116,9 @@ class NoDraft:
 
     def __call__(self, context: list[int], metrics: SpecMetrics) -> tuple[None, None]:
         return None, None
+
+    def failed(self, name: str, exc: Exception) -> None:
+        pass  # it runs no draft
 
     def close(self) -> None:
         pass
@@ -122,11 +130,33 @@ class FixedDraft:
     def __init__(self, name: str, state: DraftState):
         self.name, self.state = name, state
 
-    def __call__(self, context: list[int], metrics: SpecMetrics) -> tuple[str, DraftState]:
-        return self.name, self.state
+    def __call__(self, context: list[int], metrics: SpecMetrics) -> tuple[str | None, DraftState | None]:
+        return (self.name, self.state) if self.state is not None else (None, None)
+
+    def failed(self, name: str, exc: Exception) -> None:
+        self.close()  # target-only for the rest of the request
 
     def close(self) -> None:
-        self.state.close()
+        state, self.state = self.state, None
+        if state is not None:
+            state.close()
+
+
+def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, context: list[int], k: int,
+             params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics) -> Proposal:
+    """The draft's proposal of k tokens; none when there is no draft, or when it raises (a broken
+    draft must not fail the request: the selector gives it up and the request goes on target-only,
+    which changes nothing in the output)."""
+    if draft is None or k <= 0:
+        return Proposal([], None, [])
+    try:
+        return draft.propose(context, k, params, rng)
+    except Exception as exc:
+        log.warning("draft %s failed mid-request (%s: %s): target-only for the rest of it",
+                    name, type(exc).__name__, exc)
+        metrics.draft_failures += 1
+        select.failed(name, exc)
+        return Proposal([], None, [])
 
 
 def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int], select: DraftSelector,
@@ -158,7 +188,7 @@ def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int],
                 ctl = controllers[draft_name] = CostController(cfg, verify_cost, verify_cost_s1)
             gamma = ctl.next()
         k = min(gamma, cache.capacity - cache.length - 1)
-        prop = draft.propose(context, k, params, rng) if draft is not None and k > 0 else Proposal([], None, [])
+        prop = _propose(select, draft_name, draft, context, k, params, rng, metrics)
         t1 = clock()
         feed = [context[-1], *prop.tokens]
         rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)
