@@ -156,6 +156,26 @@ def test_pressure_evicts_unleased_drafts_then_signals_target_only():
     ws.close()
 
 
+def test_a_failure_around_the_load_wakes_the_waiters_and_the_loader_keeps_serving():
+    """Not the loader itself: what runs beside it (the RSS probe, reclaiming) raises."""
+    ws, loader, clock, probe = make()
+    rss = probe.rss_bytes
+    calls = {"n": 0}
+
+    def flaky_rss():
+        calls["n"] += 1
+        if calls["n"] == 2:  # the reading after the load
+            raise OSError("/proc is gone")
+        return rss()
+
+    probe.rss_bytes = flaky_rss
+    assert ws.lease("b") is None  # returns: the waiter is woken, not left waiting for ever
+    assert ws.counters.failed_loads == 1 and not ws.is_available("b") and "b" not in ws.resident()
+    assert ws.used_bytes() == 100 * MiB  # its reservation was given back
+    assert ws.lease("a") is not None  # the loader thread is still alive and loads the next one
+    ws.close()
+
+
 def test_failed_load_is_counted_and_backs_off():
     ws, loader, clock, _ = make(fail={"b"})
     assert ws.lease("b") is None  # does not raise

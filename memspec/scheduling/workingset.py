@@ -296,24 +296,28 @@ class WorkingSet:
 
     def _loader_loop(self) -> None:
         while (job := self._jobs.get()) is not None:
-            if job.reclaim_first:
-                self._reclaim()
-            rss0, t0 = self.probe.rss_bytes(), self.clock()
             try:
-                proposer, declared = self.loader(job.name)
-            except Exception as exc:  # a bad file must not take the daemon down
+                self._load(job)
+            except Exception as exc:  # a bad file, or anything around the load: never leave waiters hanging
                 log.warning("loading draft %s failed: %s; not retried for %.0f s", job.name, exc, self.retry_after_s)
                 with self._cond:
-                    self._entries.pop(job.name, None)
+                    e = self._entries.get(job.name)
+                    if e is not None and e.state == "loading":
+                        del self._entries[job.name]
                     self._unavailable[job.name] = self.clock() + self.retry_after_s
                     self.counters.failed_loads += 1
                     self._cond.notify_all()
-                continue
-            rss_delta = self.probe.rss_bytes() - rss0
-            # what the load really added, when it is more than planned (0-byte proposers stay 0)
-            footprint = max(int(declared), rss_delta) if declared else 0
-            self._finish_load(job.name, proposer, footprint, self.clock() - t0, rss_delta)
-            del proposer  # the working set holds it now; a local here would keep an evicted draft alive
+
+    def _load(self, job: _Job) -> None:
+        if job.reclaim_first:
+            self._reclaim()
+        rss0, t0 = self.probe.rss_bytes(), self.clock()
+        proposer, declared = self.loader(job.name)
+        rss_delta = self.probe.rss_bytes() - rss0
+        # what the load really added, when it is more than planned (0-byte proposers stay 0)
+        footprint = max(int(declared), rss_delta) if declared else 0
+        self._finish_load(job.name, proposer, footprint, self.clock() - t0, rss_delta)
+        del proposer  # the working set holds it now; a local here would keep an evicted draft alive
 
     def _finish_load(self, name: str, proposer: object, declared: int, seconds: float, rss_delta: int) -> None:
         with self._cond:
