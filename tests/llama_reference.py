@@ -1,7 +1,8 @@
-"""A float64 NumPy llama forward pass: the reference the ONNX graphs are checked against.
+"""A float64 NumPy llama/qwen2 forward pass: the reference the ONNX graphs are checked against.
 
 Written from the model's definition (RMSNorm, rotary half-rotation, grouped-query
-attention, SwiGLU, tied head) and kept deliberately plain: no cache tricks.
+attention with qwen2's Q/K/V biases, SwiGLU, tied or separate head) and kept
+deliberately plain: no cache tricks.
 """
 
 from __future__ import annotations
@@ -18,11 +19,15 @@ class ReferenceLlama:
         f = lambda n: model.float32(n).astype(np.float64)  # noqa: E731
         self.emb = f("token_embd.weight")
         self.norm = f("output_norm.weight")
+        self.head = self.emb if c.tied_embeddings else f("output.weight")
         self.layers = [
             {k: f(f"blk.{i}.{k}.weight") for k in
              ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output", "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")}
             for i in range(self.n_layers)
         ]
+        for i, L in enumerate(self.layers):  # zero biases where the model has none
+            for k in ("attn_q", "attn_k", "attn_v"):
+                L[f"{k}.bias"] = f(f"blk.{i}.{k}.bias") if c.qkv_bias else np.zeros(L[k].shape[0])
 
     def _rms(self, x, w):
         return x / np.sqrt((x * x).mean(-1, keepdims=True) + self.cfg.rms_eps) * w
@@ -45,9 +50,9 @@ class ReferenceLlama:
         rep = c.n_heads // c.n_kv_heads
         for L in self.layers:
             h = self._rms(x, L["attn_norm"])
-            q = (h @ L["attn_q"].T).reshape(T, c.n_heads, c.head_dim).transpose(1, 0, 2)
-            k = (h @ L["attn_k"].T).reshape(T, c.n_kv_heads, c.head_dim).transpose(1, 0, 2)
-            v = (h @ L["attn_v"].T).reshape(T, c.n_kv_heads, c.head_dim).transpose(1, 0, 2)
+            q = (h @ L["attn_q"].T + L["attn_q.bias"]).reshape(T, c.n_heads, c.head_dim).transpose(1, 0, 2)
+            k = (h @ L["attn_k"].T + L["attn_k.bias"]).reshape(T, c.n_kv_heads, c.head_dim).transpose(1, 0, 2)
+            v = (h @ L["attn_v"].T + L["attn_v.bias"]).reshape(T, c.n_kv_heads, c.head_dim).transpose(1, 0, 2)
             q, k = self._rope(q, pos), self._rope(k, pos)
             k, v = np.repeat(k, rep, axis=0), np.repeat(v, rep, axis=0)
             s = q @ k.transpose(0, 2, 1) / np.sqrt(c.head_dim) + mask
@@ -58,4 +63,4 @@ class ReferenceLlama:
             h = self._rms(x, L["ffn_norm"])
             g = h @ L["ffn_gate"].T
             x = x + ((g / (1 + np.exp(-g))) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T
-        return self._rms(x, self.norm) @ self.emb.T
+        return self._rms(x, self.norm) @ self.head.T

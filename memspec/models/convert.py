@@ -1,4 +1,4 @@
-"""Build an ONNX Runtime decoder from a llama GGUF.
+"""Build an ONNX Runtime decoder from a llama or qwen2 GGUF.
 
 The graph follows the onnxruntime-genai layout so that any tool that knows it
 can run our files (onnxruntime-genai itself, once logits_to_keep is fixed to 0,
@@ -17,21 +17,27 @@ shorter mask.
 
 Variants:
   fp32  every weight dequantized to float32: exact, about 2x slower.
-  q4    the GGUF's own Q4_1 / Q8_0 blocks, no re-quantization.  Q4_1 blocks
-        (w = d*q + m) run as MatMulNBits with the default zero point 8 plus a
-        block-sum correction blocksum(x) @ (m + 8d)^T, which is exact.
+  q4    the GGUF's own blocks, no re-quantization.  4-bit types (Q4_1, Q4_K:
+        w = s*q + o per 32) run as 4-bit MatMulNBits with the default zero
+        point 8 plus a block-sum correction blocksum(x) @ (o + 8s)^T; the
+        others (Q5_0, Q5_K, Q6_K, Q8_0) as 8-bit MatMulNBits whose stored
+        values are q shifted onto the default zero point 128 (Q6_K in blocks
+        of 16), with the same correction where the type has a min (Q5_K).
+        Float matrices stay float32 MatMuls.  Fused projections (QKV, gate/up)
+        whose tensors differ in type run as one MatMul per type, concatenated.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from itertools import groupby
 from pathlib import Path
 
 import numpy as np
 import onnx
 from onnx import TensorProto, helper, numpy_helper
 
-from memspec.models.gguf import QK, ArrayWeights, GGUFModel, LlamaConfig
+from memspec.models.gguf import FLOAT_TYPES, QK, ArrayWeights, Blocks, DecoderConfig, GGUFModel
 
 VARIANTS = ("fp32", "q4")
 MS = "com.microsoft"
@@ -73,6 +79,20 @@ class _Graph:
         return outs[0] if n_out == 1 else outs
 
 
+def _nbits_pieces(b: Blocks) -> tuple[np.ndarray, np.ndarray | None]:
+    """(stored data, remainder) of w = scale * (q - zero) + offset for the contrib ops' blocks,
+    which compute scale * (stored - Z) with their default zero point Z = 2^(bits-1).
+
+    8 bits: stored = q - zero + Z (every 8-bit type's q fits), remainder = offset (or None).
+    4 bits: stored = q, two per byte, remainder = scale * (Z - zero) + offset per 32 weights."""
+    z = 1 << (b.bits - 1)
+    if b.bits == 8:
+        return (b.q.astype(np.int16) - b.zero + z).astype(np.uint8), b.offset
+    packed = (b.q[..., 0::2] | (b.q[..., 1::2] << 4)).astype(np.uint8)  # (N, nb, block/2)
+    rest = (z - b.zero) * b.scale
+    return packed, rest if b.offset is None else b.offset + rest
+
+
 class DecoderBuilder:
     """Turns one GGUF into one ONNX decoder variant."""
 
@@ -85,65 +105,80 @@ class DecoderBuilder:
         if weight_dtype not in WEIGHT_DTYPES or (weight_dtype == "float16" and variant != "fp32"):
             raise ValueError(f"weight_dtype {weight_dtype!r} is not available for variant {variant!r}")
         self.m = model
-        self.cfg: LlamaConfig = model.config
+        self.cfg: DecoderConfig = model.config
         self.variant = variant
         self.max_positions = max_positions or self.cfg.context_length
         self.g = _Graph(half_weights=weight_dtype == "float16")
+        self._blocksums: dict[str, str] = {}  # input -> its per-32 block sums, made once
 
     # -- linear layers ------------------------------------------------------
-    def _linear(self, x: str, tensors: list[str], name: str, blocksum) -> str:
-        """x @ concat(W_t for t in tensors)^T.  `blocksum()` makes x summed per 32-block (Q4_1 only)."""
-        if self.variant == "fp32":
+    def _linear(self, x: str, tensors: list[str], name: str, blocksum, bias: list[str] | None = None) -> str:
+        """x @ concat(W_t for t in tensors)^T (+ concat(bias)).  `blocksum()` makes x summed per
+        32-block (only weights with a min need it).  Tensors of different types are not fused."""
+        runs = [list(ts) for _, ts in groupby(tensors, key=self._kind)]  # consecutive tensors of one kind
+        if len(runs) == 1:
+            y = self._linear_run(x, tensors, name, blocksum)
+        else:
+            parts = [self._linear_run(x, ts, f"{name}/{j}", blocksum) for j, ts in enumerate(runs)]
+            y = self.g.node("Concat", parts, f"{name}/Concat", axis=-1)
+        if bias:
+            b = np.concatenate([self.m.float32(t) for t in bias])
+            y = self.g.node("Add", [y, self.g.init(f"{name}.bias", b)], f"{name}/BiasAdd")
+        return y
+
+    def _kind(self, tensor: str) -> str:
+        """What a matrix runs as: 'float', or its ggml block type."""
+        qtype = self.m.qtype(tensor)
+        return "float" if self.variant == "fp32" or qtype in FLOAT_TYPES else qtype
+
+    def _linear_run(self, x: str, tensors: list[str], name: str, blocksum) -> str:
+        """One MatMul over tensors of one kind."""
+        if self._kind(tensors[0]) == "float":
             w = np.concatenate([self.m.float32(t) for t in tensors], axis=0)  # (N, K)
             return self.g.node("MatMul", [x, self.g.init(f"{name}.weight", w.T)], f"{name}/MatMul")
-        if all(self.m.qtype(t) == "Q4_1" for t in tensors):
-            return self._linear_q4_1(x, tensors, name, blocksum)
-        if all(self.m.qtype(t) == "Q8_0" for t in tensors):
-            return self._linear_q8_0(x, tensors, name)
-        raise NotImplementedError(f"q4 variant: {tensors} are {[self.m.qtype(t) for t in tensors]}")
+        parts = [self.m.blocks(t) for t in tensors]
+        b = Blocks(
+            q=np.concatenate([p.q for p in parts], axis=0),  # (N, nb, block)
+            scale=np.concatenate([p.scale for p in parts], axis=0),  # (N, nb)
+            zero=parts[0].zero, bits=parts[0].bits,
+            offset=None if parts[0].offset is None else np.concatenate([p.offset for p in parts], axis=0),
+        )
+        return self._linear_blocks(x, b, name, blocksum)
 
-    def _linear_q8_0(self, x: str, tensors: list[str], name: str) -> str:
-        """Q8_0 blocks (w = d * q) as 8-bit MatMulNBits: stored q + 128, its default zero point."""
-        parts = [self.m.q8_0(t) for t in tensors]
-        q = np.concatenate([p.q for p in parts], axis=0)  # (N, nb, 32) int8
-        d = np.concatenate([p.d for p in parts], axis=0)  # (N, nb)
-        return self._matmul_nbits(x, name, (q.astype(np.int16) + 128).astype(np.uint8), d, bits=8)
+    def _linear_blocks(self, x: str, b: Blocks, name: str, blocksum) -> str:
+        """Blocks as MatMulNBits plus, where they leave a per-block remainder, blocksum(x) @ remainder^T."""
+        data, corr = _nbits_pieces(b)
+        if corr is None:
+            return self._matmul_nbits(x, name, data, b.scale, b.bits, b.block)
+        assert corr.shape[1] * QK == b.q.shape[1] * b.block, f"{name}: the correction is per {QK} weights"
+        sums = blocksum()  # (B, S, K/32)
+        main = self._matmul_nbits(x, name, data, b.scale, b.bits, b.block)
+        fix = self.g.node("MatMul", [sums, self.g.init(f"{name}.block_bias", corr.T)], f"{name}/BlockBias")
+        return self.g.node("Add", [main, fix], f"{name}/Add")
 
-    def _matmul_nbits(self, x: str, name: str, data: np.ndarray, scales: np.ndarray, bits: int) -> str:
-        """x @ W^T with W as (N, n_blocks, ...) packed blocks of 32 and (N, n_blocks) scales (int8 compute)."""
+    def _matmul_nbits(self, x: str, name: str, data: np.ndarray, scales: np.ndarray, bits: int, block: int) -> str:
+        """x @ W^T with W as (N, n_blocks, ...) packed blocks and (N, n_blocks) scales (int8 compute)."""
         n, nb = scales.shape
         return self.g.node(
             "MatMulNBits",
             [x, self.g.init(f"{name}.qweight", data), self.g.init(f"{name}.scales", scales.reshape(-1))],
             f"{name}/MatMulNBits",
             domain=MS,
-            K=nb * QK,
+            K=nb * block,
             N=n,
             bits=bits,
-            block_size=QK,
+            block_size=block,
             accuracy_level=4,
         )
 
-    def _linear_q4_1(self, x: str, tensors: list[str], name: str, blocksum) -> str:
-        blocksum = blocksum()
-        parts = [self.m.q4_1(t) for t in tensors]
-        q = np.concatenate([p.q for p in parts], axis=0)  # (N, nb, 32)
-        d = np.concatenate([p.d for p in parts], axis=0)  # (N, nb)
-        m = np.concatenate([p.m for p in parts], axis=0)  # (N, nb)
-        packed = (q[..., 0::2] | (q[..., 1::2] << 4)).astype(np.uint8)  # (N, nb, 16)
-        main = self._matmul_nbits(x, name, packed, d, bits=4)
-        corr = (m + 8.0 * d).T  # (nb, N): what zero point 8 leaves out, per block
-        fix = self.g.node("MatMul", [blocksum, self.g.init(f"{name}.block_bias", corr)], f"{name}/BlockBias")
-        return self.g.node("Add", [main, fix], f"{name}/Add")
-
-    def _blocksum(self, x: str, k: int, name: str) -> str | None:
+    def _blocksum(self, x: str, k: int, name: str) -> str:
         """Sum of x over each 32-wide block of its last axis: (B, S, K) -> (B, S, K/32)."""
-        if self.variant == "fp32":
-            return None
-        shape = self.g.init(f"{name}.block_shape", np.array([0, 0, k // QK, QK], dtype=np.int64))
-        r = self.g.node("Reshape", [x, shape], f"{name}/BlockReshape")
-        axes = self.g.init(f"{name}.block_axes", np.array([-1], dtype=np.int64))
-        return self.g.node("ReduceSum", [r, axes], f"{name}/BlockSum", keepdims=0)
+        if x not in self._blocksums:
+            shape = self.g.init(f"{name}.block_shape", np.array([0, 0, k // QK, QK], dtype=np.int64))
+            r = self.g.node("Reshape", [x, shape], f"{name}/BlockReshape")
+            axes = self.g.init(f"{name}.block_axes", np.array([-1], dtype=np.int64))
+            self._blocksums[x] = self.g.node("ReduceSum", [r, axes], f"{name}/BlockSum", keepdims=0)
+        return self._blocksums[x]
 
     # -- blocks -----------------------------------------------------------------
     def _norm_weight(self, tensor: str) -> str:
@@ -151,29 +186,38 @@ class DecoderBuilder:
 
     def _embedding(self) -> str:
         name = "/model/embed_tokens"
-        if self.variant == "q4" and self.m.qtype("token_embd.weight") == "Q8_0":
-            blocks = self.m.q8_0("token_embd.weight")
-            data = (blocks.q.astype(np.int16) + 128).astype(np.uint8).reshape(self.cfg.vocab, -1)
-            return self.g.node(
-                "GatherBlockQuantized",
-                [self.g.init("embed.qweight", data), "input_ids", self.g.init("embed.scales", blocks.d)],
-                f"{name}/GatherBlockQuantized",
-                domain=MS,
-                bits=8,
-                block_size=QK,
-                quantize_axis=1,
-                gather_axis=0,
-            )
+        if self._kind("token_embd.weight") != "float":
+            return self._embedding_blocks(name, self.m.blocks("token_embd.weight"))
         self._emb_f32 = self.g.init("embed.weight", self.m.float32("token_embd.weight"))
         return self.g.node("Gather", [self._emb_f32, "input_ids"], f"{name}/Gather")
+
+    def _embedding_blocks(self, name: str, b: Blocks) -> str:
+        """Gather rows of blocks exactly: GatherBlockQuantized, plus the rows' remainder per 32 weights."""
+        data, rest = _nbits_pieces(b)
+        e = self.g.node(
+            "GatherBlockQuantized",
+            [self.g.init("embed.qweight", data.reshape(self.cfg.vocab, -1)), "input_ids", self.g.init("embed.scales", b.scale)],
+            f"{name}/GatherBlockQuantized",
+            domain=MS,
+            bits=b.bits,
+            block_size=b.block,
+            quantize_axis=1,
+            gather_axis=0,
+        )
+        if rest is None:
+            return e
+        h = self.cfg.hidden
+        r = self.g.node("Gather", [self.g.init("embed.block_bias", rest), "input_ids"], f"{name}/BlockBias")  # (B, S, H/32)
+        r = self.g.node("Unsqueeze", [r, self.g.init("embed.block_axis", np.array([-1]))], f"{name}/BlockBiasAxis")
+        e = self.g.node("Reshape", [e, self.g.init("embed.block_shape", np.array([0, 0, h // QK, QK]))], f"{name}/Blocks")
+        e = self.g.node("Add", [e, r], f"{name}/Add")
+        return self.g.node("Reshape", [e, self.g.init("embed.shape", np.array([0, 0, h]))], f"{name}/Rows")
 
     def _lm_head(self, x: str) -> str:
         name = "/lm_head"
         head = "token_embd.weight" if self.cfg.tied_embeddings else "output.weight"
-        if self.variant == "q4" and self.m.qtype(head) == "Q8_0":
-            return self._linear_q8_0(x, [head], name)
-        if self.variant == "q4" and self.m.qtype(head) == "Q4_1":
-            return self._linear_q4_1(x, [head], name, lambda: self._blocksum(x, self.cfg.hidden, name))
+        if self._kind(head) != "float":
+            return self._linear(x, [head], name, lambda: self._blocksum(x, self.cfg.hidden, name))
         w = self._emb_f32 if (head == "token_embd.weight" and hasattr(self, "_emb_f32")) else None
         if w is None:
             w = self.g.init("lm_head.weight", self.m.float32(head))
@@ -210,8 +254,9 @@ class DecoderBuilder:
         c = self.cfg
         p = f"/model/layers.{i}/attn"
         blk = f"blk.{i}"
-        bs = lambda: self._blocksum(x, c.hidden, p)  # noqa: E731 (made only for Q4_1 weights)
-        qkv = self._linear(x, [f"{blk}.attn_q.weight", f"{blk}.attn_k.weight", f"{blk}.attn_v.weight"], f"{p}/qkv_proj", bs)
+        bs = lambda: self._blocksum(x, c.hidden, p)  # noqa: E731 (made only for weights with a min)
+        bias = [f"{blk}.attn_{t}.bias" for t in "qkv"] if c.qkv_bias else None
+        qkv = self._linear(x, [f"{blk}.attn_{t}.weight" for t in "qkv"], f"{p}/qkv_proj", bs, bias)
         past_k, past_v, present_k, present_v = kv_names(i)
         gqa = helper.make_node(
             "GroupQueryAttention",

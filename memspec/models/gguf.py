@@ -1,4 +1,4 @@
-"""Read a GGUF file: its key/value metadata, and a llama's hyper-parameters and tensors.
+"""Read a GGUF file: its key/value metadata, and a decoder's hyper-parameters and tensors.
 
 :func:`read_metadata` parses only the header and the key/value section, so the
 tokenizer gets its vocabulary in a few tens of milliseconds; ``gguf.GGUFReader``
@@ -8,8 +8,9 @@ takes seconds on the same file because it wraps every string in a numpy view.
 
 The GGUF stores weights the way llama.cpp wants them.  This module turns them
 back into the layout of the Hugging Face checkpoint (``W[out, in]``, Q and K
-rows in the non-interleaved rotary order) either as float32 or as raw
-quantized blocks for the 4-bit ONNX variant.
+rows in the non-interleaved rotary order) either as float32 or as the ggml
+blocks' own integers and scales (:class:`Blocks`) for the quantized ONNX variant.
+Architectures: llama and qwen2 (llama plus Q/K/V biases, Q/K rows not permuted).
 """
 
 from __future__ import annotations
@@ -25,11 +26,21 @@ import numpy as np
 
 from memspec.errors import ModelFormatError
 
-# Bytes per 32-weight block (see ggml-common.h): Q4_1 = fp16 d, fp16 m, 16 nibbles;
-# Q8_0 = fp16 d, 32 int8.
-QK = 32
-Q4_1_BLOCK_BYTES = 20
-Q8_0_BLOCK_BYTES = 34
+QK = 32  # weights per ggml block; per K-quant sub-block that has a min
+QK_K = 256  # weights per K-quant super-block
+# ggml type -> (weights, bytes) per block, as ggml-common.h lays them out:
+#   Q4_1  fp16 d, fp16 m, 16 bytes of nibbles                       w = d*q + m
+#   Q5_0  fp16 d, 4 bytes of 5th bits, 16 bytes of nibbles          w = d*(q - 16)
+#   Q8_0  fp16 d, 32 int8                                           w = d*q
+#   Q4_K  fp16 d, fp16 dmin, 12 bytes of 6-bit sc/m, 128 of nibbles  w = d*sc*q - dmin*m per 32
+#   Q5_K  as Q4_K plus 32 bytes of 5th bits                          w = d*sc*q - dmin*m per 32
+#   Q6_K  128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 sc, fp16 d   w = d*sc*(q - 32) per 16
+BLOCK_TYPES: dict[str, tuple[int, int]] = {
+    "Q4_1": (QK, 20), "Q5_0": (QK, 22), "Q8_0": (QK, 34),
+    "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
+}
+FLOAT_TYPES = ("F32", "F16", "BF16")
+ARCHITECTURES = ("llama", "qwen2")
 
 # Metadata value types (gguf.GGUFValueType): scalar code -> struct format, plus string and array.
 _GGUF_MAGIC = b"GGUF"
@@ -41,8 +52,8 @@ _GGUF_SCALARS: dict[int, str] = {
 
 
 @dataclass(frozen=True)
-class LlamaConfig:
-    """Hyper-parameters of a llama decoder, as the GGUF metadata gives them."""
+class DecoderConfig:
+    """Hyper-parameters of a llama-style decoder, as the GGUF metadata gives them."""
 
     n_layers: int  # number of transformer blocks
     hidden: int  # model width (embedding length)
@@ -55,6 +66,8 @@ class LlamaConfig:
     rms_eps: float  # RMSNorm epsilon
     context_length: int  # longest context the model was trained for
     tied_embeddings: bool  # LM head shares the token embedding
+    arch: str = "llama"  # general.architecture: "llama" or "qwen2"
+    qkv_bias: bool = False  # Q, K and V projections have biases (qwen2)
 
 
 @dataclass(frozen=True)
@@ -72,6 +85,119 @@ class Q8Blocks:
 
     q: np.ndarray  # (N, n_blocks, 32) int8
     d: np.ndarray  # (N, n_blocks) float32 scale
+
+
+@dataclass(frozen=True)
+class Blocks:
+    """A quantized matrix as its ggml blocks decode: w = scale * (q - zero) + offset, block by block.
+
+    The fields are the file's own integers and the products ggml forms from them
+    (d*sc, -dmin*m), so :meth:`dequantize` equals ``gguf.quants.dequantize`` bit for bit.
+    """
+
+    q: np.ndarray  # (N, n_blocks, block) uint8, the stored integers (Q8_0's int8 + 128)
+    scale: np.ndarray  # (N, n_blocks) float32
+    zero: int  # integer zero point of the type: 0 (Q4_1, Q4_K, Q5_K), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0)
+    bits: int  # 4 or 8: the MatMulNBits width that holds q
+    offset: np.ndarray | None = None  # (N, K / 32) float32 added per 32 weights (m, -dmin*m), else None
+
+    @property
+    def block(self) -> int:
+        return self.q.shape[-1]
+
+    def dequantize(self) -> np.ndarray:
+        """(N, K) float32, computed in ggml's order."""
+        n = self.q.shape[0]
+        w = self.scale[..., None] * (self.q.astype(np.int16) - self.zero).astype(np.float32)
+        if self.offset is not None:
+            w = w.reshape(n, -1, QK) + self.offset[..., None]
+        return w.reshape(n, -1)
+
+
+def _fp16(raw: np.ndarray) -> np.ndarray:
+    """(..., 2) uint8 -> (...) float32."""
+    return raw.copy().view(np.float16)[..., 0].astype(np.float32)
+
+
+def _k_scale_min(raw: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K's 12 bytes -> 8 six-bit scales and 8 six-bit mins, (n, 8) uint8 each.
+
+    Bytes 0-3 hold sc[0:4] (low 6 bits), 4-7 m[0:4]; 8-11 hold the low nibbles of
+    sc[4:8] and the high nibbles of m[4:8], whose top 2 bits sit in bytes 0-7's top bits."""
+    d, m, md = raw[:, 0:4], raw[:, 4:8], raw[:, 8:12]
+    sc = np.concatenate([d & 0x3F, (md & 0x0F) | ((d >> 2) & 0x30)], axis=-1)
+    mn = np.concatenate([m & 0x3F, (md >> 4) | ((m >> 2) & 0x30)], axis=-1)
+    return sc, mn
+
+
+def _nibbles(qs: np.ndarray, run: int) -> np.ndarray:
+    """(n, B) bytes -> (n, 2B) values: each run of `run` bytes gives its low nibbles, then its high ones."""
+    n = qs.shape[0]
+    q = qs.reshape(n, -1, 1, run) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)
+    return (q & 0x0F).reshape(n, -1)
+
+
+def _bits(qh: np.ndarray, shifts: int, width: int, run: int) -> np.ndarray:
+    """(n, B) bytes -> (n, shifts*B) values of `width` bits: each run of `run` bytes, shifted by 0, width, ..."""
+    n = qh.shape[0]
+    sh = (np.arange(shifts, dtype=np.uint8) * width).reshape(1, 1, shifts, 1)
+    return ((qh.reshape(n, -1, 1, run) >> sh) & ((1 << width) - 1)).reshape(n, -1)
+
+
+def _decode_q4_1(b: np.ndarray) -> Blocks:
+    q = _nibbles(b[:, 4:], 16).reshape(-1, 1, QK)
+    return Blocks(q=q, scale=_fp16(b[:, 0:2])[:, None], zero=0, bits=4, offset=_fp16(b[:, 2:4])[:, None])
+
+
+def _decode_q5_0(b: np.ndarray) -> Blocks:
+    high = np.unpackbits(b[:, 2:6], axis=-1, bitorder="little")  # bit j of a little-endian uint32: weight j
+    q = _nibbles(b[:, 6:], 16) | (high << 4)
+    return Blocks(q=q.reshape(-1, 1, QK), scale=_fp16(b[:, 0:2])[:, None], zero=16, bits=8)
+
+
+def _decode_q8_0(b: np.ndarray) -> Blocks:
+    q = (b[:, 2:].view(np.int8).astype(np.int16) + 128).astype(np.uint8)
+    return Blocks(q=q.reshape(-1, 1, QK), scale=_fp16(b[:, 0:2])[:, None], zero=128, bits=8)
+
+
+def _decode_k(b: np.ndarray, qs: np.ndarray, high: np.ndarray | None, bits: int) -> Blocks:
+    """Q4_K / Q5_K: sub-block j of 32 is w = (d*sc[j]) * q - dmin*m[j]."""
+    d, dmin = _fp16(b[:, 0:2])[:, None], _fp16(b[:, 2:4])[:, None]
+    sc, mn = _k_scale_min(b[:, 4:16])
+    q = _nibbles(qs, 32)
+    if high is not None:
+        q = q | (high << 4)
+    return Blocks(q=q.reshape(-1, 8, QK), scale=d * sc.astype(np.float32), zero=0, bits=bits,
+                  offset=-(dmin * mn.astype(np.float32)))
+
+
+def _decode_q4_k(b: np.ndarray) -> Blocks:
+    return _decode_k(b, b[:, 16:], None, bits=4)
+
+
+def _decode_q5_k(b: np.ndarray) -> Blocks:
+    return _decode_k(b, b[:, 48:], _bits(b[:, 16:48], 8, 1, 32), bits=8)
+
+
+def _decode_q6_k(b: np.ndarray) -> Blocks:
+    """Sub-block j of 16 is w = (d*sc[j]) * (q - 32), q = low nibble | 2 high bits << 4."""
+    q = _nibbles(b[:, 0:128], 64) | (_bits(b[:, 128:192], 4, 2, 32) << 4)
+    scale = _fp16(b[:, 208:210])[:, None] * b[:, 192:208].view(np.int8).astype(np.float32)
+    return Blocks(q=q.reshape(-1, 16, 16), scale=scale, zero=32, bits=8)
+
+
+_DECODERS = {"Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0, "Q8_0": _decode_q8_0,
+             "Q4_K": _decode_q4_k, "Q5_K": _decode_q5_k, "Q6_K": _decode_q6_k}
+
+
+def decode_blocks(qtype: str, raw: np.ndarray) -> Blocks:
+    """Raw ggml blocks of a matrix, (N, bytes per row) uint8, as :class:`Blocks` (N rows)."""
+    per, nbytes = BLOCK_TYPES[qtype]
+    n = raw.shape[0]
+    b = _DECODERS[qtype](np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, nbytes))
+    q = b.q.reshape(n, -1, b.q.shape[-1])
+    offset = None if b.offset is None else b.offset.reshape(n, -1)
+    return Blocks(q=q, scale=b.scale.reshape(n, -1), zero=b.zero, bits=b.bits, offset=offset)
 
 
 class _Cursor:
@@ -158,7 +284,7 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 class GGUFModel:
-    """A llama GGUF opened for conversion."""
+    """A llama or qwen2 GGUF opened for conversion."""
 
     def __init__(self, path: str | Path):
         import gguf  # conversion-only dependency
@@ -172,6 +298,7 @@ class GGUFModel:
         self._gguf = gguf
         self._tensors = {t.name: t for t in reader.tensors}
         self.config = self._read_config()
+        self._check_types()
 
     # -- metadata ---------------------------------------------------------
     def field(self, key: str, default=None):
@@ -184,30 +311,43 @@ class GGUFModel:
             raise ModelFormatError(f"{self.path.name}: metadata key {key!r} is missing")
         return v
 
-    def _read_config(self) -> LlamaConfig:
+    def _read_config(self) -> DecoderConfig:
         arch = self.field("general.architecture")
-        if arch != "llama":
+        if arch not in ARCHITECTURES:
             raise ModelFormatError(
-                f"{self.path.name}: architecture is {arch!r}, only 'llama' GGUF files can be converted"
+                f"{self.path.name}: architecture is {arch!r}, only 'llama' and 'qwen2' GGUF files can be converted"
             )
-        n_heads = int(self._require("llama.attention.head_count"))
-        hidden = int(self._require("llama.embedding_length"))
+        key = lambda k: f"{arch}.{k}"  # noqa: E731 (hyper-parameters live under the architecture's prefix)
+        n_heads = int(self._require(key("attention.head_count")))
+        hidden = int(self._require(key("embedding_length")))
         emb = self._tensors.get("token_embd.weight")
         if emb is None:
             raise ModelFormatError(f"{self.path.name}: tensor 'token_embd.weight' is missing")
-        return LlamaConfig(
-            n_layers=int(self._require("llama.block_count")),
+        return DecoderConfig(
+            n_layers=int(self._require(key("block_count"))),
             hidden=hidden,
             n_heads=n_heads,
-            n_kv_heads=int(self.field("llama.attention.head_count_kv", n_heads)),
-            head_dim=int(self.field("llama.rope.dimension_count", hidden // n_heads)),
-            ffn=int(self._require("llama.feed_forward_length")),
+            n_kv_heads=int(self.field(key("attention.head_count_kv"), n_heads)),
+            head_dim=int(self.field(key("attention.key_length"), self.field(key("rope.dimension_count"), hidden // n_heads))),
+            ffn=int(self._require(key("feed_forward_length"))),
             vocab=int(emb.shape[1]),
-            rope_theta=float(self.field("llama.rope.freq_base", 10000.0)),
-            rms_eps=float(self._require("llama.attention.layer_norm_rms_epsilon")),
-            context_length=int(self.field("llama.context_length", 2048)),
+            rope_theta=float(self.field(key("rope.freq_base"), 10000.0)),
+            rms_eps=float(self._require(key("attention.layer_norm_rms_epsilon"))),
+            context_length=int(self.field(key("context_length"), 2048)),
             tied_embeddings="output.weight" not in self._tensors,
+            arch=arch,
+            qkv_bias="blk.0.attn_q.bias" in self._tensors,
         )
+
+    def _check_types(self) -> None:
+        """Refuse, before any work, a tensor whose ggml type the converter cannot map exactly."""
+        for name, t in self._tensors.items():
+            qtype = t.tensor_type.name
+            if qtype not in FLOAT_TYPES and qtype not in BLOCK_TYPES:
+                known = ", ".join((*FLOAT_TYPES, *BLOCK_TYPES))
+                raise ModelFormatError(
+                    f"{self.path.name}: tensor {name!r} is {qtype}, which memspec does not convert (it converts {known})"
+                )
 
     # -- tensors ----------------------------------------------------------
     def _tensor(self, name: str):
@@ -221,7 +361,9 @@ class GGUFModel:
         return self._tensor(name).tensor_type.name
 
     def _row_order(self, name: str, n_rows: int) -> np.ndarray | None:
-        """Row permutation that undoes convert_hf_to_gguf's Q/K permute, else None."""
+        """Row permutation that undoes convert_hf_to_gguf's Q/K permute (llama only), else None."""
+        if self.config.arch != "llama":
+            return None  # qwen2's converter writes Q and K in the checkpoint's own order
         if name.endswith("attn_q.weight"):
             heads = self.config.n_heads
         elif name.endswith("attn_k.weight"):
@@ -243,34 +385,14 @@ class GGUFModel:
                 w = w[order]
         return np.ascontiguousarray(w)
 
-    def _raw_blocks(self, name: str, block_bytes: int) -> np.ndarray:
-        t = self._tensor(name)
-        data = np.asarray(t.data)
-        n_rows = data.shape[0]
-        blocks = data.reshape(n_rows, -1, block_bytes)
-        order = self._row_order(name, n_rows)
-        return blocks[order] if order is not None else blocks
-
-    def q4_1(self, name: str) -> Q4Blocks:
-        """Raw Q4_1 blocks of a matrix, rows in HF order."""
-        if self.qtype(name) != "Q4_1":
-            raise ModelFormatError(f"{name} is {self.qtype(name)}, expected Q4_1")
-        b = self._raw_blocks(name, Q4_1_BLOCK_BYTES)
-        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        m = b[..., 2:4].copy().view(np.float16)[..., 0].astype(np.float32)
-        qs = b[..., 4:]
-        # ggml packs weight j in the low nibble of byte j and weight j+16 in the high one.
-        q = np.concatenate([qs & 0x0F, qs >> 4], axis=-1)
-        return Q4Blocks(q=q, d=d, m=m)
-
-    def q8_0(self, name: str) -> Q8Blocks:
-        """Raw Q8_0 blocks of a matrix, rows in HF order."""
-        if self.qtype(name) != "Q8_0":
-            raise ModelFormatError(f"{name} is {self.qtype(name)}, expected Q8_0")
-        b = self._raw_blocks(name, Q8_0_BLOCK_BYTES)
-        d = b[..., 0:2].copy().view(np.float16)[..., 0].astype(np.float32)
-        q = b[..., 2:].copy().view(np.int8)
-        return Q8Blocks(q=q, d=d)
+    def blocks(self, name: str) -> Blocks:
+        """The ggml blocks of a quantized matrix, decoded, rows in HF order."""
+        qtype = self.qtype(name)
+        if qtype not in BLOCK_TYPES:
+            raise ModelFormatError(f"{name} is {qtype}, not a block type ({', '.join(BLOCK_TYPES)})")
+        data = np.asarray(self._tensor(name).data)  # (N, bytes per row) uint8
+        order = self._row_order(name, data.shape[0])
+        return decode_blocks(qtype, data[order] if order is not None else data)
 
 
 class ArrayWeights:
@@ -284,7 +406,7 @@ class ArrayWeights:
 
     QUANTIZE = ("Q8_0", "Q4_1")
 
-    def __init__(self, config: LlamaConfig, tensors: dict[str, np.ndarray], quantize: str | None = None):
+    def __init__(self, config: DecoderConfig, tensors: dict[str, np.ndarray], quantize: str | None = None):
         if quantize is not None and quantize not in self.QUANTIZE:
             raise ValueError(f"quantize: {quantize!r} is not one of {', '.join(self.QUANTIZE)}")
         self.config = config
@@ -321,3 +443,11 @@ class ArrayWeights:
         d = (b.max(axis=-1) - m) / 15.0
         q = np.rint((b - m[..., None]) / np.where(d == 0, 1.0, d)[..., None]).clip(0, 15).astype(np.uint8)
         return Q4Blocks(q=q, d=d.astype(np.float32), m=m.astype(np.float32))
+
+    def blocks(self, name: str) -> Blocks:
+        """The matrix's blocks in the builder's terms (GGUFModel.blocks)."""
+        if self.qtype(name) == "Q8_0":
+            b = self.q8_0(name)
+            return Blocks(q=(b.q.astype(np.int16) + 128).astype(np.uint8), scale=b.d, zero=128, bits=8)
+        c = self.q4_1(name)
+        return Blocks(q=c.q, scale=c.d, zero=0, bits=4, offset=c.m)

@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from memspec.errors import MemspecError
-from memspec.models.gguf import LlamaConfig
+from memspec.models.gguf import DecoderConfig
 from memspec.training import log, require_torch
 from memspec.training.prompts import DOMAINS, measured_prompts
 from memspec.training.teacher import data_key, domain_data, load_teacher
@@ -105,14 +105,14 @@ def token_counts(samples: list[dict], vocab: int) -> np.ndarray:
 HEAD_DIM = 64  # drafts' attention head size (GroupQueryAttention on the CPU needs a multiple of 16)
 
 
-def draft_config(layers: int, width: int, vocab: int, head_dim: int = HEAD_DIM, context: int = 2048) -> LlamaConfig:
+def draft_config(layers: int, width: int, vocab: int, head_dim: int = HEAD_DIM, context: int = 2048) -> DecoderConfig:
     """A llama config for a draft: GQA with half as many KV heads (1 if odd), SwiGLU 8/3 wide."""
     heads = max(1, width // head_dim)
     assert heads * head_dim == width, f"width {width} is not a multiple of head_dim {head_dim}"
     kv = max(d for d in range(1, heads + 1) if heads % d == 0 and (d <= heads // 2 or heads == 1))
     ffn = int(round(width * 8 / 3 / 64)) * 64
-    return LlamaConfig(n_layers=layers, hidden=width, n_heads=heads, n_kv_heads=kv, head_dim=head_dim, ffn=ffn,
-                       vocab=vocab, rope_theta=100000.0, rms_eps=1e-5, context_length=context, tied_embeddings=True)
+    return DecoderConfig(n_layers=layers, hidden=width, n_heads=heads, n_kv_heads=kv, head_dim=head_dim, ffn=ffn,
+                         vocab=vocab, rope_theta=100000.0, rms_eps=1e-5, context_length=context, tied_embeddings=True)
 
 
 # -- training ---------------------------------------------------------------------
@@ -154,7 +154,7 @@ def _labels(tid: np.ndarray, tlp: np.ndarray, vmap: VocabMap):
     return torch.from_numpy(vmap.to_draft[tid]), torch.from_numpy(p), torch.from_numpy(greedy)
 
 
-def init_draft(cfg: LlamaConfig, target_emb: np.ndarray, vmap: VocabMap, seed: int):
+def init_draft(cfg: DecoderConfig, target_emb: np.ndarray, vmap: VocabMap, seed: int):
     """A draft whose embedding is the PCA projection of the target's rows for its vocabulary."""
     torch = require_torch()
     from memspec.training.torch_model import Llama

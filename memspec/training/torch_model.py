@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from memspec.models.gguf import LlamaConfig
+from memspec.models.gguf import DecoderConfig
 from memspec.training import require_torch
 
 torch = require_torch()
@@ -30,7 +30,7 @@ def rotate(x, cos, sin):  # HF rotate_half (non-interleaved)
 class Block(nn.Module):
     """One pre-norm decoder layer: grouped-query attention with rotary positions, then a SwiGLU MLP."""
 
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: DecoderConfig):
         super().__init__()
         self.c = c
         self.attn_norm = nn.Parameter(torch.ones(c.hidden))
@@ -67,7 +67,7 @@ class Block(nn.Module):
 class Llama(nn.Module):
     """Llama decoder with a tied head; tensor names map 1:1 to GGUF names (see `tensors`)."""
 
-    def __init__(self, c: LlamaConfig):
+    def __init__(self, c: DecoderConfig):
         super().__init__()
         assert c.tied_embeddings, "only tied-embedding models are supported"
         self.c = c
