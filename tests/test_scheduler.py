@@ -317,3 +317,37 @@ def test_the_scheduler_asks_with_the_context_profiling_records_for_the_same_toke
     assert asked[-1].position == 1 + 40 + 50 * 15
     sel.close()
     sched.close()
+
+
+def test_status_can_be_read_while_requests_count_new_things_on_other_threads():
+    """GetStatus iterates the counters while RPC threads add keys: it must neither raise
+    'dictionary changed size during iteration' nor lose a count."""
+    import threading
+
+    sched, *_ = make("bandit")
+    errors = []
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1e-6)
+    try:
+        def count(j):
+            for i in range(5000):
+                sched.count(f"policy.fixed:d{j}-{i}")
+
+        def read():
+            try:
+                for _ in range(300):
+                    sched.counters()
+                    sched.status()
+            except RuntimeError as exc:
+                errors.append(exc)
+
+        threads = [threading.Thread(target=count, args=(j,)) for j in range(2)] + [threading.Thread(target=read)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    finally:
+        sys.setswitchinterval(old)
+    assert not errors
+    assert sum(v for k, v in sched.counters().items() if k.startswith("policy.fixed:d")) == 2 * 5000
+    sched.close()

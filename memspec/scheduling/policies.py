@@ -25,6 +25,7 @@ from __future__ import annotations
 import json
 import logging
 import math
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -110,14 +111,16 @@ class Bandit(Policy):
         self.pulls: dict[str, int] = {}  # draft -> requests it finished
         self.rewards: dict[str, float] = {}  # draft -> sum of its scaled rewards
         self.reward_max = 0.0  # the largest raw reward seen (rewards are scaled by it into [0, 1])
+        self._lock = threading.Lock()  # requests start and finish on many threads
 
     def start(self, req, prompt, capacity):
         ws = self.sched.ws
         arms = [d for d in self.sched.drafts if ws.is_available(d)]
         if not arms:
             return None
-        arm = ucb_pick(arms, self.pulls, self.rewards, self.sched.config.ucb_c)
-        log.debug("bandit: picks %s (pulls %s)", arm, self.pulls)
+        with self._lock:
+            arm = ucb_pick(arms, self.pulls, self.rewards, self.sched.config.ucb_c)
+        log.debug("bandit: picks %s", arm)
         return self.sched.leased(self.name, req, prompt, capacity, arm, on_close=self.learn)
 
     def learn(self, sel: RequestSelector) -> None:
@@ -125,16 +128,19 @@ class Bandit(Policy):
         if name is None or not sel.metrics.token_latencies_s:
             return  # degraded, or ended before a single step: nothing to learn
         raw = request_reward(sel.metrics, self.sched.config.bandit_reward)
-        self.reward_max = max(self.reward_max, raw)
-        reward = raw / self.reward_max if self.reward_max else 0.0
-        self.pulls[name] = self.pulls.get(name, 0) + 1
-        self.rewards[name] = self.rewards.get(name, 0.0) + reward
-        self.sched.ws.set_value(name, self.rewards[name] / self.pulls[name])
+        with self._lock:
+            self.reward_max = max(self.reward_max, raw)
+            reward = raw / self.reward_max if self.reward_max else 0.0
+            self.pulls[name] = self.pulls.get(name, 0) + 1
+            self.rewards[name] = self.rewards.get(name, 0.0) + reward
+            mean = self.rewards[name] / self.pulls[name]
+        self.sched.ws.set_value(name, mean)
         log.debug("bandit: %s reward %.3f (raw %.2f)", name, reward, raw)
 
     def status(self) -> dict:
-        return {"bandit": {d: {"pulls": n, "mean_reward": round(self.rewards[d] / n, 4)}
-                           for d, n in self.pulls.items()}}
+        with self._lock:
+            return {"bandit": {d: {"pulls": n, "mean_reward": round(self.rewards[d] / n, 4)}
+                               for d, n in self.pulls.items()}}
 
 
 # -- memspec ---------------------------------------------------------------------------------
@@ -187,9 +193,11 @@ class Memspec(Policy):
         self.values: dict[str, float] = {}  # draft -> expected gain over target-only (EMA), for eviction
         self.pred_err = [0.0, 0]  # sum of |observed - predicted| / predicted, checks
         self.predictions = 0  # predictor calls
+        self._lock = threading.Lock()  # the three above are written from every request's thread
 
     def _predict(self, text: str, ctx=None) -> dict[str, float]:
-        self.predictions += 1
+        with self._lock:
+            self.predictions += 1
         pred = self.predictor.predict(text, ctx)
         ws = self.sched.ws
         usable = {d: v for d, v in pred.items() if d == NO_DRAFT or (d in self.sched.drafts and ws.is_available(d))}
@@ -266,18 +274,22 @@ class Memspec(Policy):
         if name in sel.predicted and seconds > 0 and tokens >= 8:
             observed = tokens / seconds
             err = abs(observed - sel.predicted[name]) / max(sel.predicted[name], 1e-6)
-            self.pred_err[0] += err
-            self.pred_err[1] += 1
+            with self._lock:
+                self.pred_err[0] += err
+                self.pred_err[1] += 1
             log.debug("memspec: %s predicted %.1f tok/s, observed %.1f", name, sel.predicted[name], observed)
         sel.predicted.update(pred)
 
     def _learn_values(self, pred: dict[str, float]) -> None:
         """Each draft's expected value: a moving average of its predicted gain over target-only."""
         decay = self.sched.config.value_decay
-        for d in self.sched.drafts:
-            gain = max(pred.get(d, 0.0) - pred.get(NO_DRAFT, 0.0), 0.0)
-            self.values[d] = decay * self.values.get(d, gain) + (1 - decay) * gain
-            self.sched.ws.set_value(d, self.values[d])
+        with self._lock:
+            for d in self.sched.drafts:
+                gain = max(pred.get(d, 0.0) - pred.get(NO_DRAFT, 0.0), 0.0)
+                self.values[d] = decay * self.values.get(d, gain) + (1 - decay) * gain
+            values = dict(self.values)
+        for d, v in values.items():
+            self.sched.ws.set_value(d, v)
 
     def _done(self, sel: RequestSelector) -> None:
         if sel.pending:
@@ -288,8 +300,10 @@ class Memspec(Policy):
     def preload_likely(self) -> None:
         """Preload the drafts worth most per byte that admission lets in without evicting better ones."""
         drafts, ws = self.sched.drafts, self.sched.ws
-        for d in sorted(self.values, key=lambda d: -self.values[d] / max(drafts.get(d, 1), 1)):
-            if self.values[d] > 0 and not ws.is_resident(d):
+        with self._lock:
+            values = dict(self.values)
+        for d in sorted(values, key=lambda d: -values[d] / max(drafts.get(d, 1), 1)):
+            if values[d] > 0 and not ws.is_resident(d):
                 ws.preload(d)
 
     def hint(self, req: GenerationRequest) -> None:
@@ -300,22 +314,28 @@ class Memspec(Policy):
         pred = self._predict(request_text(req))
         best = max(pred, key=pred.get)
         if best != NO_DRAFT and not ws.is_resident(best):
-            ws.set_value(best, max(self.values.get(best, 0.0), pred[best] - pred[NO_DRAFT]) * 2)
+            with self._lock:
+                value = self.values.get(best, 0.0)
+            ws.set_value(best, max(value, pred[best] - pred[NO_DRAFT]) * 2)
             if ws.preload(best):
                 self.sched.count("memspec.preload_for_queue")
                 log.debug("memspec: preloading %s for a queued request", best)
 
     def counters(self) -> dict[str, float]:
-        return {"prediction_mean_rel_error": self.pred_err[0] / self.pred_err[1]} if self.pred_err[1] else {}
+        with self._lock:
+            total, n = self.pred_err
+        return {"prediction_mean_rel_error": total / n} if n else {}
 
     def predictor_counters(self) -> dict[str, float]:
-        out = {"predictions": float(self.predictions)}
-        if self.pred_err[1]:
-            out["checked_predictions"] = float(self.pred_err[1])
+        with self._lock:
+            out = {"predictions": float(self.predictions)}
+            if self.pred_err[1]:
+                out["checked_predictions"] = float(self.pred_err[1])
         return out
 
     def status(self) -> dict:
-        return {"values": {d: round(v, 3) for d, v in self.values.items()}}
+        with self._lock:
+            return {"values": {d: round(v, 3) for d, v in self.values.items()}}
 
 
 # -- oracle ----------------------------------------------------------------------------------

@@ -64,7 +64,8 @@ class Scheduler:
                              retry_after_s=config.retry_after_s)
         if target is not None:
             self.ws.pin(*target)
-        self.stats: Counter[str] = Counter()
+        self.stats: Counter[str] = Counter()  # written from every request's thread: under _stats_lock
+        self._stats_lock = threading.Lock()
         self._predictor, self._oracle_table = predictor, oracle_table
         self._policies: dict[PolicyName, Policy] = {}
         self._policies_lock = threading.Lock()
@@ -108,7 +109,8 @@ class Scheduler:
         return req.policy or self.default
 
     def count(self, what: str, n: int = 1) -> None:
-        self.stats[what] += n
+        with self._stats_lock:
+            self.stats[what] += n
 
     def leased(self, policy: str, req: GenerationRequest, prompt: list[int], capacity: int, name: str,
                on_close=None) -> RequestSelector | None:
@@ -179,7 +181,9 @@ class Scheduler:
     # -- reporting -----------------------------------------------------------------------
     def counters(self) -> dict[str, float]:
         ws = self.ws.status()["counters"]
-        out = {**{k: float(v) for k, v in ws.items()}, **{k: float(v) for k, v in self.stats.items()}}
+        with self._stats_lock:
+            stats = dict(self.stats)
+        out = {**{k: float(v) for k, v in ws.items()}, **{k: float(v) for k, v in stats.items()}}
         for policy in list(self._policies.values()):
             out.update(policy.counters())
         return out
