@@ -351,3 +351,15 @@ def test_status_can_be_read_while_requests_count_new_things_on_other_threads():
     assert not errors
     assert sum(v for k, v in sched.counters().items() if k.startswith("policy.fixed:d")) == 2 * 5000
     sched.close()
+
+
+def test_unload_evicts_a_resident_draft_or_says_it_is_in_use():
+    sched, *_ = make("bandit")
+    assert sched.unload("draft-code") is None  # not resident: UnloadModel says so (NOT_FOUND)
+    lease = sched.ws.lease("draft-code")
+    with pytest.raises(InvalidRequestError, match="'draft-code' is in use by 1 request"):
+        sched.unload("draft-code")
+    lease.release()
+    assert sched.unload("draft-code") == 10 * MiB and not sched.ws.is_resident("draft-code")
+    assert sched.unload("no-such-draft") is None
+    sched.close()

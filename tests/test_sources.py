@@ -61,10 +61,10 @@ def test_only_a_model_draft_brings_a_kv_cache(pool):
     assert pool.draft_kv_sizers(req(draft="lookup")) == [] and pool.draft_kv_sizers(req()) == []
 
 
-def test_pinned_drafts_are_reported_and_can_be_unpinned(pool):
+def test_pinned_drafts_are_reported_and_can_be_unloaded(pool):
     assert set(pool.pinned()) == {"model", "lookup"}
     assert pool.report().drafts == [DraftRow("lookup", True, 0), DraftRow("model", True, 7)]
     assert pool.report().budget_bytes is None
-    assert pool.unpin("model") == 7 and "model" not in pool and pool.unpin("model") is None
+    assert pool.unload("model") == 7 and "model" not in pool and pool.unload("model") is None
     with pool.reserve_kv(1 << 40, lambda: False):  # no budget: nothing to wait for
         pass

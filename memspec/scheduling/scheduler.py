@@ -167,8 +167,11 @@ class Scheduler:
     def pinned(self) -> dict:
         return {}  # drafts come and go in the working set; report() lists them
 
-    def unpin(self, name: str) -> int | None:
-        return None
+    def unload(self, name: str) -> int | None:
+        """Evict a resident draft now (UnloadModel); InvalidRequestError while requests hold it."""
+        if name not in self.drafts or not self.ws.is_resident(name):
+            return None
+        return self.ws.unload(name)
 
     def report(self) -> SourceStatus:
         table = self.ws.status()["drafts"]

@@ -199,7 +199,7 @@ class EngineBackend:
                 self.engine = None
                 engine.close()
                 return sum(m["bytes"] for m in resident)  # the target takes its drafts with it
-            freed = engine.drafts.unpin(name) if engine is not None else None
+            freed = engine.drafts.unload(name) if engine is not None else None
             if freed is not None:
                 return freed
         have = ", ".join(m["name"] for m in resident) or "none"

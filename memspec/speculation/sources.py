@@ -56,7 +56,7 @@ class DraftSource(Protocol):
 
     def pinned(self) -> dict[str, Proposer]: ...  # drafts held for the engine's whole life (resident with it)
 
-    def unpin(self, name: str) -> int | None: ...  # drop a pinned draft: its bytes, or None when not pinned
+    def unload(self, name: str) -> int | None: ...  # drop a resident draft: bytes freed; None: not resident
 
     def report(self) -> SourceStatus: ...
 
@@ -120,7 +120,7 @@ class DraftPool(Mapping[str, Proposer]):
     def pinned(self) -> dict[str, Proposer]:
         return dict(self.proposers)
 
-    def unpin(self, name: str) -> int | None:
+    def unload(self, name: str) -> int | None:
         proposer = self.proposers.get(name)
         if proposer is None:
             return None
