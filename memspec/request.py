@@ -21,6 +21,7 @@ class Limits:
     max_prompt_chars: int = 65536  # longest prompt text accepted
     max_stop: int = 8  # most stop strings
     max_stop_chars: int = 64  # longest stop string
+    max_name_chars: int = 128  # longest draft or policy name
 
 
 @dataclass(frozen=True)
@@ -61,14 +62,22 @@ class PolicyName:
         return f"fixed:{self.draft}" if self.kind == "fixed" else self.kind
 
 
+def quote(text: str, limit: int = 64) -> str:
+    """A client's string as an error or a log line shows it: repr'd, and no more than `limit`
+    characters of it, so that a huge field cannot flood the log or overflow gRPC's metadata."""
+    if len(text) <= limit:
+        return repr(text)
+    return f"{text[:limit]!r}... ({len(text)} characters)"
+
+
 def unknown_policy(text: str, known, field: str = "policy") -> InvalidRequestError:
     """The one message for a policy nobody can run here; `known`: what may be asked for instead."""
-    return _bad(field, f"unknown policy {text!r}; known: {', '.join(known)}")
+    return _bad(field, f"unknown policy {quote(text)}; known: {', '.join(known)}")
 
 
 def unknown_draft(name: str, available, field: str = "draft") -> InvalidRequestError:
     """The one message for a draft that is not there; `available`: the drafts that are."""
-    return _bad(field, f"unknown draft {name!r}; available: {', '.join([NO_DRAFT, *sorted(available)])}")
+    return _bad(field, f"unknown draft {quote(name)}; available: {', '.join([NO_DRAFT, *sorted(available)])}")
 
 
 @dataclass(frozen=True)
@@ -98,10 +107,13 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
             raise _bad("messages", "must hold at least one message")
         for i, (role, content) in enumerate(req.messages):
             if role not in ROLES:
-                raise _bad(f"messages[{i}].role", f"{role!r} is not one of {', '.join(ROLES)}")
+                raise _bad(f"messages[{i}].role", f"{quote(role)} is not one of {', '.join(ROLES)}")
             _check_text(f"messages[{i}].content", content, limits, allow_empty=role != "user")
         if req.raw:
             raise _bad("raw", "raw applies to a prompt, not to chat messages")
+    for name, value in (("draft", req.draft), ("policy", req.policy and req.policy.draft)):
+        if value and len(value) > limits.max_name_chars:
+            raise _bad(name, f"a name of {len(value)} characters; at most {limits.max_name_chars}")
     if not 1 <= req.max_tokens <= limits.max_tokens:
         raise _bad("max_tokens", f"{req.max_tokens} is out of range; allowed 1..{limits.max_tokens}")
     s = req.sampling

@@ -36,3 +36,22 @@ def test_the_unknown_messages_name_the_field_and_what_there_is():
     assert str(unknown_draft("x", [], "policy")) == "policy: unknown draft 'x'; available: none"
     assert str(unknown_policy("memspec", ["target-only", "fixed:a"])) == \
         "policy: unknown policy 'memspec'; known: target-only, fixed:a"
+
+
+def test_a_client_string_is_quoted_short_in_messages():
+    from memspec.request import quote
+
+    assert quote("draft-code") == "'draft-code'"
+    long = quote("y" * 5000)
+    assert long.startswith("'" + "y" * 64 + "'") and long.endswith("(5000 characters)") and len(long) < 100
+    assert len(str(unknown_draft("z" * 10**6, ["a"]))) < 200
+
+
+def test_draft_and_policy_names_have_a_length_limit():
+    from memspec.request import GenerationRequest, Limits, validate
+
+    validate(GenerationRequest(prompt="hi", draft="d" * 128))
+    with pytest.raises(InvalidRequestError, match=r"^draft: a name of 129 characters; at most 128$"):
+        validate(GenerationRequest(prompt="hi", draft="d" * 129))
+    with pytest.raises(InvalidRequestError, match=r"^policy: a name of 20 characters; at most 10$"):
+        validate(GenerationRequest(prompt="hi", policy=PolicyName("fixed", "p" * 20)), Limits(max_name_chars=10))

@@ -257,6 +257,26 @@ def test_bad_field_is_invalid_argument_naming_it(h, fields, name):
     assert exc.value.details().startswith(name + ":"), exc.value.details()
 
 
+HUGE = "x" * (3 << 20)  # 3 MB: more than gRPC's metadata can carry in an error's details
+
+
+@pytest.mark.parametrize("fields,name", [
+    ({"prompt": "hi", "draft": HUGE}, "draft"),
+    ({"prompt": "hi", "policy": HUGE}, "policy"),
+    ({"prompt": "hi", "policy": "fixed:" + HUGE}, "policy"),
+    ({"messages": [wire.pb2.ChatMessage(role=HUGE, content="x")]}, "messages[0].role"),
+])
+def test_a_huge_name_is_a_clean_invalid_argument_that_quotes_a_short_prefix(h, fields, name, caplog):
+    call = h.client._stub.Generate(wire.pb2.GenerateRequest(**fields), timeout=10)
+    with pytest.raises(grpc.RpcError) as exc:
+        list(call)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # not RESOURCE_EXHAUSTED from the metadata
+    details = exc.value.details()
+    assert details.startswith(name + ":") and len(details) < 300, details[:300]
+    assert all(len(r.getMessage()) + len(str(getattr(r, "fields", ""))) < 2000 for r in caplog.records)
+    assert h.client.health() == "SERVING"
+
+
 def test_client_rebuilds_the_named_exception(h):
     with pytest.raises(ContextOverflowError, match="context of 64"):
         list(h.client.generate(" ".join(["w"] * 100)))

@@ -18,7 +18,7 @@ from typing import Callable, Iterator, Protocol
 
 from memspec.config import Config
 from memspec.errors import InvalidRequestError, ModelNotFoundError, NotLoadedError, UnavailableError
-from memspec.request import Chunk, Completion, GenerationRequest, Limits
+from memspec.request import Chunk, Completion, GenerationRequest, Limits, quote
 
 log = logging.getLogger("memspec.backend")
 
@@ -175,7 +175,7 @@ class EngineBackend:
     def load(self, name: str, variant: str | None) -> dict:
         manifest = self.store.get(name)  # ModelNotFoundError
         if manifest.role != "target":
-            raise InvalidRequestError(f"name: {name!r} is a {manifest.role}; drafts are loaded with their target")
+            raise InvalidRequestError(f"name: {quote(name)} is a {manifest.role}; drafts are loaded with their target")
         variant = variant or self.config.model.variant
         manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
         config = dataclasses.replace(self.config, model=dataclasses.replace(self.config.model, target=name,
@@ -203,7 +203,7 @@ class EngineBackend:
             if freed is not None:
                 return freed
         have = ", ".join(m["name"] for m in resident) or "none"
-        raise ModelNotFoundError(f"name: {name!r} is not resident (resident: {have})")
+        raise ModelNotFoundError(f"name: {quote(name)} is not resident (resident: {have})")
 
     # -- status ------------------------------------------------------------------------
     def status(self) -> dict:
