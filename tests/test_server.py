@@ -619,3 +619,25 @@ def test_cli_uses_the_daemon_it_finds_or_is_told(h, monkeypatch):
         _daemon(_args(address=str(h.path), variant="fp32"))
     h.servicer.set_state("draining")
     assert _daemon(_args()) is None  # not serving: local, with a note
+
+
+def test_a_call_that_ended_while_it_was_checked_is_not_queued_or_run(h):
+    """context.add_callback returns False once the RPC has terminated: the request must stop
+    there, not queue and prefill for a client that has gone."""
+    class Gone:
+        def peer(self):
+            return "test"
+
+        def add_callback(self, fn):
+            return False
+
+        def time_remaining(self):
+            return None
+
+        def abort(self, code, details):
+            raise AssertionError("not aborted here: the error propagates to the guard")
+
+    with pytest.raises(errors.CancelledError, match="cancelled before it started"):
+        list(h.servicer.Generate(wire.pb2.GenerateRequest(prompt="a b", max_tokens=5), Gone()))
+    assert h.engine.open == 0 and h.admission.snapshot()["active"] == 0
+    assert h.servicer.counters.to_dict()["cancelled"] == 1 and h.servicer.counters.to_dict()["started"] == 0

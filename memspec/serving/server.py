@@ -23,7 +23,7 @@ from memspec import __version__
 from memspec.serving import wire
 from memspec.serving.admission import Admission
 from memspec.serving.backend import Backend
-from memspec.errors import ConfigError, InvalidRequestError, MemspecError, UnavailableError
+from memspec.errors import CancelledError, ConfigError, InvalidRequestError, MemspecError, UnavailableError
 from memspec.request import Completion
 
 pb2 = wire.pb2
@@ -100,7 +100,8 @@ class MemSpecServicer:
             fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft,
                           policy=str(req.policy) if req.policy is not None else None)
             cancel = threading.Event()
-            context.add_callback(cancel.set)  # client cancel, deadline, shutdown past grace
+            if not context.add_callback(cancel.set):  # client cancel, deadline, shutdown past grace
+                raise CancelledError("cancelled before it started")  # the client left while it was checked
             if self.admission.would_queue():  # preload what it will want while it waits
                 self.backend.hint(req)
             with self.admission.enter(checked.kv_bytes, context.time_remaining(), cancel.is_set) as slot:
