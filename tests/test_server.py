@@ -641,3 +641,38 @@ def test_a_call_that_ended_while_it_was_checked_is_not_queued_or_run(h):
         list(h.servicer.Generate(wire.pb2.GenerateRequest(prompt="a b", max_tokens=5), Gone()))
     assert h.engine.open == 0 and h.admission.snapshot()["active"] == 0
     assert h.servicer.counters.to_dict()["cancelled"] == 1 and h.servicer.counters.to_dict()["started"] == 0
+
+
+def test_a_reconfigure_during_a_load_model_is_not_lost(make):
+    """SIGHUP while LoadModel runs: the new limits hold for the engine that was loading."""
+    import dataclasses
+
+    h = make()
+    loading, go = threading.Event(), threading.Event()
+    load_engine = h.backend.loader
+
+    def slow_loader(cfg, variant):
+        loading.set()
+        go.wait(5)
+        return load_engine(cfg, variant)
+
+    h.backend.loader = slow_loader
+    t = threading.Thread(target=h.backend.load, args=("other", None))
+    t.start()
+    assert loading.wait(5)
+    new = dataclasses.replace(h.backend.config, limits=Limits(max_tokens=7))
+    h.backend.reconfigure(new)  # what the daemon's SIGHUP does, while the load runs
+    go.set()
+    t.join(5)
+    assert h.backend.config.model.target == "other"
+    assert h.backend.config.limits.max_tokens == 7 and h.engine.limits.max_tokens == 7
+
+
+def test_sighup_with_the_socket_gone_keeps_the_daemon(tmp_path):
+    from memspec.serving.daemon import Daemon
+
+    sock, conf = tmp_path / "d.sock", tmp_path / "d.toml"
+    conf.write_text("[server]\nsocket_mode = 0o600\n")
+    d = Daemon(Config(), str(conf), f"unix://{sock}", loader=lambda cfg, variant: None)
+    d.reload()  # the socket file does not exist: the chmod fails, the reload does not
+    assert d.config.server.socket_mode == 0o600

@@ -116,6 +116,7 @@ class EngineBackend:
     engine: ServingEngine | None = None
     started: bool = False  # the first target load has finished
     _lock: threading.Lock = field(default_factory=threading.Lock)  # one LoadModel at a time
+    _config_lock: threading.Lock = field(default_factory=threading.Lock)  # config and engine limits (SIGHUP)
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
     _drafts: dict[str, DraftCounters] = field(default_factory=dict)  # draft name -> counters
 
@@ -184,7 +185,10 @@ class EngineBackend:
             t0 = time.perf_counter()
             engine = self.loader(config, variant)
             engine.calibrate()  # measure verification cost now, not in the first request
-            old, self.engine, self.config = self.engine, engine, config  # running streams keep theirs
+            with self._config_lock:  # a SIGHUP during the load changed the limits: keep its config
+                self.config = dataclasses.replace(self.config, model=config.model)
+                engine.limits = self.config.limits
+                old, self.engine = self.engine, engine  # running streams keep theirs
             if old is not None:
                 old.close()  # its drafts go; a stream still on it keeps the one it holds
             load_ms = (time.perf_counter() - t0) * 1e3
@@ -222,9 +226,10 @@ class EngineBackend:
 
     def reconfigure(self, config: Config) -> None:
         """Apply what can change at run time: the request limits."""
-        self.config = dataclasses.replace(config, model=self.config.model)
-        if self.engine is not None:
-            self.engine.limits = config.limits
+        with self._config_lock:
+            self.config = dataclasses.replace(config, model=self.config.model)
+            if self.engine is not None:
+                self.engine.limits = config.limits
 
     def close(self) -> None:
         """Drop the engine at shutdown, joining its loader thread (memspec.speculation.engine.Engine.close)."""

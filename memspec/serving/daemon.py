@@ -163,7 +163,10 @@ class Daemon:
         while True:
             for signum in signals.wait(self._ping_interval()):
                 if signum == signal.SIGHUP:
-                    self.reload()
+                    try:
+                        self.reload()
+                    except Exception:  # a reload must never take the daemon down
+                        log.exception("reload failed; keeping the running config")
                 elif signum in (signal.SIGTERM, signal.SIGINT):
                     return self.drain(server, signal.Signals(signum).name)
             self._ping()
@@ -262,7 +265,10 @@ class Daemon:
         self.backend.reconfigure(new)
         setup_logging(s.log_level)
         if self.address.is_unix and s.socket_mode != old.server.socket_mode:
-            os.chmod(self.address.path, s.socket_mode)
+            try:
+                os.chmod(self.address.path, s.socket_mode)
+            except OSError as exc:  # the socket file was removed under the daemon: it still serves
+                log.warning("cannot change the socket's mode", extra={"fields": {"error": str(exc)}})
         self.config = dataclasses.replace(new, **{k: getattr(old, k) for k in RESTART_ONLY if hasattr(old, k)},
                                           server=dataclasses.replace(s, listen=old.server.listen))
         log.info("reloaded", extra={"fields": {"config": self.config_path, "limits": dataclasses.asdict(new.limits),
