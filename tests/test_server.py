@@ -575,6 +575,29 @@ def test_addresses():
     assert client_address(None, {"MEMSPEC_ADDRESS": "/x.sock"}).path == Path("/x.sock")
 
 
+def test_a_client_refuses_a_tmp_socket_folder_another_user_made_first():
+    """/tmp/memspec-$UID made by someone else: a client would send its prompts to their daemon."""
+    import os
+    import shutil
+
+    if os.geteuid() != 0:
+        pytest.skip("makes a folder owned by another user: needs root (CI and the dev machines are)")
+    uid = 4_000_000 + os.getpid() % 1000  # nobody's: the folder below is root's, so not this user's
+    folder = Path(f"/tmp/memspec-{uid}")
+    folder.mkdir(mode=0o700)
+    try:
+        with pytest.raises(errors.ConfigError, match=f"/tmp/memspec-{uid} is a link, not yours, or open to others"):
+            client_address(None, {}, uid=uid)
+        os.chown(folder, uid, -1)  # now it is that user's, and private: fine
+        assert client_address(None, {}, uid=uid).path == folder / "memspec.sock"
+        folder.chmod(0o777)  # open to others: refused
+        with pytest.raises(errors.ConfigError):
+            client_address(None, {}, uid=uid)
+    finally:
+        shutil.rmtree(folder)
+    assert client_address(None, {}, uid=uid).path == folder / "memspec.sock"  # none yet: fine
+
+
 def test_notifier_sends_datagrams(tmp_path):
     import socket
 

@@ -11,6 +11,7 @@ loopback only.
 from __future__ import annotations
 
 import os
+import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Mapping
@@ -50,6 +51,19 @@ def default_socket(env: Mapping[str, str] = os.environ, uid: int | None = None) 
     return Path(f"/tmp/memspec-{uid}") / "memspec.sock"
 
 
+def check_private_folder(folder: Path, uid: int | None = None) -> None:
+    """A user's socket folder under /tmp must be theirs alone: another local user could create
+    /tmp/memspec-$UID first, then serve on it (and read the prompts) or listen in.  ConfigError
+    when it is a link, someone else's, or open to others; a folder that does not exist is fine."""
+    uid = os.getuid() if uid is None else uid
+    if folder.parent != Path("/tmp") or not (folder.exists() or folder.is_symlink()):
+        return
+    st = folder.lstat()
+    if stat.S_ISLNK(st.st_mode) or st.st_uid != uid or st.st_mode & 0o077:
+        raise ConfigError(f"{folder} is a link, not yours, or open to others; remove it, or give the "
+                          f"daemon's address with --address / --listen")
+
+
 def parse(address: str) -> Address:
     """A Unix socket ("unix:///p", "unix:p", "/p", "./p") or TCP ("HOST:PORT", ":PORT", "PORT")."""
     a = address.strip()
@@ -77,14 +91,15 @@ def server_address(listen: str, env: Mapping[str, str] = os.environ) -> Address:
     return parse(listen) if listen else parse(str(default_socket(env)))
 
 
-def client_address(address: str | None, env: Mapping[str, str] = os.environ) -> Address:
+def client_address(address: str | None, env: Mapping[str, str] = os.environ, uid: int | None = None) -> Address:
     """What a client dials: the given address, $MEMSPEC_ADDRESS, else the first default
     socket that exists (the user's own daemon, then the system service)."""
     if address:
         return parse(address)
     if env.get("MEMSPEC_ADDRESS"):
         return parse(env["MEMSPEC_ADDRESS"])
-    own = default_socket({k: v for k, v in env.items() if k != "RUNTIME_DIRECTORY"})
+    own = default_socket({k: v for k, v in env.items() if k != "RUNTIME_DIRECTORY"}, uid)
+    check_private_folder(own.parent, uid)
     for candidate in (own, SYSTEM_SOCKET):
         if candidate.exists():
             return parse(str(candidate))

@@ -28,7 +28,7 @@ from typing import Callable
 
 import psutil
 
-from memspec.serving.address import Address, default_socket, server_address
+from memspec.serving.address import Address, check_private_folder, default_socket, server_address
 from memspec.serving.admission import MiB, Admission, AdmissionConfig
 from memspec.serving.backend import EngineBackend
 from memspec.config import Config, ServerConfig, load_config
@@ -82,10 +82,8 @@ def prepare_socket(path: Path) -> None:
     if not parent.is_dir():
         # /run/memspec is shared with the group through the socket's own mode; a user's folder is private
         parent.mkdir(parents=True, mode=0o755 if os.getuid() == 0 else 0o700)
-    if parent == default_socket({}).parent and parent.parent == Path("/tmp"):
-        st = parent.lstat()  # /tmp/memspec-$UID: someone else may have made it first
-        if stat.S_ISLNK(st.st_mode) or st.st_uid != os.getuid() or st.st_mode & 0o077:
-            raise ConfigError(f"{parent} is a link, not yours, or open to others; remove it or choose --listen")
+    if parent == default_socket({}).parent:
+        check_private_folder(parent)  # /tmp/memspec-$UID: someone else may have made it first
     if path.exists() or path.is_symlink():
         if not stat.S_ISSOCK(path.lstat().st_mode):
             raise ConfigError(f"{path} exists and is not a socket; remove it or choose another --listen")
