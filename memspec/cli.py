@@ -37,7 +37,7 @@ def cmd_pull(args) -> int:
     from memspec.models.pull import import_gguf, pull
 
     store = _store(args)
-    variants = tuple(args.variant) if args.variant else ("fp32", "q4")
+    variants = tuple(args.variant) if args.variant else None  # None: the model's defaults
     if args.gguf:
         name = args.name or Path(args.gguf).stem.lower().replace(" ", "-")
         import_gguf(store, Path(args.gguf), name, variants, progress=_progress, force=args.force)
@@ -111,7 +111,7 @@ def load_engine(config, variant: str | None = None):
 def _daemon(args):
     """The daemon client `generate`/`chat` use, or None to generate locally.
 
-    --local, or --variant (a choice of local target): local.  --address or
+    --local, --model or --variant (a choice of local target): local.  --address or
     $MEMSPEC_ADDRESS: that daemon, or an error.  Otherwise the default socket's
     daemon when one is serving there, else local generation with a note on stderr.
     """
@@ -121,10 +121,11 @@ def _daemon(args):
     from memspec.errors import UnavailableError
 
     explicit = bool(args.address or os.environ.get("MEMSPEC_ADDRESS"))
-    if args.variant and args.address and not args.local:
-        raise CLIError("--variant picks the local target; a daemon serves the model it has loaded "
+    flag = "--variant" if args.variant else "--model" if getattr(args, "target", None) else None
+    if flag and args.address and not args.local:
+        raise CLIError(f"{flag} picks the local target; a daemon serves the model it has loaded "
                        "(`memspec load NAME --variant V`). Drop --address to generate locally.")
-    if args.local or args.variant:
+    if args.local or flag:
         return None
     address = client_address(args.address)
     if not explicit and address.is_unix and not address.path.exists():
@@ -304,6 +305,7 @@ def _sampling_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--draft", help='force a draft model ("none" = target only)')
     g.add_argument("--policy", help="draft-selection policy")
+    _model_option(g, "; generates locally")
     g.add_argument("--variant", choices=("fp32", "q4"),
                    help="target variant; generates locally (default from config: q4)")
     g.add_argument("--json", action="store_true", help="print one JSON object per answer with ids, text and timings")
@@ -311,9 +313,26 @@ def _sampling_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--local", action="store_true", help="generate in this process, without the daemon")
 
 
+def _model_option(p: argparse.ArgumentParser, note: str = "") -> None:
+    p.add_argument("--model", dest="target", metavar="NAME",
+                   help=f"target model from the store{note} (default from config: [model] target)")
+
+
+def _choose_model(args) -> None:
+    """--model NAME: make it the config's target, after checking that the store has it."""
+    import dataclasses
+
+    if getattr(args, "target", None):
+        _store(args).get(args.target)  # an unknown name: what the store has and what `memspec pull` knows
+        args.config = dataclasses.replace(args.config, model=dataclasses.replace(args.config.model,
+                                                                                  target=args.target))
+
+
 def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command; of the developer commands only `dev_command` gets its real
     options (importing its module), the others stand-ins that list them in --help."""
+    from memspec.models.catalog import KNOWN_MODELS  # plain dataclasses
+
     p = argparse.ArgumentParser(prog="memspec", description="memory-aware speculative decoding runtime")
     p.add_argument("--version", action="version", version=f"memspec {__version__}")
     p.add_argument("--config", metavar="FILE", help="TOML config file (see memspec.example.toml)")
@@ -326,10 +345,11 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     address.add_argument("--address", help="the daemon's socket or HOST:PORT (default: the default socket)")
 
     pl = sub.add_parser("pull", parents=[common], help="fetch and convert a model into the store")
-    pl.add_argument("model", nargs="?", help="known model name, e.g. smollm2-135m")
-    pl.add_argument("--gguf", metavar="PATH", help="convert a local llama-architecture GGUF instead")
+    pl.add_argument("model", nargs="?", help=f"a known model: {', '.join(KNOWN_MODELS)}")
+    pl.add_argument("--gguf", metavar="PATH", help="convert a local GGUF instead")
     pl.add_argument("--name", help="store name for --gguf (default: the file's stem)")
-    pl.add_argument("--variant", action="append", choices=("fp32", "q4"), help="only these variants (repeatable)")
+    pl.add_argument("--variant", action="append", choices=("fp32", "q4"),
+                    help="only these variants (repeatable; default: fp32 and q4, q4 only for the Qwen models)")
     pl.add_argument("--force", action="store_true", help="convert again even if up to date")
     pl.set_defaults(func=cmd_pull)
 
@@ -359,6 +379,7 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--listen", metavar="ADDRESS",
                     help="unix:///path.sock, a socket path, HOST:PORT, or PORT for loopback TCP "
                          "(default: [server] listen, else the default socket)")
+    _model_option(sv)
     sv.set_defaults(func=cmd_serve)
 
     st = sub.add_parser("status", parents=[common, address], help="show a running daemon's status")
@@ -398,6 +419,7 @@ def _add_dev_command(sub, common: argparse.ArgumentParser, name: str) -> None:
         from memspec.bench import policies as bench
 
         bench.add_arguments(b)
+        _model_option(b)
         b.set_defaults(func=cmd_bench)
     elif name == "train-draft":
         from memspec.training import drafts as train  # torch is imported only when train-draft runs
@@ -438,6 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         args.config_path = args.config
         args.config = load_config(args.config)
+        _choose_model(args)
         return args.func(args)
     except MemspecError as exc:
         print(f"memspec: error: {exc}", file=sys.stderr)

@@ -125,6 +125,36 @@ def test_missing_model(tmp_path):
     assert "model 'smollm2-135m' is not in the store" in r.stderr and "memspec pull smollm2-135m" in r.stderr
 
 
+@pytest.mark.parametrize("command", [["generate", "hi"], ["chat", "hi"], ["serve"], ["bench"]],
+                         ids=["generate", "chat", "serve", "bench"])
+def test_unknown_model_lists_the_store_and_what_pull_knows(tmp_path, command):
+    r = memspec(*command, "--model", "llama-70b", home=tmp_path / "empty-store")
+    assert r.returncode == 2, r.stderr
+    assert "model 'llama-70b' is not in the store" in r.stderr and "(have: " in r.stderr
+    assert "`memspec pull` knows smollm2-135m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_model_picks_the_local_target(tmp_path):
+    folder = tmp_path / "models" / "other"
+    folder.mkdir(parents=True)
+    (folder / "manifest.json").write_text(json.dumps({"name": "other", "role": "target", "format": "onnx",
+                                                      "variants": {}}))
+    r = memspec("generate", "--model", "other", "--address", str(tmp_path / "d.sock"), "hi", home=tmp_path)
+    assert r.returncode == 2 and "--model picks the local target" in r.stderr, r.stderr
+
+
+def test_generate_with_model(home):
+    r = memspec("generate", "--model", "smollm2-135m", "--json", "--max-tokens", "2", "Hi", home=home)
+    assert r.returncode == 0, r.stderr
+    assert json.loads(r.stdout)["model"] == "smollm2-135m"
+
+
+def test_pull_help_names_the_known_models():
+    r = memspec("pull", "--help")
+    assert r.returncode == 0 and "smollm2-135m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b" in " ".join(r.stdout.split())
+
+
 def test_corrupt_gguf(tmp_path):
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF\x03\x00\x00\x00" + b"\xff" * 64)
