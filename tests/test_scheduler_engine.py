@@ -202,3 +202,20 @@ def test_closing_the_engine_mid_request_joins_the_loader_and_the_request_still_f
     ids = [i for c in chunks + rest for i in c.token_ids]
     assert ids == baseline.token_ids and done.token_ids == baseline.token_ids
     engine.close()  # idempotent
+
+
+def test_a_request_waiting_for_its_draft_to_load_ends_when_it_is_cancelled(target):
+    import time
+
+    engine, sched = engine_with(target, "fixed:self")
+    release = threading.Event()
+    real = sched.ws.loader
+    sched.ws.loader = lambda name: (release.wait(10), real(name))[1]  # a load that hangs
+    cancel = threading.Event()
+    threading.Timer(0.2, cancel.set).start()
+    t0 = time.monotonic()
+    out = [x for x in engine.stream(GenerationRequest(prompt=PROMPT, max_tokens=16), cancel)][-1]
+    assert time.monotonic() - t0 < 5 and out.finish_reason == "cancelled" and out.stats["num_drafts"] == 0
+    release.set()
+    assert leases(sched) == 0
+    sched.close()

@@ -279,3 +279,28 @@ def test_a_load_that_adds_more_than_planned_is_accounted_at_what_it_added():
     ws.lease("lookup").release()  # a 0-byte proposer stays 0 whatever the RSS did
     assert ws.resident()["lookup"] == 0
     ws.close()
+
+
+def test_a_wait_for_a_load_ends_at_its_deadline_or_at_a_cancel():
+    import threading
+    import time
+
+    release = threading.Event()
+
+    def stuck_loader(name):
+        release.wait(10)  # a load that hangs (a slow disk, a TensorRT build)
+        return object(), MiB
+
+    ws = WorkingSet(0, stuck_loader, FakeProbe(), FakeClock(), sizes={"a": MiB, "b": MiB}, reclaim=lambda: None)
+    t0 = time.monotonic()
+    assert ws.lease("a", wait=True, timeout=0.2) is None
+    assert 0.2 <= time.monotonic() - t0 < 2.0
+    cancel = threading.Event()
+    threading.Timer(0.1, cancel.set).start()
+    t0 = time.monotonic()
+    assert ws.lease("a", wait=True, cancelled=cancel.is_set) is None  # no deadline, but cancelled
+    assert time.monotonic() - t0 < 2.0
+    release.set()
+    ws.wait_idle(5)
+    assert ws.lease("a") is not None  # the load finished after all: later requests get it
+    ws.close()

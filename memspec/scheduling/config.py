@@ -26,3 +26,4 @@ class SchedulerConfig:
     predictor: str = ""  # memspec: predictor JSON; "" = models/predictor-VARIANT.json, else models/predictor.json
     oracle: str = ""  # oracle: JSON {prompt: draft} or JSONL traces {prompt, draft, tok_per_s}
     retry_after_s: float = 30.0  # a draft that failed to load is not tried again for this long
+    load_wait_s: float = 60.0  # a request waits at most this long for its draft to load, then runs target-only

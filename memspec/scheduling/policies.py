@@ -27,7 +27,7 @@ import logging
 import math
 import threading
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from memspec.errors import ConfigError
 from memspec.request import NO_DRAFT, GenerationRequest
@@ -46,8 +46,10 @@ class Policy:
 
     name = ""  # as a request or the config writes it
 
-    def start(self, req: GenerationRequest, prompt: list[int], capacity: int) -> RequestSelector | None:
-        """The selector of a request that starts now (None = target-only decoding)."""
+    def start(self, req: GenerationRequest, prompt: list[int], capacity: int,
+              cancelled: Callable[[], bool]) -> RequestSelector | None:
+        """The selector of a request that starts now (None = target-only decoding); `cancelled`
+        ends a wait for a draft's load."""
         raise NotImplementedError
 
     def hint(self, req: GenerationRequest) -> None:
@@ -64,7 +66,7 @@ class Policy:
 class TargetOnly(Policy):
     name = "target-only"
 
-    def start(self, req, prompt, capacity):
+    def start(self, req, prompt, capacity, cancelled):
         log.debug("request: target-only")
         return None
 
@@ -75,8 +77,8 @@ class Fixed(Policy):
     def __init__(self, sched: "Scheduler", draft: str):
         self.sched, self.draft, self.name = sched, draft, f"fixed:{draft}"
 
-    def start(self, req, prompt, capacity):
-        return self.sched.leased(self.name, req, prompt, capacity, self.draft)
+    def start(self, req, prompt, capacity, cancelled):
+        return self.sched.leased(self.name, req, prompt, capacity, self.draft, cancelled)
 
 
 # -- bandit --------------------------------------------------------------------------------
@@ -113,7 +115,7 @@ class Bandit(Policy):
         self.reward_max = 0.0  # the largest raw reward seen (rewards are scaled by it into [0, 1])
         self._lock = threading.Lock()  # requests start and finish on many threads
 
-    def start(self, req, prompt, capacity):
+    def start(self, req, prompt, capacity, cancelled):
         ws = self.sched.ws
         arms = [d for d in self.sched.drafts if ws.is_available(d)]
         if not arms:
@@ -121,7 +123,7 @@ class Bandit(Policy):
         with self._lock:
             arm = ucb_pick(arms, self.pulls, self.rewards, self.sched.config.ucb_c)
         log.debug("bandit: picks %s", arm)
-        return self.sched.leased(self.name, req, prompt, capacity, arm, on_close=self.learn)
+        return self.sched.leased(self.name, req, prompt, capacity, arm, cancelled, on_close=self.learn)
 
     def learn(self, sel: RequestSelector) -> None:
         name = sel.name
@@ -219,7 +221,7 @@ class Memspec(Policy):
                 best, best_s = d, s
         return best, best_s
 
-    def start(self, req, prompt, capacity):
+    def start(self, req, prompt, capacity, cancelled):
         sched, ws = self.sched, self.sched.ws
         pred = self._predict(request_text(req))
         self._learn_values(pred)
@@ -379,10 +381,10 @@ class Oracle(Policy):
     def __init__(self, sched: "Scheduler", table: dict[str, str]):
         self.sched, self.table = sched, table  # {prompt text: fastest draft}
 
-    def start(self, req, prompt, capacity):
+    def start(self, req, prompt, capacity, cancelled):
         best = self.table.get(request_text(req))
         if best is None:
             self.sched.count("oracle_unknown_prompt")
             log.debug("oracle: prompt not in the table: target-only")
             return None
-        return self.sched.leased(self.name, req, prompt, capacity, best) if best != NO_DRAFT else None
+        return self.sched.leased(self.name, req, prompt, capacity, best, cancelled) if best != NO_DRAFT else None

@@ -113,9 +113,11 @@ class Scheduler:
             self.stats[what] += n
 
     def leased(self, policy: str, req: GenerationRequest, prompt: list[int], capacity: int, name: str,
-               on_close=None) -> RequestSelector | None:
-        """A selector holding a lease on draft `name`, waiting while it loads (None: it cannot be had)."""
-        lease = self.ws.lease(name, wait=True) if name in self.drafts else None
+               cancelled: Callable[[], bool], on_close=None) -> RequestSelector | None:
+        """A selector holding a lease on draft `name`, waiting while it loads, at most
+        [scheduler] load_wait_s and not past a cancel (None: it cannot be had: target-only)."""
+        lease = self.ws.lease(name, wait=True, timeout=self.config.load_wait_s, cancelled=cancelled) \
+            if name in self.drafts else None
         if lease is None:
             self.count("no_draft")
             log.debug("%s: %s cannot be had; target-only", policy, name)
@@ -139,12 +141,13 @@ class Scheduler:
             return [self._kv_sizers[name.draft]] if name.draft in self._kv_sizers else []
         return list(self._kv_sizers.values())  # any draft the policy may pick
 
-    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int) -> RequestSelector | None:
+    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int,
+                 cancelled: Callable[[], bool] = lambda: False) -> RequestSelector | None:
         """The DraftSelector for one request (None = plain target-only decoding)."""
         name = self.policy_for(req)
         self.count("requests")
         self.count(f"policy.{name}")
-        return self.policy(name).start(req, prompt, capacity)
+        return self.policy(name).start(req, prompt, capacity, cancelled)
 
     @contextlib.contextmanager
     def reserve_kv(self, nbytes: int, cancelled: Callable[[], bool] = lambda: False) -> Iterator[None]:

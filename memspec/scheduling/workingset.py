@@ -34,6 +34,8 @@ from memspec.runtime.memory import Ledger, MemoryProbe, MiB, reclaim, tune_mallo
 
 log = logging.getLogger("memspec.workingset")
 
+POLL_S = 0.05  # how often a request waiting for a load checks whether it was cancelled
+
 Loader = Callable[[str], tuple[object, int]]  # name -> (proposer, declared bytes); may raise
 Clock = Callable[[], float]
 
@@ -364,9 +366,11 @@ class WorkingSet:
         with self._cond:
             return name in self._entries or self._start_load(name, force=True)
 
-    def lease(self, name: str, wait: bool = True, timeout: float | None = None) -> Lease | None:
+    def lease(self, name: str, wait: bool = True, timeout: float | None = None,
+              cancelled: Callable[[], bool] = lambda: False) -> Lease | None:
         """Hold `name` for a request.  Resident: a hit.  Otherwise a miss, and with `wait`
-        the request stalls until it is loaded (counted); None when it cannot be had."""
+        the request stalls until it is loaded (counted), for at most `timeout` seconds and
+        not past `cancelled()`; None when it cannot be had."""
         with self._cond:
             e = self._entries.get(name)
             if e is not None and e.state == "resident" and not self.target_only:
@@ -382,11 +386,11 @@ class WorkingSet:
             t0 = time.monotonic() if timeout is not None else 0.0
             c0 = self.clock()
             try:
-                while self._entries.get(name) is e and e.state == "loading":
-                    left = None if timeout is None else timeout - (time.monotonic() - t0)
-                    if left is not None and left <= 0:
+                while self._entries.get(name) is e and e.state == "loading" and not cancelled():
+                    left = POLL_S if timeout is None else min(POLL_S, timeout - (time.monotonic() - t0))
+                    if left <= 0:
                         break
-                    self._cond.wait(left)
+                    self._cond.wait(left)  # woken by the load's end; polls for the cancel
             finally:
                 e.waiting -= 1
             stall_ms = (self.clock() - c0) * 1e3

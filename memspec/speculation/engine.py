@@ -58,9 +58,7 @@ class TargetModel:
         session = DecoderSession(m.variant_path(variant), config, arena=True,  # pinned: never unloaded
                                  min_rows=2 if config.batch_invariant else 1)
         tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
-        eos = set(m.extra.get("eos_token_ids", []))
-        if tok.eos_token_id is not None:
-            eos.add(tok.eos_token_id)
+        eos = set(m.extra.get("eos_token_ids", [])) | tok.eos_token_ids  # Qwen2.5: <|im_end|> and <|endoftext|>
         # ONNX Runtime frees its load-time copies of the weights once it has packed them, and the
         # tokenizer its parse of tokenizer.json, but glibc keeps the freed pages (a q4 load left
         # 56 MiB), which would count against the memory budget and the device's shared memory.
@@ -118,10 +116,10 @@ class Engine:
         return ids
 
     # -- decode loops ------------------------------------------------------------
-    def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest,
-              rng: np.random.Generator, metrics: SpecMetrics) -> Iterator[list[int]]:
+    def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: np.random.Generator,
+              metrics: SpecMetrics, cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[int]]:
         """The decode loop for this request: speculative when a draft is chosen, else target only."""
-        select = self.drafts.selector(req, prompt, cache.capacity)
+        select = self.drafts.selector(req, prompt, cache.capacity, cancelled)
         costs = self.calibrate() if select is not None else None
         select = select or NoDraft()
         try:
@@ -165,7 +163,7 @@ class Engine:
         metrics = SpecMetrics()
         t_first = None
         finish = "length"
-        steps = self.steps(cache, prompt, req, rng, metrics)
+        steps = self.steps(cache, prompt, req, rng, metrics, cancel.is_set if cancel is not None else lambda: False)
         try:
             for committed in steps:
                 if t_first is None:

@@ -48,7 +48,8 @@ class DraftSource(Protocol):
 
     def draft_kv_sizers(self, req: GenerationRequest) -> list[KVSizer]: ...  # draft caches it may hold (largest counts)
 
-    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int) -> DraftSelector | None: ...
+    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int,
+                 cancelled: Callable[[], bool]) -> DraftSelector | None: ...  # cancelled: ends a wait for a load
 
     def reserve_kv(self, nbytes: int, cancelled: Callable[[], bool]) -> ContextManager[None]: ...  # in its budget
 
@@ -107,8 +108,9 @@ class DraftPool(Mapping[str, Proposer]):
         proposer = self.draft_of(req)
         return [proposer.session.cache_nbytes] if proposer is not None and proposer.session is not None else []
 
-    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int) -> DraftSelector | None:
-        proposer = self.draft_of(req)
+    def selector(self, req: GenerationRequest, prompt: list[int], capacity: int,
+                 cancelled: Callable[[], bool] = lambda: False) -> DraftSelector | None:
+        proposer = self.draft_of(req)  # loaded already: nothing to wait for
         return FixedDraft(proposer.name, proposer.begin(capacity)) if proposer is not None else None
 
     def reserve_kv(self, nbytes: int, cancelled: Callable[[], bool]) -> ContextManager[None]:
