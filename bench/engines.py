@@ -2,7 +2,7 @@
 
     python bench/engines.py [--workload FILE] [--limit N] [--max-tokens 128] [--rounds 3]
                             [--threads 2] [--engines memspec,target-only,onnxruntime-genai,llama.cpp]
-                            [--config FILE] [--json FILE]
+                            [--config FILE] [--model NAME] [--json FILE]
 
 Every engine gets the same token ids (each prompt of the workload with the chat template,
 tokenized by memspec, whose tokenizer matches llama.cpp's) and decodes greedily until EOS or
@@ -59,8 +59,8 @@ class MemspecWorker:
         from memspec.config import load_config
 
         config = load_config(setup["config"])
-        config = dataclasses.replace(config, runtime=dataclasses.replace(
-            config.runtime, intra_op_threads=setup["threads"]))
+        config = dataclasses.replace(config, model=dataclasses.replace(config.model, target=setup["target"]),
+                                     runtime=dataclasses.replace(config.runtime, intra_op_threads=setup["threads"]))
         self.engine = build_engine(config, drafts="scheduler" if drafts else "none")
 
     def generate(self, ids: list[int], text: str, max_new: int) -> list[int]:
@@ -237,8 +237,10 @@ class Engine:
 
 
 # -- the run -------------------------------------------------------------------------------
-def prompts(workload: str | None, limit: int | None, config_path: str | None) -> tuple[list[dict], dict]:
-    """The workload's prompts with their token ids, and what the workers need to load the target."""
+def prompts(workload: str | None, limit: int | None, config_path: str | None,
+            model: str | None = None) -> tuple[list[dict], dict]:
+    """The workload's prompts with their token ids, and what the workers need to load the target
+    (`model`, else the config's [model] target)."""
     from memspec.bench.policies import load_workload
     from memspec.config import load_config
     from memspec.models.store import ModelStore
@@ -246,12 +248,12 @@ def prompts(workload: str | None, limit: int | None, config_path: str | None) ->
 
     config = load_config(config_path)
     store = ModelStore(config.store_home)
-    m = store.get(config.model.target)
+    m = store.get(model or config.model.target)
     tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
     items = load_workload(workload)[:limit]
     for w in items:
         w["ids"] = tok.encode(tok.apply_chat_template([{"role": "user", "content": w["prompt"]}]))
-    setup = {"config": config_path, "model": str(m.variant_path("q4")), "arch": m.architecture,
+    setup = {"config": config_path, "target": m.name, "model": str(m.variant_path("q4")), "arch": m.architecture,
              "eos": int(m.extra["eos_token_ids"][0]), "gguf": str(store.downloads_dir / m.provenance["gguf_file"])}
     return items, setup
 
@@ -335,6 +337,7 @@ def main(argv=None) -> int:
     ap.add_argument("--threads", type=int, default=None, help="threads per engine (default: physical cores)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
     ap.add_argument("--config", help="memspec TOML config for the memspec engines")
+    ap.add_argument("--model", metavar="NAME", help="target from the store (default: the config's [model] target)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--setup", help=argparse.SUPPRESS)
@@ -351,7 +354,7 @@ def main(argv=None) -> int:
     from memspec.runtime.sessions import physical_cores
 
     try:
-        items, setup = prompts(args.workload, args.limit, args.config)
+        items, setup = prompts(args.workload, args.limit, args.config, args.model)
     except MemspecError as exc:
         print(f"engines: {exc}", file=sys.stderr)
         return 2

@@ -1,6 +1,6 @@
 """Target-only kernels of each variant, side by side with llama.cpp on the same GGUF.
 
-    python bench/target.py [--variant q4 --variant fp32] [--threads 2] [--json out.json]
+    python bench/target.py [--model NAME] [--variant q4 --variant fp32] [--threads 2] [--json out.json]
 
 Per variant: load time and RSS, prefill tok/s and time to first token, decode
 tok/s (greedy, one token per step), and cost(k)/cost(1) for k = 1..16 (one
@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -24,6 +23,8 @@ from pathlib import Path
 import numpy as np
 import psutil
 
+from memspec.config import load_config
+from memspec.errors import ModelNotFoundError
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.sessions import DecoderSession
 from memspec.models.store import ModelStore
@@ -128,6 +129,8 @@ def bench_llama_cpp(gguf: Path, prompt: list[int], args) -> dict | None:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", metavar="NAME", help="target from the store (default: [model] target of --config)")
+    ap.add_argument("--config", metavar="FILE", help="memspec TOML config (for [model] target and the store)")
     ap.add_argument("--variant", action="append", choices=("fp32", "q4"))
     ap.add_argument("--threads", type=int, default=psutil.cpu_count(logical=False) or 2)
     ap.add_argument("--prompt-tokens", type=int, default=512)
@@ -138,9 +141,14 @@ def main(argv=None) -> int:
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
-    variants = args.variant or ["q4", "fp32"]
-    store = ModelStore(os.environ.get("MEMSPEC_HOME"))
-    m = store.get("smollm2-135m")
+    config = load_config(args.config)
+    store = ModelStore(config.store_home)
+    try:
+        m = store.get(args.model or config.model.target)
+    except ModelNotFoundError as exc:
+        print(f"target: {exc}", file=sys.stderr)
+        return 2
+    variants = args.variant or [v for v in ("q4", "fp32") if v in m.variants]  # the 1.5B has no fp32 by default
     tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
     prompt = tok.encode(TEXT)[: args.prompt_tokens]
     gguf = store.downloads_dir / m.provenance["gguf_file"]
