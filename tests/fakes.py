@@ -38,6 +38,7 @@ class FakeClock:
 class FakeProbe:
     available: int = 8 << 30
     rss: int = 100 * MiB
+    limit: int = 0  # a cgroup memory limit (0 = none)
     calls: int = 0
 
     def available_bytes(self) -> int:
@@ -46,6 +47,9 @@ class FakeProbe:
 
     def rss_bytes(self) -> int:
         return self.rss
+
+    def limit_bytes(self) -> int:
+        return self.limit
 
 
 class FakeState:

@@ -115,3 +115,45 @@ def test_one_request_footprint_counts_the_slack_and_the_largest_draft_cache():
     assert request_kv_bytes(100, per_token(10), [], slack=9) == 1090  # target only: no draft cache
     assert request_kv_bytes(100, per_token(10), [per_token(1), per_token(3)], slack=9) == 1090 + 327
     assert request_kv_bytes(100, per_token(10), iter([per_token(2)]), slack=0) == 1200
+
+
+def test_the_cgroup_v2_limit_is_read_from_the_process_cgroup(tmp_path):
+    from memspec.runtime.memory import cgroup_memory
+
+    proc = tmp_path / "cgroup"
+    folder = tmp_path / "fs" / "system.slice" / "memspec.service"
+    folder.mkdir(parents=True)
+    proc.write_text("0::/system.slice/memspec.service\n")
+    (folder / "memory.max").write_text("max\n")  # no limit
+    assert cgroup_memory(proc, tmp_path / "fs") is None
+    (folder / "memory.max").write_text(f"{800 << 20}\n")
+    (folder / "memory.high").write_text(f"{600 << 20}\n")  # throttled above this: the one that holds
+    (folder / "memory.current").write_text(f"{450 << 20}\n")
+    cg = cgroup_memory(proc, tmp_path / "fs")
+    assert cg.limit == 600 << 20 and cg.available() == 150 << 20
+    proc.write_text("4:memory:/x\n")  # cgroup v1 only
+    assert cgroup_memory(proc, tmp_path / "fs") is None
+    assert cgroup_memory(tmp_path / "missing", tmp_path / "fs") is None
+
+
+def test_the_probe_and_the_budget_keep_to_the_cgroup_limit(tmp_path):
+    from fakes import FakeLoader
+    from memspec.runtime.memory import CgroupMemory, PsutilProbe
+    from memspec.scheduling.config import SchedulerConfig
+    from memspec.scheduling.scheduler import Scheduler
+
+    (tmp_path / "memory.current").write_text(f"{900 << 20}\n")
+    probe = PsutilProbe(CgroupMemory(tmp_path, 1000 << 20))
+    assert probe.available_bytes() == 100 << 20 and probe.limit_bytes() == 1000 << 20
+    (tmp_path / "memory.current").unlink()  # the cgroup went away: the system's figure holds
+    assert probe.available_bytes() > 0
+
+    fake = FakeProbe()
+    fake.limit = 500 * MiB
+    sizes = {"d": MiB}
+    sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=0), FakeLoader(sizes), sizes, fake)
+    assert sched.ws.budget == 500 * MiB  # budget_mb = 0 under a cgroup limit: the limit
+    sched.close()
+    sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=300), FakeLoader(sizes), sizes, fake)
+    assert sched.ws.budget == 300 * MiB  # a configured budget wins
+    sched.close()

@@ -497,6 +497,9 @@ def test_fits_checks_free_memory_minus_headroom():
     assert fits(10, 1000, 100) is None
     assert fits(10, 110, 100) is None
     assert "the system has 105 MiB available" in fits(10 * MiB, 105 * MiB, 100 * MiB)
+    # a running request's KV pages are not written yet: what it reserved is not free for another
+    assert fits(10, 1000, 100, reserved=880) is None
+    assert "35 MiB are reserved by running requests" in fits(10 * MiB, 140 * MiB, 100 * MiB, reserved=35 * MiB)
 
 
 def test_the_old_server_budget_option_says_where_the_budget_went(tmp_path):
@@ -699,3 +702,23 @@ def test_sighup_with_the_socket_gone_keeps_the_daemon(tmp_path):
     d = Daemon(Config(), str(conf), f"unix://{sock}", loader=lambda cfg, variant: None)
     d.reload()  # the socket file does not exist: the chmod fails, the reload does not
     assert d.config.server.socket_mode == 0o600
+
+
+def test_admission_counts_what_running_requests_reserved_but_have_not_written():
+    """Free memory does not yet show a running request's KV pages: a second request that would
+    fit only if the first never wrote its cache waits for it."""
+    free = 160 * MiB  # stays the same: the first request has not written its cache yet
+    adm = Admission(AdmissionConfig(max_concurrent=4, max_queue=4, headroom_bytes=0), lambda: free)
+    first = adm.enter(100 * MiB)
+    started = threading.Event()
+
+    def second():
+        with adm.enter(100 * MiB, timeout=5):
+            started.set()
+
+    t = threading.Thread(target=second)
+    t.start()
+    assert not started.wait(0.3)  # 160 free, but 100 of it is the first one's
+    first.release()
+    assert started.wait(5)
+    t.join(5)

@@ -24,6 +24,7 @@ import gc
 import sys
 import threading
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterable, Protocol, TypeVar
 
 MiB = 1 << 20
@@ -36,21 +37,73 @@ class MemoryProbe(Protocol):
 
     def rss_bytes(self) -> int: ...  # resident set size of this process
 
+    def limit_bytes(self) -> int: ...  # the memory this process may use at most (its cgroup's); 0 = no limit
+
+
+@dataclass(frozen=True)
+class CgroupMemory:
+    """This process's cgroup v2 memory limits (systemd's MemoryMax= / MemoryHigh=)."""
+
+    folder: Path  # /sys/fs/cgroup/<the process's cgroup>
+    limit: int  # the lower of memory.max and memory.high, in bytes
+
+    def current(self) -> int:
+        """What the cgroup holds now (memory.current)."""
+        return int((self.folder / "memory.current").read_text())
+
+    def available(self) -> int:
+        return max(self.limit - self.current(), 0)
+
+
+def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"),
+                  root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
+    """The cgroup v2 memory limit this process runs under, or None (cgroup v1, no limit, unreadable)."""
+    try:
+        lines = proc_cgroup.read_text().splitlines()
+    except OSError:
+        return None
+    rel = next((ln[3:] for ln in lines if ln.startswith("0::")), None)  # v2: "0::/system.slice/x.service"
+    if rel is None:
+        return None
+    folder = root / rel.lstrip("/")
+    limits = []
+    for name in ("memory.max", "memory.high"):
+        try:
+            value = (folder / name).read_text().strip()
+        except OSError:
+            continue
+        if value and value != "max":
+            limits.append(int(value))
+    if not limits:
+        return None
+    return CgroupMemory(folder, min(limits))
+
 
 class PsutilProbe:
-    """The OS's view, through psutil."""
+    """The OS's view, through psutil, within the process's cgroup memory limit when it has one
+    (under systemd's MemoryMax= the kernel kills at the limit, whatever MemAvailable says)."""
 
-    def __init__(self):
+    def __init__(self, cgroup: CgroupMemory | None = None):
         import psutil
 
         self._psutil = psutil
         self._proc = psutil.Process()
+        self.cgroup = cgroup if cgroup is not None else cgroup_memory()
 
     def available_bytes(self) -> int:
-        return int(self._psutil.virtual_memory().available)
+        system = int(self._psutil.virtual_memory().available)
+        if self.cgroup is None:
+            return system
+        try:
+            return min(system, self.cgroup.available())
+        except (OSError, ValueError):  # the cgroup went away: the system's figure still holds
+            return system
 
     def rss_bytes(self) -> int:
         return int(self._proc.memory_info().rss)
+
+    def limit_bytes(self) -> int:
+        return self.cgroup.limit if self.cgroup is not None else 0
 
 
 _libc = None

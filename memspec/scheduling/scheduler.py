@@ -59,7 +59,8 @@ class Scheduler:
         except InvalidRequestError as exc:
             raise ConfigError(str(exc)) from None
         oracle = self.default.kind == "oracle"
-        budget = 0 if oracle else config.budget_mb * MiB
+        # no budget configured: the cgroup's limit (systemd's MemoryMax= / MemoryHigh=), when there is one
+        budget = 0 if oracle else config.budget_mb * MiB or probe.limit_bytes()
         self.ws = WorkingSet(budget, loader, probe, clock, config.pressure_floor_mb * MiB, sizes=drafts,
                              retry_after_s=config.retry_after_s)
         if target is not None:

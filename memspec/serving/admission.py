@@ -36,14 +36,18 @@ def _mb(n: int) -> str:
     return f"{n / MiB:.0f} MiB"
 
 
-def fits(need: int, available: int, headroom: int) -> str | None:
+def fits(need: int, available: int, headroom: int, reserved: int = 0) -> str | None:
     """None when a request needing `need` KV bytes may start now, else the reason it may not.
 
-    available: system memory the kernel can still hand out (already net of what
-    is allocated); headroom: what must stay free for everything else.
+    available: system memory the kernel can still hand out (already net of what is
+    allocated); headroom: what must stay free for everything else; reserved: the KV
+    bytes running requests were admitted with.  Their pages are committed only as
+    they generate, so `available` does not show them yet: they are counted as not
+    written (the safe side: a request near its end is counted twice, never zero).
     """
-    if need > available - headroom:
-        return (f"its KV cache needs {_mb(need)} but the system has {_mb(available)} available "
+    if need > available - headroom - reserved:
+        held = f", {_mb(reserved)} are reserved by running requests" if reserved else ""
+        return (f"its KV cache needs {_mb(need)} but the system has {_mb(available)} available{held} "
                 f"and {_mb(headroom)} must stay free")
     return None
 
@@ -135,7 +139,7 @@ class Admission:
         while True:
             cfg = self.config
             if self._waiting[0] is me and self._active < cfg.max_concurrent:
-                why = fits(kv_bytes, self._available(), cfg.headroom_bytes)
+                why = fits(kv_bytes, self._available(), cfg.headroom_bytes, self._reserved)
                 if why is None:
                     return
                 if self._active == 0:  # nothing running will free memory: waiting cannot help

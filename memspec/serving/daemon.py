@@ -26,8 +26,7 @@ import time
 from pathlib import Path
 from typing import Callable
 
-import psutil
-
+from memspec.runtime.memory import PsutilProbe
 from memspec.serving.address import Address, check_private_folder, default_socket, server_address
 from memspec.serving.admission import MiB, Admission, AdmissionConfig
 from memspec.serving.backend import EngineBackend
@@ -143,7 +142,7 @@ class Daemon:
         self.address: Address = server_address(listen or config.server.listen)
         self.notifier = notifier or Notifier()
         self.backend = EngineBackend(config, loader, ModelStore(config.store_home))
-        self.admission = Admission(admission_config(config.server), lambda: psutil.virtual_memory().available)
+        self.admission = Admission(admission_config(config.server), PsutilProbe().available_bytes)  # cgroup-aware
         self.servicer = MemSpecServicer(self.backend, self.admission, listen=str(self.address))
         self.max_workers = config.server.max_concurrent + config.server.max_queue + SPARE_WORKERS
 
