@@ -22,6 +22,14 @@ class Limits:
     max_stop: int = 8  # most stop strings
     max_stop_chars: int = 64  # longest stop string
     max_name_chars: int = 128  # longest draft or policy name
+    max_messages: int = 256  # most chat messages in one request
+    max_chat_chars: int = 262144  # most characters in all of a request's chat messages together
+
+    def request_bytes(self) -> int:
+        """The largest request these limits let through, as protobuf bytes (UTF-8 is at most
+        4 bytes a character): what the server's max_receive_message_length is set to."""
+        text = max(self.max_prompt_chars, self.max_chat_chars + self.max_messages * 16)  # 16: a role
+        return 4 * (text + self.max_stop * self.max_stop_chars + 2 * self.max_name_chars) + 64 * 1024
 
 
 @dataclass(frozen=True)
@@ -105,6 +113,11 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
     else:
         if not req.messages:
             raise _bad("messages", "must hold at least one message")
+        if len(req.messages) > limits.max_messages:
+            raise _bad("messages", f"{len(req.messages)} messages; at most {limits.max_messages}")
+        total = sum(len(c) for _, c in req.messages if isinstance(c, str))
+        if total > limits.max_chat_chars:
+            raise _bad("messages", f"{total} characters in all; at most {limits.max_chat_chars}")
         for i, (role, content) in enumerate(req.messages):
             if role not in ROLES:
                 raise _bad(f"messages[{i}].role", f"{quote(role)} is not one of {', '.join(ROLES)}")

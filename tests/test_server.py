@@ -257,7 +257,7 @@ def test_bad_field_is_invalid_argument_naming_it(h, fields, name):
     assert exc.value.details().startswith(name + ":"), exc.value.details()
 
 
-HUGE = "x" * (3 << 20)  # 3 MB: more than gRPC's metadata can carry in an error's details
+HUGE = "x" * (600 << 10)  # 600 kB: within the largest request, far more than an error's details can carry
 
 
 @pytest.mark.parametrize("fields,name", [
@@ -275,6 +275,25 @@ def test_a_huge_name_is_a_clean_invalid_argument_that_quotes_a_short_prefix(h, f
     assert details.startswith(name + ":") and len(details) < 300, details[:300]
     assert all(len(r.getMessage()) + len(str(getattr(r, "fields", ""))) < 2000 for r in caplog.records)
     assert h.client.health() == "SERVING"
+
+
+def test_requests_are_bounded_before_templating_and_a_larger_message_is_refused_by_grpc(h):
+    many = [wire.pb2.ChatMessage(role="user", content="x")] * 257
+    call = h.client._stub.Generate(wire.pb2.GenerateRequest(messages=many), timeout=10)
+    with pytest.raises(grpc.RpcError) as exc:
+        list(call)
+    assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert exc.value.details() == "messages: 257 messages; at most 256"
+    long = [wire.pb2.ChatMessage(role="user", content="y" * 200), wire.pb2.ChatMessage(role="assistant",
+                                                                                      content="z" * 262000)]
+    with pytest.raises(grpc.RpcError) as exc:
+        list(h.client._stub.Generate(wire.pb2.GenerateRequest(messages=long), timeout=10))
+    assert exc.value.details() == "messages: 262200 characters in all; at most 262144"
+    too_big = "w" * (Limits().request_bytes() + 1)
+    with pytest.raises(grpc.RpcError) as exc:
+        list(h.client._stub.Generate(wire.pb2.GenerateRequest(prompt=too_big), timeout=10))
+    assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED  # grpc refuses it before parsing
+    assert h.client.health() == "SERVING" and collect(h.client.generate("still here", max_tokens=2))[1].text
 
 
 def test_client_rebuilds_the_named_exception(h):

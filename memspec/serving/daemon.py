@@ -175,7 +175,9 @@ class Daemon:
         elif not self.address.is_loopback:
             log.warning("listening beyond loopback without TLS or authentication",
                         extra={"fields": {"listen": self.address.target}})
-        server, _ = create_server(self.servicer, self.address.target, self.max_workers)
+        # sized at start for the limits then: a SIGHUP that raises them needs a restart to take larger requests
+        server, _ = create_server(self.servicer, self.address.target, self.max_workers,
+                                  self.config.limits.request_bytes())
         server.start()
         if self.address.is_unix:
             os.chmod(self.address.path, self.config.server.socket_mode)

@@ -24,7 +24,7 @@ from memspec.serving import wire
 from memspec.serving.admission import Admission
 from memspec.serving.backend import Backend
 from memspec.errors import CancelledError, ConfigError, InvalidRequestError, MemspecError, UnavailableError
-from memspec.request import Completion
+from memspec.request import Completion, Limits
 
 pb2 = wire.pb2
 log = logging.getLogger("memspec.server")
@@ -225,17 +225,21 @@ def _handlers(servicer: MemSpecServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
-def create_server(servicer: MemSpecServicer, address: str, max_workers: int) -> tuple[grpc.Server, int]:
+def create_server(servicer: MemSpecServicer, address: str, max_workers: int,
+                  max_message_bytes: int = Limits().request_bytes()) -> tuple[grpc.Server, int]:
     """A server with MemSpec, health and reflection bound to `address` (not started).
 
     Every queued request holds a worker while it waits, so max_workers should be
     max_concurrent + max_queue plus a few for status and health calls; grpc
-    refuses calls beyond that with RESOURCE_EXHAUSTED.
+    refuses calls beyond that with RESOURCE_EXHAUSTED.  A request larger than
+    `max_message_bytes` (what [limits] allow: Limits.request_bytes) is refused by
+    grpc before it is parsed, with RESOURCE_EXHAUSTED.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="memspec-rpc"),
         maximum_concurrent_rpcs=max_workers,
-        options=[("grpc.so_reuseport", 0)],  # a second daemon must fail to bind, not share the port
+        options=[("grpc.so_reuseport", 0),  # a second daemon must fail to bind, not share the port
+                 ("grpc.max_receive_message_length", max_message_bytes)],
     )
     server.add_generic_rpc_handlers((_handlers(servicer),))
     health_pb2_grpc.add_HealthServicer_to_server(servicer.health, server)
