@@ -58,9 +58,7 @@ class TargetModel:
         session = DecoderSession(m.variant_path(variant), config, arena=True,  # pinned: never unloaded
                                  min_rows=2 if config.batch_invariant else 1)
         tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
-        eos = set(m.extra.get("eos_token_ids", []))
-        if tok.eos_token_id is not None:
-            eos.add(tok.eos_token_id)
+        eos = set(m.extra.get("eos_token_ids", [])) | tok.eos_token_ids  # Qwen2.5: <|im_end|> and <|endoftext|>
         # ONNX Runtime frees its load-time copies of the weights once it has packed them, and the
         # tokenizer its parse of tokenizer.json, but glibc keeps the freed pages (a q4 load left
         # 56 MiB), which would count against the memory budget and the device's shared memory.
