@@ -635,6 +635,26 @@ def test_notifier_sends_datagrams(tmp_path):
     assert Notifier({"WATCHDOG_USEC": "5", "WATCHDOG_PID": "1"}).watchdog_interval is None
 
 
+def test_a_long_load_keeps_extending_systemds_timeout_and_pinging_its_watchdog(tmp_path):
+    import socket
+
+    path = tmp_path / "notify"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_DGRAM) as s:
+        s.bind(str(path))
+        s.settimeout(2)
+        n = Notifier({"NOTIFY_SOCKET": str(path), "WATCHDOG_USEC": "200000"})  # pings every 0.1 s
+        with n.busy(every_s=10.0):
+            time.sleep(0.35)
+        got = []
+        s.settimeout(0.2)
+        try:
+            while True:
+                got.append(s.recv(256).decode())
+        except socket.timeout:
+            pass
+    assert got[0] == "EXTEND_TIMEOUT_USEC=30000000" and got.count("WATCHDOG=1") >= 3, got
+
+
 # -- the CLI's choice between the daemon and local generation ----------------------------------
 def _args(**kw):
     return SimpleNamespace(**{"local": False, "variant": None, "address": None, **kw})
@@ -741,3 +761,16 @@ def test_admission_counts_what_running_requests_reserved_but_have_not_written():
     first.release()
     assert started.wait(5)
     t.join(5)
+
+
+def test_a_jetson_is_recognised_by_its_release_file_or_its_gpu_nodes(tmp_path):
+    from memspec.serving.daemon import is_jetson
+
+    (tmp_path / "dev").mkdir()
+    assert not is_jetson(tmp_path)
+    (tmp_path / "dev" / "nvhost-ctrl-gpu").touch()
+    assert is_jetson(tmp_path)
+    other = tmp_path / "other"
+    (other / "etc").mkdir(parents=True)
+    (other / "etc" / "nv_tegra_release").write_text("# R36 (release), REVISION: 4.0\n")
+    assert is_jetson(other)

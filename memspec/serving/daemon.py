@@ -91,6 +91,11 @@ def prepare_socket(path: Path) -> None:
         path.unlink()  # stale
 
 
+def is_jetson(root: Path = Path("/")) -> bool:
+    """An NVIDIA Jetson (L4T): its release file, or its GPU's device nodes."""
+    return (root / "etc/nv_tegra_release").is_file() or any((root / "dev").glob("nvhost-*"))
+
+
 # -- signals ------------------------------------------------------------------------------
 class Signals:
     """SIGTERM, SIGINT and SIGHUP as numbers on a socket that the main loop waits on."""
@@ -189,12 +194,17 @@ class Daemon:
         self.notifier.status(f"loading {target}")
         log.info("starting", extra={"fields": {"listen": str(self.address), "target": target, "pid": os.getpid()}})
         try:
-            loaded = self.backend.start()
+            with self.notifier.busy(watchdog=self.config.server.watchdog):  # the load may take minutes
+                loaded = self.backend.start()
         except MemspecError:
             server.stop(0)
             self._remove_socket()
             raise
         self.servicer.set_state("serving")
+        if is_jetson() and loaded["model"]["device"] == "cpu":
+            log.warning("this is a Jetson, but the target runs on the CPU: install the JetPack build of "
+                        "onnxruntime-gpu (and not the onnxruntime package beside it), or set [runtime] providers",
+                        extra={"fields": {"providers": loaded["model"]["providers"]}})
         self.notifier.ready(f"serving {target} on {self.address}")
         log.info("serving", extra={"fields": {"listen": str(self.address), **loaded["model"],
                                               "load_ms": round(loaded["load_ms"], 1)}})

@@ -8,10 +8,12 @@ is a no-op that returns False.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
+import threading
 import time
-from typing import Mapping
+from typing import Iterator, Mapping
 
 
 class Notifier:
@@ -52,3 +54,29 @@ class Notifier:
 
     def watchdog(self) -> bool:
         return self.send("WATCHDOG=1")
+
+    def extend_timeout(self, seconds: float) -> bool:
+        """Ask systemd for `seconds` more before it gives up on the start (a long load)."""
+        return self.send(f"EXTEND_TIMEOUT_USEC={int(seconds * 1e6)}")
+
+    @contextlib.contextmanager
+    def busy(self, every_s: float = 10.0, watchdog: bool = True) -> Iterator[None]:
+        """While the block runs (a model load that may take minutes: a TensorRT engine build),
+        keep extending systemd's timeout and, with `watchdog`, pinging it, from a thread."""
+        done = threading.Event()
+
+        def keep_alive():
+            while True:
+                self.extend_timeout(3 * every_s)
+                if watchdog and self.watchdog_usec:
+                    self.watchdog()
+                if done.wait(min(every_s, self.watchdog_interval or every_s)):
+                    return
+
+        t = threading.Thread(target=keep_alive, name="memspec-notify", daemon=True)
+        t.start()
+        try:
+            yield
+        finally:
+            done.set()
+            t.join()
