@@ -55,6 +55,23 @@ def test_unit_has_what_the_daemon_relies_on():
     assert "PrivateDevices=yes" not in unit  # would hide the GPU
 
 
+@pytest.mark.parametrize("where", ["README.md", "systemd/memspec.service"])
+def test_install_steps_make_the_store_then_pull_then_enable(where):
+    """`useradd --system` makes no home: the store must be made, owned by memspec, before the
+    pull, and the pull must come before the daemon is enabled (it serves the pulled model)."""
+    text = (REPO / where).read_text()
+    make = text.index("install -d -o memspec -g memspec -m 0750 /var/lib/memspec")
+    pull = text.index("memspec pull smollm2-135m")
+    enable = text.index("enable --now memspec")
+    assert text.index("useradd --system") < make < pull < enable
+
+
+def test_unit_documentation_names_a_file_the_install_steps_put_there():
+    doc = next(line for line in UNIT.read_text().splitlines() if line.startswith("Documentation="))
+    path = doc.split("file://", 1)[1]
+    assert f"install -D -m 0644 memspec.example.toml {path}" in (REPO / "README.md").read_text()
+
+
 def test_unit_passes_systemd_analyze_verify(tmp_path):
     analyze = shutil.which("systemd-analyze")
     if analyze is None:
