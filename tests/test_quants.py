@@ -201,3 +201,15 @@ def test_unsupported_type_is_refused_before_anything_is_written(tmp_path):
     with pytest.raises(ModelFormatError, match="tensor 'blk.0.attn_q.weight' is Q2_K, which memspec does not convert"):
         convert(path, out, "q4")
     assert not (tmp_path / "out").exists()
+
+
+def test_a_model_past_the_protobuf_limit_keeps_its_weights_beside_it(tmp_path, monkeypatch):
+    import memspec.models.convert as convert_module
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", "Q4_K", "Q6_K")
+    small = convert(path, tmp_path / "small.onnx", "q4")
+    monkeypatch.setattr(convert_module, "PROTOBUF_LIMIT", 0)
+    big = convert(path, tmp_path / "big.onnx", "q4")
+    assert convert_module.external_data_path(big).stat().st_size > 10 * big.stat().st_size
+    ids = list(range(20))
+    np.testing.assert_array_equal(run_logits(big, ids), run_logits(small, ids))

@@ -64,7 +64,7 @@ class _Graph:
     half_weights: bool = False  # store float32 matrices as float16 + Cast (drafts: half the file size)
 
     def init(self, name: str, array: np.ndarray) -> str:
-        array = np.array(array, order="C")
+        array = np.asarray(array, order="C")
         if self.half_weights and array.dtype == np.float32 and array.ndim == 2 and name not in HALF_EXEMPT:
             # ORT folds the Cast at load time: the session holds float32 weights, the file float16.
             self.inits.append(numpy_helper.from_array(array.astype(np.float16), f"{name}.fp16"))
@@ -332,22 +332,45 @@ class DecoderBuilder:
             pk, pv, ok, ov = kv_names(i)
             inputs += [helper.make_tensor_value_info(pk, f, kv), helper.make_tensor_value_info(pv, f, kv)]
             outputs += [helper.make_tensor_value_info(ok, f, kv_out), helper.make_tensor_value_info(ov, f, kv_out)]
-        graph = helper.make_graph(g.nodes, "memspec_decoder", inputs, outputs, g.inits)
+        graph = helper.make_graph(g.nodes, "memspec_decoder", inputs, outputs)
         model = helper.make_model(
             graph, opset_imports=[helper.make_opsetid("", 21), helper.make_opsetid(MS, 1)], ir_version=10,
             producer_name="memspec",
         )
+        # The weights go in last, one at a time, each released once copied: make_graph and
+        # make_model would each copy them all (three copies of a 7 GB fp32 1.5B at once).
+        inits, g.inits = g.inits, []
+        for k in range(len(inits)):
+            model.graph.initializer.append(inits[k])
+            inits[k] = None
         helper.set_model_props(model, {"memspec.kv_layout": "shared_buffer", "memspec.variant": self.variant})
         return model
 
 
+PROTOBUF_LIMIT = 2**31 - 2**26  # a protobuf must stay under 2 GiB; keep a margin for the graph itself
+
+
+def external_data_path(onnx_path: str | Path) -> Path:
+    """Where a model too large for one protobuf keeps its weights: `<file>.data` beside it."""
+    return Path(f"{onnx_path}.data")
+
+
 def convert(gguf_path: str | Path, out_path: str | Path, variant: str, max_positions: int | None = None) -> Path:
-    """Convert one GGUF into one ONNX decoder file; returns the file's path."""
-    model = GGUFModel(gguf_path)
+    """Convert one GGUF into one ONNX decoder file; returns the file's path.
+
+    A model whose weights pass the 2 GiB protobuf limit (the fp32 variant of a 1.5B) keeps
+    them in external_data_path(out_path), written before the .onnx file appears."""
+    model = GGUFModel(gguf_path)  # refuses an unsupported architecture or tensor type before any write
     proto = DecoderBuilder(model, variant, max_positions).build()
     out = Path(out_path)
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial")
-    onnx.save_model(proto, str(tmp))
+    data = external_data_path(out)
+    if sum(t.ByteSize() for t in proto.graph.initializer) > PROTOBUF_LIMIT:
+        onnx.save_model(proto, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
+                        location=data.name, size_threshold=1024)
+    else:
+        onnx.save_model(proto, str(tmp))
+        data.unlink(missing_ok=True)  # a previous, larger conversion's weights
     tmp.replace(out)
     return out
