@@ -60,10 +60,10 @@ def test_install_steps_make_the_store_then_pull_then_enable(where):
     """`useradd --system` makes no home: the store must be made, owned by memspec, before the
     pull, and the pull must come before the daemon is enabled (it serves the pulled model)."""
     text = (REPO / where).read_text()
-    make = text.index("install -d -o memspec -g memspec -m 0750 /var/lib/memspec")
-    pull = text.index("memspec pull smollm2-135m")
-    enable = text.index("enable --now memspec")
-    assert text.index("useradd --system") < make < pull < enable
+    steps = text[text.index("useradd --system"):]  # the install steps, from the user on
+    make = steps.index("install -d -o memspec -g memspec -m 0750 /var/lib/memspec")
+    pull = steps.index("MEMSPEC_HOME=/var/lib/memspec /opt/memspec/venv/bin/memspec pull")
+    assert make < pull < steps.index("enable --now memspec")
 
 
 def test_unit_documentation_names_a_file_the_install_steps_put_there():
