@@ -16,6 +16,10 @@ Uses llama-cpp-python on the same GGUF the tests use and writes
   and rendered chat prompts, its end-of-generation ids, and for a seeded fuzz set
   (``tests/tokenizer_fuzz.py``) only a short hash of the ids of each string.
 
+``--qwen-template-gguf PATH`` (repeatable; the first part of a split GGUF is enough)
+checks that another Qwen2.5 GGUF has the same tokenizer and writes its chat template
+to ``tests/fixtures/qwen2_chat_templates.json`` (the 1.5B's differs in its tools branch).
+
 ``--fuzz N`` additionally compares ``memspec.models.tokenizer`` with llama.cpp on N
 random strings and exits non-zero on any mismatch (nothing is written for it).
 
@@ -306,6 +310,23 @@ def record_qwen(gguf: Path, out_dir: Path) -> int:
     return bad_cases + bad_fuzz
 
 
+def record_qwen_templates(ggufs: list[Path], out_dir: Path) -> None:
+    """Write the chat templates of other Qwen2.5 GGUFs, after checking their tokenizer is the fixture's."""
+    ours = json.loads(lzma.decompress((out_dir / "qwen2_tokenizer.json.xz").read_bytes()))
+    templates = {}
+    for gguf in ggufs:
+        meta = read_metadata(gguf)
+        theirs = {k: v for k, v in meta.items() if k.startswith("tokenizer.")}
+        differ = sorted(k for k in ours.keys() | theirs.keys()
+                        if k != "tokenizer.chat_template" and ours.get(k) != theirs.get(k))
+        if differ:
+            raise SystemExit(f"{gguf}: tokenizer differs from the qwen2 fixture in {differ}")
+        templates[meta["general.name"]] = meta["tokenizer.chat_template"]
+    out = out_dir / "qwen2_chat_templates.json"
+    out.write_text(json.dumps(templates, ensure_ascii=False, indent=1) + "\n", encoding="utf-8")
+    print(f"wrote {len(templates)} chat templates to {out}")
+
+
 def main() -> int:
     """CLI entry point."""
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
@@ -314,9 +335,13 @@ def main() -> int:
     parser.add_argument("--what", choices=("tokenization", "logits", "all", "none"), default="all")
     parser.add_argument("--fuzz", type=int, default=0, help="also compare on N random strings")
     parser.add_argument("--qwen-gguf", type=Path, help="also record the Qwen2.5 tokenizer fixtures from this GGUF")
+    parser.add_argument("--qwen-template-gguf", type=Path, action="append", default=[],
+                        help="record this Qwen2.5 GGUF's chat template (its tokenizer must match)")
     args = parser.parse_args()
     args.out_dir.mkdir(parents=True, exist_ok=True)
     bad = record_qwen(args.qwen_gguf, args.out_dir) if args.qwen_gguf else 0
+    if args.qwen_template_gguf:
+        record_qwen_templates(args.qwen_template_gguf, args.out_dir)
     if args.what == "none" and not args.fuzz:
         return 1 if bad else 0
     if not args.gguf.is_file():

@@ -321,29 +321,49 @@ def test_vocabulary_that_does_not_match_merges_is_refused(qwen_meta: dict[str, A
         build_tokenizer_json(dict(qwen_meta, **{"tokenizer.ggml.merges": merges}))
 
 
-def test_qwen_chat_template_user_only_has_default_system(qwen: Tokenizer) -> None:
+@pytest.fixture(scope="module", params=["0.5B", "1.5B"])
+def qwen_chat(request: pytest.FixtureRequest, qwen: Tokenizer, qwen_meta: dict[str, Any]) -> Tokenizer:
+    """The Qwen tokenizer with the chat template of the 0.5B's GGUF, or of the 1.5B's (its tools text differs)."""
+    if request.param == "0.5B":
+        return qwen
+    templates = json.loads((FIXTURES / "qwen2_chat_templates.json").read_text("utf-8"))
+    template = templates["Qwen2.5 Coder 1.5B Instruct GGUF"]
+    assert template != qwen_meta["tokenizer.chat_template"]
+    return Tokenizer(_tokenizer_json(qwen), dict(build_tokenizer_config(qwen_meta), chat_template=template))
+
+
+def test_qwen_chat_template_user_only_has_default_system(qwen_chat: Tokenizer) -> None:
     messages = [{"role": "user", "content": "Write a palindrome check."}]
-    assert qwen.apply_chat_template(messages) == (
+    assert qwen_chat.apply_chat_template(messages) == (
         f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n"
         "<|im_start|>user\nWrite a palindrome check.<|im_end|>\n"
         "<|im_start|>assistant\n"
     )
 
 
-def test_qwen_chat_template_system_and_user(qwen: Tokenizer) -> None:
+def test_qwen_chat_template_system_and_user(qwen_chat: Tokenizer) -> None:
     messages = [{"role": "system", "content": "Be terse."}, {"role": "user", "content": "Hi"}]
-    text = qwen.apply_chat_template(messages)
+    text = qwen_chat.apply_chat_template(messages)
     assert text == "<|im_start|>system\nBe terse.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n<|im_start|>assistant\n"
     assert QWEN_SYSTEM not in text
 
 
-def test_qwen_chat_template_multi_turn(qwen: Tokenizer) -> None:
+def test_qwen_chat_template_multi_turn(qwen_chat: Tokenizer) -> None:
     messages = [{"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"},
                 {"role": "user", "content": "3+3?"}]
-    text = qwen.apply_chat_template(messages, add_generation_prompt=False)
+    text = qwen_chat.apply_chat_template(messages, add_generation_prompt=False)
     assert text == (
         f"<|im_start|>system\n{QWEN_SYSTEM}<|im_end|>\n"
         "<|im_start|>user\n2+2?<|im_end|>\n<|im_start|>assistant\n4<|im_end|>\n<|im_start|>user\n3+3?<|im_end|>\n"
     )
-    ids = qwen.encode(text)
+    ids = qwen_chat.encode(text)
     assert ids.count(IM_START) == ids.count(IM_END) == 4
+
+
+def test_qwen_chat_template_tools_branch_renders_in_sandbox(qwen_chat: Tokenizer) -> None:
+    tool = {"name": "add", "parameters": {"a": "int"}}
+    text = qwen_chat._chat_template().render(  # noqa: SLF001 - memspec passes no tools; the branch must still compile
+        messages=[{"role": "user", "content": "1+2"}], tools=[tool], add_generation_prompt=True)
+    assert text.startswith(f"<|im_start|>system\n{QWEN_SYSTEM}\n\n# Tools\n")
+    assert '\n{"name": "add", "parameters": {"a": "int"}}\n</tools>' in text
+    assert text.endswith("<|im_start|>user\n1+2<|im_end|>\n<|im_start|>assistant\n")
