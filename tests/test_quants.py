@@ -156,17 +156,21 @@ def test_k_quant_decoder_matches_the_float64_reference(tmp_path, variant, arch, 
         assert "GatherBlockQuantized" in ops and ops.count("MatMulNBits") == 6 + 4 + 1
 
 
+def llama_cpp_permute(w: np.ndarray, heads: int) -> np.ndarray:
+    """convert_hf_to_gguf's Q/K row order for llama: each head's two rotary halves interleaved."""
+    n, k = w.shape
+    return w.reshape(heads, 2, n // heads // 2, k).swapaxes(1, 2).reshape(n, k)
+
+
 def test_q_and_k_rows_are_unpermuted_for_llama_only(tmp_path):
-    raw = {}
     for arch in ("llama", "qwen2"):
-        m = GGUFModel(write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, "Q8_0", None))
-        t = m._tensors["blk.0.attn_k.weight"]
-        raw[arch] = gguf.quants.dequantize(t.data, t.tensor_type)
-        got = m.float32("blk.0.attn_k.weight")
-        np.testing.assert_array_equal(got, raw[arch][m._row_order("blk.0.attn_k.weight", got.shape[0])]
-                                      if arch == "llama" else raw[arch])
-        np.testing.assert_array_equal(m.blocks("blk.0.attn_k.weight").dequantize(), got)
-    assert not np.array_equal(GGUFModel(tmp_path / "llama.gguf").float32("blk.0.attn_k.weight"), raw["llama"])
+        path = write_tiny_gguf(tmp_path / f"{arch}.gguf", arch, "Q8_0", None)
+        t = next(t for t in gguf.GGUFReader(path).tensors if t.name == "blk.0.attn_k.weight")
+        in_file = gguf.quants.dequantize(t.data, t.tensor_type)  # rows as the GGUF stores them
+        got = GGUFModel(path).float32("blk.0.attn_k.weight")
+        np.testing.assert_array_equal(llama_cpp_permute(got, KV_HEADS) if arch == "llama" else got, in_file)
+        assert np.array_equal(got, in_file) == (arch == "qwen2")
+        np.testing.assert_array_equal(GGUFModel(path).blocks("blk.0.attn_k.weight").dequantize(), got)
 
 
 @pytest.mark.parametrize("variant, quantize", [("fp32", None), ("q4", "Q4_1"), ("q4", "Q8_0")])

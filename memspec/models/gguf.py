@@ -72,7 +72,7 @@ class DecoderConfig:
 
 @dataclass(frozen=True)
 class Q4Blocks:
-    """A Q4_1 matrix unpacked into MatMulNBits pieces.  w = d * (q - 8) + (m + 8 d)."""
+    """A Q4_1 matrix (what ArrayWeights rounds to): w = d * q + m."""
 
     q: np.ndarray  # (N, n_blocks, 32) uint8 in [0, 15]
     d: np.ndarray  # (N, n_blocks) float32 scale
@@ -192,7 +192,7 @@ _DECODERS = {"Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0, "Q8_0": _decode_q8_0,
 
 def decode_blocks(qtype: str, raw: np.ndarray) -> Blocks:
     """Raw ggml blocks of a matrix, (N, bytes per row) uint8, as :class:`Blocks` (N rows)."""
-    per, nbytes = BLOCK_TYPES[qtype]
+    _, nbytes = BLOCK_TYPES[qtype]
     n = raw.shape[0]
     b = _DECODERS[qtype](np.ascontiguousarray(raw, dtype=np.uint8).reshape(-1, nbytes))
     q = b.q.reshape(n, -1, b.q.shape[-1])
@@ -284,7 +284,8 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
 
 
 class GGUFModel:
-    """A llama or qwen2 GGUF opened for conversion."""
+    """A llama or qwen2 GGUF opened for conversion: refuses another architecture, or a tensor
+    type outside FLOAT_TYPES and BLOCK_TYPES, when it is opened."""
 
     def __init__(self, path: str | Path):
         import gguf  # conversion-only dependency
