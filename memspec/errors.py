@@ -26,6 +26,14 @@ class ContextOverflowError(InvalidRequestError):
     """The prompt (plus what must be generated) does not fit in the context window."""
 
 
+class TokenizerError(MemspecError, ValueError):
+    """Unusable tokenizer metadata (a model's), or text the tokenizer cannot take."""
+
+
+class ChatTemplateError(TokenizerError, InvalidRequestError):
+    """Chat messages are malformed, or the model's template cannot render them (the request's fault)."""
+
+
 # -- daemon (memspec.serving.server, memspec.serving.client) ---------------------------------------
 class NotLoadedError(MemspecError):
     """The daemon has no resident model to serve this (it was unloaded)."""

@@ -774,3 +774,8 @@ def test_a_jetson_is_recognised_by_its_release_file_or_its_gpu_nodes(tmp_path):
     (other / "etc").mkdir(parents=True)
     (other / "etc" / "nv_tegra_release").write_text("# R36 (release), REVISION: 4.0\n")
     assert is_jetson(other)
+
+
+def test_a_tokenizer_error_is_a_named_status_not_internal():
+    assert wire.code_for(errors.TokenizerError("bad merges")) == grpc.StatusCode.FAILED_PRECONDITION
+    assert wire.code_for(errors.ChatTemplateError("bad turn")) == grpc.StatusCode.INVALID_ARGUMENT

@@ -24,7 +24,7 @@ from typing import Any
 
 from tokenizers import Tokenizer as HFTokenizer
 
-from memspec.errors import InvalidRequestError, MemspecError
+from memspec.errors import ChatTemplateError, TokenizerError
 from memspec.models.gguf import read_metadata
 
 __all__ = [
@@ -96,14 +96,6 @@ _END_OF_GENERATION = frozenset({
     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
 })
-
-
-class TokenizerError(MemspecError, ValueError):
-    """Raised for unusable tokenizer metadata or invalid tokenizer input."""
-
-
-class ChatTemplateError(TokenizerError, InvalidRequestError):
-    """Raised when chat messages are malformed or the template cannot render them."""
 
 
 # --------------------------------------------------------------------------- GGUF

@@ -18,8 +18,9 @@ from google.protobuf.message import DecodeError, Message
 from memspec import errors
 from memspec.serving import proto
 from memspec.errors import (
-    CancelledError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelFormatError,
-    ModelNotFoundError, NotLoadedError, OverloadedError, RemoteError, UnavailableError,
+    CancelledError, ChatTemplateError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError,
+    ModelFormatError, ModelNotFoundError, NotLoadedError, OverloadedError, RemoteError, TokenizerError,
+    UnavailableError,
 )
 from memspec.request import Chunk, Completion, GenerationRequest, PolicyName, SamplingParams
 
@@ -33,6 +34,8 @@ _SAMPLING = SamplingParams()
 # -- errors <-> status codes: the one table ------------------------------------------
 CODES: dict[type, grpc.StatusCode] = {
     InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,  # ContextOverflowError too (a subclass)
+    ChatTemplateError: grpc.StatusCode.INVALID_ARGUMENT,  # before TokenizerError: the request's fault
+    TokenizerError: grpc.StatusCode.FAILED_PRECONDITION,  # the model's tokenizer cannot serve
     ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
     ModelNotFoundError: grpc.StatusCode.NOT_FOUND,
     ModelFormatError: grpc.StatusCode.FAILED_PRECONDITION,
