@@ -8,6 +8,7 @@ import importlib.util
 import io
 import itertools
 import json
+import os
 
 import pytest
 
@@ -232,3 +233,19 @@ def test_an_engine_that_cannot_load_is_left_out(tmp_path):
                          max_new=2, rounds=1, progress=said.append)
     assert result == {"rows": []}
     assert said and said[0].startswith("target-only: left out: the target-only worker exited (status 1)")
+
+
+def test_soak_runs_clients_with_cancels_deadlines_and_model_calls_and_checks_the_end_state(model_store, tmp_path):
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "bench" / "soak.py"
+    out = tmp_path / "soak.json"
+    r = subprocess.run([sys.executable, str(script), "--requests", "40", "--clients", "3", "--max-tokens", "8",
+                        "--model-calls-every", "15", "--json", str(out)], capture_output=True, text=True, timeout=600,
+                       env={**os.environ, "MEMSPEC_HOME": str(model_store.home)})
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["unexpected"] == 0 and report["at_end"] == {"active_streams": 0, "queue_depth": 0, "kv_bytes": 0}
+    assert sum(report["codes"].values()) == 40 and any(k.startswith(("load:", "unload:")) for k in report["codes"])
