@@ -9,6 +9,6 @@ if [ ! -x .venv/bin/python ]; then
     "$PY" -m venv .venv
 fi
 .venv/bin/python -m pip install -q --upgrade pip
-.venv/bin/python -m pip install -q -e ".[test]"
+.venv/bin/python -m pip install -q -e ".[cpu,test]"
 .venv/bin/memspec pull smollm2-135m
 .venv/bin/memspec generate "What is the capital of France? Answer in one sentence."

@@ -131,3 +131,23 @@ def test_build_hook_ships_generated_code_in_a_plain_build(tmp_path):
                          capture_output=True, text=True, timeout=60)
     assert ran.returncode == 0, ran.stderr
     assert ran.stdout.strip() == "memspec/v1/memspec.proto"
+
+
+def test_onnx_runtime_is_an_extra_so_a_jetsons_onnxruntime_gpu_is_not_replaced():
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10 (JetPack 6)
+        import tomli as tomllib
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    assert not any(d.split(">")[0].split("=")[0].strip() == "onnxruntime" for d in project["dependencies"])
+    assert any(d.startswith("onnxruntime>=") for d in project["optional-dependencies"]["cpu"])
+    assert '".[cpu,test]"' in (REPO / "setup.sh").read_text()  # the README's setup still gets the CPU build
+
+
+def test_without_onnx_runtime_memspec_says_what_to_install():
+    code = ("import sys; sys.modules['onnxruntime'] = None\n"
+            "from memspec.errors import ConfigError\n"
+            "try:\n    import memspec.runtime.sessions\nexcept ConfigError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert "ONNX Runtime is not installed" in out.stdout and "memspec[cpu]" in out.stdout, out.stdout + out.stderr

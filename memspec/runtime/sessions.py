@@ -23,9 +23,16 @@ from pathlib import Path
 from typing import Sequence
 
 import numpy as np
-import onnxruntime as ort
 
-from memspec.errors import ContextOverflowError, ModelFormatError
+from memspec.errors import ConfigError, ContextOverflowError, ModelFormatError
+
+try:
+    import onnxruntime as ort
+except ImportError as exc:  # memspec does not depend on one ONNX Runtime build: the machine picks it
+    raise ConfigError(
+        f"ONNX Runtime is not installed ({exc}): pip install 'memspec[cpu]' (the onnxruntime package), or on a "
+        f"Jetson the JetPack build of onnxruntime-gpu from NVIDIA's index (not both: they replace each other)"
+    ) from None
 from memspec.runtime.config import SessionConfig
 
 PAGE = 4096  # bytes the OS commits at a time (Linux, x86-64 and aarch64 defaults)
