@@ -135,11 +135,30 @@ def test_unknown_model_lists_the_store_and_what_pull_knows(tmp_path, command):
     assert "Traceback" not in r.stderr
 
 
-def test_model_picks_the_local_target(tmp_path):
-    folder = tmp_path / "models" / "other"
+def empty_target(home, name: str) -> None:
+    """A manifest for `name` in the store at `home`: enough for --model to find it."""
+    folder = home / "models" / name
     folder.mkdir(parents=True)
-    (folder / "manifest.json").write_text(json.dumps({"name": "other", "role": "target", "format": "onnx",
+    (folder / "manifest.json").write_text(json.dumps({"name": name, "role": "target", "format": "onnx",
                                                       "variants": {}}))
+
+
+@pytest.mark.parametrize("argv", [["generate", "hi"], ["chat"], ["serve"], ["bench"]],
+                         ids=["generate", "chat", "serve", "bench"])
+def test_model_becomes_the_configs_target(tmp_path, monkeypatch, argv):
+    from memspec.cli import _choose_model, parse_args
+    from memspec.config import load_config
+
+    empty_target(tmp_path, "other")
+    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path))
+    args = parse_args([*argv, "--model", "other"])
+    args.config = load_config(None)
+    _choose_model(args)
+    assert args.config.model.target == "other" and args.config.model.variant == "q4"
+
+
+def test_model_picks_the_local_target(tmp_path):
+    empty_target(tmp_path, "other")
     r = memspec("generate", "--model", "other", "--address", str(tmp_path / "d.sock"), "hi", home=tmp_path)
     assert r.returncode == 2 and "--model picks the local target" in r.stderr, r.stderr
 
