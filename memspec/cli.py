@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from typing import Sequence
 
@@ -465,8 +466,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     except MemspecError as exc:
         print(f"memspec: error: {exc}", file=sys.stderr)
         return 2
+    except PermissionError as exc:  # e.g. `sudo -u memspec memspec pull` before /var/lib/memspec is made
+        print(f"memspec: error: {exc.filename or exc}: permission denied for user {_user()}; make it writable "
+              f"by that user (the README's install steps: install -d -o memspec ...) or set MEMSPEC_HOME",
+              file=sys.stderr)
+        return 2
     except KeyboardInterrupt:
         return 130
+
+
+def _user() -> str:
+    import pwd
+
+    try:
+        return pwd.getpwuid(os.geteuid()).pw_name
+    except KeyError:
+        return str(os.geteuid())
 
 
 if __name__ == "__main__":

@@ -193,3 +193,16 @@ def test_bad_config_file(tmp_path):
 def test_models_lists_the_store(home):
     r = memspec("models", home=home)
     assert r.returncode == 0 and "smollm2-135m" in r.stdout and "fp32,q4" in r.stdout
+
+
+def test_a_store_the_user_cannot_write_is_a_message_not_a_traceback(monkeypatch, capsys):
+    import memspec.cli as cli
+
+    def cannot(args):
+        raise PermissionError(13, "Permission denied", "/var/lib/memspec/models")
+
+    monkeypatch.setattr(cli, "cmd_pull", cannot)
+    assert cli.main(["pull", "smollm2-135m"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("memspec: error: /var/lib/memspec/models: permission denied for user ")
+    assert "install -d -o memspec" in err and "Traceback" not in err
