@@ -106,6 +106,7 @@ class FakeEngine:
 class FakeStore:
     def __init__(self):
         self.manifests = {n: SimpleNamespace(name=n, role=role, variants={"q4": {"bytes": 5 * MiB}},
+                                             variant_bytes=lambda v: 5 * MiB,
                                              provenance={"source": "test"}, variant_path=self._variant(n))
                           for n, role in (("tiny", "target"), ("other", "target"), ("a-draft", "draft"))}
 

@@ -168,7 +168,7 @@ class EngineBackend:
     def models(self) -> list[dict]:
         resident = {m["name"]: m["variant"] for m in _resident(self.engine)}
         return [{
-            "name": m.name, "role": m.role, "variants": {v: r["bytes"] for v, r in m.variants.items()},
+            "name": m.name, "role": m.role, "variants": {v: m.variant_bytes(v) for v in m.variants},
             "source": m.provenance.get("source", ""), "resident": m.name in resident,
             "resident_variant": resident.get(m.name, ""),
         } for m in self.store.list()]

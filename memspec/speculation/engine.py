@@ -47,9 +47,11 @@ class TargetModel:
 
     @property
     def file_bytes(self) -> int:
-        """Size of the loaded variant's weights: the manifest's record, else the file on disk."""
-        rec = self.manifest.variants.get(self.variant, {}) if self.manifest else {}
-        return int(rec.get("bytes") or self.session.path.stat().st_size)
+        """Size of the loaded variant's weights (its external weights too): the manifest's record,
+        else the file on disk."""
+        if self.manifest is not None and self.variant in self.manifest.variants:
+            return self.manifest.variant_bytes(self.variant)
+        return self.session.path.stat().st_size
 
     @classmethod
     def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
