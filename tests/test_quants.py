@@ -217,3 +217,24 @@ def test_a_model_past_the_protobuf_limit_keeps_its_weights_beside_it(tmp_path, m
     assert convert_module.external_data_path(big).stat().st_size > 10 * big.stat().st_size
     ids = list(range(20))
     np.testing.assert_array_equal(run_logits(big, ids), run_logits(small, ids))
+
+
+def test_q4f16_runs_float16_activations_and_cache_close_to_the_reference(tmp_path):
+    """The CUDA variant, on the CPU (where ONNX Runtime casts some of its ops back to float32):
+    float16 KV inputs and outputs, float32 logits, the q4 weights with float16 scales."""
+    import onnxruntime as ort
+    from llama_reference import ReferenceLlama
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", "Q4_K", "Q6_K")
+    out = convert(path, tmp_path / "q4f16.onnx", "q4f16")
+    s = ort.InferenceSession(str(out), providers=["CPUExecutionProvider"])
+    kv = [i for i in s.get_inputs() if i.name.startswith("past_key_values.")]
+    assert len(kv) == 4 and {i.type for i in kv} == {"tensor(float16)"}
+    assert {o.type for o in s.get_outputs()} == {"tensor(float)", "tensor(float16)"}
+    ids = list(np.random.default_rng(1).integers(0, VOCAB, size=24))
+    feeds = {"input_ids": np.array([ids]), "attention_mask": np.ones((1, len(ids)), np.int64),
+             "logits_to_keep": np.array(0), **{i.name: np.zeros((1, KV_HEADS, 0, 64), np.float16) for i in kv}}
+    got = s.run(["logits"], feeds)[0][0]
+    want = ReferenceLlama(GGUFModel(path)).logits(ids)
+    err = np.abs(got - want).max() / want.std()
+    assert err < 0.3 and np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9, err

@@ -39,7 +39,10 @@ from onnx import TensorProto, helper, numpy_helper
 
 from memspec.models.gguf import FLOAT_TYPES, QK, ArrayWeights, Blocks, DecoderConfig, GGUFModel
 
-VARIANTS = ("fp32", "q4")
+VARIANTS = ("fp32", "q4")  # what a pull builds
+# Built only when asked: q4's weights with float16 activations and KV cache, for CUDA, whose
+# GroupQueryAttention runs in float16/bfloat16 only.  Its scales are rounded to float16.
+ON_REQUEST = ("q4f16",)
 MS = "com.microsoft"
 WEIGHT_DTYPES = ("float32", "float16")
 HALF_EXEMPT = ("cos_cache", "sin_cache")  # rotary tables stay float32 even with float16 weights
@@ -62,9 +65,12 @@ class _Graph:
     nodes: list = field(default_factory=list)
     inits: list = field(default_factory=list)
     half_weights: bool = False  # store float32 matrices as float16 + Cast (drafts: half the file size)
+    half_activations: bool = False  # every float tensor float16: weights, scales, norms, rotary tables
 
     def init(self, name: str, array: np.ndarray) -> str:
         array = np.asarray(array, order="C")
+        if self.half_activations and array.dtype == np.float32:
+            array = array.astype(np.float16)
         if self.half_weights and array.dtype == np.float32 and array.ndim == 2 and name not in HALF_EXEMPT:
             # ORT folds the Cast at load time: the session holds float32 weights, the file float16.
             self.inits.append(numpy_helper.from_array(array.astype(np.float16), f"{name}.fp16"))
@@ -100,15 +106,15 @@ class DecoderBuilder:
                  weight_dtype: str = "float32"):
         """weight_dtype="float16" (fp32 variant only) stores matrices as float16 initializers
         cast to float32 when the session loads; the computation stays float32."""
-        if variant not in VARIANTS:
-            raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS)}")
+        if variant not in VARIANTS + ON_REQUEST:
+            raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS + ON_REQUEST)}")
         if weight_dtype not in WEIGHT_DTYPES or (weight_dtype == "float16" and variant != "fp32"):
             raise ValueError(f"weight_dtype {weight_dtype!r} is not available for variant {variant!r}")
         self.m = model
         self.cfg: DecoderConfig = model.config
         self.variant = variant
         self.max_positions = max_positions or self.cfg.context_length
-        self.g = _Graph(half_weights=weight_dtype == "float16")
+        self.g = _Graph(half_weights=weight_dtype == "float16", half_activations=variant == "q4f16")
         self._blocksums: dict[str, str] = {}  # input -> its per-32 block sums, made once
 
     # -- linear layers ------------------------------------------------------
@@ -314,18 +320,21 @@ class DecoderBuilder:
         start = g.node("Unsqueeze", [keep, g.init("keep.axes0", np.array([0]))], "/model/keep/Start")
         h = g.node("Slice", [h, start, g.init("keep.end", np.array([2**62])), g.init("keep.axis", np.array([1]))], "/model/keep/Slice")
         logits = self._lm_head(h)
-        g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/model/logits"))
+        if g.half_activations:  # logits leave as float32, whatever the activations
+            g.nodes.append(helper.make_node("Cast", [logits], ["logits"], name="/model/logits", to=TensorProto.FLOAT))
+        else:
+            g.nodes.append(helper.make_node("Identity", [logits], ["logits"], name="/model/logits"))
         return self._model()
 
     def _model(self) -> onnx.ModelProto:
         c, g = self.cfg, self.g
-        f = TensorProto.FLOAT
+        f = TensorProto.FLOAT16 if g.half_activations else TensorProto.FLOAT  # the KV cache's type
         inputs = [
             helper.make_tensor_value_info("input_ids", TensorProto.INT64, ["batch_size", "sequence_length"]),
             helper.make_tensor_value_info("attention_mask", TensorProto.INT64, ["batch_size", "total_sequence_length"]),
             helper.make_tensor_value_info("logits_to_keep", TensorProto.INT64, []),
         ]
-        outputs = [helper.make_tensor_value_info("logits", f, ["batch_size", "logits_length", c.vocab])]
+        outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["batch_size", "logits_length", c.vocab])]
         kv = ["batch_size", c.n_kv_heads, "past_sequence_length", c.head_dim]
         kv_out = ["batch_size", c.n_kv_heads, "present_sequence_length", c.head_dim]
         for i in range(c.n_layers):
