@@ -375,11 +375,11 @@ def convert(gguf_path: str | Path, out_path: str | Path, variant: str, max_posit
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.with_suffix(".partial")
     data = external_data_path(out)
+    data.unlink(missing_ok=True)  # a previous conversion's weights: onnx would append to them
     if sum(t.ByteSize() for t in proto.graph.initializer) > PROTOBUF_LIMIT:
         onnx.save_model(proto, str(tmp), save_as_external_data=True, all_tensors_to_one_file=True,
                         location=data.name, size_threshold=1024)
     else:
         onnx.save_model(proto, str(tmp))
-        data.unlink(missing_ok=True)  # a previous, larger conversion's weights
     tmp.replace(out)
     return out
