@@ -339,6 +339,11 @@ BAD = [  # (id, method, serialized request, expected code, field the message nam
      grpc.StatusCode.NOT_FOUND, "model 'smollm2-135m' has no variant 'fp16'"),
     ("unload-unknown", "UnloadModel", pb2.UnloadModelRequest(name="no-such-model").SerializeToString(),
      grpc.StatusCode.NOT_FOUND, "name"),
+    # model control stays inside the store: no path is a model name
+    ("load-absolute", "LoadModel", pb2.LoadModelRequest(name="/dev/shm/x").SerializeToString(), INVALID, "name"),
+    ("load-dotdot", "LoadModel", pb2.LoadModelRequest(name="../x").SerializeToString(), INVALID, "name"),
+    ("load-escape", "LoadModel", pb2.LoadModelRequest(name="smollm2-135m/../../..").SerializeToString(), INVALID,
+     "name"),
 ]
 
 

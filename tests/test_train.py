@@ -308,12 +308,11 @@ def test_drafts_run_on_their_own_providers_when_the_config_names_them():
 
 
 def test_a_draft_vocabulary_map_that_does_not_fit_the_target_is_a_clear_error(tmp_path):
-    from types import SimpleNamespace
-
-    from memspec.speculation.drafts import read_vocab_map, target_to_draft
     from memspec.errors import ModelFormatError
+    from memspec.models.store import Manifest
+    from memspec.speculation.drafts import read_vocab_map, target_to_draft
 
-    m = SimpleNamespace(name="d", folder=str(tmp_path), extra={"draft_vocab": "vocab.json"})
+    m = Manifest("d", "draft", "onnx", {}, {}, {}, extra={"draft_vocab": "vocab.json"}, folder=tmp_path)
     with pytest.raises(ModelFormatError, match="draft 'd': cannot read its vocabulary map"):
         read_vocab_map(m, 10)
     (tmp_path / "vocab.json").write_text("[3, 0, 12]")
@@ -322,3 +321,6 @@ def test_a_draft_vocabulary_map_that_does_not_fit_the_target_is_a_clear_error(tm
     to_target = read_vocab_map(m, 13)
     # every target id maps to its draft id, and the ones the draft lacks to its unknown token (target id 0)
     assert target_to_draft(to_target, 13).tolist() == [1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2]
+    outside = Manifest("d", "draft", "onnx", {}, {}, {}, extra={"draft_vocab": "../x.json"}, folder=tmp_path)
+    with pytest.raises(ModelFormatError, match="is outside the model's folder"):
+        read_vocab_map(outside, 13)

@@ -16,13 +16,26 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from memspec.errors import ModelFormatError, ModelNotFoundError
+from memspec.errors import InvalidRequestError, ModelFormatError, ModelNotFoundError
 from memspec.models.catalog import KNOWN_MODELS
+from memspec.request import quote
 
 MANIFEST = "manifest.json"
+VERIFIED = "verified.json"  # sha256s already checked, keyed by file identity (see ModelStore.check_files)
+NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")  # a model's name: one folder of the store, no path
+
+
+def check_name(name: str, field_name: str = "name") -> str:
+    """A model name as the store takes it: letters, digits, '.', '_', '-', no path separators,
+    not '.' or '..'; InvalidRequestError otherwise (LoadModel, --model, pull --name)."""
+    if not isinstance(name, str) or not NAME.fullmatch(name) or set(name) <= {"."}:
+        raise InvalidRequestError(f"{field_name}: {quote(str(name))} is not a model name (letters, digits, "
+                                  f"'.', '_' and '-', at most 128, starting with a letter or digit)")
+    return name
 
 
 def _shipped_models() -> Path:
@@ -101,12 +114,22 @@ class Manifest:
         except KeyError as exc:
             raise ModelFormatError(f"{folder / MANIFEST}: field {exc} is missing") from None
 
+    def path_of(self, rec: dict) -> Path:
+        """Where a file record points, which must be inside the model's folder, links resolved:
+        a manifest cannot make memspec read a file from anywhere else."""
+        folder = self.folder.resolve()
+        path = (folder / str(rec["path"])).resolve()
+        if path != folder and folder in path.parents:
+            return path
+        raise ModelFormatError(f"{self.folder / MANIFEST}: file {quote(str(rec['path']))} is outside the "
+                               f"model's folder {folder}")
+
     def variant_path(self, variant: str) -> Path:
         if variant not in self.variants:
             raise ModelNotFoundError(
-                f"model {self.name!r} has no variant {variant!r} (has: {', '.join(sorted(self.variants))})"
+                f"model {self.name!r} has no variant {quote(variant)} (has: {', '.join(sorted(self.variants))})"
             )
-        return self.folder / self.variants[variant]["path"]
+        return self.path_of(self.variants[variant])
 
     @property
     def total_bytes(self) -> int:
@@ -129,7 +152,7 @@ class ModelStore:
         return self.home / "downloads"
 
     def model_dir(self, name: str) -> Path:
-        return self.models_dir / name
+        return self.models_dir / check_name(name)
 
     def _roots(self) -> list[Path]:
         roots = [self.models_dir]
@@ -158,6 +181,7 @@ class ModelStore:
 
     def get(self, name: str) -> Manifest:
         """The manifest of `name`; ModelNotFoundError says how to get it if it is missing."""
+        check_name(name)
         for root in self._roots():
             mf = root / name / MANIFEST
             if mf.is_file():
@@ -179,15 +203,55 @@ class ModelStore:
         manifest.folder = folder
         return folder / MANIFEST
 
-    def verify(self, manifest: Manifest) -> list[str]:
-        """Problems found by re-hashing every file of a model (empty list = intact)."""
-        problems = []
-        for rec in manifest.records():
-            p = manifest.folder / rec["path"]
+    def verify(self, manifest: Manifest, records: list[dict] | None = None) -> list[str]:
+        """Problems found by checking every file of a model (or only `records`) against its
+        manifest: size always, sha256 unless that very file (size, mtime, inode) was hashed
+        and matched before (the store's verified.json).  Empty list = intact."""
+        problems, known = [], self._verified()
+        for rec in manifest.records() if records is None else records:
+            try:
+                p = manifest.path_of(rec)
+            except ModelFormatError as exc:
+                problems.append(str(exc))
+                continue
             if not p.is_file():
                 problems.append(f"{p}: missing")
-            elif p.stat().st_size != rec["bytes"]:
-                problems.append(f"{p}: {p.stat().st_size} bytes, manifest says {rec['bytes']}")
-            elif sha256_file(p) != rec["sha256"]:
+                continue
+            st = p.stat()
+            if st.st_size != rec["bytes"]:
+                problems.append(f"{p}: {st.st_size} bytes, manifest says {rec['bytes']}")
+                continue
+            identity = [st.st_size, st.st_mtime_ns, st.st_ino, rec["sha256"]]
+            if known.get(str(p)) == identity:
+                continue
+            if sha256_file(p) != rec["sha256"]:
                 problems.append(f"{p}: sha256 differs from the manifest")
+            else:
+                known[str(p)] = identity
+        self._remember(known)
         return problems
+
+    def check_files(self, manifest: Manifest, variant: str) -> None:
+        """Refuse to load a model whose files are not the ones its manifest names (a byte
+        flipped, a file swapped): ModelFormatError (FAILED_PRECONDITION) naming the file."""
+        problems = self.verify(manifest, [manifest.variants[variant], *([manifest.variants[variant]["data"]]
+                                          if "data" in manifest.variants[variant] else []),
+                                          *manifest.tokenizer.values()])
+        if problems:
+            raise ModelFormatError(f"model {manifest.name!r} ({variant}) does not match its manifest: "
+                                   f"{'; '.join(problems)}; pull it again")
+
+    def _verified(self) -> dict:
+        try:
+            return json.loads((self.home / VERIFIED).read_text())
+        except (OSError, ValueError):
+            return {}
+
+    def _remember(self, known: dict) -> None:
+        try:
+            self.home.mkdir(parents=True, exist_ok=True)
+            tmp = self.home / (VERIFIED + ".partial")
+            tmp.write_text(json.dumps(known, sort_keys=True))
+            tmp.replace(self.home / VERIFIED)
+        except OSError:  # a read-only store: hashed again next time
+            pass

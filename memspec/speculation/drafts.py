@@ -96,7 +96,7 @@ def draft_variant(m: Manifest) -> str:
 def read_vocab_map(m: Manifest, target_vocab: int) -> np.ndarray:
     """A draft's vocabulary map, (V_draft,) the target id of each draft id, checked against the
     target's vocabulary."""
-    vocab_file = Path(m.folder) / m.extra.get("draft_vocab", "vocab.json")
+    vocab_file = m.path_of({"path": m.extra.get("draft_vocab", "vocab.json")})  # inside the draft's folder
     try:
         to_target = np.asarray(json.loads(vocab_file.read_text()), dtype=np.int64)
     except (OSError, ValueError) as exc:
@@ -139,6 +139,7 @@ class DraftModel:
         m = store.get(name)
         if m.role != "draft":
             raise ModelFormatError(f"model {name!r} is a {m.role}, not a draft")
+        store.check_files(m, draft_variant(m))  # a tampered or truncated file is refused before it is parsed
         to_target = read_vocab_map(m, target_vocab)
         if config.draft_providers:
             config = dataclasses.replace(config, providers=config.draft_providers)

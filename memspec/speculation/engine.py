@@ -57,7 +57,9 @@ class TargetModel:
     def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
         m = store.get(name)
         folder = Path(m.folder)
-        session = DecoderSession(m.variant_path(variant), config, arena=True,  # pinned: never unloaded
+        path = m.variant_path(variant)
+        store.check_files(m, variant)  # a tampered or truncated file is refused before it is parsed
+        session = DecoderSession(path, config, arena=True,  # pinned: never unloaded
                                  min_rows=2 if config.batch_invariant else 1)
         tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
         eos = set(m.extra.get("eos_token_ids", [])) | tok.eos_token_ids  # Qwen2.5: <|im_end|> and <|endoftext|>
