@@ -86,3 +86,10 @@ def test_a_verified_file_is_not_hashed_again_until_it_changes(tmp_path, monkeypa
     os.utime(f, ns=(st.st_atime_ns, st.st_mtime_ns + 10**9))  # touched: hashed again
     store.check_files(m, "q4")
     assert calls == ["q4.onnx"]
+
+
+def test_checking_a_model_never_makes_a_store_folder(tmp_path):
+    store, m = make(tmp_path)
+    elsewhere = ModelStore(tmp_path / "no-store-here", shipped=None)
+    elsewhere.check_files(m, "q4")  # a model from another root (the shipped drafts): checked, not remembered
+    assert not (tmp_path / "no-store-here").exists()

@@ -248,8 +248,9 @@ class ModelStore:
             return {}
 
     def _remember(self, known: dict) -> None:
+        if not known or not self.home.is_dir():  # checking a model never makes a store
+            return
         try:
-            self.home.mkdir(parents=True, exist_ok=True)
             tmp = self.home / (VERIFIED + ".partial")
             tmp.write_text(json.dumps(known, sort_keys=True))
             tmp.replace(self.home / VERIFIED)
