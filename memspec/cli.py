@@ -349,8 +349,9 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     pl.add_argument("model", nargs="?", help=f"a known model: {', '.join(KNOWN_MODELS)}")
     pl.add_argument("--gguf", metavar="PATH", help="convert a local GGUF instead")
     pl.add_argument("--name", help="store name for --gguf (default: the file's stem)")
-    pl.add_argument("--variant", action="append", choices=("fp32", "q4"),
-                    help="only these variants (repeatable; default: fp32 and q4, q4 only for the Qwen models)")
+    pl.add_argument("--variant", action="append", choices=("fp32", "q4", "q4f16"),  # convert.VARIANTS + ON_REQUEST
+                    help="only these variants (repeatable; default: fp32 and q4, q4 only for the Qwen models; "
+                         "q4f16, for CUDA, only when asked for)")
     pl.add_argument("--force", action="store_true", help="convert again even if up to date")
     pl.set_defaults(func=cmd_pull)
 

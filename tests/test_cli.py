@@ -206,3 +206,12 @@ def test_a_store_the_user_cannot_write_is_a_message_not_a_traceback(monkeypatch,
     err = capsys.readouterr().err
     assert err.startswith("memspec: error: /var/lib/memspec/models: permission denied for user ")
     assert "install -d -o memspec" in err and "Traceback" not in err
+
+
+def test_pull_offers_every_variant_the_converter_builds():
+    import memspec.cli as cli
+    from memspec.models.convert import ON_REQUEST, VARIANTS
+
+    pull = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["pull"]._actions
+                if "--variant" in a.option_strings)
+    assert set(pull.choices) == {*VARIANTS, *ON_REQUEST}
