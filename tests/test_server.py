@@ -129,7 +129,7 @@ class FakeStore:
 
 class Harness:
     def __init__(self, tmp: Path, server_cfg: ServerConfig, step_s: float = 0.0, memory: int = 8 << 30,
-                 start: bool = True):
+                 start: bool = True, max_workers: int = 16):
         self.engines: list[FakeEngine] = []
         config = Config(limits=Limits(max_tokens=50, max_prompt_chars=200), server=server_cfg)
         config = replace(config, model=replace(config.model, target="tiny"))
@@ -146,7 +146,7 @@ class Harness:
                                    lambda: self.memory)
         self.servicer = MemSpecServicer(self.backend, self.admission, listen="test")
         self.path = tmp / "t.sock"
-        self.server, _ = create_server(self.servicer, f"unix://{self.path}", max_workers=16)
+        self.server, _ = create_server(self.servicer, f"unix://{self.path}", max_workers=max_workers)
         self.server.start()
         if start:
             self.start()
@@ -780,3 +780,34 @@ def test_a_jetson_is_recognised_by_its_release_file_or_its_gpu_nodes(tmp_path):
 def test_a_tokenizer_error_is_a_named_status_not_internal():
     assert wire.code_for(errors.TokenizerError("bad merges")) == grpc.StatusCode.FAILED_PRECONDITION
     assert wire.code_for(errors.ChatTemplateError("bad turn")) == grpc.StatusCode.INVALID_ARGUMENT
+
+
+def test_health_and_status_stay_answerable_under_a_flood_of_streams(make):
+    """200 streams at once against 1 slot and a queue of 1: the streams beyond them are refused
+    at once (RESOURCE_EXHAUSTED), and health and GetStatus keep answering meanwhile."""
+    from collections import Counter
+
+    from memspec.serving.daemon import SPARE_WORKERS
+
+    h = make(max_concurrent=1, max_queue=1, step_s=0.05, max_workers=1 + 1 + SPARE_WORKERS)  # as the daemon sizes it
+    codes, answered = Counter(), []
+
+    def stream():
+        try:
+            list(h.client._stub.Generate(wire.pb2.GenerateRequest(prompt="a b c", max_tokens=20), timeout=30))
+            codes["OK"] += 1
+        except grpc.RpcError as exc:
+            codes[exc.code().name] += 1
+
+    threads = [threading.Thread(target=stream) for _ in range(200)]
+    for t in threads:
+        t.start()
+    for _ in range(20):
+        t0 = time.perf_counter()
+        assert h.client.health(timeout=5) == "SERVING"
+        assert h.client.status(timeout=5)["max_queue"] == 1
+        answered.append(time.perf_counter() - t0)
+    for t in threads:
+        t.join(30)
+    assert codes["OK"] >= 2 and codes["OK"] + codes["RESOURCE_EXHAUSTED"] == 200, codes
+    assert max(answered) < 2.0, max(answered)
