@@ -478,3 +478,44 @@ def test_kill9_restart_then_sigterm_drains_in_flight_stream(model_store, folder)
         assert d.proc.wait(30) == 0 and time.monotonic() - t0 < 10
     finally:
         d.stop()
+
+
+def test_under_a_cgroup_memory_limit_a_request_too_big_is_refused_not_oom_killed(model_store, tmp_path):
+    """systemd's MemoryMax= on the daemon: a request whose KV caches would pass the cgroup's limit
+    is refused with RESOURCE_EXHAUSTED, the daemon is not OOM-killed, and it goes on serving."""
+    import shutil
+
+    from memspec.errors import OverloadedError
+
+    run = shutil.which("systemd-run")
+    probe = subprocess.run([run, "--scope", "--quiet", "-p", "MemoryMax=1G", "true"], capture_output=True,
+                           text=True, timeout=30) if run else None
+    if probe is None or probe.returncode != 0:
+        why = "not installed" if probe is None else probe.stderr.strip().splitlines()[0]
+        pytest.skip(f"systemd-run --scope is not usable here ({why}): it needs systemd as PID 1")
+    sock, conf = tmp_path / "cg.sock", tmp_path / "cg.toml"
+    conf.write_text(f'home = "{model_store.home}"\n[runtime]\nmax_context = 8192\n[limits]\nmax_tokens = 8000\n'
+                    '[server]\nmemory_headroom_mb = 0\n[scheduler]\npolicy = "target-only"\n')
+    # about 400 MiB for the process with the target, so some 300 MiB for KV caches: 8000 tokens need ~370
+    proc = subprocess.Popen([run, "--scope", "--quiet", "-p", "MemoryMax=700M", "-p", "MemorySwapMax=0",
+                             sys.executable, "-m", "memspec.cli", "--config", str(conf), "serve", "--listen",
+                             str(sock)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        with Client(str(sock), timeout=60) as c:
+            t0 = time.monotonic()
+            while time.monotonic() - t0 < 120:
+                try:
+                    if c.health() == "SERVING":
+                        break
+                except UnavailableError:
+                    pass
+                assert proc.poll() is None, proc.stderr.read().decode()[-2000:]
+                time.sleep(0.5)
+            with pytest.raises(OverloadedError, match="not enough memory"):
+                list(c.generate("Count from one to ten thousand.", max_tokens=8000))
+            assert proc.poll() is None and c.health() == "SERVING"
+            done = [x for x in c.generate("Say hi.", max_tokens=4)][-1]
+            assert done.finish_reason in ("length", "eos")
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(60)
