@@ -151,3 +151,17 @@ def test_without_onnx_runtime_memspec_says_what_to_install():
             "try:\n    import memspec.runtime.sessions\nexcept ConfigError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert "ONNX Runtime is not installed" in out.stdout and "memspec[cpu]" in out.stdout, out.stdout + out.stderr
+
+
+def test_the_example_config_and_the_unit_agree_on_the_budget():
+    """budget_mb = 0 under the unit: the budget memspec derives from MemoryHigh= is the one both
+    files name, and MemoryMax= sits above MemoryHigh=."""
+    from memspec.runtime.memory import MiB, budget_under
+
+    unit = UNIT.read_text()
+    value = {k: int(v.rstrip("M")) * MiB for k, v in
+             (line.split("=", 1) for line in unit.splitlines() if line.startswith(("MemoryHigh=", "MemoryMax=")))}
+    budget_mib = budget_under(value["MemoryHigh"]) // MiB
+    assert value["MemoryMax"] > value["MemoryHigh"]
+    assert f"{budget_mib} MiB" in unit and f"{budget_mib} MiB" in EXAMPLE.read_text()
+    assert load_config(EXAMPLE).scheduler.budget_mb == 0

@@ -149,10 +149,10 @@ def test_the_probe_and_the_budget_keep_to_the_cgroup_limit(tmp_path):
     assert probe.available_bytes() > 0
 
     fake = FakeProbe()
-    fake.limit = 500 * MiB
+    fake.limit = 1600 * MiB  # the unit's MemoryHigh=
     sizes = {"d": MiB}
     sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=0), FakeLoader(sizes), sizes, fake)
-    assert sched.ws.budget == 500 * MiB  # budget_mb = 0 under a cgroup limit: the limit
+    assert sched.ws.budget == 1040 * MiB  # budget_mb = 0 under a cgroup limit: what the unit's rule leaves
     sched.close()
     sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=300), FakeLoader(sizes), sizes, fake)
     assert sched.ws.budget == 300 * MiB  # a configured budget wins

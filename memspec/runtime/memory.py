@@ -55,6 +55,17 @@ class CgroupMemory:
         return max(self.limit - self.current(), 0)
 
 
+CGROUP_SLACK = 300 * MiB  # what the budget does not see (gRPC buffers, short-lived allocations) ...
+CGROUP_SLACK_RATIO = 1.25  # ... and the systemd unit's MemoryHigh = budget x 1.25 + 300 MiB
+
+
+def budget_under(limit: int) -> int:
+    """The memory budget a cgroup limit leaves: the inverse of the unit's rule, MemoryHigh =
+    budget x 1.25 + 300 MiB (systemd/memspec.service), so that the example config (budget_mb = 0)
+    and the unit agree.  0 when the limit is too small for any budget."""
+    return max(int((limit - CGROUP_SLACK) / CGROUP_SLACK_RATIO), 0)
+
+
 def cgroup_memory(proc_cgroup: Path = Path("/proc/self/cgroup"),
                   root: Path = Path("/sys/fs/cgroup")) -> CgroupMemory | None:
     """The cgroup v2 memory limit this process runs under, or None (cgroup v1, no limit, unreadable)."""

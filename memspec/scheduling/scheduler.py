@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 from memspec.errors import ConfigError, InvalidRequestError
 from memspec.request import NO_DRAFT, GenerationRequest, PolicyName, unknown_draft
-from memspec.runtime.memory import MiB, MemoryProbe
+from memspec.runtime.memory import MiB, MemoryProbe, budget_under
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.features import Detokenize
 from memspec.scheduling.policies import (Bandit, Fixed, Memspec, Oracle, Policy, TargetOnly, load_oracle_table,
@@ -59,8 +59,9 @@ class Scheduler:
         except InvalidRequestError as exc:
             raise ConfigError(str(exc)) from None
         oracle = self.default.kind == "oracle"
-        # no budget configured: the cgroup's limit (systemd's MemoryMax= / MemoryHigh=), when there is one
-        budget = 0 if oracle else config.budget_mb * MiB or probe.limit_bytes()
+        # no budget configured: what the cgroup's limit (systemd's MemoryHigh= / MemoryMax=) leaves, if any
+        limit = probe.limit_bytes()
+        budget = 0 if oracle else config.budget_mb * MiB or (budget_under(limit) if limit else 0)
         self.ws = WorkingSet(budget, loader, probe, clock, config.pressure_floor_mb * MiB, sizes=drafts,
                              retry_after_s=config.retry_after_s)
         if target is not None:
