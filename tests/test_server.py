@@ -811,3 +811,16 @@ def test_health_and_status_stay_answerable_under_a_flood_of_streams(make):
         t.join(30)
     assert codes["OK"] >= 2 and codes["OK"] + codes["RESOURCE_EXHAUSTED"] == 200, codes
     assert max(answered) < 2.0, max(answered)
+
+
+def test_a_request_runs_on_the_engine_that_checked_it_even_across_a_load_model(h):
+    """Its prompt ids come from that engine's tokenizer: they must not run on another one."""
+    req = GenerationRequest(prompt="a b c", max_tokens=3)
+    first = h.engine
+    checked = h.backend.check(req)
+    h.backend.load("other", None)  # LoadModel between check and open
+    assert h.engine is not first and h.backend.engine is h.engine
+    run = h.backend.open(req, threading.Event(), checked)
+    assert run.model == "tiny"
+    items = list(run.items)
+    assert first.checks == 1 and h.engine.checks == 0 and items[-1].finish_reason == "length"
