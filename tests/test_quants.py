@@ -240,3 +240,25 @@ def test_q4f16_runs_float16_activations_and_cache_close_to_the_reference(tmp_pat
     want = ReferenceLlama(GGUFModel(path)).logits(ids)
     err = np.abs(got - want).max() / want.std()
     assert err < 0.3 and np.mean(got.argmax(-1) == want.argmax(-1)) >= 0.9, err
+
+
+def test_a_q4f16_session_keeps_a_float16_cache_of_half_the_bytes(tmp_path):
+    """DecoderSession reads the cache type from the graph: float16 buffers, half the KV bytes per
+    token (what admission and the working set count), and steps that agree with one long pass."""
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.sessions import DecoderSession
+
+    path = write_tiny_gguf(tmp_path / "tiny.gguf", "qwen2", "Q4_K", "Q6_K")
+    q4 = DecoderSession(convert(path, tmp_path / "q4.onnx", "q4"), SessionConfig(max_context=64))
+    f16 = DecoderSession(convert(path, tmp_path / "q4f16.onnx", "q4f16"), SessionConfig(max_context=64))
+    assert (q4.kv_dtype, f16.kv_dtype) == (np.float32, np.float16)
+    assert 2 * f16.kv_bytes_per_token() == q4.kv_bytes_per_token()
+    assert f16.cache_nbytes(60) < q4.cache_nbytes(60) and f16.new_cache().nbytes * 2 == q4.new_cache().nbytes
+    ids = [int(i) for i in np.random.default_rng(2).integers(0, VOCAB, size=20)]
+    whole = f16.forward(f16.new_cache(), ids, keep=len(ids))
+    cache = f16.new_cache()
+    f16.forward(cache, ids[:12])
+    steps = np.stack([f16.forward(cache, [t])[0] for t in ids[12:]])
+    assert whole.dtype == np.float32 and cache.length == len(ids)
+    np.testing.assert_allclose(steps, whole[12:], atol=0.05 * whole.std())
+    assert np.mean(whole.argmax(-1) == q4.forward(q4.new_cache(), ids, keep=len(ids)).argmax(-1)) >= 0.9

@@ -7,7 +7,7 @@ import pytest
 
 from memspec.errors import ContextOverflowError, ModelFormatError
 from memspec.runtime.config import SessionConfig
-from memspec.runtime.sessions import DecoderSession
+from memspec.runtime.sessions import DecoderSession, variant_for
 
 # A chat-formatted prompt and the start of its answer (greedy fp32 output).
 IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,
@@ -196,3 +196,16 @@ def test_cache_costs_the_pages_it_touches_not_its_capacity(model_store):
     # 44 tokens x 64 x fp32 = 11 KiB per (layer, K/V, head) row: 3 pages, plus 1 for alignment
     assert s.cache_nbytes(len(IDS)) == 2 * 30 * 3 * 4 * 4096
     assert s.cache_nbytes(10**6) == capacity_bytes  # never more than the capacity
+
+
+def test_cuda_serves_q4_from_its_float16_twin():
+    """CUDA's GroupQueryAttention is float16/bfloat16 only: a float32 graph would run attention on
+    the CPU, so q4 loads as q4f16 on CUDA where it exists, and says what to build where it doesn't."""
+    cuda = ["CUDAExecutionProvider", "CPUExecutionProvider"]
+    assert variant_for("q4", cuda, ["q4", "q4f16"]) == ("q4f16", None)
+    assert variant_for("q4", ["TensorrtExecutionProvider", *cuda], ["q4f16"]) == ("q4f16", None)
+    variant, warning = variant_for("q4", cuda, ["q4"])
+    assert variant == "q4" and "attention will run on the CPU" in warning and "--variant q4f16" in warning
+    assert variant_for("q4", ["CPUExecutionProvider"], ["q4", "q4f16"]) == ("q4", None)
+    assert variant_for("fp32", cuda, ["fp32", "q4f16"]) == ("fp32", None)
+    assert variant_for("q4f16", ["CPUExecutionProvider"], ["q4f16"]) == ("q4f16", None)

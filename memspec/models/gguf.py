@@ -301,6 +301,11 @@ class GGUFModel:
         self.config = self._read_config()
         self._check_types()
 
+    @property
+    def weight_count(self) -> int:
+        """Weights in all tensors (what an fp32 variant stores at 4 bytes each)."""
+        return sum(int(t.n_elements) for t in self._tensors.values())
+
     # -- metadata ---------------------------------------------------------
     def field(self, key: str, default=None):
         """Return one metadata value (str/int/float/bool or a list of them)."""

@@ -25,7 +25,7 @@ from typing import Callable
 from memspec import __version__
 from memspec.errors import ModelFormatError, ModelNotFoundError
 from memspec.models.catalog import KNOWN_MODELS, PyPISource, Source, SplitPyPISource
-from memspec.models.convert import VARIANTS, convert, external_data_path
+from memspec.models.convert import ON_REQUEST, VARIANTS, convert, external_data_path
 from memspec.models.gguf import GGUFModel
 from memspec.models.store import MANIFEST, Manifest, ModelStore, file_record, sha256_file
 
@@ -294,17 +294,27 @@ def _up_to_date(store: ModelStore, name: str, gguf_sha: str, variants: tuple[str
     return m if not store.verify(m) else None
 
 
+FP32_DEFAULT_LIMIT = 2 * 1024**3  # a GGUF whose fp32 variant would be larger gets q4 only by default
+
+
+def default_variants(gguf: Path) -> tuple[str, ...]:
+    """What `pull --gguf` builds when no --variant is given: fp32 and q4, or q4 alone where the
+    fp32 variant (4 bytes a weight) would exceed FP32_DEFAULT_LIMIT (a 1.5B model: about 6 GB)."""
+    return VARIANTS if 4 * GGUFModel(gguf).weight_count <= FP32_DEFAULT_LIMIT else ("q4",)
+
+
 def import_gguf(store: ModelStore, gguf: Path, name: str, variants: tuple[str, ...] | None = None,
                 source: Source | None = None, progress: Progress | None = None,
                 force: bool = False) -> Manifest:
-    """Convert a local GGUF into the store under `name` (default variants: fp32 and q4).
+    """Convert a local GGUF into the store under `name` (default variants: default_variants()).
 
     On any failure the model folder keeps only what its manifest lists (variants finished
     before, so a later pull resumes there); a folder with no finished variant is removed."""
-    variants = variants or VARIANTS
-    bad = [v for v in variants if v not in VARIANTS]
+    variants = variants or default_variants(gguf)
+    bad = [v for v in variants if v not in (*VARIANTS, *ON_REQUEST)]
     if bad:
-        raise ModelNotFoundError(f"unknown variant(s) {', '.join(bad)}; choose from {', '.join(VARIANTS)}")
+        raise ModelNotFoundError(f"unknown variant(s) {', '.join(bad)}; choose from "
+                                 f"{', '.join((*VARIANTS, *ON_REQUEST))}")
     gguf_sha = source.sha256 if source else sha256_file(gguf)  # pull() checked the file against its source
     if not force and (m := _up_to_date(store, name, gguf_sha, variants)):
         _say(progress, f"{name}: up to date ({', '.join(sorted(m.variants))})")

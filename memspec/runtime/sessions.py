@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -54,6 +54,24 @@ def resolve_providers(wanted: Sequence[str]) -> list[str]:
     return list(wanted)
 
 
+GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
+
+
+def variant_for(variant: str, providers: Sequence[str], available: Iterable[str]) -> tuple[str, str | None]:
+    """The variant to load for `variant` on `providers`, and a warning for the log, or None.
+
+    On CUDA, ONNX Runtime's GroupQueryAttention runs in float16/bfloat16 only, so a float32 graph
+    would put every layer's attention on the CPU: q4 is served from its float16-activation twin,
+    q4f16, where the store has it."""
+    available = set(available)
+    if variant != "q4" or not providers or providers[0] not in GPU_PROVIDERS:
+        return variant, None
+    if "q4f16" in available:
+        return "q4f16", None
+    return variant, (f"{providers[0]} with the float32 q4 graph: its attention will run on the CPU; "
+                     f"build the CUDA variant with `memspec pull --variant q4f16 NAME`")
+
+
 def physical_cores() -> int:
     try:
         import psutil
@@ -63,13 +81,17 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
-def kv_cache_nbytes(rows: int, head_dim: int, tokens: int, capacity: int) -> int:
+KV_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
+
+
+def kv_cache_nbytes(rows: int, head_dim: int, tokens: int, capacity: int, itemsize: int = 4) -> int:
     """Resident bytes of a shared-buffer KV cache of `rows` (layer, K/V, head) rows of
-    `capacity` float32 slots each, once `tokens` slots of every row are written: whole
-    pages, plus one per row since rows need not start on a page, never above the capacity."""
+    `capacity` slots of `itemsize`-byte values each (4: float32; 2: the q4f16 variant's float16),
+    once `tokens` slots of every row are written: whole pages, plus one per row since rows need
+    not start on a page, never above the capacity."""
     tokens = max(0, min(tokens, capacity))
-    pages = -(-tokens * head_dim * 4 // PAGE) + (tokens > 0)
-    return min(rows * pages * PAGE, rows * capacity * head_dim * 4)
+    pages = -(-tokens * head_dim * itemsize // PAGE) + (tokens > 0)
+    return min(rows * pages * PAGE, rows * capacity * head_dim * itemsize)
 
 
 class KVCache:
@@ -93,13 +115,14 @@ class KVCache:
 class SharedBufferCache(KVCache):
     """One preallocated (1, kvh, capacity, hd) buffer per layer and per K/V."""
 
-    def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int, device: str = "cpu"):
+    def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int, device: str = "cpu",
+                 dtype: type = np.float32):
         super().__init__(capacity)
         shape = (1, kv_heads, capacity, head_dim)
         self.buffers = [
-            ort.OrtValue.ortvalue_from_shape_and_type(shape, np.float32, device, 0) for _ in range(2 * n_layers)
+            ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0) for _ in range(2 * n_layers)
         ]
-        self._nbytes = 2 * n_layers * int(np.prod(shape)) * 4
+        self._nbytes = 2 * n_layers * int(np.prod(shape)) * np.dtype(dtype).itemsize
         # Set up by the session on the first pass, then reused by every pass of the request:
         self.binding = None  # its IOBinding, with the buffers bound as past and present
         self.ones = None  # (1, capacity) int64 ones: the attention mask is a prefix of it
@@ -113,9 +136,9 @@ class SharedBufferCache(KVCache):
 class GrowingCache(KVCache):
     """Past arrays that grow with each step (optimum layout)."""
 
-    def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int):
+    def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int, dtype: type = np.float32):
         super().__init__(capacity)
-        self.arrays = [np.zeros((1, kv_heads, 0, head_dim), np.float32) for _ in range(2 * n_layers)]
+        self.arrays = [np.zeros((1, kv_heads, 0, head_dim), dtype) for _ in range(2 * n_layers)]
 
     def truncate(self, length: int) -> None:
         super().truncate(length)
@@ -171,6 +194,12 @@ class DecoderSession:
         if not self.past_names or any(n not in outputs for n in self.present_names):
             raise ModelFormatError(f"{self.path.name}: past_key_values.* inputs and present.* outputs are required")
         _, kv_heads, _, head_dim = inputs[self.past_names[0]].shape
+        # float32, or float16 in the q4f16 variant (CUDA's attention runs in half precision only)
+        kv_type = inputs[self.past_names[0]].type
+        if kv_type not in KV_TYPES:
+            raise ModelFormatError(f"{self.path.name}: KV cache of type {kv_type}; memspec runs "
+                                   f"{' and '.join(KV_TYPES)}")
+        self.kv_dtype = KV_TYPES[kv_type]
         logits_shape = self.session.get_outputs()[outputs.index("logits")].shape
         self.vocab_size = int(logits_shape[-1]) if isinstance(logits_shape[-1], int) else None
         self.n_layers = len(self.past_names) // 2
@@ -187,11 +216,11 @@ class DecoderSession:
     def new_cache(self, capacity: int | None = None) -> KVCache:
         cap = capacity or self.max_context
         if self.layout == "gqa":
-            return SharedBufferCache(cap, self.n_layers, self.kv_heads, self.head_dim, self.device)
-        return GrowingCache(cap, self.n_layers, self.kv_heads, self.head_dim)
+            return SharedBufferCache(cap, self.n_layers, self.kv_heads, self.head_dim, self.device, self.kv_dtype)
+        return GrowingCache(cap, self.n_layers, self.kv_heads, self.head_dim, self.kv_dtype)
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.kv_heads * self.head_dim * 4
+        return 2 * self.n_layers * self.kv_heads * self.head_dim * np.dtype(self.kv_dtype).itemsize
 
     def cache_nbytes(self, tokens: int) -> int:
         """Resident bytes of one request's KV cache once it holds `tokens` tokens.
@@ -205,7 +234,8 @@ class DecoderSession:
         tokens += self.min_rows - 1
         if self.layout != "gqa":
             return self.kv_bytes_per_token() * max(0, min(tokens, self.max_context))
-        return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.head_dim, tokens, self.max_context)
+        return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.head_dim, tokens, self.max_context,
+                               np.dtype(self.kv_dtype).itemsize)
 
     # -- forward ------------------------------------------------------------
     def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:

@@ -10,6 +10,7 @@ timing lives here, once, for both.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ from memspec.models.tokenizer import Tokenizer
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.memory import release_heap, request_kv_bytes
-from memspec.runtime.sessions import DecoderSession, KVCache
+from memspec.runtime.sessions import DecoderSession, KVCache, resolve_providers, variant_for
 from memspec.speculation.config import SpecConfig
 from memspec.speculation.metrics import SpecMetrics
 from memspec.speculation.sources import DraftPool, DraftSource
@@ -32,6 +33,7 @@ from memspec.speculation.speculative import NoDraft, speculative_steps
 from memspec.speculation.stopping import StopMatcher
 
 Clock = Callable[[], float]
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -57,6 +59,9 @@ class TargetModel:
     def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
         m = store.get(name)
         folder = Path(m.folder)
+        variant, warning = variant_for(variant, resolve_providers(config.providers), m.variants)
+        if warning:
+            log.warning("%s: %s", name, warning)
         path = m.variant_path(variant)
         store.check_files(m, variant)  # a tampered or truncated file is refused before it is parsed
         session = DecoderSession(path, config, arena=True,  # pinned: never unloaded
