@@ -38,4 +38,6 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
         source = DraftPool(load_pool(store, target.name, target.session.vocab_size, config.runtime, limits=limits))
     else:
         source = DraftPool()
-    return Engine(target, config.limits, drafts=source, spec=spec)
+    from memspec.runtime.costs import COSTS, CostCache
+
+    return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS))

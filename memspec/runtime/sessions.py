@@ -169,6 +169,7 @@ class DecoderSession:
         opts = ort.SessionOptions()
         threads = threads if threads is not None else config.intra_op_threads
         opts.intra_op_num_threads = threads or physical_cores()
+        self.threads = opts.intra_op_num_threads
         if opts.intra_op_num_threads == 1:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.log_severity_level = 3
@@ -308,6 +309,12 @@ class DecoderSession:
         out = self.session.run(["logits", *self.present_names], feeds)
         cache.arrays = out[1:]
         return out[0][0, -keep:]
+
+    def cost_key(self, max_k: int) -> str:
+        """What measure_step_costs(max_k) depends on (memspec.runtime.costs keeps curves by it)."""
+        from memspec.runtime.costs import cost_key
+
+        return cost_key(self.path, max_k, self.session.get_providers(), self.threads, self.min_rows)
 
     def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
         """Median seconds of one forward over k tokens after `context` cached ones, k = 1..max_k.

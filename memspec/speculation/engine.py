@@ -24,6 +24,7 @@ from memspec.models.store import Manifest, ModelStore
 from memspec.models.tokenizer import Tokenizer
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
 from memspec.runtime.config import SessionConfig
+from memspec.runtime.costs import CostCache
 from memspec.runtime.memory import release_heap, request_kv_bytes
 from memspec.runtime.sessions import DecoderSession, KVCache, resolve_providers, variant_for
 from memspec.speculation.config import SpecConfig
@@ -80,13 +81,15 @@ class Engine:
     fixed pool (DraftPool), or the scheduler (memspec.build makes either from a config)."""
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
-                 drafts: DraftSource | None = None, spec: SpecConfig = SpecConfig()):
+                 drafts: DraftSource | None = None, spec: SpecConfig = SpecConfig(),
+                 costs: CostCache | None = None):
         self.target = target
         self.limits = limits
         self.clock = clock
         self.drafts: DraftSource = drafts if drafts is not None else DraftPool()  # default: target only
         self.spec = spec
         self.verify_cost_s: list[float] | None = None  # [k] = seconds of a k-token target pass (measured once)
+        self.costs = costs  # where measured curves outlive the process (the store's costs.json), or None
         self._calibrate_lock = threading.Lock()
 
     def calibrate(self) -> list[float] | None:
@@ -95,7 +98,12 @@ class Engine:
             return None
         with self._calibrate_lock:
             if self.verify_cost_s is None:
-                self.verify_cost_s = self.target.session.measure_step_costs(self.spec.gamma_max + 1)
+                session, max_k = self.target.session, self.spec.gamma_max + 1
+                if self.costs is None:
+                    self.verify_cost_s = session.measure_step_costs(max_k)
+                else:
+                    self.verify_cost_s = self.costs.measured(session.cost_key(max_k),
+                                                             lambda: session.measure_step_costs(max_k))
         return self.verify_cost_s
 
     def close(self) -> None:

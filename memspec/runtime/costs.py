@@ -1,0 +1,93 @@
+"""Measured target-pass costs, kept across processes.
+
+The cost controller needs what one target pass over k tokens costs on this machine
+(DecoderSession.measure_step_costs).  On a 1.5B target that is 27 passes, seconds of work that
+every `memspec generate` and every daemon start would otherwise repeat before its first
+drafted token.  This file keeps them in the store (`<home>/costs.json`), keyed by everything
+they depend on: the model file (path, size, mtime), ONNX Runtime's version, the providers and
+threads, the padding rule, the CPU and its core count.  A machine or a model that changes gets
+a new key, and so a new measurement; a curve older than MAX_AGE_S is measured again, so that one
+taken while the machine was busy does not stay.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import time
+from pathlib import Path
+from typing import Callable
+
+COSTS = "costs.json"
+MAX_ENTRIES = 32  # oldest keys beyond this are dropped
+MAX_AGE_S = 24 * 3600.0  # a curve is measured again after a day
+
+
+def cpu_name() -> str:
+    """The CPU's model name (Linux /proc/cpuinfo; elsewhere platform's guess)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith(("model name", "hardware", "cpu model")):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def cost_key(model: Path, max_k: int, providers: list[str], threads: int, min_rows: int) -> str:
+    """Everything a measured cost curve depends on, as one string."""
+    import onnxruntime as ort
+
+    st = model.stat()
+    return json.dumps([str(model.resolve()), st.st_size, st.st_mtime_ns, ort.__version__, providers, threads,
+                       min_rows, max_k, cpu_name(), os.cpu_count()])
+
+
+class CostCache:
+    """`<home>/costs.json`: cost curves by cost_key.  A store that cannot be written just
+    measures again next time."""
+
+    def __init__(self, path: Path, clock: Callable[[], float] = time.time):
+        self.path = Path(path)
+        self.clock = clock
+
+    def _read(self) -> dict:
+        try:
+            data = json.loads(self.path.read_text())
+            return data if isinstance(data, dict) else {}
+        except (OSError, ValueError):
+            return {}
+
+    def get(self, key: str) -> list[float] | None:
+        entry = self._read().get(key)
+        if not isinstance(entry, dict) or not isinstance(entry.get("at"), (int, float)):
+            return None  # absent, or not an entry (a hand-edited file): measure again
+        costs = entry.get("costs")
+        if not (isinstance(costs, list) and costs and all(isinstance(c, (int, float)) and c >= 0 for c in costs)):
+            return None
+        if not 0 <= self.clock() - entry["at"] <= MAX_AGE_S:
+            return None
+        return [float(c) for c in costs]
+
+    def put(self, key: str, costs: list[float]) -> None:
+        if not self.path.parent.is_dir():  # measuring never makes a store
+            return
+        data = self._read()
+        data.pop(key, None)
+        data[key] = {"costs": costs, "at": self.clock()}
+        data = dict(list(data.items())[-MAX_ENTRIES:])
+        try:
+            tmp = self.path.with_name(self.path.name + f".{os.getpid()}.partial")
+            tmp.write_text(json.dumps(data))
+            tmp.replace(self.path)
+        except OSError:
+            pass
+
+    def measured(self, key: str, measure: Callable[[], list[float]]) -> list[float]:
+        """The cached curve for `key`, else measure() and keep it."""
+        costs = self.get(key)
+        if costs is None:
+            costs = measure()
+            self.put(key, costs)
+        return costs
