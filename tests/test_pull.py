@@ -382,3 +382,24 @@ def test_a_big_gguf_gets_q4_only_by_default(tmp_path, monkeypatch, failing_conve
     with pytest.raises(ModelFormatError, match="cannot build the q4 variant"):  # fp32 first, then q4
         import_gguf(store, gguf, "m")
     assert set(store.get("m").variants) == {"fp32"}
+
+
+def test_a_model_converted_by_an_older_graph_is_converted_again(tmp_path, failing_convert, capsys):
+    """A pull after a graph change (GRAPH_VERSION) rebuilds the variants instead of saying
+    "up to date" about a graph the runtime would run the old, slower way."""
+    store = ModelStore(tmp_path, shipped=None)
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    lines = []
+    import_gguf(store, gguf, "m", ("fp32",), progress=lines.append)
+    import_gguf(store, gguf, "m", ("fp32",), progress=lines.append)
+    assert any("up to date" in line for line in lines)
+    manifest = store.model_dir("m") / "manifest.json"
+    data = json.loads(manifest.read_text())
+    assert data["provenance"]["graph"] == pull_module.GRAPH_VERSION
+    data["provenance"]["graph"] = pull_module.GRAPH_VERSION - 1
+    manifest.write_text(json.dumps(data))
+    lines.clear()
+    import_gguf(store, gguf, "m", ("fp32",), progress=lines.append)
+    assert not any("up to date" in line or "already converted" in line for line in lines), lines
+    assert store.get("m").provenance["graph"] == pull_module.GRAPH_VERSION

@@ -195,7 +195,8 @@ def test_cache_costs_the_pages_it_touches_not_its_capacity(model_store):
     assert grown < 0.1 * capacity_bytes
     # 44 tokens x 64 x fp32 = 11 KiB per (layer, K/V, head) row: 3 pages, plus 1 for alignment
     assert s.cache_nbytes(len(IDS)) == 2 * 30 * 3 * 4 * 4096
-    assert s.cache_nbytes(10**6) == capacity_bytes  # never more than the capacity
+    # never more than the buffer: the capacity, plus the slot a padded one-token pass writes past it
+    assert s.graph_pads and s.cache_nbytes(10**6) == s.kv_bytes_per_token() * (2048 + 1)
 
 
 def test_cuda_serves_q4_from_its_float16_twin():
@@ -209,3 +210,23 @@ def test_cuda_serves_q4_from_its_float16_twin():
     assert variant_for("q4", ["CPUExecutionProvider"], ["q4", "q4f16"]) == ("q4", None)
     assert variant_for("fp32", cuda, ["fp32", "q4f16"]) == ("fp32", None)
     assert variant_for("q4f16", ["CPUExecutionProvider"], ["q4f16"]) == ("q4f16", None)
+
+
+def test_a_one_token_pass_rounds_as_a_verification_pass_without_padding_the_matmuls(model_store):
+    """The graph gives attention a copy of a lone query row (memspec.attention_pad): with no
+    padding by the session, a one-token pass equals row 0 of a two-token pass bit for bit, the
+    copy's slot is overwritten by the next token, and a pass into the last slot still fits."""
+    s = DecoderSession(model_store.get("smollm2-135m").variant_path("q4"), SessionConfig(max_context=64))
+    assert s.graph_pads and s.pad_rows == 1 and s.slack == 1
+    for ctx in (1, 9, 30):
+        a, b = s.new_cache(), s.new_cache()
+        s.forward(a, IDS[:ctx])
+        s.forward(b, IDS[:ctx])
+        one = s.forward(a, [IDS[ctx]])[0]
+        two = s.forward(b, IDS[ctx:ctx + 2], keep=2)
+        assert a.length == ctx + 1 and np.array_equal(one, two[0]), ctx
+        b.truncate(ctx + 1)
+        assert np.array_equal(s.forward(a, [IDS[ctx + 1]])[0], s.forward(b, [IDS[ctx + 1]])[0])
+    full = s.new_cache()
+    s.forward(full, (IDS * 2)[:63])
+    assert s.forward(full, [IDS[0]]).shape == (1, s.vocab_size) and full.length == full.capacity == 64

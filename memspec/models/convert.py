@@ -66,8 +66,12 @@ class _Graph:
     inits: list = field(default_factory=list)
     half_weights: bool = False  # store float32 matrices as float16 + Cast (drafts: half the file size)
     half_activations: bool = False  # every float tensor float16: weights, scales, norms, rotary tables
+    names: set = field(default_factory=set)  # initializers made so far (a shared constant is made once)
 
     def init(self, name: str, array: np.ndarray) -> str:
+        if name in self.names:
+            return name
+        self.names.add(name)
         array = np.asarray(array, order="C")
         if self.half_activations and array.dtype == np.float32:
             array = array.astype(np.float16)
@@ -103,9 +107,15 @@ class DecoderBuilder:
     """Turns one GGUF into one ONNX decoder variant."""
 
     def __init__(self, model: GGUFModel | ArrayWeights, variant: str, max_positions: int | None = None,
-                 weight_dtype: str = "float32"):
+                 weight_dtype: str = "float32", pad_attention: bool = True):
         """weight_dtype="float16" (fp32 variant only) stores matrices as float16 initializers
-        cast to float32 when the session loads; the computation stays float32."""
+        cast to float32 when the session loads; the computation stays float32.
+
+        pad_attention: a one-token pass gives attention a copy of its query row as a second one
+        (the copy's K/V land in the slot after the token, which the next pass overwrites), so that
+        it takes GroupQueryAttention's multi-row kernel, as verification passes do, and rounds as
+        they do, while every matrix multiply still runs one row.  Targets want it (decoding and
+        verifying then agree bit for bit); drafts, which never verify, do not."""
         if variant not in VARIANTS + ON_REQUEST:
             raise ValueError(f"unknown variant {variant!r}; choose one of {', '.join(VARIANTS + ON_REQUEST)}")
         if weight_dtype not in WEIGHT_DTYPES or (weight_dtype == "float16" and variant != "fp32"):
@@ -115,7 +125,9 @@ class DecoderBuilder:
         self.variant = variant
         self.max_positions = max_positions or self.cfg.context_length
         self.g = _Graph(half_weights=weight_dtype == "float16", half_activations=variant == "q4f16")
+        self.pad_attention = pad_attention
         self._blocksums: dict[str, str] = {}  # input -> its per-32 block sums, made once
+        self._pad: tuple[str, str] | None = None  # (pad (1,) int64: 1 for a one-token pass, else 0; S (1,))
 
     # -- linear layers ------------------------------------------------------
     def _linear(self, x: str, tensors: list[str], name: str, blocksum, bias: list[str] | None = None) -> str:
@@ -246,13 +258,22 @@ class DecoderBuilder:
         )
 
     def _mask_lengths(self) -> tuple[str, str]:
-        """seqlens_k = committed+new-1 per row, total_sequence_length = mask width (int32)."""
+        """seqlens_k = committed+new-1 per row, total_sequence_length = mask width (int32); both
+        one more for a one-token pass when attention is padded (its copy row comes after it)."""
         g = self.g
         s = g.node("ReduceSum", ["attention_mask", g.init("mask.axes", np.array([1]))], "/model/mask/ReduceSum", keepdims=0)
         s1 = g.node("Sub", [s, g.init("mask.one", np.array(1, dtype=np.int64))], "/model/mask/Sub")
-        seqlens = g.node("Cast", [s1], "/model/mask/SeqLens", to=TensorProto.INT32)
         shape = g.node("Shape", ["attention_mask"], "/model/mask/Shape")
         width = g.node("Gather", [shape, g.init("mask.idx1", np.array(1, dtype=np.int64))], "/model/mask/Width", axis=0)
+        if self.pad_attention:
+            ids_shape = g.node("Shape", ["input_ids"], "/model/pad/Shape")
+            n = g.node("Gather", [ids_shape, g.init("pad.idx1", np.array([1], dtype=np.int64))], "/model/pad/S", axis=0)
+            one_token = g.node("Equal", [n, g.init("pad.one", np.array(1, dtype=np.int64))], "/model/pad/Equal")
+            pad = g.node("Cast", [one_token], "/model/pad/Pad", to=TensorProto.INT64)  # (1,)
+            self._pad = (pad, n)
+            s1 = g.node("Add", [s1, pad], "/model/pad/SeqLens")
+            width = g.node("Add", [width, g.node("Squeeze", [pad], "/model/pad/Scalar")], "/model/pad/Width")
+        seqlens = g.node("Cast", [s1], "/model/mask/SeqLens", to=TensorProto.INT32)
         total = g.node("Cast", [width], "/model/mask/Total", to=TensorProto.INT32)
         return seqlens, total
 
@@ -263,6 +284,10 @@ class DecoderBuilder:
         bs = lambda: self._blocksum(x, c.hidden, p)  # noqa: E731 (made only for weights with a min)
         bias = [f"{blk}.attn_{t}.bias" for t in "qkv"] if c.qkv_bias else None
         qkv = self._linear(x, [f"{blk}.attn_{t}.weight" for t in "qkv"], f"{p}/qkv_proj", bs, bias)
+        if self._pad:  # (B, S, D) -> (B, S + pad, D): a one-token pass's row, twice
+            zero, axis = self.g.init("pad.zero", np.array([0])), self.g.init("pad.axis1", np.array([1]))
+            copy = self.g.node("Slice", [qkv, zero, self._pad[0], axis], f"{p}/PadRow")
+            qkv = self.g.node("Concat", [qkv, copy], f"{p}/PadConcat", axis=1)
         past_k, past_v, present_k, present_v = kv_names(i)
         gqa = helper.make_node(
             "GroupQueryAttention",
@@ -277,6 +302,9 @@ class DecoderBuilder:
         )
         self.g.nodes.append(gqa)
         a = f"{p}/GroupQueryAttention/output_0"
+        if self._pad:  # the copy row's output goes
+            a = self.g.node("Slice", [a, self.g.init("pad.zero", np.array([0])), self._pad[1],
+                                      self.g.init("pad.axis1", np.array([1]))], f"{p}/Unpad")
         return self._linear(a, [f"{blk}.attn_output.weight"], f"{p}/o_proj", lambda: self._blocksum(a, c.hidden, f"{p}/o"))
 
     def _mlp(self, i: int, x: str) -> str:
@@ -352,9 +380,15 @@ class DecoderBuilder:
         for k in range(len(inits)):
             model.graph.initializer.append(inits[k])
             inits[k] = None
-        helper.set_model_props(model, {"memspec.kv_layout": "shared_buffer", "memspec.variant": self.variant})
+        props = {"memspec.kv_layout": "shared_buffer", "memspec.variant": self.variant,
+                 "memspec.graph": str(GRAPH_VERSION)}
+        if self.pad_attention:
+            props["memspec.attention_pad"] = "1"  # a one-token pass writes one slot past the token
+        helper.set_model_props(model, props)
         return model
 
+
+GRAPH_VERSION = 2  # 2: attention padded for one-token passes; a pull re-converts an older graph
 
 PROTOBUF_LIMIT = 2**31 - 2**26  # a protobuf must stay under 2 GiB; keep a margin for the graph itself
 

@@ -25,7 +25,7 @@ from typing import Callable
 from memspec import __version__
 from memspec.errors import ModelFormatError, ModelNotFoundError
 from memspec.models.catalog import KNOWN_MODELS, PyPISource, Source, SplitPyPISource
-from memspec.models.convert import ON_REQUEST, VARIANTS, convert, external_data_path
+from memspec.models.convert import GRAPH_VERSION, ON_REQUEST, VARIANTS, convert, external_data_path
 from memspec.models.gguf import GGUFModel
 from memspec.models.store import MANIFEST, Manifest, ModelStore, file_record, sha256_file
 
@@ -279,6 +279,7 @@ def _provenance(gguf: Path, source: Source | None, gguf_sha: str) -> dict:
         "gguf_file": gguf.name,
         "gguf_sha256": gguf_sha,
         "converter": f"memspec {__version__} (memspec.models.convert)",
+        "graph": GRAPH_VERSION,  # an older graph is converted again by the next pull
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         "source": source.label if source else f"local file {gguf}",
     }
@@ -289,7 +290,8 @@ def _up_to_date(store: ModelStore, name: str, gguf_sha: str, variants: tuple[str
         m = store.get(name)
     except (ModelNotFoundError, ModelFormatError):
         return None
-    if m.provenance.get("gguf_sha256") != gguf_sha or any(v not in m.variants for v in variants):
+    if (m.provenance.get("gguf_sha256") != gguf_sha or m.provenance.get("graph") != GRAPH_VERSION
+            or any(v not in m.variants for v in variants)):
         return None
     return m if not store.verify(m) else None
 
@@ -393,7 +395,8 @@ def _previous_records(store: ModelStore, name: str, gguf_sha: str) -> dict:
         m = store.get(name)
     except (ModelNotFoundError, ModelFormatError):
         return {}
-    return m.variants if m.provenance.get("gguf_sha256") == gguf_sha else {}
+    same = m.provenance.get("gguf_sha256") == gguf_sha and m.provenance.get("graph") == GRAPH_VERSION
+    return m.variants if same else {}
 
 
 def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,

@@ -116,9 +116,9 @@ class SharedBufferCache(KVCache):
     """One preallocated (1, kvh, capacity, hd) buffer per layer and per K/V."""
 
     def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int, device: str = "cpu",
-                 dtype: type = np.float32):
+                 dtype: type = np.float32, slack: int = 0):
         super().__init__(capacity)
-        shape = (1, kv_heads, capacity, head_dim)
+        shape = (1, kv_heads, capacity + slack, head_dim)  # slack: slots a padded pass writes past the last token
         self.buffers = [
             ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0) for _ in range(2 * n_layers)
         ]
@@ -161,7 +161,11 @@ class DecoderSession:
         copy of its token, whose logits and K/V are dropped).  ONNX Runtime's CPU attention takes
         another GEMM kernel for a single query row, which rounds differently; with int8
         activations that flips near-ties between target-only decoding and verification.  Padded,
-        every pass takes the multi-row kernels and the two agree bit for bit."""
+        every pass takes the multi-row kernels and the two agree bit for bit.
+
+        A graph of ours that pads attention itself (metadata memspec.attention_pad) needs none of
+        that: it gives attention, the one kernel that differs, the copy row, while its matrix
+        multiplies run one row (on the 1.5B a two-row pass costs 1.2x a one-row pass)."""
         self.path = Path(path)
         self.min_rows = min_rows
         if not self.path.is_file():
@@ -211,13 +215,18 @@ class DecoderSession:
         # any other decoder runs with a growing cache, which every layout supports.
         meta = self.session.get_modelmeta().custom_metadata_map
         self.layout = "gqa" if meta.get("memspec.kv_layout") == "shared_buffer" else "growing"
+        self.graph_pads = self.layout == "gqa" and meta.get("memspec.attention_pad") == "1"
+        # tokens a pass is padded to here (the graph pads itself), and slots written past the last token
+        self.pad_rows = 1 if self.graph_pads else self.min_rows
+        self.slack = 1 if self.graph_pads else self.min_rows - 1
         self.max_context = max_context
 
     # -- caches -------------------------------------------------------------
     def new_cache(self, capacity: int | None = None) -> KVCache:
         cap = capacity or self.max_context
         if self.layout == "gqa":
-            return SharedBufferCache(cap, self.n_layers, self.kv_heads, self.head_dim, self.device, self.kv_dtype)
+            return SharedBufferCache(cap, self.n_layers, self.kv_heads, self.head_dim, self.device, self.kv_dtype,
+                                     1 if self.graph_pads else 0)
         return GrowingCache(cap, self.n_layers, self.kv_heads, self.head_dim, self.kv_dtype)
 
     def kv_bytes_per_token(self) -> int:
@@ -231,12 +240,12 @@ class DecoderSession:
         slots each, filled from the front.  So it costs the pages of `tokens` slots
         per row, rounded up to whole pages plus one (rows need not start on a page),
         never more than the capacity.  A growing cache holds exactly `tokens`.  With
-        min_rows, a padded step writes min_rows - 1 slots past the last token."""
-        tokens += self.min_rows - 1
+        padding (min_rows, or the graph's own), a step writes `slack` slots past the last token."""
+        tokens += self.slack
         if self.layout != "gqa":
             return self.kv_bytes_per_token() * max(0, min(tokens, self.max_context))
-        return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.head_dim, tokens, self.max_context,
-                               np.dtype(self.kv_dtype).itemsize)
+        return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.head_dim, tokens,
+                               self.max_context + (1 if self.graph_pads else 0), np.dtype(self.kv_dtype).itemsize)
 
     # -- forward ------------------------------------------------------------
     def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:
@@ -254,7 +263,7 @@ class DecoderSession:
             )
         keep = min(max(keep, 1), n)
         # padding rows (min_rows), when the cache has room for them; they are dropped below
-        pad = min(max(self.min_rows - n, 0), cache.capacity - cache.length - n)
+        pad = min(max(self.pad_rows - n, 0), cache.capacity - cache.length - n)
         if pad:
             ids = [*ids, *[ids[-1]] * pad]
         if isinstance(cache, SharedBufferCache):
@@ -283,7 +292,7 @@ class DecoderSession:
         binding.bind_cpu_input("input_ids", np.asarray([ids], dtype=np.int64))
         binding.bind_cpu_input("attention_mask", cache.ones[:, :total])
         binding.bind_cpu_input("logits_to_keep", np.array(keep, dtype=np.int64))
-        if keep <= self.min_rows and self.vocab_size:
+        if keep <= self.pad_rows and self.vocab_size:
             out = cache.logits.get(keep)
             if out is None:
                 out = cache.logits[keep] = ort.OrtValue.ortvalue_from_shape_and_type(
@@ -314,7 +323,7 @@ class DecoderSession:
         """What measure_step_costs(max_k) depends on (memspec.runtime.costs keeps curves by it)."""
         from memspec.runtime.costs import cost_key
 
-        return cost_key(self.path, max_k, self.session.get_providers(), self.threads, self.min_rows)
+        return cost_key(self.path, max_k, self.session.get_providers(), self.threads, self.pad_rows)
 
     def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
         """Median seconds of one forward over k tokens after `context` cached ones, k = 1..max_k.

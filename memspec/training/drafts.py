@@ -280,8 +280,8 @@ def export_onnx(model, path: Path, max_positions: int = 2048, weights: str = "q8
 
     _, quantize, _ = WEIGHTS[weights]
     arrays = ArrayWeights(model.c, model.tensors(), quantize=quantize)
-    builder = (DecoderBuilder(arrays, "q4", max_positions) if quantize else
-               DecoderBuilder(arrays, "fp32", max_positions, weight_dtype="float16"))
+    builder = (DecoderBuilder(arrays, "q4", max_positions, pad_attention=False) if quantize else  # drafts never verify
+               DecoderBuilder(arrays, "fp32", max_positions, weight_dtype="float16", pad_attention=False))
     proto = builder.build()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
