@@ -60,6 +60,18 @@ for _ in range(cfg["repeats"]):
     for _ in range(cfg["decode"]):
         llm.eval([tok]); tok = last_argmax()
     out["decode_s"].append(time.perf_counter() - t)
+del llm
+# cost(k): one pass over k tokens after 256 cached ones, every row's logits kept, as verification needs
+llm = Llama(cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=512,
+            verbose=False, use_extra_bufts=False, logits_all=True)
+llm.eval(ids[:256])
+out["cost_s"] = {}
+for k in range(1, cfg["max_k"] + 1):
+    times = []
+    for _ in range(3 * cfg["repeats"]):
+        llm.n_tokens = 256  # eval() trims the KV cache back to n_tokens first
+        t = time.perf_counter(); llm.eval(ids[256:256 + k]); times.append(time.perf_counter() - t)
+    out["cost_s"][k] = sorted(times)[len(times) // 2]
 print(json.dumps(out))
 """
 
@@ -116,15 +128,37 @@ def bench_variant(path: Path, prompt: list[int], args) -> dict:
 
 def bench_llama_cpp(gguf: Path, prompt: list[int], args) -> dict | None:
     cfg = {"gguf": str(gguf), "threads": args.threads, "prompt": prompt, "repeats": args.repeats,
-           "decode": args.decode_tokens}
+           "decode": args.decode_tokens, "max_k": args.max_k}
     proc = subprocess.run([sys.executable, "-c", LLAMA_CPP_SCRIPT, json.dumps(cfg)], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"llama.cpp run failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}", file=sys.stderr)
         return None
     raw = json.loads(proc.stdout.strip().splitlines()[-1])
     pre = statistics.median(raw["prefill_s"])
+    cost = {int(k): v * 1e3 for k, v in raw["cost_s"].items()}
     return {"prefill_ms": pre * 1e3, "prefill_tok_per_s": len(prompt) / pre,
-            "decode_tok_per_s": args.decode_tokens / statistics.median(raw["decode_s"])}
+            "decode_tok_per_s": args.decode_tokens / statistics.median(raw["decode_s"]),
+            "cost_ms": {k: round(v, 3) for k, v in cost.items()},
+            "cost_ratio": {k: round(v / cost[1], 3) for k, v in cost.items()}}
+
+
+def weight_bytes_per_token(onnx_path: Path, gguf: Path) -> tuple[int, int]:
+    """Bytes of weights one decode step reads: memspec's graph (the initializers of every node but the
+    gathers, which read one row of the embedding table and of the rotary tables) and the GGUF's
+    (every tensor but token_embd, unless it is also the LM head).  Decoding is memory-bound, so
+    their ratio is about the floor of the time ratio."""
+    import onnx
+    from gguf import GGUFReader
+    from onnx.external_data_helper import ExternalDataInfo, uses_external_data
+
+    graph = onnx.load(str(onnx_path), load_external_data=False).graph
+    read = {x for n in graph.node if not n.op_type.startswith("Gather") for x in n.input}
+    ours = sum(int(ExternalDataInfo(t).length) if uses_external_data(t) else len(t.raw_data) or t.ByteSize()
+               for t in graph.initializer if t.name in read and t.name not in ("cos_cache", "sin_cache"))
+    tensors = GGUFReader(str(gguf)).tensors
+    tied = not any(t.name == "output.weight" for t in tensors)
+    theirs = sum(int(t.n_bytes) for t in tensors if tied or t.name != "token_embd.weight")
+    return ours, theirs
 
 
 def main(argv=None) -> int:
@@ -163,6 +197,12 @@ def main(argv=None) -> int:
                 rounds["llama.cpp"].append(lc)
     results = {name: _median_of(runs) for name, runs in rounds.items() if runs}
     report(results, args, len(prompt))
+    if "q4" in variants:
+        ours, theirs = weight_bytes_per_token(m.variant_path("q4"), gguf)
+        results["q4"]["weight_mb_per_token"] = round(ours / 1e6, 1)
+        print(f"weights read per decode step: q4 {ours / 1e6:.0f} MB, the GGUF {theirs / 1e6:.0f} MB "
+              f"({ours / theirs:.2f}x: MatMulNBits keeps a float32 scale per block of 32, Q6_K as 8-bit "
+              f"blocks of 16, and Q4_K's mins as a float32 block-sum correction)")
     if args.json:
         Path(args.json).write_text(json.dumps({"prompt_tokens": len(prompt), "threads": args.threads,
                                                "results": results}, indent=2))

@@ -249,3 +249,17 @@ def test_soak_runs_clients_with_cancels_deadlines_and_model_calls_and_checks_the
     report = json.loads(out.read_text())
     assert report["unexpected"] == 0 and report["at_end"] == {"active_streams": 0, "queue_depth": 0, "kv_bytes": 0}
     assert sum(report["codes"].values()) == 40 and any(k.startswith(("load:", "unload:")) for k in report["codes"])
+
+
+def test_target_bench_counts_the_weights_a_decode_step_reads(model_store):
+    """bench/target.py's floor for the decode ratio: our q4 graph reads the Q4_1 GGUF's weights
+    plus a float32 scale per block and the block-sum correction, and skips the gathered embedding."""
+    from pathlib import Path
+
+    spec = importlib.util.spec_from_file_location("target_bench", Path(__file__).parents[1] / "bench" / "target.py")
+    bench = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(bench)
+    m = model_store.get("smollm2-135m")
+    ours, theirs = bench.weight_bytes_per_token(m.variant_path("q4"), model_store.downloads_dir / m.provenance["gguf_file"])
+    # SmolLM2-135M: 134.5M weights; the tied Q8_0 embedding is the head, read every step by both
+    assert 90e6 < theirs < 100e6 and theirs < ours < 1.3 * theirs
