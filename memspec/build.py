@@ -40,4 +40,6 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
         source = DraftPool()
     from memspec.runtime.costs import COSTS, CostCache
 
-    return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS))
+    slots = config.server.max_concurrent if config.runtime.batching else 0
+    return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS),
+                  batch_slots=slots)

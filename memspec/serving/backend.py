@@ -29,6 +29,7 @@ class ServingEngine(Protocol):
     target: "memspec.speculation.engine.TargetModel"  # noqa: F821  (name, variant, session, manifest, file_bytes)
     limits: Limits  # bounds every request; reconfigure() replaces them
     drafts: "memspec.speculation.sources.DraftSource"  # noqa: F821
+    batch: "memspec.speculation.batching.BatchLoop | None"  # noqa: F821  (None: requests run their own passes)
 
     def check(self, req: GenerationRequest) -> list[int]: ...  # validate fully; the prompt ids
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int: ...  # memory.request_kv_bytes
@@ -213,7 +214,7 @@ class EngineBackend:
     def status(self) -> dict:
         engine = self.engine
         if engine is None:
-            return {"resident": [], "drafts": [], "predictor": {}, "scheduler": {}}
+            return {"resident": [], "drafts": [], "predictor": {}, "scheduler": {}, "batch": {}}
         report = engine.drafts.report()
         with self._count_lock:
             drafts = [{"name": d.name, "resident": d.resident, "bytes": d.bytes,
@@ -222,6 +223,7 @@ class EngineBackend:
                "scheduler": dict(report.scheduler)}
         if report.budget_bytes is not None:  # the draft source's memory budget is the one that holds
             out["budget_bytes"] = int(report.budget_bytes)
+        out["batch"] = engine.batch.report() if engine.batch is not None else {}
         return out
 
     def reconfigure(self, config: Config) -> None:
