@@ -119,6 +119,7 @@ class BatchLoop:
         self._members: set[Slot] = set()
         self._queue: list[_Row] = []
         self._first_at = 0.0  # when the oldest queued row arrived
+        self._last_end = 0.0  # when the last pass ended: its rows' requests are drafting their next
         self._closed = False
         self._releases: list[KVCache] = []  # caches of requests that left, to unbind
         self._thread = threading.Thread(target=self._run, name="memspec-batch", daemon=True)
@@ -182,7 +183,10 @@ class BatchLoop:
             return False
         if len(self._queue) >= min(len(self._members), self.slots) or self._closed:
             return True
-        return self.clock() - self._first_at >= self.max_wait_s
+        # wait from the later of the oldest row's arrival and the last pass's end: a request whose row
+        # was in that pass needs the time to verify and draft before it can queue again, else two
+        # requests fall out of step and alternate passes of one row each
+        return self.clock() - max(self._first_at, self._last_end) >= self.max_wait_s
 
     def _run(self) -> None:
         while True:
@@ -206,12 +210,14 @@ class BatchLoop:
         try:
             out = self.target.forward([r.cache for r in rows], [r.ids for r in rows], [r.keep for r in rows])
         except BaseException as exc:  # every row of a failed pass gets the error; the loop goes on
+            self._last_end = self.clock()
             for r in rows:
                 r.error = exc
                 r.done.set()
             return
         with self._cond:
-            self.stats.count(len(rows), sum(len(r.ids) for r in rows), self.clock() - t)
+            self._last_end = self.clock()
+            self.stats.count(len(rows), sum(len(r.ids) for r in rows), self._last_end - t)
         for r, logits in zip(rows, out):
             r.logits = logits
             r.done.set()
