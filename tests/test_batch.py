@@ -12,10 +12,16 @@ from memspec.runtime.sessions import DecoderSession
 from tiny_models import build_tiny
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "llama-unpadded"])
 def tiny(request, tmp_path_factory):
-    path = build_tiny(tmp_path_factory.mktemp("batch") / "m.onnx", seed=5, vocab=96, arch=request.param)
-    return DecoderSession(path, SessionConfig(max_context=96, intra_op_threads=1), min_rows=2)
+    """Graphs that pad a one-token pass's attention themselves (the converter's), and one that does
+    not, whose one-token passes the session pads to two tokens (min_rows=2) and the batch too."""
+    arch, _, unpadded = request.param.partition("-")
+    path = build_tiny(tmp_path_factory.mktemp("batch") / "m.onnx", seed=5, vocab=96, arch=arch,
+                      pad_attention=not unpadded)
+    sess = DecoderSession(path, SessionConfig(max_context=96, intra_op_threads=1), min_rows=2)
+    assert sess.graph_pads == (not unpadded) and sess.pad_rows == (2 if unpadded else 1)
+    return sess
 
 
 def _solo(sess, ctx, feed):
@@ -84,6 +90,28 @@ def test_a_growing_layout_is_refused(tmp_path):
     onnx.save(m, str(tmp_path / "g.onnx"))
     with pytest.raises(ModelFormatError, match="memspec-converted"):
         BatchedTarget(DecoderSession(tmp_path / "g.onnx", SessionConfig(max_context=32)), rows=2)
+
+
+def test_one_token_rows_are_padded_inside_the_ragged_graph(tiny):
+    """On a padded graph the batched graph keeps no solo padding nodes, and a one-token row next to
+    longer rows writes its copy row's K/V into its cache's slack slot, as its solo pass does."""
+    import onnx
+
+    from memspec.runtime.batch import ragged_graph
+
+    names = [n.name for n in ragged_graph(onnx.load(str(tiny.path)), 2).graph.node]
+    assert not any(n.startswith("/model/pad/") or n.endswith(("/PadRow", "/PadConcat", "/Unpad")) for n in names)
+    assert any(n.endswith("/row1/qkv/padded") for n in names) == tiny.graph_pads
+    bt = BatchedTarget(tiny, rows=3)
+    a, b, c = tiny.new_cache(), tiny.new_cache(), tiny.new_cache()
+    for cache, ctx in ((a, [1, 2, 3]), (b, [4, 5]), (c, [6, 7, 8, 9])):
+        tiny.forward(cache, ctx, keep=1)
+    out = bt.forward([a, b, c], [[10], [11, 12, 13], [14]], [1, 3, 1])
+    np.testing.assert_array_equal(out[0], _solo(tiny, [1, 2, 3], [10]))
+    np.testing.assert_array_equal(out[1], _solo(tiny, [4, 5], [11, 12, 13]))
+    np.testing.assert_array_equal(out[2], _solo(tiny, [6, 7, 8, 9], [14]))
+    assert (a.length, b.length, c.length) == (4, 5, 5)
+    assert a.buffers[0].shape()[2] == a.capacity + tiny.graph_pads  # the copy row's slot
 
 
 def test_release_unbinds_a_finished_cache(tiny):

@@ -25,6 +25,11 @@ one-token dummy row over a small scratch cache (GroupQueryAttention cannot run a
 it costs one token of compute.  Each row keeps the request's own SharedBufferCache, so KV
 memory is counted per request exactly as before (pages touched), and a request that leaves
 frees its cache as before.  CPU only (the binding uses host buffers as they are).
+
+Memory: the batched graph is a second ONNX Runtime session with its own copy of the target's
+weights (`weight_bytes`), beside the target's session, which still serves prefill and lone
+passes.  memspec.build loads it before the draft source so that the pinned target's bytes count
+it (TargetModel.batched_bytes), and status lists it as the target's "batched" row.
 """
 
 from __future__ import annotations
@@ -41,17 +46,35 @@ from memspec.runtime.sessions import DecoderSession, SharedBufferCache
 
 MASK_NODES = "/model/mask/"  # the converter's seqlens/total from the attention mask (models.convert)
 KEEP_NODES = "/model/keep/"  # its logits_to_keep slice
+PAD_NODES = "/model/pad/"  # its one-token attention padding (pad = 1 when the pass feeds one token)
 DUMMY_TOKENS = 2  # the scratch cache's capacity: a dummy row feeds one token after none
 
 
 def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
-    """Rewrite one of our decoder graphs (models.convert) into the ragged batched graph (above)."""
+    """Rewrite one of our decoder graphs (models.convert) into the ragged batched graph (above).
+
+    A graph that pads attention for a one-token pass (memspec.attention_pad: `/model/pad/*`, and
+    per layer PadRow + PadConcat before GroupQueryAttention and Unpad after it) gets the same
+    padding per row: a row that holds one token gives its attention a copy of that token's query
+    row (its K/V one slot past the token, in the cache's slack slot), seqlens/total count it, and
+    the copy's output is dropped, exactly as its solo pass does; a longer row is not padded."""
     g = model.graph
     gqa = [n for n in g.node if n.op_type == "GroupQueryAttention"]
     keep_slice = [n for n in g.node if n.name == KEEP_NODES + "Slice"]
     if not gqa or not keep_slice or not any(n.name.startswith(MASK_NODES) for n in g.node):
         raise ModelFormatError("the batched graph needs a memspec-converted decoder (GroupQueryAttention, "
                                "the attention-mask lengths and the logits_to_keep slice)")
+    pads = any(n.name.startswith(PAD_NODES) for n in g.node)
+    # the per-layer padding nodes, by the tensor each one makes: PadConcat's output (what GQA reads)
+    # stands for its unpadded input; Unpad's output (what o_proj reads) for the rows' joined outputs
+    pad_concat = {n.output[0]: n for n in g.node if n.op_type == "Concat" and n.name.endswith("/PadConcat")}
+    pad_row = {n.output[0] for n in g.node if n.op_type == "Slice" and n.name.endswith("/PadRow")}
+    unpad = {n.input[0]: n for n in g.node if n.op_type == "Slice" and n.name.endswith("/Unpad")}
+    if pads != bool(pad_concat) or len(pad_concat) != len(unpad) or (pads and len(pad_concat) != len(gqa)):
+        raise ModelFormatError("the batched graph cannot read this graph's attention padding "
+                               "(/model/pad/*, PadRow/PadConcat/Unpad per layer)")
+    strip = {n.name for n in pad_concat.values()} | {n.name for n in unpad.values()}  # by name: protobuf
+    strip |= {n.name for n in g.node if n.output and n.output[0] in pad_row}  # wrappers have no stable id
     ins = {i.name: i for i in g.input}
     outs = {o.name: o for o in g.output}
 
@@ -60,8 +83,9 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
         return name
 
     axis0, axis1, one = const("/batch/axis0", [0]), const("/batch/axis1", [1]), const("/batch/one", [1])
+    zero = const("/batch/zero", [0])
     nodes: list[onnx.NodeProto] = []
-    per_row: list[tuple[str, str, str, str]] = []  # (start, end, seqlens_k, total) of each row
+    per_row: list[tuple[str, str, str, str, str | None, str | None]] = []  # start, end, seqlens_k, total, pad, m
     for b in range(rows):
         p = f"/batch/row{b}"
         i0, i1 = const(f"{p}/i0", [b]), const(f"{p}/i1", [b + 1])
@@ -70,33 +94,59 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
             helper.make_node("Slice", ["row_offsets", i0, i1, axis0], [start], name=start),
             helper.make_node("Slice", ["row_offsets", i1, const(f"{p}/i2", [b + 2]), axis0], [end], name=end),
             helper.make_node("Slice", ["row_lengths", i0, i1, axis0], [length], name=length),
+        ]
+        pad = m = None
+        if pads:  # pad = 1 for a one-token row, as the solo graph's /model/pad/Pad; length counts it
+            m, pad = f"{p}/m", f"{p}/pad"
+            nodes += [
+                helper.make_node("Sub", [end, start], [m], name=m),
+                helper.make_node("Equal", [m, one], [f"{p}/one_token"], name=f"{p}/one_token"),
+                helper.make_node("Cast", [f"{p}/one_token"], [pad], name=pad, to=TensorProto.INT64),
+                helper.make_node("Add", [length, pad], [f"{p}/padded"], name=f"{p}/padded"),
+            ]
+            length = f"{p}/padded"
+        nodes += [
             helper.make_node("Sub", [length, one], [f"{p}/sub"], name=f"{p}/sub"),
             helper.make_node("Cast", [f"{p}/sub"], [f"{p}/seqlens"], name=f"{p}/seqlens", to=TensorProto.INT32),
             helper.make_node("Cast", [length], [f"{p}/total"], name=f"{p}/total", to=TensorProto.INT32),
         ]
-        per_row.append((start, end, f"{p}/seqlens", f"{p}/total"))
+        per_row.append((start, end, f"{p}/seqlens", f"{p}/total", pad, m))
     past_inputs, present_outputs = [], []
     ks = keep_slice[0]
     for n in g.node:
-        if n is ks:  # the LM head reads the kept positions: Gather(h, logits_index), not the last-k slice
+        if n.name == ks.name:  # the LM head reads the kept positions: Gather(h, logits_index), not the last-k slice
             nodes.append(helper.make_node("Gather", [ks.input[0], "logits_index"], [ks.output[0]],
                                           name="/batch/keep/Gather", axis=1))
-        if n.name.startswith(MASK_NODES) or n.name.startswith(KEEP_NODES):
+        if n.name.startswith((MASK_NODES, KEEP_NODES, PAD_NODES)) or n.name in strip:
             continue
         if n.op_type != "GroupQueryAttention":
             nodes.append(n)
             continue
         qkv, _, _, pk, pv, _, _, cos, sin = n.input
         out, prk, prv = n.output
+        if qkv in pad_concat:  # the solo graph's padding goes: each row pads itself below
+            qkv = pad_concat[qkv].input[0]
+        if out in unpad:
+            out = unpad[out].output[0]
         parts = []
-        for b, (start, end, seqlens, total) in enumerate(per_row):
+        for b, (start, end, seqlens, total, pad, m) in enumerate(per_row):
             q, o = f"{n.name}/row{b}/qkv", f"{n.name}/row{b}/out"
             nodes.append(helper.make_node("Slice", [qkv, start, end, axis1], [q], name=q))
+            if pad is not None:  # (1, m, D) -> (1, m + pad, D): a one-token row's query, twice
+                nodes += [
+                    helper.make_node("Slice", [q, zero, pad, axis1], [f"{q}/copy"], name=f"{q}/copy"),
+                    helper.make_node("Concat", [q, f"{q}/copy"], [f"{q}/padded"], name=f"{q}/padded", axis=1),
+                ]
+                q, o = f"{q}/padded", f"{o}/padded"
             node = helper.make_node("GroupQueryAttention", [q, "", "", f"{pk}.{b}", f"{pv}.{b}", seqlens, total,
                                                             cos, sin],
                                     [o, f"{prk}.{b}", f"{prv}.{b}"], name=f"{n.name}/row{b}", domain=n.domain)
             node.attribute.extend(n.attribute)
             nodes.append(node)
+            if pad is not None:  # the copy row's output goes
+                unpadded = f"{n.name}/row{b}/out"
+                nodes.append(helper.make_node("Slice", [o, zero, m, axis1], [unpadded], name=unpadded))
+                o = unpadded
             parts.append(o)
             for src, dst in ((pk, f"{pk}.{b}"), (pv, f"{pv}.{b}")):
                 vi = onnx.ValueInfoProto()
@@ -140,13 +190,16 @@ class BatchedTarget:
         self.target = session
         self.rows = rows
         model = ragged_graph(onnx.load(str(session.path)), rows)
+        # The batched session holds its own copy of the target's weights (ONNX Runtime cannot share
+        # initializers between two sessions here): what the working set's budget must count for it.
+        self.weight_bytes = sum(len(t.raw_data) or numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
         try:
             self.session = ort.InferenceSession(model.SerializeToString(), session.session.get_session_options(),
                                                 providers=session.session.get_providers())
         except Exception as exc:
             raise ModelFormatError(f"onnxruntime cannot load the batched graph of {session.path}: {exc}") from None
         del model
-        self.min_rows = session.min_rows
+        self.pad_rows = session.pad_rows  # tokens a feed is padded to here (1 when the graph pads)
         self._dummy = session.new_cache(DUMMY_TOKENS)
         self._binding = self.session.io_binding()
         self._binding.bind_output("logits", "cpu")  # first: a rebound name keeps its place, get_outputs()[0]
@@ -170,9 +223,10 @@ class BatchedTarget:
                 keep: Sequence[int]) -> list[np.ndarray]:
         """One pass: feeds[i] after caches[i]'s committed tokens.  Returns, per row, the logits of
         its last keep[i] fed positions, (keep[i], V) float32 (a copy).  Each cache's length
-        advances by len(feeds[i]).  A feed shorter than the session's min_rows is padded with
-        copies of its last token, which are dropped (as DecoderSession.forward does), so a row
-        takes the same attention kernels as it would alone."""
+        advances by len(feeds[i]).  A row takes the same attention kernels as it would alone: on a
+        graph that pads attention, the graph pads a one-token row itself (ragged_graph); on an
+        older graph a feed shorter than the session's pad_rows (min_rows) is padded here with
+        copies of its last token, which are dropped (as DecoderSession.forward does)."""
         n = len(feeds)
         if not 1 <= n <= self.rows or len(caches) != n or len(keep) != n:
             raise ValueError(f"a pass takes 1..{self.rows} rows with one cache and one keep each "
@@ -186,7 +240,7 @@ class BatchedTarget:
             if cache.length + m > cache.capacity:
                 raise ContextOverflowError(
                     f"context overflow: {cache.length} cached + {m} new tokens > capacity {cache.capacity}")
-            pad = min(max(self.min_rows - m, 0), cache.capacity - cache.length - m)
+            pad = min(max(self.pad_rows - m, 0), cache.capacity - cache.length - m)
             k = min(max(k, 1), m)
             row = [*feed, *[feed[-1]] * pad]
             spans.append((len(index), k))
