@@ -228,4 +228,9 @@ def test_engine_batched_greedy_is_solo_token_for_token(model_store):
     rep = batched.batch.report()
     assert rep["slots_in_use"] == 0 and sum(v for k, v in rep.items() if k.startswith("rows_")) == rep["passes"]
     assert rep.get("rows_2", 0) + rep.get("rows_3", 0) > 0
+    # the batched graph's own copy of the weights is counted: the target's pinned bytes, and status
+    from memspec.serving.backend import _resident
+
+    rows = {m["role"]: m["bytes"] for m in _resident(batched)}
+    assert rows["batched"] == target.batched_bytes == batched.batch.target.weight_bytes > 0.9 * target.file_bytes
     batched.close()

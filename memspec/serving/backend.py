@@ -248,6 +248,10 @@ def _resident(engine: ServingEngine | None) -> list[dict]:
     t = engine.target
     out = [{"name": t.name, "role": "target", "variant": t.variant, "bytes": t.file_bytes,
             "device": t.session.device, "providers": list(t.session.providers)}]
+    batch = getattr(engine, "batch", None)
+    if batch is not None:  # [runtime] batching: the ragged batched graph holds its own copy of the weights
+        out.append({"name": t.name, "role": "batched", "variant": t.variant, "bytes": batch.target.weight_bytes,
+                    "device": t.session.device, "providers": list(t.session.providers)})
     for name, d in sorted(engine.drafts.pinned().items()):
         if d.session is not None:  # a model draft (prompt lookup holds no weights)
             out.append({"name": name, "role": "draft", "variant": d.session.path.stem, "bytes": d.nbytes,

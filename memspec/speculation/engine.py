@@ -47,6 +47,9 @@ class TargetModel:
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     manifest: Manifest | None = None
+    # bytes of the ragged batched graph's own copy of the weights ([runtime] batching), else 0;
+    # memspec.build sets it before the scheduler pins the target, so the budget counts both copies
+    batched_bytes: int = 0
 
     @property
     def file_bytes(self) -> int:
@@ -82,16 +85,22 @@ class Engine:
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
                  drafts: DraftSource | None = None, spec: SpecConfig = SpecConfig(),
-                 costs: CostCache | None = None, batch_slots: int = 0):
+                 costs: CostCache | None = None, batch_slots: int = 0, batched=None):
         """batch_slots > 0: concurrent requests share one batched target pass over up to that many
-        rows (memspec.speculation.batching); 0: each request runs its own passes."""
+        rows (memspec.speculation.batching); 0: each request runs its own passes.  batched: that
+        graph already loaded (a memspec.runtime.batch.BatchedTarget; memspec.build loads it first,
+        so that the budget counts its copy of the weights), instead of loading it here."""
         self.target = target
         self.batch = None
-        if batch_slots > 0:
+        if batched is None and batch_slots > 0:
             from memspec.runtime.batch import BatchedTarget
+
+            batched = BatchedTarget(target.session, batch_slots)
+        if batched is not None:
             from memspec.speculation.batching import BatchLoop
 
-            self.batch = BatchLoop(BatchedTarget(target.session, batch_slots))
+            self.batch = BatchLoop(batched)
+            target.batched_bytes = batched.weight_bytes
         self.pass_cost_s: dict[int, list[float]] | None = None  # batched: [b][k] = a pass of b rows x k
         self.limits = limits
         self.clock = clock
