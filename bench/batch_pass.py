@@ -96,7 +96,8 @@ def main() -> None:
     ap.add_argument("--variant", default="q4")
     ap.add_argument("--rows", type=int, default=4, help="row slots of the batched graph")
     ap.add_argument("--repeats", type=int, default=15)
-    ap.add_argument("--no-invariant", action="store_true", help="batch_invariant = false (min_rows 1)")
+    ap.add_argument("--no-invariant", action="store_true",
+                    help="batch_invariant = false (min_rows 1; no effect on a graph that pads attention itself)")
     args = ap.parse_args()
     target = TargetModel.load(ModelStore(), args.model, args.variant,
                               SessionConfig(batch_invariant=not args.no_invariant))
