@@ -30,6 +30,12 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     target = TargetModel.load(store, config.model.target, variant or config.model.variant, config.runtime)
     spec = config.speculative
     limits = spec.draft_limits()
+    batched = None
+    if config.runtime.batching:  # loaded before the scheduler pins the target: its weights count too
+        from memspec.runtime.batch import BatchedTarget
+
+        batched = BatchedTarget(target.session, config.server.max_concurrent)
+        target.batched_bytes = batched.weight_bytes
     if drafts == "scheduler":
         from memspec.scheduling.scheduler import from_store
 
@@ -40,4 +46,5 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
         source = DraftPool()
     from memspec.runtime.costs import COSTS, CostCache
 
-    return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS))
+    return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS),
+                  batched=batched)

@@ -53,6 +53,7 @@ class FakeEngine:
         self.limits = limits
         self.step_s = step_s
         self.drafts = DraftPool()  # no drafts: "none" or nothing
+        self.batch = None  # no batched passes
         self.open = 0  # streams whose "KV cache" is allocated
         self.checks = 0  # requests validated and tokenized
         self.fail = False

@@ -42,7 +42,9 @@ def tiny_weights(cfg: DecoderConfig, seed: int, scale: float = 1.0) -> ArrayWeig
     return ArrayWeights(cfg, t)
 
 
-def build_tiny(path: Path, seed: int, scale: float = 1.0, **cfg_kwargs) -> Path:
+def build_tiny(path: Path, seed: int, scale: float = 1.0, pad_attention: bool = True, **cfg_kwargs) -> Path:
+    """pad_attention=False: a graph without the one-token attention padding (as before GRAPH_VERSION 2)."""
     cfg = tiny_config(**cfg_kwargs)
-    onnx.save(DecoderBuilder(tiny_weights(cfg, seed, scale), "fp32", 256).build(), str(path))
+    onnx.save(DecoderBuilder(tiny_weights(cfg, seed, scale), "fp32", 256, pad_attention=pad_attention).build(),
+              str(path))
     return path

@@ -20,6 +20,9 @@ class SessionConfig:
     draft_threads: int = 1  # draft threads: drafts are tiny, and a second spinning thread pool
     #                         would steal the cores the target verifies on
     max_context: int = 2048  # KV capacity in tokens (prompt + generated)
+    batching: bool = False  # concurrent requests share one batched target pass, [server] max_concurrent
+    #                         rows (memspec.speculation.batching; CPU provider only; a second, batched
+    #                         graph of the target is loaded beside the first)
     batch_invariant: bool = True  # target passes of one token run as two, so that target-only
     #                                decoding and multi-token verification use the same kernels and
     #                                greedy speculative output is target-only output token for token

@@ -256,6 +256,8 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
 
     probe = probe or PsutilProbe()
     # the target is pinned at what the process holds now: the runtime, Python and the target
-    return Scheduler(config, loader, sizes, probe, target=(target.name, max(target.file_bytes, probe.rss_bytes())),
+    # (with its batched graph's copy of the weights, when batching loaded one: memspec.build)
+    pinned = target.file_bytes + target.batched_bytes
+    return Scheduler(config, loader, sizes, probe, target=(target.name, max(pinned, probe.rss_bytes())),
                      decode=target.tokenizer.decode, kv_sizers=draft_kv_sizers(drafts, target.session.max_context),
                      variant=target.variant, **kwargs)

@@ -29,6 +29,7 @@ class ServingEngine(Protocol):
     target: "memspec.speculation.engine.TargetModel"  # noqa: F821  (name, variant, session, manifest, file_bytes)
     limits: Limits  # bounds every request; reconfigure() replaces them
     drafts: "memspec.speculation.sources.DraftSource"  # noqa: F821
+    batch: "memspec.speculation.batching.BatchLoop | None"  # noqa: F821  (None: requests run their own passes)
 
     def check(self, req: GenerationRequest) -> list[int]: ...  # validate fully; the prompt ids
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int: ...  # memory.request_kv_bytes
@@ -213,7 +214,7 @@ class EngineBackend:
     def status(self) -> dict:
         engine = self.engine
         if engine is None:
-            return {"resident": [], "drafts": [], "predictor": {}, "scheduler": {}}
+            return {"resident": [], "drafts": [], "predictor": {}, "scheduler": {}, "batch": {}}
         report = engine.drafts.report()
         with self._count_lock:
             drafts = [{"name": d.name, "resident": d.resident, "bytes": d.bytes,
@@ -222,6 +223,7 @@ class EngineBackend:
                "scheduler": dict(report.scheduler)}
         if report.budget_bytes is not None:  # the draft source's memory budget is the one that holds
             out["budget_bytes"] = int(report.budget_bytes)
+        out["batch"] = engine.batch.report() if engine.batch is not None else {}
         return out
 
     def reconfigure(self, config: Config) -> None:
@@ -246,6 +248,10 @@ def _resident(engine: ServingEngine | None) -> list[dict]:
     t = engine.target
     out = [{"name": t.name, "role": "target", "variant": t.variant, "bytes": t.file_bytes,
             "device": t.session.device, "providers": list(t.session.providers)}]
+    batch = getattr(engine, "batch", None)
+    if batch is not None:  # [runtime] batching: the ragged batched graph holds its own copy of the weights
+        out.append({"name": t.name, "role": "batched", "variant": t.variant, "bytes": batch.target.weight_bytes,
+                    "device": t.session.device, "providers": list(t.session.providers)})
     for name, d in sorted(engine.drafts.pinned().items()):
         if d.session is not None:  # a model draft (prompt lookup holds no weights)
             out.append({"name": name, "role": "draft", "variant": d.session.path.stem, "bytes": d.nbytes,

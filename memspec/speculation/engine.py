@@ -47,6 +47,9 @@ class TargetModel:
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     manifest: Manifest | None = None
+    # bytes of the ragged batched graph's own copy of the weights ([runtime] batching), else 0;
+    # memspec.build sets it before the scheduler pins the target, so the budget counts both copies
+    batched_bytes: int = 0
 
     @property
     def file_bytes(self) -> int:
@@ -82,8 +85,23 @@ class Engine:
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
                  drafts: DraftSource | None = None, spec: SpecConfig = SpecConfig(),
-                 costs: CostCache | None = None):
+                 costs: CostCache | None = None, batch_slots: int = 0, batched=None):
+        """batch_slots > 0: concurrent requests share one batched target pass over up to that many
+        rows (memspec.speculation.batching); 0: each request runs its own passes.  batched: that
+        graph already loaded (a memspec.runtime.batch.BatchedTarget; memspec.build loads it first,
+        so that the budget counts its copy of the weights), instead of loading it here."""
         self.target = target
+        self.batch = None
+        if batched is None and batch_slots > 0:
+            from memspec.runtime.batch import BatchedTarget
+
+            batched = BatchedTarget(target.session, batch_slots)
+        if batched is not None:
+            from memspec.speculation.batching import BatchLoop
+
+            self.batch = BatchLoop(batched)
+            target.batched_bytes = batched.weight_bytes
+        self.pass_cost_s: dict[int, list[float]] | None = None  # batched: [b][k] = a pass of b rows x k
         self.limits = limits
         self.clock = clock
         self.drafts: DraftSource = drafts if drafts is not None else DraftPool()  # default: target only
@@ -104,13 +122,26 @@ class Engine:
                 else:
                     self.verify_cost_s = self.costs.measured(session.cost_key(max_k),
                                                              lambda: session.measure_step_costs(max_k))
+            if self.batch is not None and self.pass_cost_s is None:
+                self.pass_cost_s = self.batch.target.measure_pass_costs(self.spec.gamma_max + 1)
         return self.verify_cost_s
+
+    def _verify_costs(self) -> list[float] | Callable[[], list[float]] | None:
+        """What the cost controller reads: the one-request costs, or under batching the cost of a
+        pass with as many rows as there are requests now (what a request's k tokens cost it)."""
+        costs = self.calibrate()
+        if self.batch is None or costs is None or not self.pass_cost_s:
+            return costs
+        table, batch = self.pass_cost_s, self.batch
+        return lambda: costs if batch.in_use() <= 1 else table[min(batch.in_use(), batch.slots)]
 
     def close(self) -> None:
         """Stop the draft source's background loading and drop its drafts (idempotent).  A process
         must call it before it exits: a loader thread still inside ONNX Runtime at interpreter
         shutdown aborts the process ("terminate called without an active exception")."""
         self.drafts.close()
+        if self.batch is not None:
+            self.batch.close()
 
     # -- prompt ---------------------------------------------------------------
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
@@ -137,13 +168,17 @@ class Engine:
               metrics: SpecMetrics, cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[int]]:
         """The decode loop for this request: speculative when a draft is chosen, else target only."""
         select = self.drafts.selector(req, prompt, cache.capacity, cancelled)
-        costs = self.calibrate() if select is not None else None
+        costs = self._verify_costs() if select is not None else None
         select = select or NoDraft()
+        slot = self.batch.join() if self.batch is not None else None
         try:
-            yield from speculative_steps(self.target.session, cache, prompt, select, req.sampling, rng,
+            yield from speculative_steps(slot or self.target.session, cache, prompt, select, req.sampling, rng,
                                          self.spec, metrics, self.clock, costs)
         finally:
             select.close()
+            if slot is not None:  # the slot is free for the next pass, and the cache for the OS
+                slot.leave()
+                self.batch.release(cache)
 
     # -- streaming ---------------------------------------------------------------
     def check(self, req: GenerationRequest) -> list[int]:

@@ -25,7 +25,7 @@ from memspec.speculation.config import DraftLimits, SpecConfig
 from memspec.speculation.drafts import DraftState, Proposal
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import SamplingParams
-from memspec.runtime.sessions import DecoderSession, KVCache
+from memspec.runtime.sessions import KVCache
 
 log = logging.getLogger("memspec.speculative")
 
@@ -96,6 +96,12 @@ class CostController:
         self.draft_cost = 0.7 * self.draft_cost + 0.3 * per_token
 
 
+class TargetPass(Protocol):
+    """What the loop needs of the target: DecoderSession, or a batch slot (speculation.batching)."""
+
+    def forward(self, cache: KVCache, ids: list[int], keep: int = 1) -> np.ndarray: ...  # (keep, V)
+
+
 class DraftSelector(Protocol):
     """Chooses the draft for each step of one request (the scheduler's hook into the loop).
 
@@ -159,15 +165,19 @@ def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, 
         return Proposal([], None, [])
 
 
-def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int], select: DraftSelector,
+def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], select: DraftSelector,
                       params: SamplingParams, rng: np.random.Generator, cfg: SpecConfig, metrics: SpecMetrics,
                       clock: Callable[[], float] = time.perf_counter,
-                      verify_cost_s: list[float] | None = None) -> Iterator[list[int]]:
+                      verify_cost_s: list[float] | Callable[[], list[float]] | None = None) -> Iterator[list[int]]:
     """Yield the token ids committed at each step (1 .. k+1 per step).
 
     verify_cost_s[k]: measured seconds of a target pass over k tokens (index 0 unused), for the
-    cost controller; without it the step controller runs.
+    cost controller; without it the step controller runs.  A callable is read before each step
+    (under batching the cost of a pass depends on how many requests share it).
     """
+    live = verify_cost_s if callable(verify_cost_s) else None
+    if live is not None:
+        verify_cost_s = live()
     verify_cost = [c / verify_cost_s[1] for c in verify_cost_s] if verify_cost_s else None
     verify_cost_s1 = verify_cost_s[1] if verify_cost_s else 0.0
     logits = target.forward(cache, prompt, keep=1)[-1]
@@ -186,6 +196,9 @@ def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int],
             ctl = controllers.get(draft_name)
             if ctl is None:
                 ctl = controllers[draft_name] = CostController(cfg, verify_cost, verify_cost_s1)
+            if live is not None:  # the pass this step joins
+                now = live()
+                ctl.verify_cost, ctl.target_step_s = [c / now[1] for c in now], now[1]
             gamma = ctl.next()
         k = min(gamma, cache.capacity - cache.length - 1)
         prop = _propose(select, draft_name, draft, context, k, params, rng, metrics)

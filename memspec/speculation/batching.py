@@ -1,0 +1,233 @@
+"""Continuous batching: one loop owns the target and runs every request's pass together.
+
+    loop = BatchLoop(BatchedTarget(session, rows=4))
+    slot = loop.join()                      # a request takes a slot ...
+    logits = slot.forward(cache, ids, keep) # ... and its passes join the next batched pass
+    slot.leave()                            # finished or cancelled: its row is free at the next pass
+
+Each request still runs its own decode loop (memspec.speculation.speculative) on its own
+thread, with its own draft, verification rule and seeded generator; only the target pass is
+shared.  A slot's `forward` is what the loop calls `target.forward`: it queues the row and waits.
+The loop thread runs a pass as soon as every joined slot has queued one (each has drafted), or
+when the first queued row has waited `max_wait_s` (a slot that is still drafting, or waiting for
+its draft to load, does not hold the others up longer than that).  Like llama.cpp's server slots,
+the loop is the one owner of the target; the slots are plain state.
+
+A row's logits are its solo logits bit for bit, whatever else is in the pass (bench/batch_pass.py
+measures it; memspec.runtime.batch says why), so batching changes no request's output.
+Prompts longer than `prefill_chunk` tokens are fed in chunks, one per pass, so a long prompt
+does not stall the other rows for its whole prefill.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+import numpy as np
+
+from memspec.errors import ContextOverflowError
+from memspec.runtime.batch import BatchedTarget
+from memspec.runtime.sessions import KVCache
+
+Clock = Callable[[], float]
+
+
+@dataclass
+class _Row:
+    """One queued row of the next pass."""
+
+    cache: KVCache
+    ids: list[int]  # (n,) tokens to feed after the cache's committed ones
+    keep: int  # logits rows wanted, from the end
+    done: threading.Event = field(default_factory=threading.Event)
+    logits: np.ndarray | None = None  # (keep, V), set by the loop
+    error: BaseException | None = None
+
+
+@dataclass
+class BatchStats:
+    """What GetStatus shows of the loop: pass sizes and slots."""
+
+    passes: int = 0
+    rows: Counter = field(default_factory=Counter)  # rows in a pass -> passes
+    tokens: Counter = field(default_factory=Counter)  # tokens in a pass, bucketed (1, 2-4, 5-8, ...) -> passes
+    busy_s: float = 0.0  # seconds spent in passes
+
+    def count(self, rows: int, tokens: int, seconds: float) -> None:
+        self.passes += 1
+        self.rows[rows] += 1
+        self.tokens[_bucket(tokens)] += 1
+        self.busy_s += seconds
+
+    def to_dict(self, slots: int, in_use: int) -> dict:
+        out = {"slots": float(slots), "slots_in_use": float(in_use), "passes": float(self.passes),
+               "busy_s": round(self.busy_s, 3)}
+        out.update({f"rows_{b}": float(n) for b, n in sorted(self.rows.items())})
+        out.update({f"tokens_le_{b}": float(n) for b, n in sorted(self.tokens.items())})
+        return out
+
+
+def _bucket(n: int) -> int:
+    """Upper bound of the power-of-two bucket n falls in (1, 2, 4, 8, ...)."""
+    return 1 << max(n - 1, 0).bit_length()
+
+
+class Slot:
+    """One request's place in the batch; `forward` stands in for DecoderSession.forward."""
+
+    def __init__(self, loop: "BatchLoop"):
+        self._loop = loop
+        self.left = False
+
+    def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:
+        """Feed `ids` after the cache's committed tokens in the next batched pass(es); (keep, V)."""
+        ids = list(ids)
+        if not ids:
+            raise ValueError("forward needs at least one token")
+        if cache.length + len(ids) > cache.capacity:
+            raise ContextOverflowError(
+                f"context overflow: {cache.length} cached + {len(ids)} new tokens > capacity {cache.capacity}")
+        chunk = self._loop.prefill_chunk
+        while len(ids) > chunk:  # a long prompt: one chunk per pass
+            self._loop.run(self, _Row(cache, ids[:chunk], 1))
+            ids = ids[chunk:]
+        return self._loop.run(self, _Row(cache, ids, keep))
+
+    def leave(self) -> None:
+        if not self.left:
+            self.left = True
+            self._loop.leave(self)
+
+
+class BatchLoop:
+    """The thread that owns the batched target (module docstring)."""
+
+    def __init__(self, target: BatchedTarget, max_wait_s: float = 0.02, prefill_chunk: int = 256,
+                 clock: Clock = time.perf_counter):
+        if prefill_chunk < 1:
+            raise ValueError(f"prefill_chunk: {prefill_chunk} is out of range; at least 1")
+        self.target = target
+        self.max_wait_s = max_wait_s
+        self.prefill_chunk = prefill_chunk
+        self.clock = clock
+        self.stats = BatchStats()
+        self._cond = threading.Condition()
+        self._members: set[Slot] = set()
+        self._queue: list[_Row] = []
+        self._first_at = 0.0  # when the oldest queued row arrived
+        self._last_end = 0.0  # when the last pass ended: its rows' requests are drafting their next
+        self._closed = False
+        self._releases: list[KVCache] = []  # caches of requests that left, to unbind
+        self._thread = threading.Thread(target=self._run, name="memspec-batch", daemon=True)
+        self._thread.start()
+
+    @property
+    def slots(self) -> int:
+        return self.target.rows
+
+    def join(self) -> Slot:
+        slot = Slot(self)
+        with self._cond:
+            self._members.add(slot)
+        return slot
+
+    def leave(self, slot: Slot) -> None:
+        with self._cond:
+            self._members.discard(slot)
+            self._cond.notify_all()  # the rest may all be queued now
+
+    def in_use(self) -> int:
+        with self._cond:
+            return len(self._members)
+
+    def release(self, cache: KVCache) -> None:
+        """A request's cache is done with: the loop unbinds it before its next pass, so that the
+        target's binding keeps none of its memory."""
+        with self._cond:
+            self._releases.append(cache)
+            self._cond.notify_all()
+
+    def run(self, slot: Slot, row: _Row) -> np.ndarray:
+        """The row's logits: from the next batched pass, or, while its slot is the only one, from the
+        one-request graph on the caller's thread (its logits are the same bit for bit, and it has no
+        dummy rows to pay for)."""
+        with self._cond:
+            alone = self._members == {slot} and not self._queue
+        if alone:
+            t = self.clock()
+            out = self.target.target.forward(row.cache, row.ids, keep=row.keep)
+            with self._cond:
+                self.stats.count(1, len(row.ids), self.clock() - t)
+            return out
+        return self.submit(row)
+
+    def submit(self, row: _Row) -> np.ndarray:
+        with self._cond:
+            if self._closed:
+                raise RuntimeError("the batch loop is closed")
+            if not self._queue:
+                self._first_at = self.clock()
+            self._queue.append(row)
+            self._cond.notify_all()
+        row.done.wait()
+        if row.error is not None:
+            raise row.error
+        return row.logits
+
+    def _ready(self) -> bool:
+        if not self._queue:
+            return False
+        if len(self._queue) >= min(len(self._members), self.slots) or self._closed:
+            return True
+        # wait from the later of the oldest row's arrival and the last pass's end: a request whose row
+        # was in that pass needs the time to verify and draft before it can queue again, else two
+        # requests fall out of step and alternate passes of one row each
+        return self.clock() - max(self._first_at, self._last_end) >= self.max_wait_s
+
+    def _run(self) -> None:
+        while True:
+            rows: list[_Row] = []
+            with self._cond:
+                while not self._ready() and not self._releases:
+                    if self._closed and not self._queue:
+                        return
+                    self._cond.wait(self.max_wait_s if self._queue else 0.5)
+                releases, self._releases = self._releases, []
+                if self._ready():
+                    rows, self._queue = self._queue[: self.slots], self._queue[self.slots:]
+                    self._first_at = self.clock()
+            for cache in releases:
+                self.target.release(cache)
+            if rows:
+                self._pass(rows)
+
+    def _pass(self, rows: list[_Row]) -> None:
+        t = self.clock()
+        try:
+            out = self.target.forward([r.cache for r in rows], [r.ids for r in rows], [r.keep for r in rows])
+        except BaseException as exc:  # every row of a failed pass gets the error; the loop goes on
+            self._last_end = self.clock()
+            for r in rows:
+                r.error = exc
+                r.done.set()
+            return
+        with self._cond:
+            self._last_end = self.clock()
+            self.stats.count(len(rows), sum(len(r.ids) for r in rows), self._last_end - t)
+        for r, logits in zip(rows, out):
+            r.logits = logits
+            r.done.set()
+
+    def report(self) -> dict:
+        with self._cond:
+            return self.stats.to_dict(self.slots, len(self._members))
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join(timeout=5)
