@@ -235,7 +235,7 @@ def _stdin_turns():
 def cmd_serve(args) -> int:
     from memspec.serving.daemon import serve
 
-    return serve(args.config, args.config_path, args.listen, load_engine)
+    return serve(args.config, args.config_path, args.listen, load_engine, http=args.http)
 
 
 def _mib(n: int) -> str:
@@ -381,6 +381,9 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--listen", metavar="ADDRESS",
                     help="unix:///path.sock, a socket path, HOST:PORT, or PORT for loopback TCP "
                          "(default: [server] listen, else the default socket)")
+    sv.add_argument("--http", metavar="HOST:PORT",
+                    help="also serve the OpenAI-compatible HTTP API there (PORT or :PORT: loopback; "
+                         "default: [http] listen, else off)")
     _model_option(sv)
     sv.set_defaults(func=cmd_serve)
 
