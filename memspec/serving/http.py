@@ -115,14 +115,14 @@ class Pump:
         try:
             for item in self.items:
                 self.put("item", item)
-                if self.cancel.is_set():  # the client left: stop at this step, free the KV cache
+                if self.cancel.is_set():  # the client left or the deadline passed: stop, free the KV cache
                     break
-            else:
-                self.put("end")
         except BaseException as exc:  # noqa: BLE001 - every failure goes back to the client
             self.put("error", exc)
+            return
         finally:
             self.items.close()
+        self.put("end")
 
     async def get(self) -> tuple[str, Any]:
         return await self.queue.get()

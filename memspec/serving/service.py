@@ -112,8 +112,6 @@ class Service:
                 outcome, code = status_of(exc).outcome, status_of(exc).grpc
             fields["error"] = str(exc)
             raise
-        except GeneratorExit:  # the front end stopped reading: its client went away
-            raise
         except Exception:
             if outcome != "completed":
                 outcome, code = "failed", "INTERNAL"
