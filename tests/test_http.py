@@ -238,6 +238,8 @@ BAD = [  # (name, path, body or raw text, headers, status, param, code)
     ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), None, 400,
      "stream_options", None),
     ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), None, 400, "top_logprobs", None),
+    ("top_logprobs over 20", CHAT, chat(logprobs=True, top_logprobs=21), None, 400, "top_logprobs", None),
+    ("logprobs not a boolean", CHAT, chat(logprobs="yes"), None, 400, "logprobs", None),
     ("an unknown model", CHAT, {**GOOD, "model": "gpt-4o"}, None, 404, "model", "model_not_found"),
     ("a target not loaded", CHAT, {**GOOD, "model": "other"}, None, 400, "model", "model_not_loaded"),
     ("a draft as the model", CHAT, {**GOOD, "model": "a-draft"}, None, 400, "model", None),

@@ -4,6 +4,7 @@ SDK, curl and raw sockets, side by side with the gRPC client on the same daemon.
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import socket
 import subprocess
@@ -160,3 +161,20 @@ def test_metrics_move_by_exactly_one_request(base, sdk, grpc_client):
     st = grpc_client.status()
     assert after[("memspec_requests_total", (("outcome", "completed"),))] == st["requests"]["completed"]
     assert after[("memspec_model_resident_bytes", (("model", MODEL), ("role", "target"), ("variant", "q4")))] > 0
+
+
+def test_logprobs_are_the_targets_and_greedy_picks_the_top_one(sdk):
+    out = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, logprobs=True, top_logprobs=3)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == out.usage.completion_tokens or out.choices[0].finish_reason == "stop"
+    assert "".join(e.token for e in entries) == out.choices[0].message.content
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 + 1e-6
+    streamed = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, logprobs=True,
+                                           top_logprobs=3, stream=True)
+    tokens = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in tokens] == [(e.token, round(e.logprob, 4)) for e in entries]
+    text = sdk.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2)
+    assert len(text.choices[0].logprobs.tokens) == 5 and len(text.choices[0].logprobs.top_logprobs[0]) == 2

@@ -255,8 +255,6 @@ class Api:
                 log.debug("ignored unknown fields", extra={"fields": {"path": request.url.path,
                                                                       "fields": list(api.ignored)}})
             self._check_model(api.model)
-            if api.logprobs is not None:
-                raise InvalidRequestError("logprobs: not supported yet")
             parsed.append(api)
             return api.request
 
@@ -362,19 +360,24 @@ class Reply:
             return DeadlineExceededError("the request's deadline passed ([http] timeout_seconds) before it finished")
         return CancelledError("the client went away")
 
+    def _logprobs(self, chunk) -> list | None:
+        return openai.logprob_entries(chunk.logprobs or []) if self.api.logprobs is not None else None
+
     async def whole(self) -> Response:
-        text, final = [], None
+        text, final, logprobs = [], None, [] if self.api.logprobs is not None else None
         try:
             async for item in self.items():
                 if isinstance(item, Final):
                     final = item
                 else:
                     text.append(item.text)
+                    if logprobs is not None:
+                        logprobs += self._logprobs(item)
         except Exception as exc:  # noqa: BLE001
             return Api._error(exc)
         if final is None or final.completion.finish_reason == "cancelled":
             return Api._error(self._ended_early())
-        return JSONResponse(openai.response(self.api, self.id, self.created, final, "".join(text), None))
+        return JSONResponse(openai.response(self.api, self.id, self.created, final, "".join(text), logprobs))
 
     async def __call__(self, scope, receive, send) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -403,8 +406,8 @@ class Reply:
                     if api.include_usage:
                         yield _sse(openai.usage_chunk(api, self.id, self.created, item))
                     break
-                if item.text:
-                    yield _sse(openai.chunk(api, self.id, self.created, model, item.text))
+                if item.text or item.logprobs:
+                    yield _sse(openai.chunk(api, self.id, self.created, model, item.text, self._logprobs(item)))
         except Exception as exc:  # noqa: BLE001 - after the 200, an error is an event
             yield _sse(openai.error(exc)[1])
         yield b"data: [DONE]\n\n"

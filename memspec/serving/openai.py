@@ -17,10 +17,9 @@ from dataclasses import dataclass
 from typing import Any
 
 from memspec.errors import INTERNAL, InvalidRequestError, status_of
-from memspec.request import GenerationRequest, PolicyName, SamplingParams, quote
+from memspec.request import MAX_TOP_LOGPROBS, GenerationRequest, PolicyName, SamplingParams, quote
 
 EXTENSION = "memspec"  # the object that carries memspec's own options: draft, policy, top_k
-MAX_TOP_LOGPROBS = 20  # OpenAI's limit
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "stop"}  # memspec -> OpenAI
 
 # Known fields that change nothing here (or that only OpenAI's own service uses).
@@ -231,7 +230,7 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ApiRequest:
             raise _bad("top_logprobs", f"{logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
     elif body.get("top_logprobs") is not None:
         raise _bad("top_logprobs", "needs \"logprobs\": true")
-    req = GenerationRequest(messages=tuple(turns), **_sampling_and_options(body, max_tokens_limit))
+    req = GenerationRequest(messages=tuple(turns), logprobs=logprobs, **_sampling_and_options(body, max_tokens_limit))
     return ApiRequest("chat", model, req, stream, include_usage, logprobs, ignored)
 
 
@@ -248,7 +247,8 @@ def parse_completion(body: Any, max_tokens_limit: int) -> ApiRequest:
     logprobs = _int(body, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise _bad("logprobs", f"{logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
-    req = GenerationRequest(prompt=prompt, raw=True, **_sampling_and_options(body, max_tokens_limit))
+    req = GenerationRequest(prompt=prompt, raw=True, logprobs=logprobs,
+                            **_sampling_and_options(body, max_tokens_limit))
     return ApiRequest("text", model, req, stream, include_usage, logprobs, ignored)
 
 
@@ -267,6 +267,17 @@ def error(exc: BaseException) -> tuple[int, dict]:
 
 
 # -- responses ---------------------------------------------------------------------------------
+def _piece(token: bytes) -> str:
+    return token.decode("utf-8", errors="replace")
+
+
+def logprob_entries(logprobs) -> list[dict]:
+    """memspec.request.TokenLogprob list -> the chat API's logprobs.content entries."""
+    return [{"token": _piece(t.token), "logprob": t.logprob, "bytes": list(t.token),
+             "top_logprobs": [{"token": _piece(b), "logprob": v, "bytes": list(b)} for _, b, v in t.top]}
+            for t in logprobs]
+
+
 def usage(completion) -> dict:
     return {"prompt_tokens": len(completion.prompt_token_ids), "completion_tokens": len(completion.token_ids),
             "total_tokens": len(completion.prompt_token_ids) + len(completion.token_ids)}

@@ -162,11 +162,14 @@ def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, 
 def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int], select: DraftSelector,
                       params: SamplingParams, rng: np.random.Generator, cfg: SpecConfig, metrics: SpecMetrics,
                       clock: Callable[[], float] = time.perf_counter,
-                      verify_cost_s: list[float] | None = None) -> Iterator[list[int]]:
+                      verify_cost_s: list[float] | None = None,
+                      on_rows: Callable[[np.ndarray], None] | None = None) -> Iterator[list[int]]:
     """Yield the token ids committed at each step (1 .. k+1 per step).
 
     verify_cost_s[k]: measured seconds of a target pass over k tokens (index 0 unused), for the
-    cost controller; without it the step controller runs.
+    cost controller; without it the step controller runs.  on_rows: called before each yield
+    with the target's logits rows that predicted the committed tokens, (n_committed, V); the
+    rows are the session's buffer, valid only during the call (logprobs).
     """
     verify_cost = [c / verify_cost_s[1] for c in verify_cost_s] if verify_cost_s else None
     verify_cost_s1 = verify_cost_s[1] if verify_cost_s else 0.0
@@ -174,6 +177,8 @@ def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int],
     context = list(prompt)
     first = sampling.pick(logits, params.temperature, params.top_k, params.top_p, rng)
     context.append(first)
+    if on_rows is not None:
+        on_rows(logits[None, :])
     yield [first]
     gamma = cfg.gamma
     controllers: dict[str, CostController] = {}  # per draft: acceptance differs from draft to draft
@@ -206,4 +211,6 @@ def speculative_steps(target: DecoderSession, cache: KVCache, prompt: list[int],
             ctl.observe(len(prop.tokens), n, t1 - t0)
         else:
             gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
+        if on_rows is not None:
+            on_rows(rows[:n + 1])  # rows[i] predicted committed[i]: the accepted drafts, then nxt
         yield committed
