@@ -32,7 +32,7 @@ from typing import Any, Callable, Iterator
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -278,7 +278,10 @@ class Api:
 
     async def _generate(self, request: Request, parser, method: str) -> Response:
         limit = body_limit(self.backend.config.limits)
-        body = await self._body(request, limit)
+        try:
+            body = await self._body(request, limit)
+        except ClientDisconnect:  # gone before its body arrived: nothing to answer
+            return Response(status_code=499)
         parse = self._parse(request, body, limit, parser)
         client = request.client
         fields = {"method": method, "peer": f"{client.host}:{client.port}" if client else ""}
@@ -302,7 +305,7 @@ class Api:
             raise
         if kind != "item":
             _stop(timer, watcher)
-            return self._error(first) if kind == "error" else Response(status_code=499)
+            return self._error(_deadline(first, expired)) if kind == "error" else Response(status_code=499)
         api = parse.parsed[0]
         run = Reply(api, pump, first, fields, expired, lambda: _stop(timer, watcher))
         if api.stream:
@@ -311,6 +314,14 @@ class Api:
             return await run.whole()
         finally:
             run.done()
+
+
+def _deadline(exc: BaseException, expired: threading.Event) -> BaseException:
+    """A request cancelled because its deadline passed is a deadline error (504), whichever of the
+    timer and the queue's own deadline check saw it first."""
+    if expired.is_set() and isinstance(exc, CancelledError):
+        return DeadlineExceededError("the request's deadline passed ([http] timeout_seconds) before it finished")
+    return exc
 
 
 def _stop(timer, watcher) -> None:
@@ -355,10 +366,8 @@ class Reply:
             else:  # "end" (after the Final), or "gone"
                 return
 
-    def _ended_early(self) -> MemspecError:
-        if self.expired.is_set():
-            return DeadlineExceededError("the request's deadline passed ([http] timeout_seconds) before it finished")
-        return CancelledError("the client went away")
+    def _ended_early(self) -> BaseException:
+        return _deadline(CancelledError("the client went away"), self.expired)
 
     def _logprobs(self, chunk) -> list | None:
         return openai.logprob_entries(chunk.logprobs or []) if self.api.logprobs is not None else None
@@ -374,7 +383,7 @@ class Reply:
                     if logprobs is not None:
                         logprobs += self._logprobs(item)
         except Exception as exc:  # noqa: BLE001
-            return Api._error(exc)
+            return Api._error(_deadline(exc, self.expired))
         if final is None or final.completion.finish_reason == "cancelled":
             return Api._error(self._ended_early())
         return JSONResponse(openai.response(self.api, self.id, self.created, final, "".join(text), logprobs))
@@ -409,7 +418,7 @@ class Reply:
                 if item.text or item.logprobs:
                     yield _sse(openai.chunk(api, self.id, self.created, model, item.text, self._logprobs(item)))
         except Exception as exc:  # noqa: BLE001 - after the 200, an error is an event
-            yield _sse(openai.error(exc)[1])
+            yield _sse(openai.error(_deadline(exc, self.expired))[1])
         yield b"data: [DONE]\n\n"
 
 
