@@ -251,7 +251,8 @@ def cmd_status(args) -> int:
         print(json.dumps(st, indent=2))
         return 0
     mem = st["system_memory"]
-    print(f"memspec {st['version']} {st['state']} on {st['listen']}, up {st['uptime_s']:.0f} s")
+    http = f" and http://{st['http_listen']}" if st.get("http_listen") else ""
+    print(f"memspec {st['version']} {st['state']} on {st['listen']}{http}, up {st['uptime_s']:.0f} s")
     for m in st["resident"] or [{"name": "(none)", "role": "", "variant": "", "bytes": 0, "device": "", "providers": []}]:
         print(f"resident  {m['name']} {m['role']} {m['variant']} {_mib(m['bytes'])} {m['device']} "
               f"{','.join(m['providers'])}".rstrip())

@@ -344,6 +344,15 @@ def test_listen_addresses_and_exposure(caplog, monkeypatch):
     assert "without an API key" in caplog.text
 
 
+def test_status_names_the_http_address(f, capsys):
+    from memspec.cli import main
+
+    f.h.servicer.service.listen["http"] = str(f.server.address)  # as the daemon sets it
+    assert main(["status", "--address", str(f.h.path)]) == 0
+    assert f"and http://127.0.0.1:{f.port}," in capsys.readouterr().out
+    assert f.h.client.status()["http_listen"] == f"127.0.0.1:{f.port}"
+
+
 def test_a_port_in_use_is_a_config_error(f):
     with pytest.raises(ConfigError, match="cannot listen"):
         HttpServer(f.api, HttpAddress("127.0.0.1", f.port))
