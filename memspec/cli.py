@@ -235,7 +235,7 @@ def _stdin_turns():
 def cmd_serve(args) -> int:
     from memspec.serving.daemon import serve
 
-    return serve(args.config, args.config_path, args.listen, load_engine)
+    return serve(args.config, args.config_path, args.listen, load_engine, http=args.http)
 
 
 def _mib(n: int) -> str:
@@ -251,7 +251,8 @@ def cmd_status(args) -> int:
         print(json.dumps(st, indent=2))
         return 0
     mem = st["system_memory"]
-    print(f"memspec {st['version']} {st['state']} on {st['listen']}, up {st['uptime_s']:.0f} s")
+    http = f" and http://{st['http_listen']}" if st.get("http_listen") else ""
+    print(f"memspec {st['version']} {st['state']} on {st['listen']}{http}, up {st['uptime_s']:.0f} s")
     for m in st["resident"] or [{"name": "(none)", "role": "", "variant": "", "bytes": 0, "device": "", "providers": []}]:
         print(f"resident  {m['name']} {m['role']} {m['variant']} {_mib(m['bytes'])} {m['device']} "
               f"{','.join(m['providers'])}".rstrip())
@@ -381,6 +382,9 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     sv.add_argument("--listen", metavar="ADDRESS",
                     help="unix:///path.sock, a socket path, HOST:PORT, or PORT for loopback TCP "
                          "(default: [server] listen, else the default socket)")
+    sv.add_argument("--http", metavar="HOST:PORT",
+                    help="also serve the OpenAI-compatible HTTP API there (PORT or :PORT: loopback; "
+                         "default: [http] listen, else off)")
     _model_option(sv)
     sv.set_defaults(func=cmd_serve)
 

@@ -48,6 +48,21 @@ class ServerConfig:
 
 
 @dataclass(frozen=True)
+class HttpConfig:
+    """The OpenAI-compatible HTTP API, beside gRPC in the same daemon (memspec.serving.http)."""
+
+    listen: str = ""  # "HOST:PORT" (":PORT" or "PORT": loopback); "" = off
+    api_key: str = ""  # clients send "Authorization: Bearer <key>"; "" = no key (the env var wins)
+    api_key_env: str = "MEMSPEC_API_KEY"  # environment variable the key is read from when it is set
+    allow_unauthenticated: bool = False  # listen beyond loopback without a key (logged as a warning)
+    timeout_seconds: float = 600.0  # a request's deadline, queue wait included (504 after it); 0 = none
+
+    def key(self, env=os.environ) -> str:
+        """The API key in force: the environment variable's, else the config's ("" = none)."""
+        return env.get(self.api_key_env, "") if self.api_key_env and env.get(self.api_key_env) else self.api_key
+
+
+@dataclass(frozen=True)
 class Config:
     home: str = ""  # model store; "" = $MEMSPEC_HOME or the user's data dir
     model: ModelConfig = field(default_factory=ModelConfig)
@@ -55,6 +70,7 @@ class Config:
     limits: Limits = field(default_factory=Limits)
     speculative: SpecConfig = field(default_factory=SpecConfig)
     server: ServerConfig = field(default_factory=ServerConfig)
+    http: HttpConfig = field(default_factory=HttpConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
 
     @property
@@ -65,7 +81,7 @@ class Config:
 
 
 _SECTIONS = {"model": ModelConfig, "runtime": SessionConfig, "limits": Limits, "speculative": SpecConfig,
-             "server": ServerConfig, "scheduler": SchedulerConfig}
+             "server": ServerConfig, "http": HttpConfig, "scheduler": SchedulerConfig}
 
 
 MOVED = {"server": {"memory_budget_mb": "memspec has one memory budget, [scheduler] budget_mb, which counts "

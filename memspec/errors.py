@@ -1,5 +1,12 @@
-"""Named exceptions.  Each layer raises these; the server maps them to gRPC codes
-and the CLI to messages and exit codes."""
+"""Named exceptions, and the one table of what each means on the wire.
+
+Each layer raises these; the gRPC server and the HTTP front end map them through
+`STATUS` (gRPC code, HTTP status, OpenAI error type), and the CLI to messages and
+exit codes."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
 
 
 class MemspecError(Exception):
@@ -57,3 +64,58 @@ class CancelledError(MemspecError):
 
 class RemoteError(MemspecError):
     """The daemon failed in a way no other exception names (an internal error)."""
+
+
+# -- HTTP front end (memspec.serving.http) ------------------------------------------------------
+class AuthError(MemspecError):
+    """The HTTP request carries no API key, or the wrong one."""
+
+
+class RequestTooLargeError(InvalidRequestError):
+    """The request body is larger than the [limits] let any request be."""
+
+
+class WrongModelError(InvalidRequestError):
+    """The request names a target in the store that is not the one loaded."""
+
+
+# -- the one status table -----------------------------------------------------------------------
+@dataclass(frozen=True)
+class Status:
+    """What a named exception is on each transport."""
+
+    grpc: str  # grpc.StatusCode name
+    http: int  # HTTP status of the OpenAI-compatible API
+    type: str  # OpenAI error "type"
+    code: str | None = None  # OpenAI error "code" (None: the type says it all)
+    outcome: str = "failed"  # how the request is counted: completed, cancelled, invalid, rejected, failed
+
+
+INTERNAL = Status("INTERNAL", 500, "server_error")
+STATUS: dict[type, Status] = {
+    ContextOverflowError: Status("INVALID_ARGUMENT", 400, "invalid_request_error", "context_length_exceeded",
+                                 "invalid"),
+    # before TokenizerError: a malformed turn is the request's fault
+    ChatTemplateError: Status("INVALID_ARGUMENT", 400, "invalid_request_error", "invalid_messages", "invalid"),
+    RequestTooLargeError: Status("RESOURCE_EXHAUSTED", 413, "invalid_request_error", "request_too_large", "invalid"),
+    WrongModelError: Status("FAILED_PRECONDITION", 400, "invalid_request_error", "model_not_loaded", "invalid"),
+    InvalidRequestError: Status("INVALID_ARGUMENT", 400, "invalid_request_error", None, "invalid"),
+    TokenizerError: Status("FAILED_PRECONDITION", 500, "server_error", "tokenizer_error", "rejected"),
+    ConfigError: Status("INVALID_ARGUMENT", 400, "invalid_request_error", None, "invalid"),
+    ModelNotFoundError: Status("NOT_FOUND", 404, "invalid_request_error", "model_not_found", "invalid"),
+    ModelFormatError: Status("FAILED_PRECONDITION", 500, "server_error", "model_format_error", "rejected"),
+    NotLoadedError: Status("FAILED_PRECONDITION", 503, "service_unavailable", "no_model_loaded", "rejected"),
+    OverloadedError: Status("RESOURCE_EXHAUSTED", 429, "rate_limit_error", "overloaded", "rejected"),
+    UnavailableError: Status("UNAVAILABLE", 503, "service_unavailable", "unavailable", "rejected"),
+    DeadlineExceededError: Status("DEADLINE_EXCEEDED", 504, "timeout", "deadline_exceeded", "cancelled"),
+    CancelledError: Status("CANCELLED", 499, "cancelled", "cancelled", "cancelled"),  # 499: nginx's "client left"
+    AuthError: Status("UNAUTHENTICATED", 401, "authentication_error", "invalid_api_key", "rejected"),
+}
+
+
+def status_of(exc: BaseException) -> Status:
+    """The row of the nearest class of `exc` in STATUS; INTERNAL for anything unnamed."""
+    for cls in type(exc).__mro__:
+        if cls in STATUS:
+            return STATUS[cls]
+    return INTERNAL

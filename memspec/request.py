@@ -10,6 +10,7 @@ ROLES = ("system", "user", "assistant")
 FINISH_REASONS = ("stop", "length", "eos", "cancelled")
 NO_DRAFT = "none"  # the draft a request names for target-only decoding
 POLICY_KINDS = ("target-only", "fixed", "bandit", "memspec", "oracle")
+MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask for at each position (OpenAI's limit)
 POLICY_FORMS = ("target-only", "fixed:<draft>", "bandit", "memspec", "oracle")  # what a policy may be written as
 
 
@@ -98,6 +99,7 @@ class GenerationRequest:
     stop: tuple[str, ...] = ()  # generation ends before any of these strings
     draft: str | None = None  # force one draft (NO_DRAFT = target only)
     policy: PolicyName | None = None  # draft-selection policy override (None: the configured one)
+    logprobs: int | None = None  # report each token's log-probability and this many top alternatives
 
 
 def _bad(field_name: str, msg: str) -> InvalidRequestError:
@@ -138,6 +140,8 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
         raise _bad("top_p", f"{s.top_p} is out of range; allowed (0, 1]")
     if s.seed is not None and not 0 <= s.seed < 2**64:
         raise _bad("seed", f"{s.seed} is out of range; allowed 0..2^64-1")
+    if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
+        raise _bad("top_logprobs", f"{req.logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
     if len(req.stop) > limits.max_stop:
         raise _bad("stop", f"{len(req.stop)} stop strings; at most {limits.max_stop}")
     for i, st in enumerate(req.stop):
@@ -158,12 +162,24 @@ def _check_text(name: str, text: str, limits: Limits, allow_empty: bool = False)
         raise _bad(name, f"is not valid UTF-8 ({exc.reason} at {exc.start})") from None
 
 
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A committed token's log-probability under the target (raw logits: before temperature,
+    top-k and top-p), and the most likely tokens at its position."""
+
+    token_id: int
+    token: bytes  # its bytes (part of a UTF-8 character for a byte token)
+    logprob: float
+    top: tuple[tuple[int, bytes, float], ...]  # (id, bytes, logprob), most likely first
+
+
 @dataclass
 class Chunk:
     """One streamed piece of output."""
 
     text: str  # new text (may be empty while bytes of a character are pending)
     token_ids: list[int]  # tokens committed in this step
+    logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked
 
 
 @dataclass

@@ -74,6 +74,7 @@ class Daemon:
         self._stop = threading.Event()
         threading.Thread(target=self._listen, daemon=True).start()
         self.proc: subprocess.Popen | None = None
+        self.args: list[str] = []  # more `memspec serve` options (tests/test_http_e2e.py: --http)
 
     def write_config(self, max_queue: int = 32, grace: float = 20.0) -> None:
         self.config.write_text(CONFIG.format(home=self.home, context=CONTEXT, max_tokens=MAX_TOKENS,
@@ -92,7 +93,8 @@ class Daemon:
         self.notes.clear()
         with open(self.log, "ab") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "memspec.cli", "--config", str(self.config), "serve", "--listen", str(self.sock)],
+                [sys.executable, "-m", "memspec.cli", "--config", str(self.config), "serve", "--listen", str(self.sock),
+                 *self.args],
                 env=env, stdout=subprocess.DEVNULL, stderr=log)
         t0 = time.monotonic()
         while not any(n.startswith("READY=1") for n in self.notes):

@@ -55,6 +55,13 @@ def test_unit_has_what_the_daemon_relies_on():
     assert "PrivateDevices=yes" not in unit  # would hide the GPU
 
 
+def test_unit_and_readme_say_how_to_turn_on_the_http_api():
+    unit, readme = UNIT.read_text(), (REPO / "README.md").read_text()
+    assert "EnvironmentFile=-/etc/memspec/http.env" in unit and 'listen = "127.0.0.1:8080"' in unit
+    assert "memspec serve --http" in readme and "/etc/memspec/http.env" in readme
+    assert load_config(EXAMPLE).http.listen == ""  # off by default
+
+
 @pytest.mark.parametrize("where", ["README.md", "systemd/memspec.service"])
 def test_install_steps_make_the_store_then_pull_then_enable(where):
     """`useradd --system` makes no home: the store must be made, owned by memspec, before the

@@ -92,3 +92,13 @@ def test_pick_is_argmax_at_temperature_zero_and_a_draw_otherwise():
     counts = np.bincount([sampling.pick(logits, 1.0, 0, 1.0, rng) for _ in range(3000)], minlength=3)
     assert chi_square_p(counts, np.array([0.1, 0.6, 0.3])) > 1e-3
     assert {sampling.pick(logits, 1.0, 1, 1.0, rng) for _ in range(50)} == {1}  # top_k=1 leaves the argmax
+
+
+def test_log_probs_are_a_log_softmax_with_the_top_k_most_likely_first():
+    logits = np.array([1.0, 3.0, 2.0, -1.0], dtype=np.float32)
+    lp, top = sampling.log_probs(logits, 2, k=2)
+    expected = logits.astype(np.float64) - np.log(np.exp(logits.astype(np.float64)).sum())
+    assert lp == pytest.approx(expected[2])
+    assert [i for i, _ in top] == [1, 2] and [v for _, v in top] == pytest.approx([expected[1], expected[2]])
+    assert sampling.log_probs(logits, 0, k=0)[1] == []
+    assert [i for i, _ in sampling.log_probs(logits, 0, k=4)[1]] == [1, 2, 0, 3]

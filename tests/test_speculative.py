@@ -94,6 +94,17 @@ def test_greedy_speculative_equals_target_only_on_onnx_models(tiny, gamma):
     assert m.num_draft_tokens == m.num_accepted_tokens + m.wasted_draft_tokens
 
 
+def test_on_rows_hands_over_the_row_that_predicted_each_committed_token(tiny):
+    """Greedy: every committed token is the argmax of the row handed over for it (logprobs)."""
+    target, draft = tiny
+    seen = []
+    steps = speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)), SamplingParams(),
+                              np.random.default_rng(0), SpecConfig(gamma=3), SpecMetrics(),
+                              on_rows=lambda rows: seen.append(rows.argmax(axis=-1).tolist()))
+    for committed in steps:
+        assert seen.pop() == committed
+
+
 def test_full_acceptance_when_draft_is_the_target(tiny):
     target, _ = tiny
     same = DraftModel("self", target, np.arange(V), V, DraftLimits(p_min=0.0, max_entropy=np.inf))

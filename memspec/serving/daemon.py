@@ -39,7 +39,7 @@ from memspec.models.store import ModelStore
 log = logging.getLogger("memspec.daemon")
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 SPARE_WORKERS = 8  # threads beyond max_concurrent + max_queue, for status, health and admin calls
-RESTART_ONLY = ("home", "model", "runtime", "speculative", "scheduler")  # read only at start (or LoadModel)
+RESTART_ONLY = ("home", "model", "runtime", "speculative", "scheduler", "http")  # read only at start (or LoadModel)
 
 
 # -- logging ---------------------------------------------------------------------------
@@ -140,7 +140,7 @@ def _check(s: ServerConfig) -> None:
 
 class Daemon:
     def __init__(self, config: Config, config_path: str | None, listen: str | None,
-                 loader: Callable, notifier: Notifier | None = None):
+                 loader: Callable, notifier: Notifier | None = None, http: str | None = None):
         _check(config.server)
         self.config = config
         self.config_path = config_path
@@ -150,6 +150,12 @@ class Daemon:
         self.admission = Admission(admission_config(config.server), PsutilProbe().available_bytes)  # cgroup-aware
         self.servicer = MemSpecServicer(self.backend, self.admission, listen=str(self.address))
         self.max_workers = config.server.max_concurrent + config.server.max_queue + SPARE_WORKERS
+        self.http_listen = http or config.http.listen  # "" = no HTTP API
+        self.http = None  # memspec.serving.http.HttpServer, once listening
+        if self.http_listen:
+            from memspec.serving.http import check_exposure, parse_listen  # uvicorn: only when asked for
+            self.http_address = parse_listen(self.http_listen)
+            check_exposure(self.http_address, config.http)
 
     def run(self) -> int:
         setup_logging(self.config.server.log_level)
@@ -186,7 +192,23 @@ class Daemon:
         server.start()
         if self.address.is_unix:
             os.chmod(self.address.path, self.config.server.socket_mode)
+        if self.http_listen:
+            try:
+                self._listen_http()
+            except MemspecError:
+                server.stop(0)
+                self._remove_socket()
+                raise
         return server
+
+    def _listen_http(self) -> None:
+        """The HTTP API on the same Service (/health answers 503 until the target is loaded)."""
+        from memspec.serving.http import Api, HttpServer
+
+        api = Api(self.servicer.service, self.config.http)
+        self.http = HttpServer(api, self.http_address, max_connections=2 * self.max_workers + 64).start()
+        self.servicer.service.listen["http"] = str(self.http.address)
+        log.info("http listening", extra={"fields": {"http": str(self.http.address), "api_key": bool(api.key)}})
 
     def _load(self, server) -> None:
         """Load the target, then serve: health SERVING, READY=1."""
@@ -198,6 +220,7 @@ class Daemon:
                 loaded = self.backend.start()
         except MemspecError:
             server.stop(0)
+            self._stop_http()
             self._remove_socket()
             raise
         self.servicer.set_state("serving")
@@ -205,7 +228,8 @@ class Daemon:
             log.warning("this is a Jetson, but the target runs on the CPU: install the JetPack build of "
                         "onnxruntime-gpu (and not the onnxruntime package beside it), or set [runtime] providers",
                         extra={"fields": {"providers": loaded["model"]["providers"]}})
-        self.notifier.ready(f"serving {target} on {self.address}")
+        self.notifier.ready(f"serving {target} on {self.address}" + (f" and http://{self.http.address}"
+                                                                      if self.http else ""))
         log.info("serving", extra={"fields": {"listen": str(self.address), **loaded["model"],
                                               "load_ms": round(loaded["load_ms"], 1)}})
 
@@ -234,11 +258,17 @@ class Daemon:
         done = server.stop(0 if self._busy() else 1.0)
         while not done.wait(self._ping_interval() or 1.0):
             self._ping()
+        self._stop_http()
         self._remove_socket()
         self.backend.close()
         log.info("stopped", extra={"fields": {"drain_ms": round((time.monotonic() - t0) * 1e3, 1),
                                               "requests": self.servicer.counters.to_dict()}})
         return 0
+
+    def _stop_http(self) -> None:
+        if self.http is not None:
+            self.http.stop()
+            self.http = None
 
     def _busy(self) -> bool:
         snap = self.admission.snapshot()
@@ -285,6 +315,8 @@ class Daemon:
         self.notifier.ready(f"serving on {self.address}")
 
 
-def serve(config: Config, config_path: str | None, listen: str | None, loader: Callable) -> int:
-    """Run the daemon until SIGTERM/SIGINT; returns the exit status."""
-    return Daemon(config, config_path, listen, loader).run()
+def serve(config: Config, config_path: str | None, listen: str | None, loader: Callable,
+          http: str | None = None) -> int:
+    """Run the daemon until SIGTERM/SIGINT; returns the exit status.  http: the HTTP API's
+    HOST:PORT (None: [http] listen)."""
+    return Daemon(config, config_path, listen, loader, http=http).run()

@@ -1,4 +1,4 @@
-"""The gRPC servicer: parse the request, call the domain layer, build the reply.
+"""The gRPC servicer: parse the request, call the domain layer (memspec.serving.service), build the reply.
 
 Every failure leaves through one place, `_abort`, which maps the named
 exception to its status code (memspec.serving.wire.CODES) and names it in the trailing
@@ -8,78 +8,52 @@ metadata.  The daemon's lifecycle (socket, signals, systemd) is memspec.serving.
 from __future__ import annotations
 
 import logging
-import os
 import threading
 import time
 from concurrent import futures
-from dataclasses import dataclass, field
 
 import grpc
-import psutil
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from memspec import __version__
 from memspec.serving import wire
 from memspec.serving.admission import Admission
 from memspec.serving.backend import Backend
-from memspec.errors import CancelledError, ConfigError, InvalidRequestError, MemspecError, UnavailableError
-from memspec.request import Completion, Limits
+from memspec.serving.service import Final, Service
+from memspec.errors import ConfigError, InvalidRequestError, MemspecError
+from memspec.request import Limits
 
 pb2 = wire.pb2
 log = logging.getLogger("memspec.server")
-STATES = ("starting", "serving", "draining")
-
-
-@dataclass
-class RequestCounters:
-    started: int = 0
-    completed: int = 0
-    cancelled: int = 0
-    rejected: int = 0
-    invalid: int = 0
-    failed: int = 0
-    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
-
-    def count(self, outcome: str) -> None:
-        with self.lock:
-            setattr(self, outcome, getattr(self, outcome) + 1)
-
-    def to_dict(self) -> dict:
-        with self.lock:
-            return {k: getattr(self, k) for k in ("started", "completed", "cancelled", "rejected", "invalid", "failed")}
-
-
-def _outcome(code: grpc.StatusCode) -> str:
-    return {grpc.StatusCode.OK: "completed", grpc.StatusCode.CANCELLED: "cancelled",
-            grpc.StatusCode.DEADLINE_EXCEEDED: "cancelled", grpc.StatusCode.INVALID_ARGUMENT: "invalid",
-            grpc.StatusCode.RESOURCE_EXHAUSTED: "rejected", grpc.StatusCode.UNAVAILABLE: "rejected",
-            grpc.StatusCode.FAILED_PRECONDITION: "rejected"}.get(code, "failed")
 
 
 class MemSpecServicer:
-    """memspec.v1.MemSpec over a Backend and an Admission queue."""
+    """memspec.v1.MemSpec over a Service (a Backend and an Admission queue)."""
 
-    def __init__(self, backend: Backend, admission: Admission, listen: str = "", clock=time.monotonic):
+    def __init__(self, backend: Backend, admission: Admission, listen: str = "", clock=time.monotonic,
+                 service: Service | None = None):
+        self.service = service or Service(backend, admission, clock)
+        self.service.listen["grpc"] = listen
         self.backend = backend
         self.admission = admission
-        self.listen = listen
-        self.clock = clock
-        self.started_at = clock()
-        self.counters = RequestCounters()
         self.health = health.HealthServicer()
-        self.state = "starting"
         self._set_health(health_pb2.HealthCheckResponse.NOT_SERVING)
+
+    @property
+    def state(self) -> str:
+        return self.service.state
+
+    @property
+    def counters(self):
+        return self.service.counters
 
     def set_state(self, state: str) -> None:
         """starting -> serving -> draining; health follows."""
-        assert state in STATES, state
-        self.state = state
+        self.service.set_state(state)
         if state == "serving":
             self._set_health(health_pb2.HealthCheckResponse.SERVING)
         elif state == "draining":
             self.health.enter_graceful_shutdown()  # NOT_SERVING, and stays so
-            self.admission.close()
 
     def _set_health(self, status) -> None:
         for name in ("", wire.SERVICE):
@@ -87,56 +61,21 @@ class MemSpecServicer:
 
     # -- Generate -----------------------------------------------------------------
     def Generate(self, request, context):
-        t0 = self.clock()
         fields = {"method": "Generate", "peer": context.peer()}
-        code = grpc.StatusCode.CANCELLED  # what the stream ends with unless we reach the end
-        try:
-            if self.state == "draining":
-                raise UnavailableError("the daemon is shutting down and takes no new requests")
+        cancel = threading.Event()
+        if not context.add_callback(cancel.set):  # client cancel, deadline, shutdown past grace
+            cancel.set()  # the call ended already: refused once it is parsed and checked
+
+        def parse():
             if isinstance(request, wire.Unparsable):
                 raise InvalidRequestError(request.reason)
-            req = wire.request_from_pb(request, self.backend.config.limits.max_tokens)
-            checked = self.backend.check(req)
-            fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft,
-                          policy=str(req.policy) if req.policy is not None else None)
-            cancel = threading.Event()
-            if not context.add_callback(cancel.set):  # client cancel, deadline, shutdown past grace
-                raise CancelledError("cancelled before it started")  # the client left while it was checked
-            if self.admission.would_queue():  # preload what it will want while it waits
-                self.backend.hint(req)
-            with self.admission.enter(checked.kv_bytes, context.time_remaining(), cancel.is_set) as slot:
-                self.counters.count("started")
-                fields["queue_ms"] = round(slot.queued_s * 1e3, 3)
-                yield from self._generate(req, checked, cancel, slot.queued_s, fields)
-            code = grpc.StatusCode.OK
-        except MemspecError as exc:
-            code = wire.code_for(exc)
-            fields["error"] = str(exc)
-            raise
-        except Exception:
-            code = grpc.StatusCode.INTERNAL
-            raise
-        finally:
-            if fields.pop("complete", False):
-                code = grpc.StatusCode.OK
-            self.counters.count(_outcome(code))
-            fields.update(code=code.name, ms=round((self.clock() - t0) * 1e3, 3))
-            log.info("request", extra={"fields": fields})
+            return wire.request_from_pb(request, self.backend.config.limits.max_tokens)
 
-    def _generate(self, req, checked, cancel: threading.Event, queued_s: float, fields: dict):
-        run = self.backend.open(req, cancel, checked)
-        fields.update(model=run.model, variant=run.variant)
-        try:
-            for item in run.items:
-                if isinstance(item, Completion):
-                    self.backend.record(item)
-                    fields.update(finish_reason=item.finish_reason, **item.timings, stats=item.stats)
-                    fields["complete"] = True  # a cancel after this message is not a cancelled request
-                    yield wire.final_to_pb(item, run.model, run.variant, queued_s)
-                else:
-                    yield wire.chunk_to_pb(item)
-        finally:
-            run.close()  # frees the KV cache and draft state now, also when the client went away
+        for item in self.service.generate(parse, cancel, context.time_remaining, fields):
+            if isinstance(item, Final):
+                yield wire.final_to_pb(item.completion, item.model, item.variant, item.queued_s)
+            else:
+                yield wire.chunk_to_pb(item)
 
     # -- the rest -----------------------------------------------------------------------
     def ListModels(self, request, context):
@@ -161,20 +100,7 @@ class MemSpecServicer:
         return pb2.UnloadModelResponse(freed_bytes=freed)
 
     def status(self) -> dict:
-        """GetStatus as a dict: the backend's models and counters plus the queue and the system."""
-        vm, adm, cfg = psutil.virtual_memory(), self.admission.snapshot(), self.admission.config
-        out = self.backend.status()
-        return {
-            **out, "version": __version__, "state": self.state, "listen": self.listen,
-            "uptime_s": self.clock() - self.started_at,
-            "resident_bytes": sum(m["bytes"] for m in out["resident"]),
-            "budget_bytes": out.get("budget_bytes", 0), "kv_bytes": adm["kv_bytes"],
-            "queue_depth": adm["waiting"], "active_streams": adm["active"],
-            "max_concurrent": cfg.max_concurrent, "max_queue": cfg.max_queue,
-            "system_memory": {"total_bytes": vm.total, "available_bytes": vm.available,
-                              "process_rss_bytes": psutil.Process(os.getpid()).memory_info().rss},
-            "requests": self.counters.to_dict(),
-        }
+        return self.service.status()
 
 
 # -- handlers ---------------------------------------------------------------------------

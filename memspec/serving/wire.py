@@ -18,9 +18,8 @@ from google.protobuf.message import DecodeError, Message
 from memspec import errors
 from memspec.serving import proto
 from memspec.errors import (
-    CancelledError, ChatTemplateError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError,
-    ModelFormatError, ModelNotFoundError, NotLoadedError, OverloadedError, RemoteError, TokenizerError,
-    UnavailableError,
+    CancelledError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelNotFoundError, NotLoadedError,
+    OverloadedError, RemoteError, UnavailableError,
 )
 from memspec.request import Chunk, Completion, GenerationRequest, PolicyName, SamplingParams
 
@@ -31,20 +30,8 @@ ERROR_KEY = "memspec-error"  # trailing metadata: the memspec exception's class 
 _REQ = GenerationRequest()
 _SAMPLING = SamplingParams()
 
-# -- errors <-> status codes: the one table ------------------------------------------
-CODES: dict[type, grpc.StatusCode] = {
-    InvalidRequestError: grpc.StatusCode.INVALID_ARGUMENT,  # ContextOverflowError too (a subclass)
-    ChatTemplateError: grpc.StatusCode.INVALID_ARGUMENT,  # before TokenizerError: the request's fault
-    TokenizerError: grpc.StatusCode.FAILED_PRECONDITION,  # the model's tokenizer cannot serve
-    ConfigError: grpc.StatusCode.INVALID_ARGUMENT,
-    ModelNotFoundError: grpc.StatusCode.NOT_FOUND,
-    ModelFormatError: grpc.StatusCode.FAILED_PRECONDITION,
-    NotLoadedError: grpc.StatusCode.FAILED_PRECONDITION,
-    OverloadedError: grpc.StatusCode.RESOURCE_EXHAUSTED,
-    UnavailableError: grpc.StatusCode.UNAVAILABLE,
-    DeadlineExceededError: grpc.StatusCode.DEADLINE_EXCEEDED,
-    CancelledError: grpc.StatusCode.CANCELLED,
-}
+# -- errors <-> status codes: memspec.errors.STATUS, the one table -----------------------
+CODES: dict[type, grpc.StatusCode] = {cls: grpc.StatusCode[st.grpc] for cls, st in errors.STATUS.items()}
 # A code with no memspec-error metadata (e.g. from grpc itself) comes back as:
 ERRORS: dict[grpc.StatusCode, type] = {
     grpc.StatusCode.INVALID_ARGUMENT: InvalidRequestError,
@@ -54,15 +41,13 @@ ERRORS: dict[grpc.StatusCode, type] = {
     grpc.StatusCode.UNAVAILABLE: UnavailableError,
     grpc.StatusCode.DEADLINE_EXCEEDED: DeadlineExceededError,
     grpc.StatusCode.CANCELLED: CancelledError,
+    grpc.StatusCode.UNAUTHENTICATED: errors.AuthError,
 }
 NAMED = {name: cls for name, cls in vars(errors).items() if isinstance(cls, type) and issubclass(cls, MemspecError)}
 
 
 def code_for(exc: BaseException) -> grpc.StatusCode:
-    for cls in type(exc).__mro__:
-        if cls in CODES:
-            return CODES[cls]
-    return grpc.StatusCode.INTERNAL
+    return grpc.StatusCode[errors.status_of(exc).grpc]
 
 
 def error_from_rpc(err: grpc.RpcError, where: str = "") -> MemspecError:

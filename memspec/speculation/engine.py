@@ -22,11 +22,12 @@ import numpy as np
 from memspec.errors import ContextOverflowError, InvalidRequestError
 from memspec.models.store import Manifest, ModelStore
 from memspec.models.tokenizer import Tokenizer
-from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
+from memspec.request import Chunk, Completion, GenerationRequest, Limits, TokenLogprob, validate
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.costs import CostCache
 from memspec.runtime.memory import release_heap, request_kv_bytes
 from memspec.runtime.sessions import DecoderSession, KVCache, resolve_providers, variant_for
+from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
 from memspec.speculation.metrics import SpecMetrics
 from memspec.speculation.sources import DraftPool, DraftSource
@@ -165,7 +166,8 @@ class Engine:
 
     # -- decode loops ------------------------------------------------------------
     def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: np.random.Generator,
-              metrics: SpecMetrics, cancelled: Callable[[], bool] = lambda: False) -> Iterator[list[int]]:
+              metrics: SpecMetrics, cancelled: Callable[[], bool] = lambda: False,
+              on_rows: Callable[[np.ndarray], None] | None = None) -> Iterator[list[int]]:
         """The decode loop for this request: speculative when a draft is chosen, else target only."""
         select = self.drafts.selector(req, prompt, cache.capacity, cancelled)
         costs = self._verify_costs() if select is not None else None
@@ -173,7 +175,7 @@ class Engine:
         slot = self.batch.join() if self.batch is not None else None
         try:
             yield from speculative_steps(slot or self.target.session, cache, prompt, select, req.sampling, rng,
-                                         self.spec, metrics, self.clock, costs)
+                                         self.spec, metrics, self.clock, costs, on_rows)
         finally:
             select.close()
             if slot is not None:  # the slot is free for the next pass, and the cache for the OS
@@ -215,7 +217,10 @@ class Engine:
         metrics = SpecMetrics()
         t_first = None
         finish = "length"
-        steps = self.steps(cache, prompt, req, rng, metrics, cancel.is_set if cancel is not None else lambda: False)
+        rows: list[np.ndarray] = []  # logits rows of the step just committed (only when logprobs are asked)
+        on_rows = (lambda r: rows.append(r.copy())) if req.logprobs is not None else None
+        steps = self.steps(cache, prompt, req, rng, metrics, cancel.is_set if cancel is not None else lambda: False,
+                           on_rows)
         try:
             for committed in steps:
                 if t_first is None:
@@ -225,7 +230,8 @@ class Engine:
                 if stops.hit:
                     finish_now = "stop"
                 text.append(piece)
-                yield Chunk(piece, new)
+                logprobs = self._logprobs(rows.pop(), new, req.logprobs) if rows else None
+                yield Chunk(piece, new, logprobs)
                 if finish_now:
                     finish = finish_now
                     break
@@ -243,6 +249,15 @@ class Engine:
             prompt_token_ids=prompt, token_ids=out, text="".join(text), finish_reason=finish,
             timings=self._timings(t0, t_first, t_end, len(prompt), len(out)), stats=metrics.to_dict(),
         )
+
+    def _logprobs(self, rows: np.ndarray, tokens: list[int], k: int) -> list[TokenLogprob]:
+        """Each shown token's log-probability and the k most likely at its position."""
+        tok = self.target.tokenizer
+        out = []
+        for row, t in zip(rows, tokens):
+            lp, top = sampling.log_probs(row, t, k)
+            out.append(TokenLogprob(t, tok.token_bytes(t), lp, tuple((i, tok.token_bytes(i), v) for i, v in top)))
+        return out
 
     def _accept(self, committed: list[int], out: list[int], req: GenerationRequest) -> tuple[list[int], str | None]:
         """Append committed ids up to EOS / max_tokens; return (ids to show, finish reason or None)."""

@@ -10,6 +10,16 @@ def greedy(logits: np.ndarray) -> int:
     return int(np.argmax(logits))
 
 
+def log_probs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
+    """The log-probability of `token` under a (V,) row of raw logits (log-softmax, float64),
+    and the k most likely tokens with theirs, most likely first."""
+    z = logits.astype(np.float64)
+    lse = z.max() + np.log(np.exp(z - z.max()).sum())
+    top = np.argpartition(-z, k - 1)[:k] if 0 < k < z.shape[-1] else np.arange(z.shape[-1] if k else 0)
+    top = top[np.argsort(-z[top], kind="stable")]
+    return float(z[token] - lse), [(int(i), float(z[i] - lse)) for i in top]
+
+
 def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
     """The (V,) float64 distribution that sampling draws from.
 

@@ -168,12 +168,15 @@ def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, 
 def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], select: DraftSelector,
                       params: SamplingParams, rng: np.random.Generator, cfg: SpecConfig, metrics: SpecMetrics,
                       clock: Callable[[], float] = time.perf_counter,
-                      verify_cost_s: list[float] | Callable[[], list[float]] | None = None) -> Iterator[list[int]]:
+                      verify_cost_s: list[float] | Callable[[], list[float]] | None = None,
+                      on_rows: Callable[[np.ndarray], None] | None = None) -> Iterator[list[int]]:
     """Yield the token ids committed at each step (1 .. k+1 per step).
 
     verify_cost_s[k]: measured seconds of a target pass over k tokens (index 0 unused), for the
     cost controller; without it the step controller runs.  A callable is read before each step
-    (under batching the cost of a pass depends on how many requests share it).
+    (under batching the cost of a pass depends on how many requests share it).  on_rows: called
+    before each yield with the target's logits rows that predicted the committed tokens,
+    (n_committed, V); the rows are the session's buffer, valid only during the call (logprobs).
     """
     live = verify_cost_s if callable(verify_cost_s) else None
     if live is not None:
@@ -184,6 +187,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     context = list(prompt)
     first = sampling.pick(logits, params.temperature, params.top_k, params.top_p, rng)
     context.append(first)
+    if on_rows is not None:
+        on_rows(logits[None, :])
     yield [first]
     gamma = cfg.gamma
     controllers: dict[str, CostController] = {}  # per draft: acceptance differs from draft to draft
@@ -219,4 +224,6 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
             ctl.observe(len(prop.tokens), n, t1 - t0)
         else:
             gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
+        if on_rows is not None:
+            on_rows(rows[:n + 1])  # rows[i] predicted committed[i]: the accepted drafts, then nxt
         yield committed

@@ -1,0 +1,460 @@
+"""The OpenAI-compatible HTTP API: routes, the API key, errors, and the server thread.
+
+    POST /v1/chat/completions   POST /v1/completions    (JSON, or server-sent events)
+    GET  /v1/models             GET  /v1/models/{id}
+    GET  /health                200 while serving, 503 while starting or draining
+    GET  /metrics               Prometheus text (memspec.serving.prometheus)
+
+It runs inside the daemon (uvicorn on its own thread and event loop; Starlette
+routes) and generates through the same Service as gRPC, so admission, limits,
+queue, drain, counters and request logs are shared.  Each generation runs on a
+thread of its own (`Pump`: the engine is blocking NumPy and ONNX Runtime work)
+and hands its chunks to the event loop.  A client that disconnects sets the
+request's cancel event at once: a queued request leaves the queue, a running one
+stops at its next step, and its KV cache is freed.  Wire types are in
+memspec.serving.openai; every error leaves through `_error` in OpenAI's shape.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import ipaddress
+import json
+import logging
+import socket
+import threading
+import time
+import uuid
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator
+
+import uvicorn
+from starlette.applications import Starlette
+from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import JSONResponse, Response
+from starlette.routing import Route
+
+from memspec.config import HttpConfig
+from memspec.errors import (
+    AuthError, CancelledError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError,
+    ModelNotFoundError, RequestTooLargeError, WrongModelError,
+)
+from memspec.request import quote
+from memspec.serving import openai, prometheus
+from memspec.serving.address import LOOPBACK_HOSTS
+from memspec.serving.service import Final, Service
+
+log = logging.getLogger("memspec.http")
+JSON_TYPES = ("application/json",)
+
+
+# -- where it listens ----------------------------------------------------------------------------
+@dataclass(frozen=True)
+class HttpAddress:
+    host: str
+    port: int  # 0: any free port (tests)
+
+    @property
+    def is_loopback(self) -> bool:
+        if self.host in LOOPBACK_HOSTS:
+            return True
+        try:
+            return ipaddress.ip_address(self.host.strip("[]")).is_loopback
+        except ValueError:
+            return False
+
+    def __str__(self) -> str:
+        return f"[{self.host}]:{self.port}" if ":" in self.host else f"{self.host}:{self.port}"
+
+
+def parse_listen(listen: str) -> HttpAddress:
+    """"HOST:PORT", "[v6]:PORT", ":PORT" or "PORT" (the last two: loopback)."""
+    host, _, port = listen.strip().rpartition(":")
+    if not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise ConfigError(f"[http] listen {listen!r}: expected HOST:PORT, :PORT or PORT (0..65535)")
+    return HttpAddress(host.strip("[]") or "127.0.0.1", int(port))
+
+
+def check_exposure(address: HttpAddress, config: HttpConfig) -> None:
+    """Beyond loopback the API needs a key, or allow_unauthenticated (then a warning)."""
+    if address.is_loopback or config.key():
+        return
+    if not config.allow_unauthenticated:
+        raise ConfigError(f"[http] listen {address} is beyond loopback and no API key is set: set [http] api_key "
+                          f"(or ${config.api_key_env}), or allow_unauthenticated = true to let anyone who can reach "
+                          f"the port generate")
+    log.warning("HTTP API listening beyond loopback without an API key", extra={"fields": {"listen": str(address)}})
+
+
+def body_limit(limits) -> int:
+    """The largest body any request may have: the [limits]' largest request, with room for JSON
+    escapes (\\uXXXX: 6 bytes for a character protobuf carries in at most 4)."""
+    return 2 * limits.request_bytes()
+
+
+# -- one generation, off the event loop ------------------------------------------------------------
+class Pump:
+    """Service.generate on a thread of its own; what it yields reaches the loop through a queue.
+
+    Messages: ("item", Chunk | Final), ("error", exception), ("end", None), ("gone", None)."""
+
+    def __init__(self, items: Iterator, cancel: threading.Event, loop: asyncio.AbstractEventLoop):
+        self.items, self.cancel, self.loop = items, cancel, loop
+        self.queue: asyncio.Queue = asyncio.Queue()
+        threading.Thread(target=self._run, name="memspec-http", daemon=True).start()
+
+    def put(self, kind: str, value: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
+        except RuntimeError:  # the loop has closed (shutdown past the grace)
+            pass
+
+    def _run(self) -> None:
+        try:
+            for item in self.items:
+                self.put("item", item)
+                if self.cancel.is_set():  # the client left or the deadline passed: stop, free the KV cache
+                    break
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the client
+            self.put("error", exc)
+            return
+        finally:
+            self.items.close()
+        self.put("end")
+
+    async def get(self) -> tuple[str, Any]:
+        return await self.queue.get()
+
+
+# -- the application ----------------------------------------------------------------------------
+class Api:
+    """The routes over one Service."""
+
+    def __init__(self, service: Service, config: HttpConfig, clock: Callable[[], float] = time.monotonic):
+        self.service = service
+        self.backend = service.backend
+        self.config = config
+        self.key = config.key()
+        self.clock = clock
+        self.created = int(time.time())
+        self.metrics = prometheus.registry(service)
+        routes = [Route("/v1/chat/completions", self.chat, methods=["POST"]),
+                  Route("/v1/completions", self.completions, methods=["POST"]),
+                  Route("/v1/models", self.models, methods=["GET"]),
+                  Route("/v1/models/{model:path}", self.model, methods=["GET"]),
+                  Route("/health", self.health, methods=["GET"]),
+                  Route("/metrics", self.prometheus, methods=["GET"])]
+        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
+                                                                Exception: self._internal})
+
+    # -- errors ----------------------------------------------------------------------------
+    @staticmethod
+    def _error(exc: BaseException, headers: dict | None = None) -> JSONResponse:
+        status, body = openai.error(exc)
+        headers = dict(headers or {})
+        if status == 429:
+            headers["Retry-After"] = "1"
+        if status == 401:
+            headers["WWW-Authenticate"] = "Bearer"
+        return JSONResponse(body, status, headers=headers)
+
+    async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own 404 (no route) and 405 (wrong method), in OpenAI's shape."""
+        if exc.status_code == 405:
+            msg = f"{request.method} is not allowed on {request.url.path}; use {exc.headers.get('Allow', '')}"
+        else:
+            msg = (f"no route {request.method} {quote(request.url.path)}; the API has POST /v1/chat/completions, "
+                   f"POST /v1/completions, GET /v1/models, GET /health, GET /metrics")
+        body = {"error": {"message": msg, "type": "invalid_request_error", "param": None,
+                          "code": "method_not_allowed" if exc.status_code == 405 else "not_found"}}
+        return JSONResponse(body, exc.status_code, headers=exc.headers)
+
+    async def _internal(self, request: Request, exc: Exception) -> JSONResponse:
+        log.exception("internal error", extra={"fields": {"path": request.url.path}})
+        return self._error(exc)
+
+    def _authorize(self, request: Request) -> None:
+        if not self.key:
+            return
+        header = request.headers.get("authorization", "")
+        scheme, _, given = header.partition(" ")
+        if not header:
+            raise AuthError("no API key: send the header \"Authorization: Bearer <key>\" (the key is the daemon's "
+                            f"[http] api_key or ${self.config.api_key_env})")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(given.strip().encode(), self.key.encode()):
+            raise AuthError("the API key is wrong: send the daemon's key as \"Authorization: Bearer <key>\"")
+
+    # -- small routes ------------------------------------------------------------------------
+    async def health(self, request: Request) -> JSONResponse:
+        state = self.service.state
+        return JSONResponse({"status": state}, 200 if state == "serving" else 503)
+
+    async def prometheus(self, request: Request) -> Response:
+        data = await asyncio.to_thread(prometheus.render, self.metrics)
+        return Response(data, media_type=prometheus.CONTENT_TYPE)
+
+    async def models(self, request: Request) -> JSONResponse:
+        try:
+            self._authorize(request)
+            rows = await asyncio.to_thread(self.backend.models)
+        except MemspecError as exc:
+            return self._error(exc)
+        return JSONResponse(openai.models(rows, self.created))
+
+    async def model(self, request: Request) -> JSONResponse:
+        name = request.path_params["model"]
+        try:
+            self._authorize(request)
+            rows = [r for r in await asyncio.to_thread(self.backend.models) if r["name"] == name]
+            if not rows or rows[0]["role"] != "target":
+                raise ModelNotFoundError(f"model: {quote(name)} is not a target in the store; GET /v1/models "
+                                         f"lists them")
+        except MemspecError as exc:
+            return self._error(exc)
+        return JSONResponse(openai.model(rows[0], self.created))
+
+    # -- generation ------------------------------------------------------------------------------
+    async def chat(self, request: Request) -> Response:
+        return await self._generate(request, openai.parse_chat, "POST /v1/chat/completions")
+
+    async def completions(self, request: Request) -> Response:
+        return await self._generate(request, openai.parse_completion, "POST /v1/completions")
+
+    async def _body(self, request: Request, limit: int) -> bytes | None:
+        """The body, or None once it is over the limit (the rest is not read)."""
+        length = request.headers.get("content-length", "")
+        if length.isdigit() and int(length) > limit:
+            return None
+        data = bytearray()
+        async for piece in request.stream():
+            data += piece
+            if len(data) > limit:
+                return None
+        return bytes(data)
+
+    def _parse(self, request: Request, body: bytes | None, limit: int, parser) -> Callable:
+        """What Service.generate calls to build the request: every refusal in it is counted and logged."""
+        content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
+
+        def parse():
+            self._authorize(request)
+            if body is None:
+                raise RequestTooLargeError(f"body: larger than {limit} bytes, which the daemon's [limits] allow for "
+                                           f"any request; shorten the prompt or messages")
+            if content_type not in JSON_TYPES:
+                raise InvalidRequestError(f"Content-Type: {quote(content_type or '(none)', 48)}; send the body as "
+                                          f"JSON with \"Content-Type: application/json\"")
+            try:
+                data = json.loads(body)
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise InvalidRequestError(f"body: is not valid JSON ({exc})") from None
+            api = parser(data, self.backend.config.limits.max_tokens)
+            if api.ignored:
+                log.debug("ignored unknown fields", extra={"fields": {"path": request.url.path,
+                                                                      "fields": list(api.ignored)}})
+            self._check_model(api.model)
+            parsed.append(api)
+            return api.request
+
+        parsed: list[openai.ApiRequest] = []
+        parse.parsed = parsed
+        return parse
+
+    def _check_model(self, name: str | None) -> None:
+        target = self.backend.config.model.target
+        if name is None or name == target:
+            return
+        rows = {r["name"]: r for r in self.backend.models()}
+        if name not in rows:
+            raise ModelNotFoundError(f"model: {quote(name)} is not in the store; GET /v1/models lists the models "
+                                     f"(loaded: {target!r})")
+        if rows[name]["role"] != "target":
+            raise InvalidRequestError(f"model: {quote(name)} is a {rows[name]['role']}; name a target "
+                                      f"(loaded: {target!r}), and pick a draft with \"memspec\": {{\"draft\": ...}}")
+        raise WrongModelError(f"model: {quote(name)} is in the store but not loaded; this daemon serves {target!r} "
+                              f"(load it first: `memspec load {name}`)")
+
+    async def _generate(self, request: Request, parser, method: str) -> Response:
+        limit = body_limit(self.backend.config.limits)
+        try:
+            body = await self._body(request, limit)
+        except ClientDisconnect:  # gone before its body arrived: nothing to answer
+            return Response(status_code=499)
+        parse = self._parse(request, body, limit, parser)
+        client = request.client
+        fields = {"method": method, "peer": f"{client.host}:{client.port}" if client else ""}
+        cancel = threading.Event()
+        timeout = self.config.timeout_seconds
+        deadline = self.clock() + timeout if timeout > 0 else None
+        expired = threading.Event()
+        loop = asyncio.get_running_loop()
+
+        def remaining():
+            return None if deadline is None else max(deadline - self.clock(), 0.0)
+
+        pump = Pump(self.service.generate(parse, cancel, remaining, fields), cancel, loop)
+        timer = loop.call_later(timeout, lambda: (expired.set(), cancel.set())) if deadline else None
+        watcher = asyncio.ensure_future(_watch(request.receive, cancel, pump))
+        try:
+            kind, first = await pump.get()
+        except BaseException:
+            cancel.set()
+            _stop(timer, watcher)
+            raise
+        if kind != "item":
+            _stop(timer, watcher)
+            return self._error(_deadline(first, expired)) if kind == "error" else Response(status_code=499)
+        api = parse.parsed[0]
+        run = Reply(api, pump, first, fields, expired, lambda: _stop(timer, watcher))
+        if api.stream:
+            return run
+        try:
+            return await run.whole()
+        finally:
+            run.done()
+
+
+def _deadline(exc: BaseException, expired: threading.Event) -> BaseException:
+    """A request cancelled because its deadline passed is a deadline error (504), whichever of the
+    timer and the queue's own deadline check saw it first."""
+    if expired.is_set() and isinstance(exc, CancelledError):
+        return DeadlineExceededError("the request's deadline passed ([http] timeout_seconds) before it finished")
+    return exc
+
+
+def _stop(timer, watcher) -> None:
+    if timer is not None:
+        timer.cancel()
+    watcher.cancel()
+
+
+async def _watch(receive, cancel: threading.Event, pump: Pump) -> None:
+    """Wait for the client to go away; then cancel its generation at once."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.disconnect":
+            cancel.set()
+            pump.put("gone")
+            return
+
+
+def _sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
+
+
+class Reply:
+    """One generation's answer: whole (JSON), or streamed (an ASGI response of server-sent events)."""
+
+    def __init__(self, api: openai.ApiRequest, pump: Pump, first, fields: dict, expired: threading.Event,
+                 done: Callable):
+        self.api, self.pump, self.first, self.expired, self.done = api, pump, first, expired, done
+        self.fields = fields  # the request's log line: "model" is set once it runs
+        self.id = ("chatcmpl-" if api.kind == "chat" else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+
+    async def items(self):
+        """Chunks, then the Final; raises what ended the generation early."""
+        yield self.first
+        while True:
+            kind, value = await self.pump.get()
+            if kind == "item":
+                yield value
+            elif kind == "error":
+                raise value
+            else:  # "end" (after the Final), or "gone"
+                return
+
+    def _ended_early(self) -> BaseException:
+        return _deadline(CancelledError("the client went away"), self.expired)
+
+    def _logprobs(self, chunk) -> list | None:
+        return openai.logprob_entries(chunk.logprobs or []) if self.api.logprobs is not None else None
+
+    async def whole(self) -> Response:
+        text, final, logprobs = [], None, [] if self.api.logprobs is not None else None
+        try:
+            async for item in self.items():
+                if isinstance(item, Final):
+                    final = item
+                else:
+                    text.append(item.text)
+                    if logprobs is not None:
+                        logprobs += self._logprobs(item)
+        except Exception as exc:  # noqa: BLE001
+            return Api._error(_deadline(exc, self.expired))
+        if final is None or final.completion.finish_reason == "cancelled":
+            return Api._error(self._ended_early())
+        return JSONResponse(openai.response(self.api, self.id, self.created, final, "".join(text), logprobs))
+
+    async def __call__(self, scope, receive, send) -> None:
+        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+                   (b"x-accel-buffering", b"no")]
+        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        try:
+            async for data in self._events():
+                await send({"type": "http.response.body", "body": data, "more_body": True})
+            await send({"type": "http.response.body", "body": b"", "more_body": False})
+        finally:
+            self.pump.cancel.set()  # the client left (or the server stops): a generation still running ends
+            self.done()
+
+    async def _events(self):
+        api, model = self.api, self.fields.get("model", "")
+        try:
+            if api.kind == "chat":
+                yield _sse(openai.chunk(api, self.id, self.created, model, None, role=True))
+            async for item in self.items():
+                if isinstance(item, Final):
+                    c = item.completion
+                    if c.finish_reason == "cancelled":
+                        raise self._ended_early()
+                    yield _sse(openai.chunk(api, self.id, self.created, item.model, None,
+                                            finish=openai.finish_reason(c)))
+                    if api.include_usage:
+                        yield _sse(openai.usage_chunk(api, self.id, self.created, item))
+                    break
+                if item.text or item.logprobs:
+                    yield _sse(openai.chunk(api, self.id, self.created, model, item.text, self._logprobs(item)))
+        except Exception as exc:  # noqa: BLE001 - after the 200, an error is an event
+            yield _sse(openai.error(_deadline(exc, self.expired))[1])
+        yield b"data: [DONE]\n\n"
+
+
+# -- the server thread ------------------------------------------------------------------------------
+class HttpServer:
+    """uvicorn serving an Api on a socket bound at construction (so a taken port fails at start)."""
+
+    def __init__(self, api: Api, address: HttpAddress, max_connections: int | None = None):
+        family = socket.AF_INET6 if ":" in address.host else socket.AF_INET
+        self.sock = socket.socket(family, socket.SOCK_STREAM)
+        self.sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # a restart right after a kill
+        try:
+            self.sock.bind((address.host, address.port))
+        except OSError as exc:
+            self.sock.close()
+            raise ConfigError(f"cannot listen on {address} for HTTP: {exc.strerror}") from None
+        self.sock.listen(256)
+        self.address = HttpAddress(address.host, self.sock.getsockname()[1])
+        config = uvicorn.Config(api.app, log_config=None, access_log=False, lifespan="off",
+                                timeout_graceful_shutdown=1, limit_concurrency=max_connections,
+                                server_header=False)
+        self.server = uvicorn.Server(config)
+        self._thread = threading.Thread(target=self.server.run, kwargs={"sockets": [self.sock]},
+                                        name="memspec-http-server", daemon=True)
+
+    def start(self, timeout: float = 10.0) -> "HttpServer":
+        self._thread.start()
+        t0 = time.monotonic()
+        while not self.server.started:
+            if not self._thread.is_alive() or time.monotonic() - t0 > timeout:
+                raise ConfigError(f"the HTTP server on {self.address} did not start")
+            time.sleep(0.01)
+        return self
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Close the listening socket and the connections (streams still open are cut)."""
+        self.server.should_exit = True
+        self._thread.join(timeout)
+        self.sock.close()

@@ -1,0 +1,357 @@
+"""The OpenAI API's wire types: JSON bodies -> GenerationRequest, and what goes back.
+
+One parse function per endpoint turns a decoded JSON body into an `ApiRequest`
+(memspec's GenerationRequest plus what only HTTP needs: stream, usage, logprobs),
+checking each field's type and naming it when it is wrong; ranges are checked
+once, by memspec.request.validate, with the same field names.  Fields memspec
+cannot honour (n > 1, tools, a JSON response format, penalties) are refused with
+the field's name; fields it does not know are ignored, listed in `ignored` for a
+debug log.  The builders below make the responses and the streamed chunks.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import Any
+
+from memspec.errors import INTERNAL, InvalidRequestError, status_of
+from memspec.request import MAX_TOP_LOGPROBS, GenerationRequest, PolicyName, SamplingParams, quote
+
+EXTENSION = "memspec"  # the object that carries memspec's own options: draft, policy, top_k
+FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "stop"}  # memspec -> OpenAI
+
+# Known fields that change nothing here (or that only OpenAI's own service uses).
+HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "modalities",
+            "reasoning_effort", "web_search_options", "audio"}
+_REFUSED = {
+    "tools": "tool calls are not supported",
+    "functions": "function calls are not supported",
+    "logit_bias": "logit_bias is not supported",
+    "suffix": "suffix (insertion) is not supported",
+}
+_ZERO = {"frequency_penalty": 0.0, "presence_penalty": 0.0}  # penalties: only their neutral value
+_NEUTRAL = {"repetition_penalty": 1.0}
+_REQ = GenerationRequest()
+_SAMPLING = SamplingParams()
+
+
+@dataclass(frozen=True)
+class ApiRequest:
+    """One /v1/chat/completions or /v1/completions request."""
+
+    kind: str  # "chat" or "text"
+    model: str | None  # a store name; None: whatever target is loaded
+    request: GenerationRequest
+    stream: bool = False
+    include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
+    logprobs: int | None = None  # None: off; k: the chosen token's log-probability and the k most likely
+    ignored: tuple[str, ...] = ()  # fields memspec does not know
+
+
+def _bad(name: str, msg: str) -> InvalidRequestError:
+    return InvalidRequestError(f"{name}: {msg}")
+
+
+def _kind(value: Any) -> str:
+    return {dict: "an object", list: "an array", str: "a string", bool: "a boolean", type(None): "null",
+            int: "an integer", float: "a number"}.get(type(value), type(value).__name__)
+
+
+def _number(body: dict, name: str, default: float) -> float:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise _bad(name, f"must be a number, got {_kind(value)} {quote(str(value), 32)}")
+    return float(value)
+
+
+def _int(body: dict, name: str, default: int | None) -> int | None:
+    value = body.get(name)
+    if value is None:
+        return default
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise _bad(name, f"must be an integer, got {_kind(value)} {quote(str(value), 32)}")
+    return value
+
+
+def _bool(body: dict, name: str, default: bool = False) -> bool:
+    value = body.get(name)
+    if value is None:
+        return default
+    if not isinstance(value, bool):
+        raise _bad(name, f"must be true or false, got {_kind(value)}")
+    return value
+
+
+def _object(body: dict, name: str) -> dict:
+    value = body.get(name)
+    if value is None:
+        return {}
+    if not isinstance(value, dict):
+        raise _bad(name, f"must be an object, got {_kind(value)}")
+    return value
+
+
+def _text(value: Any, name: str) -> str:
+    if not isinstance(value, str):
+        raise _bad(name, f"must be a string, got {_kind(value)}")
+    return value
+
+
+def _stop(body: dict) -> tuple[str, ...]:
+    value = body.get("stop")
+    if value is None:
+        return ()
+    if isinstance(value, str):
+        return (value,)
+    if isinstance(value, list):
+        return tuple(_text(s, f"stop[{i}]") for i, s in enumerate(value))
+    raise _bad("stop", f"must be a string or an array of strings, got {_kind(value)}")
+
+
+def _refuse_unsupported(body: dict) -> None:
+    """400 for what memspec cannot do, naming the field, rather than an answer that ignores it."""
+    n = _int(body, "n", 1)
+    if n != 1:
+        raise _bad("n", f"{n} choices asked for; memspec generates one (n = 1)")
+    best_of = _int(body, "best_of", 1)
+    if best_of != 1:
+        raise _bad("best_of", f"{best_of}; memspec generates one candidate (best_of = 1)")
+    for name, why in _REFUSED.items():
+        if body.get(name) not in (None, [], {}, ""):
+            raise _bad(name, why)
+    for name, neutral in {**_ZERO, **_NEUTRAL}.items():
+        if _number(body, name, neutral) != neutral:
+            raise _bad(name, f"penalties are not supported; leave it out or {neutral:g}")
+    choice = body.get("tool_choice", body.get("function_call"))
+    if choice not in (None, "none", "auto"):
+        raise _bad("tool_choice", "tool calls are not supported")
+    fmt = body.get("response_format")
+    if fmt is not None:
+        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
+        if kind != "text":
+            raise _bad("response_format", f"{quote(str(kind), 32)} is not supported; only {{\"type\": \"text\"}}")
+    if _bool(body, "echo"):
+        raise _bad("echo", "echoing the prompt is not supported")
+
+
+def _sampling_and_options(body: dict, limits_max_tokens: int) -> dict:
+    """The GenerationRequest fields both endpoints share, and the extension object's."""
+    ext = _object(body, EXTENSION)
+    unknown_ext = sorted(set(ext) - {"draft", "policy", "top_k"})
+    if unknown_ext:
+        raise _bad(f"{EXTENSION}.{unknown_ext[0]}", "unknown option; known: draft, policy, top_k")
+    max_tokens = _int(body, "max_completion_tokens", None)
+    if max_tokens is None:
+        max_tokens = _int(body, "max_tokens", min(_REQ.max_tokens, limits_max_tokens))
+    seed = _int(body, "seed", None)
+    top_k = _int(ext, "top_k", _int(body, "top_k", _SAMPLING.top_k))  # vLLM and llama.cpp take it at the top too
+    draft = ext.get("draft")
+    policy = ext.get("policy")
+    return dict(
+        max_tokens=max_tokens,
+        sampling=SamplingParams(temperature=_number(body, "temperature", _SAMPLING.temperature),
+                                top_k=top_k,
+                                top_p=_number(body, "top_p", _SAMPLING.top_p), seed=seed),
+        stop=_stop(body),
+        draft=None if draft is None else _text(draft, f"{EXTENSION}.draft"),
+        policy=None if policy is None else PolicyName.parse(_text(policy, f"{EXTENSION}.policy"),
+                                                              f"{EXTENSION}.policy"),
+    )
+
+
+def _common(body: Any, known: set[str]) -> tuple[str | None, bool, bool, tuple[str, ...]]:
+    if not isinstance(body, dict):
+        raise _bad("body", f"must be a JSON object, got {_kind(body)}")
+    _refuse_unsupported(body)
+    model = body.get("model")
+    if model is not None:
+        model = _text(model, "model")
+    stream = _bool(body, "stream")
+    options = _object(body, "stream_options")
+    if options and not stream:
+        raise _bad("stream_options", "applies only with \"stream\": true")
+    include_usage = _bool(options, "include_usage")
+    shared = {"model", "stream", "stream_options", "n", "best_of", "max_tokens", "max_completion_tokens",
+              "temperature", "top_p", "top_k", "seed", "stop", "tool_choice", "function_call", "response_format",
+              "echo", "logprobs", "top_logprobs", EXTENSION, *_REFUSED, *_ZERO, *_NEUTRAL, *HARMLESS}
+    ignored = tuple(sorted(set(body) - shared - known))
+    return model, stream, include_usage, ignored
+
+
+def _content(value: Any, name: str) -> str:
+    """A message's content: a string, or an array of text parts (joined), or null (empty)."""
+    if value is None:
+        return ""
+    if isinstance(value, str):
+        return value
+    if not isinstance(value, list):
+        raise _bad(name, f"must be a string or an array of text parts, got {_kind(value)}")
+    out = []
+    for j, part in enumerate(value):
+        where = f"{name}[{j}]"
+        if not isinstance(part, dict):
+            raise _bad(where, f"must be an object like {{\"type\": \"text\", \"text\": \"...\"}}, got {_kind(part)}")
+        if part.get("type") != "text":
+            raise _bad(f"{where}.type", f"{quote(str(part.get('type')), 32)} is not supported; only \"text\" parts")
+        out.append(_text(part.get("text"), f"{where}.text"))
+    return "".join(out)
+
+
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+
+
+def parse_chat(body: Any, max_tokens_limit: int) -> ApiRequest:
+    """A /v1/chat/completions body as an ApiRequest (InvalidRequestError naming a bad field)."""
+    model, stream, include_usage, ignored = _common(body, {"messages"})
+    messages = body.get("messages")
+    if not isinstance(messages, list):
+        raise _bad("messages", f"must be an array of {{\"role\", \"content\"}} objects, got {_kind(messages)}")
+    turns = []
+    for i, m in enumerate(messages):
+        if not isinstance(m, dict):
+            raise _bad(f"messages[{i}]", f"must be an object with role and content, got {_kind(m)}")
+        role = m.get("role")
+        if role not in ROLES:
+            shown = quote(role, 32) if isinstance(role, str) else _kind(role)
+            raise _bad(f"messages[{i}].role", f"{shown} is not one of system, user, assistant (or developer)")
+        if m.get("tool_calls"):
+            raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported")
+        turns.append((ROLES[role], _content(m.get("content"), f"messages[{i}].content")))
+    logprobs = None
+    if _bool(body, "logprobs"):
+        logprobs = _int(body, "top_logprobs", 0)
+        if not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+            raise _bad("top_logprobs", f"{logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
+    elif body.get("top_logprobs") is not None:
+        raise _bad("top_logprobs", "needs \"logprobs\": true")
+    req = GenerationRequest(messages=tuple(turns), logprobs=logprobs, **_sampling_and_options(body, max_tokens_limit))
+    return ApiRequest("chat", model, req, stream, include_usage, logprobs, ignored)
+
+
+def parse_completion(body: Any, max_tokens_limit: int) -> ApiRequest:
+    """A /v1/completions body as an ApiRequest: the prompt is raw text, no chat template."""
+    model, stream, include_usage, ignored = _common(body, {"prompt"})
+    prompt = body.get("prompt")
+    if isinstance(prompt, list):
+        if len(prompt) != 1 or not isinstance(prompt[0], str):
+            raise _bad("prompt", "give one prompt as a string (an array of several, or of token ids, is not "
+                                 "supported)")
+        prompt = prompt[0]
+    prompt = _text(prompt, "prompt")
+    logprobs = _int(body, "logprobs", None)
+    if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
+        raise _bad("logprobs", f"{logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
+    req = GenerationRequest(prompt=prompt, raw=True, logprobs=logprobs,
+                            **_sampling_and_options(body, max_tokens_limit))
+    return ApiRequest("text", model, req, stream, include_usage, logprobs, ignored)
+
+
+# -- errors ------------------------------------------------------------------------------------
+_PARAM = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+
+
+def error(exc: BaseException) -> tuple[int, dict]:
+    """The HTTP status and OpenAI error body for an exception (memspec.errors.STATUS)."""
+    st = status_of(exc)
+    message = str(exc) if st is not INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
+    m = _PARAM.match(message) if st.http in (400, 404, 413) else None
+    param = m.group(1) if m and m.group(1) != "body" else None
+    return st.http, {"error": {"message": message, "type": st.type, "param": param, "code": st.code}}
+
+
+
+# -- responses ---------------------------------------------------------------------------------
+def _piece(token: bytes) -> str:
+    return token.decode("utf-8", errors="replace")
+
+
+def logprob_entries(logprobs) -> list[dict]:
+    """memspec.request.TokenLogprob list -> the chat API's logprobs.content entries."""
+    return [{"token": _piece(t.token), "logprob": t.logprob, "bytes": list(t.token),
+             "top_logprobs": [{"token": _piece(b), "logprob": v, "bytes": list(b)} for _, b, v in t.top]}
+            for t in logprobs]
+
+
+def usage(completion) -> dict:
+    return {"prompt_tokens": len(completion.prompt_token_ids), "completion_tokens": len(completion.token_ids),
+            "total_tokens": len(completion.prompt_token_ids) + len(completion.token_ids)}
+
+
+def memspec_stats(final) -> dict:
+    """The `memspec` object of a response: who answered and what speculation did."""
+    c, st = final.completion, final.completion.stats or {}
+    used = st.get("drafts_used") or {}
+    return {
+        "model": final.model, "variant": final.variant, "draft": max(used, key=used.get) if used else "",
+        "num_drafts": int(st.get("num_drafts", 0)), "num_draft_tokens": int(st.get("num_draft_tokens", 0)),
+        "num_accepted_tokens": int(st.get("num_accepted_tokens", 0)),
+        "mean_acceptance_length": float(st.get("mean_acceptance_length", 1.0)),
+        "ttft_ms": round(float(c.timings.get("ttft_ms", 0.0)), 3), "queue_ms": round(final.queued_s * 1e3, 3),
+        "tok_per_s": round(float(c.timings.get("tok_per_s", 0.0)), 3),
+    }
+
+
+def finish_reason(completion) -> str:
+    return FINISH.get(completion.finish_reason, completion.finish_reason)
+
+
+def response(api: ApiRequest, rid: str, created: int, final, text: str, logprobs: list | None) -> dict:
+    """The whole (non-streamed) answer."""
+    c = final.completion
+    if api.kind == "chat":
+        choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                  "logprobs": {"content": logprobs} if logprobs is not None else None,
+                  "finish_reason": finish_reason(c)}
+        obj = "chat.completion"
+    else:
+        choice = {"index": 0, "text": text, "logprobs": text_logprobs(logprobs) if logprobs is not None else None,
+                  "finish_reason": finish_reason(c)}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": final.model, "choices": [choice],
+            "usage": usage(c), EXTENSION: memspec_stats(final)}
+
+
+def chunk(api: ApiRequest, rid: str, created: int, model: str, text: str | None, logprobs: list | None = None,
+          finish: str | None = None, role: bool = False) -> dict:
+    """One streamed chunk: a piece of text (or the role, first; or the finish reason, last)."""
+    if api.kind == "chat":
+        delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
+        choice = {"index": 0, "delta": delta,
+                  "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish}
+        obj = "chat.completion.chunk"
+    else:
+        choice = {"index": 0, "text": text or "", "logprobs": text_logprobs(logprobs) if logprobs else None,
+                  "finish_reason": finish}
+        obj = "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def usage_chunk(api: ApiRequest, rid: str, created: int, final) -> dict:
+    """stream_options.include_usage: the last chunk, with no choices."""
+    obj = "chat.completion.chunk" if api.kind == "chat" else "text_completion"
+    return {"id": rid, "object": obj, "created": created, "model": final.model, "choices": [],
+            "usage": usage(final.completion), EXTENSION: memspec_stats(final)}
+
+
+def text_logprobs(entries: list) -> dict:
+    """Chat-style logprob entries in the legacy completions shape."""
+    return {"tokens": [e["token"] for e in entries], "token_logprobs": [e["logprob"] for e in entries],
+            "top_logprobs": [{t["token"]: t["logprob"] for t in e["top_logprobs"]} for e in entries],
+            "text_offset": []}
+
+
+def models(rows: list[dict], created: int) -> dict:
+    """GET /v1/models: the store's targets (drafts are loaded with their target)."""
+    return {"object": "list", "data": [model(r, created) for r in rows if r["role"] == "target"]}
+
+
+def model(row: dict, created: int) -> dict:
+    return {"id": row["name"], "object": "model", "created": created, "owned_by": "memspec",
+            EXTENSION: {"resident": row["resident"], "variant": row["resident_variant"],
+                        "variants": sorted(row["variants"])}}

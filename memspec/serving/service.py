@@ -1,0 +1,138 @@
+"""The request lifecycle both front ends share: gRPC's Generate and the HTTP API's completions.
+
+    parse -> backend.check -> admission (queue, deadline, cancel) -> backend.open
+          -> chunks ... completion -> counted, timed and logged (one JSON line)
+
+A front end only turns its wire format into a GenerationRequest (inside `parse`,
+so a bad one is counted and logged like any other), sets `cancel` when its client
+goes away, and turns what `generate` yields back into its wire format.  The
+daemon's state (starting, serving, draining) and GetStatus live here too, so the
+two front ends answer health and status from the same counters.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+import psutil
+
+from memspec import __version__
+from memspec.errors import CancelledError, MemspecError, UnavailableError, status_of
+from memspec.request import Chunk, Completion, GenerationRequest
+from memspec.serving.admission import Admission
+from memspec.serving.backend import Backend
+from memspec.serving.counters import LatencyHistograms, RequestClock, RequestCounters
+
+log = logging.getLogger("memspec.server")
+STATES = ("starting", "serving", "draining")
+
+
+@dataclass
+class Final:
+    """The last thing a generation yields: its Completion and who answered."""
+
+    completion: Completion
+    model: str  # target that answered
+    variant: str
+    queued_s: float  # time spent waiting for admission
+
+
+class Service:
+    """Generation over a Backend and an Admission queue, for any front end."""
+
+    def __init__(self, backend: Backend, admission: Admission, clock: Callable[[], float] = time.monotonic):
+        self.backend = backend
+        self.admission = admission
+        self.clock = clock
+        self.started_at = clock()
+        self.counters = RequestCounters()
+        self.latency = LatencyHistograms()
+        self.state = "starting"
+        self.listen = {"grpc": "", "http": ""}  # the addresses the daemon serves on, for GetStatus
+
+    def set_state(self, state: str) -> None:
+        """starting -> serving -> draining (new requests refused, running ones carry on)."""
+        assert state in STATES, state
+        self.state = state
+        if state == "draining":
+            self.admission.close()
+
+    def generate(self, parse: Callable[[], GenerationRequest], cancel: threading.Event,
+                 time_remaining: Callable[[], float | None], fields: dict) -> Iterator[Chunk | Final]:
+        """Run one request: Chunks as tokens are committed, then a Final.
+
+        parse: builds the request (InvalidRequestError for a bad one); cancel: set when the
+        client goes away (checked while queued and at every step); time_remaining: seconds
+        left before its deadline (None: none), asked when it joins the queue; fields: the
+        request's log line, which the caller may have started ("method", "peer").
+        Raises the named exception (memspec.errors.STATUS) of whatever refused or ended it.
+        """
+        t0 = self.clock()
+        clock = RequestClock(self.latency, t0)
+        outcome, code, tokens = "cancelled", "CANCELLED", (0, 0)  # unless it reaches the end
+        try:
+            if self.state == "draining":
+                raise UnavailableError("the daemon is shutting down and takes no new requests")
+            req = parse()
+            checked = self.backend.check(req)
+            fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft,
+                          policy=str(req.policy) if req.policy is not None else None)
+            if cancel.is_set():
+                raise CancelledError("cancelled before it started")  # the client left while it was checked
+            if self.admission.would_queue():  # preload what it will want while it waits
+                self.backend.hint(req)
+            with self.admission.enter(checked.kv_bytes, time_remaining(), cancel.is_set) as slot:
+                self.counters.count("started")
+                clock.queued(slot.queued_s)
+                fields["queue_ms"] = round(slot.queued_s * 1e3, 3)
+                run = self.backend.open(req, cancel, checked)
+                fields.update(model=run.model, variant=run.variant)
+                try:
+                    for item in run.items:
+                        if isinstance(item, Completion):
+                            self.backend.record(item)
+                            clock.finished(self.clock())
+                            fields.update(finish_reason=item.finish_reason, **item.timings, stats=item.stats)
+                            # a cancel after this is not a cancelled request
+                            outcome, code = "completed", "OK"
+                            tokens = (len(item.prompt_token_ids), len(item.token_ids))
+                            yield Final(item, run.model, run.variant, slot.queued_s)
+                        else:
+                            clock.tokens(len(item.token_ids), self.clock())
+                            yield item
+                finally:
+                    run.close()  # frees the KV cache and draft state now, also when the client went away
+        except MemspecError as exc:
+            if outcome != "completed":
+                outcome, code = status_of(exc).outcome, status_of(exc).grpc
+            fields["error"] = str(exc)
+            raise
+        except Exception:
+            if outcome != "completed":
+                outcome, code = "failed", "INTERNAL"
+            raise
+        finally:
+            self.counters.count(outcome, *tokens)
+            fields.update(code=code, ms=round((self.clock() - t0) * 1e3, 3))
+            log.info("request", extra={"fields": fields})
+
+    def status(self) -> dict:
+        """GetStatus as a dict: the backend's models and counters plus the queue and the system."""
+        vm, adm, cfg = psutil.virtual_memory(), self.admission.snapshot(), self.admission.config
+        out = self.backend.status()
+        return {
+            **out, "version": __version__, "state": self.state, "listen": self.listen["grpc"],
+            "http_listen": self.listen["http"], "uptime_s": self.clock() - self.started_at,
+            "resident_bytes": sum(m["bytes"] for m in out["resident"]),
+            "budget_bytes": out.get("budget_bytes", 0), "kv_bytes": adm["kv_bytes"],
+            "queue_depth": adm["waiting"], "active_streams": adm["active"],
+            "max_concurrent": cfg.max_concurrent, "max_queue": cfg.max_queue,
+            "system_memory": {"total_bytes": vm.total, "available_bytes": vm.available,
+                              "process_rss_bytes": psutil.Process(os.getpid()).memory_info().rss},
+            "requests": self.counters.to_dict(),
+        }

@@ -1,0 +1,481 @@
+"""The HTTP API in process, over the fake engine of test_server: routes, errors, streaming,
+disconnects, auth, and /metrics.
+
+The plumbing is real: uvicorn on a loopback port, the Api over the same Service the gRPC
+servicer uses (so gRPC and HTTP share the queue and the counters), admission,
+EngineBackend; only the engine is the fake that answers with the prompt's words reversed.
+Clients are the standard library's http.client and raw sockets.
+"""
+
+from __future__ import annotations
+
+import http.client
+import json
+import logging
+import socket
+import threading
+import time
+
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from fakes import wait_for
+from test_server import Harness
+
+from memspec.config import HttpConfig, ServerConfig
+from memspec.errors import STATUS, ConfigError
+from memspec.request import Completion, Limits
+from memspec.serving.http import Api, HttpAddress, HttpServer, body_limit, check_exposure, parse_listen
+
+CHAT = "/v1/chat/completions"
+KEY = "sk-test-key"
+
+
+class Front:
+    """A Harness (fake engine, gRPC server and client) with the HTTP API on its Service."""
+
+    def __init__(self, tmp, http: HttpConfig | None = None, **kw):
+        cfg = ServerConfig(**{k: kw.pop(k) for k in list(kw) if k in ServerConfig.__dataclass_fields__})
+        self.h = Harness(tmp, cfg, **kw)
+        self.api = Api(self.h.servicer.service, http or HttpConfig())
+        self.server = HttpServer(self.api, HttpAddress("127.0.0.1", 0)).start()
+        self.port = self.server.address.port
+
+    def request(self, method: str, path: str, body=None, headers: dict | None = None, timeout: float = 10.0):
+        """(status, headers, decoded JSON or text)."""
+        c = http.client.HTTPConnection("127.0.0.1", self.port, timeout=timeout)
+        hdrs = {"Content-Type": "application/json"} if headers is None else headers
+        data = json.dumps(body) if isinstance(body, (dict, list)) else body
+        c.request(method, path, body=data, headers=hdrs)
+        r = c.getresponse()
+        raw = r.read().decode()
+        c.close()
+        try:
+            return r.status, dict(r.getheaders()), json.loads(raw)
+        except ValueError:
+            return r.status, dict(r.getheaders()), raw
+
+    def post(self, body, path: str = CHAT, **kw):
+        return self.request("POST", path, body, **kw)
+
+    def metrics(self) -> dict:
+        """Every sample of /metrics, parsed by prometheus_client: {(name, labels): value}."""
+        status, _, text = self.request("GET", "/metrics")
+        assert status == 200
+        return {(s.name, tuple(sorted(s.labels.items()))): s.value
+                for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+    def close(self):
+        self.server.stop()
+        self.h.close()
+
+
+@pytest.fixture
+def make(tmp_path):
+    made = []
+
+    def factory(**kw):
+        f = Front(tmp_path / str(len(made)), **kw)
+        made.append(f)
+        return f
+
+    for i in range(4):
+        (tmp_path / str(i)).mkdir()
+    yield factory
+    for f in made:
+        f.close()
+
+
+@pytest.fixture
+def f(make):
+    return make()
+
+
+def chat(content="one two three", **kw):
+    return {"model": "tiny", "messages": [{"role": "user", "content": content}], **kw}
+
+
+def sse_events(raw: bytes) -> list[str]:
+    """The data of each server-sent event (blank-line separated `data: ...` lines)."""
+    events = [e for e in raw.decode().split("\n\n") if e]
+    assert all(e.startswith("data: ") and "\n" not in e for e in events), events
+    return [e[len("data: "):] for e in events]
+
+
+def raw_stream(port: int, body: dict, path: str = CHAT, headers: str = "") -> socket.socket:
+    """An HTTP/1.0 request on a raw socket: the response comes back unchunked, as sent."""
+    data = json.dumps(body).encode()
+    s = socket.create_connection(("127.0.0.1", port), timeout=10)
+    s.sendall(f"POST {path} HTTP/1.0\r\nHost: x\r\nContent-Type: application/json\r\n{headers}"
+              f"Content-Length: {len(data)}\r\n\r\n".encode() + data)
+    return s
+
+
+def read_all(s: socket.socket) -> bytes:
+    out = b""
+    while chunk := s.recv(65536):
+        out += chunk
+    return out
+
+
+# -- answers --------------------------------------------------------------------------------------
+def test_chat_answers_in_openai_shape_with_usage_and_memspec_stats(f):
+    status, headers, body = f.post(chat(max_tokens=4))
+    assert status == 200 and headers["content-type"] == "application/json"
+    assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-") and body["model"] == "tiny"
+    assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "three two one three "},
+                                "logprobs": None, "finish_reason": "length"}]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    ms = body["memspec"]
+    assert ms["model"] == "tiny" and ms["variant"] == "q4" and ms["draft"] == ""
+    assert {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "ttft_ms"} <= set(ms)
+
+
+def test_content_may_be_an_array_of_text_parts_and_developer_is_a_system_turn(f):
+    parts = [{"type": "text", "text": "one two "}, {"type": "text", "text": "three"}]
+    body = {"messages": [{"role": "developer", "content": "be brief"}, {"role": "user", "content": parts}],
+            "max_tokens": 3}
+    status, _, out = f.post(body)
+    assert status == 200 and out["choices"][0]["message"]["content"] == "three two one "
+
+
+def test_completions_answer_a_raw_prompt(f):
+    status, _, body = f.post({"model": "tiny", "prompt": "a b", "max_tokens": 3, "stop": None},
+                             path="/v1/completions")
+    assert status == 200 and body["object"] == "text_completion"
+    assert body["choices"][0]["text"] == "b a b " and body["choices"][0]["finish_reason"] == "length"
+
+
+def test_stream_is_sse_framed_with_role_chunks_finish_usage_and_done(f):
+    s = raw_stream(f.port, chat(max_tokens=3, stream=True, stream_options={"include_usage": True}))
+    raw = read_all(s)
+    head, _, rest = raw.partition(b"\r\n\r\n")
+    assert head.startswith(b"HTTP/1.1 200") and b"content-type: text/event-stream" in head.lower()
+    events = sse_events(rest)
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["id"] for c in chunks} == {chunks[0]["id"]} and all(c["model"] == "tiny" for c in chunks)
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant", "content": ""}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks[:-1]) == "three two one "
+    assert chunks[-2]["choices"][0] == {"index": 0, "delta": {}, "logprobs": None, "finish_reason": "length"}
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+    assert chunks[-1]["memspec"]["model"] == "tiny"
+
+
+def test_a_stream_without_include_usage_has_no_usage_chunk(f):
+    events = sse_events(read_all(raw_stream(f.port, {"prompt": "a b", "max_tokens": 2, "stream": True},
+                                            path="/v1/completions")).partition(b"\r\n\r\n")[2])
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert all(c["choices"] and "usage" not in c for c in chunks)
+    assert "".join(c["choices"][0]["text"] for c in chunks) == "b a "
+
+
+def test_the_http_stream_equals_the_grpc_stream_for_the_same_request(f):
+    grpc_text = "".join(i.text for i in f.h.client.generate("five four three two one", max_tokens=7, seed=3)
+                        if not isinstance(i, Completion))
+    events = sse_events(read_all(raw_stream(f.port, {"prompt": "five four three two one", "max_tokens": 7,
+                                                     "seed": 3, "stream": True}, path="/v1/completions"))
+                        .partition(b"\r\n\r\n")[2])
+    assert "".join(json.loads(e)["choices"][0]["text"] for e in events[:-1]) == grpc_text
+
+
+def test_models_list_the_store_targets_and_say_which_is_resident(f):
+    status, _, body = f.request("GET", "/v1/models")
+    assert status == 200 and body["object"] == "list"
+    rows = {m["id"]: m for m in body["data"]}
+    assert set(rows) == {"tiny", "other"}  # the draft is not a model to ask for
+    assert rows["tiny"]["memspec"]["resident"] and not rows["other"]["memspec"]["resident"]
+    assert f.request("GET", "/v1/models/tiny")[2]["id"] == "tiny"
+    status, _, body = f.request("GET", "/v1/models/a-draft")
+    assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_health_follows_the_daemon_state(make):
+    f = make(start=False)
+    assert f.request("GET", "/health")[:3:2] == (503, {"status": "starting"})
+    status, _, body = f.post(chat())
+    assert status == 503 and body["error"]["type"] == "service_unavailable"
+    f.h.start()
+    assert f.request("GET", "/health")[:3:2] == (200, {"status": "serving"})
+    f.h.servicer.set_state("draining")
+    assert f.request("GET", "/health")[:3:2] == (503, {"status": "draining"})
+    status, _, body = f.post(chat())
+    assert status == 503 and "shutting down" in body["error"]["message"]
+
+
+# -- bad inputs ------------------------------------------------------------------------------
+GOOD = chat(max_tokens=2)
+BAD = [  # (name, path, body or raw text, headers, status, param, code)
+    ("malformed JSON", CHAT, '{"messages": [', None, 400, None, None),
+    ("not UTF-8", CHAT, b'{"prompt": "\xff"}', None, 400, None, None),
+    ("a JSON array", CHAT, [1, 2], None, 400, None, None),
+    ("wrong content type", CHAT, json.dumps(GOOD), {"Content-Type": "text/plain"}, 400, None, None),
+    ("no content type", CHAT, json.dumps(GOOD), {}, 400, None, None),
+    ("no messages", CHAT, {"model": "tiny"}, None, 400, "messages", None),
+    ("messages not an array", CHAT, {"messages": "hi"}, None, 400, "messages", None),
+    ("a message not an object", CHAT, {"messages": ["hi"]}, None, 400, "messages[0]", None),
+    ("a tool role", CHAT, {"messages": [{"role": "tool", "content": "x"}]}, None, 400, "messages[0].role", None),
+    ("an image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+     None, 400, "messages[0].content[0].type", None),
+    ("content a number", CHAT, {"messages": [{"role": "user", "content": 5}]}, None, 400, "messages[0].content",
+     None),
+    ("empty user turn", CHAT, chat(content="  "), None, 400, "messages[0].content", None),
+    ("max_tokens 0", CHAT, chat(max_tokens=0), None, 400, "max_tokens", None),
+    ("max_tokens over the limit", CHAT, chat(max_tokens=51), None, 400, "max_tokens", None),
+    ("max_tokens a string", CHAT, chat(max_tokens="ten"), None, 400, "max_tokens", None),
+    ("temperature too high", CHAT, chat(temperature=3), None, 400, "temperature", None),
+    ("temperature a boolean", CHAT, chat(temperature=True), None, 400, "temperature", None),
+    ("top_p 0", CHAT, chat(top_p=0), None, 400, "top_p", None),
+    ("negative seed", CHAT, chat(seed=-1), None, 400, "seed", None),
+    ("stop a number", CHAT, chat(stop=5), None, 400, "stop", None),
+    ("too many stops", CHAT, chat(stop=list("abcdefghi")), None, 400, "stop", None),
+    ("n = 2", CHAT, chat(n=2), None, 400, "n", None),
+    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), None, 400, "tools", None),
+    ("JSON mode", CHAT, chat(response_format={"type": "json_object"}), None, 400, "response_format", None),
+    ("a penalty", CHAT, chat(frequency_penalty=0.5), None, 400, "frequency_penalty", None),
+    ("logit_bias", CHAT, chat(logit_bias={"5": 1}), None, 400, "logit_bias", None),
+    ("stream not a boolean", CHAT, chat(stream="yes"), None, 400, "stream", None),
+    ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), None, 400,
+     "stream_options", None),
+    ("top_logprobs without logprobs", CHAT, chat(top_logprobs=2), None, 400, "top_logprobs", None),
+    ("top_logprobs over 20", CHAT, chat(logprobs=True, top_logprobs=21), None, 400, "top_logprobs", None),
+    ("logprobs not a boolean", CHAT, chat(logprobs="yes"), None, 400, "logprobs", None),
+    ("an unknown model", CHAT, {**GOOD, "model": "gpt-4o"}, None, 404, "model", "model_not_found"),
+    ("a target not loaded", CHAT, {**GOOD, "model": "other"}, None, 400, "model", "model_not_loaded"),
+    ("a draft as the model", CHAT, {**GOOD, "model": "a-draft"}, None, 400, "model", None),
+    ("an unknown draft", CHAT, {**GOOD, "memspec": {"draft": "nope"}}, None, 400, "draft", None),
+    ("an unknown policy", CHAT, {**GOOD, "memspec": {"policy": "fastest"}}, None, 400, "memspec.policy", None),
+    ("an unknown memspec option", CHAT, {**GOOD, "memspec": {"gamma": 3}}, None, 400, "memspec.gamma", None),
+    ("a prompt of token ids", "/v1/completions", {"prompt": [1, 2, 3]}, None, 400, "prompt", None),
+    ("a prompt too long", "/v1/completions", {"prompt": "x " * 150}, None, 400, "prompt", None),
+    ("echo", "/v1/completions", {"prompt": "a", "echo": True}, None, 400, "echo", None),
+    ("a prompt over the context", "/v1/completions", {"prompt": "a " * 80, "max_tokens": 1}, None, 400, "prompt",
+     "context_length_exceeded"),
+    ("a body over the limit", CHAT, "x" * (body_limit(Limits(max_tokens=50, max_prompt_chars=200)) + 1), None, 413, None, "request_too_large"),
+]
+
+
+@pytest.mark.parametrize("name,path,body,headers,status,param,code", BAD, ids=[b[0] for b in BAD])
+def test_a_bad_input_gets_its_status_and_an_openai_error_and_the_daemon_keeps_serving(
+        f, name, path, body, headers, status, param, code):
+    got, hdrs, out = f.post(body, path=path, headers=headers)
+    assert got == status, out
+    assert hdrs["content-type"] == "application/json" and set(out) == {"error"}
+    err = out["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"] and err["type"]
+    assert (err["param"], err["code"]) == (param, code), err
+    assert f.post(GOOD)[0] == 200  # still serving
+    assert f.h.engine.open == 0 and f.h.admission.snapshot() == {"active": 0, "waiting": 0, "kv_bytes": 0}
+
+
+def test_bad_inputs_are_counted_as_invalid_and_logged_like_grpc_ones(f, caplog):
+    with caplog.at_level(logging.INFO, logger="memspec.server"):
+        assert f.post('{"oops"')[0] == 400
+    assert f.h.servicer.counters.to_dict()["invalid"] == 1
+    line = [r for r in caplog.records if r.getMessage() == "request"][-1].fields
+    assert line["method"] == "POST /v1/chat/completions" and line["code"] == "INVALID_ARGUMENT"
+    assert "not valid JSON" in line["error"]
+
+
+def test_unknown_fields_are_ignored_and_logged_at_debug(f, caplog):
+    with caplog.at_level(logging.DEBUG, logger="memspec.http"):
+        status, _, body = f.post({**GOOD, "frobnicate": 1, "user": "me"})
+    assert status == 200 and body["choices"][0]["message"]["content"]
+    assert any(getattr(r, "fields", {}).get("fields") == ["frobnicate"] for r in caplog.records)
+
+
+def test_unknown_routes_and_methods_get_openai_errors(f):
+    status, _, body = f.post(GOOD, path="/v1/embeddings")
+    assert status == 404 and body["error"]["code"] == "not_found" and "/v1/chat/completions" in body["error"]["message"]
+    status, hdrs, body = f.request("GET", CHAT)
+    assert status == 405 and hdrs["allow"] == "POST" and body["error"]["code"] == "method_not_allowed"
+
+
+def test_an_internal_error_is_500_and_the_daemon_keeps_serving(f):
+    f.h.engine.fail = True
+    status, _, body = f.post(GOOD)
+    assert status == 500 and body["error"]["type"] == "server_error" and "boom" in body["error"]["message"]
+    f.h.engine.fail = False
+    assert f.post(GOOD)[0] == 200
+    assert f.h.servicer.counters.to_dict()["failed"] == 1
+
+
+def test_every_status_has_an_http_status():
+    assert {s.http for s in STATUS.values()} >= {400, 401, 404, 413, 429, 503, 504}
+
+
+# -- keys and exposure ---------------------------------------------------------------------------
+def test_a_key_is_needed_on_v1_but_not_on_health_and_metrics(make):
+    f = make(http=HttpConfig(api_key=KEY, api_key_env=""))
+    for headers in ({"Content-Type": "application/json"},
+                    {"Content-Type": "application/json", "Authorization": "Bearer wrong"},
+                    {"Content-Type": "application/json", "Authorization": KEY}):
+        status, hdrs, body = f.post(GOOD, headers=headers)
+        assert status == 401 and hdrs["www-authenticate"] == "Bearer", body
+        assert body["error"]["type"] == "authentication_error" and body["error"]["code"] == "invalid_api_key"
+    assert f.request("GET", "/v1/models", headers={})[0] == 401
+    ok = {"Content-Type": "application/json", "Authorization": f"Bearer {KEY}"}
+    assert f.post(GOOD, headers=ok)[0] == 200
+    assert f.request("GET", "/v1/models", headers=ok)[0] == 200
+    assert f.request("GET", "/health", headers={})[0] == 200 and f.request("GET", "/metrics", headers={})[0] == 200
+    assert f.h.servicer.counters.to_dict()["rejected"] == 3
+
+
+def test_the_environment_key_wins_over_the_file(monkeypatch):
+    monkeypatch.setenv("MEMSPEC_API_KEY", "from-env")
+    assert HttpConfig(api_key="from-file").key() == "from-env"
+    monkeypatch.delenv("MEMSPEC_API_KEY")
+    assert HttpConfig(api_key="from-file").key() == "from-file"
+
+
+def test_listen_addresses_and_exposure(caplog, monkeypatch):
+    monkeypatch.delenv("MEMSPEC_API_KEY", raising=False)
+    assert parse_listen("8080") == HttpAddress("127.0.0.1", 8080)
+    assert parse_listen(":8080") == HttpAddress("127.0.0.1", 8080)
+    assert parse_listen("[::1]:80").is_loopback and not parse_listen("0.0.0.0:80").is_loopback
+    with pytest.raises(ConfigError, match="HOST:PORT"):
+        parse_listen("localhost:http")
+    check_exposure(parse_listen("127.0.0.1:8080"), HttpConfig())  # loopback: no key needed
+    with pytest.raises(ConfigError, match="beyond loopback and no API key"):
+        check_exposure(parse_listen("0.0.0.0:8080"), HttpConfig())
+    check_exposure(parse_listen("0.0.0.0:8080"), HttpConfig(api_key=KEY))
+    with caplog.at_level(logging.WARNING, logger="memspec.http"):
+        check_exposure(parse_listen("0.0.0.0:8080"), HttpConfig(allow_unauthenticated=True))
+    assert "without an API key" in caplog.text
+
+
+def test_status_names_the_http_address(f, capsys):
+    from memspec.cli import main
+
+    f.h.servicer.service.listen["http"] = str(f.server.address)  # as the daemon sets it
+    assert main(["status", "--address", str(f.h.path)]) == 0
+    assert f"and http://127.0.0.1:{f.port}," in capsys.readouterr().out
+    assert f.h.client.status()["http_listen"] == f"127.0.0.1:{f.port}"
+
+
+def test_a_port_in_use_is_a_config_error(f):
+    with pytest.raises(ConfigError, match="cannot listen"):
+        HttpServer(f.api, HttpAddress("127.0.0.1", f.port))
+
+
+# -- queue, deadlines, disconnects -------------------------------------------------------------
+def test_a_full_queue_is_429_with_retry_after(make):
+    f = make(max_concurrent=1, max_queue=0, step_s=0.05)
+    s = raw_stream(f.port, chat(max_tokens=40, stream=True))
+    wait_for(lambda: f.h.admission.snapshot()["active"] == 1)
+    status, hdrs, body = f.post(GOOD)
+    assert status == 429 and hdrs["retry-after"] == "1" and body["error"]["type"] == "rate_limit_error"
+    s.close()
+
+
+def test_a_request_past_its_deadline_is_504(make):
+    f = make(http=HttpConfig(timeout_seconds=0.3), step_s=0.05)
+    t0 = time.monotonic()
+    status, _, body = f.post(chat(max_tokens=40))
+    assert status == 504 and body["error"]["type"] == "timeout" and time.monotonic() - t0 < 2.0
+    wait_for(lambda: f.h.engine.open == 0)
+    assert f.h.servicer.counters.to_dict()["cancelled"] == 1
+
+
+def test_a_queued_request_past_its_deadline_is_504(make):
+    f = make(http=HttpConfig(timeout_seconds=0.3), max_concurrent=1, step_s=0.05)
+    s = raw_stream(f.port, chat(max_tokens=40, stream=True))
+    wait_for(lambda: f.h.admission.snapshot()["active"] == 1)
+    status, _, body = f.post(GOOD)
+    assert status == 504 and "deadline" in body["error"]["message"]
+    s.close()
+
+
+def test_a_disconnect_mid_stream_cancels_at_once_and_frees_the_kv_cache(make):
+    f = make(step_s=0.05)
+    s = raw_stream(f.port, chat(max_tokens=50, stream=True))
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(4096)
+    assert f.h.client.status()["kv_bytes"] > 0 and f.h.engine.open == 1
+    s.close()
+    t0 = time.monotonic()
+    wait_for(lambda: f.h.engine.open == 0, timeout=2.0)
+    assert time.monotonic() - t0 < 0.5  # within a step or two, not at max_tokens (2.5 s)
+    status = f.h.client.status()  # what `memspec status` shows
+    assert status["kv_bytes"] == 0 and status["active_streams"] == 0
+    assert status["requests"]["cancelled"] == 1 and status["requests"]["completed"] == 0
+
+
+def test_a_disconnect_while_queued_leaves_the_queue(make):
+    f = make(max_concurrent=1, step_s=0.05)
+    first = raw_stream(f.port, chat(max_tokens=40, stream=True))
+    wait_for(lambda: f.h.admission.snapshot()["active"] == 1)
+    queued = raw_stream(f.port, chat(max_tokens=40))
+    wait_for(lambda: f.h.admission.snapshot()["waiting"] == 1)
+    queued.close()
+    wait_for(lambda: f.h.admission.snapshot()["waiting"] == 0, timeout=2.0)
+    first.close()
+    wait_for(lambda: f.h.engine.open == 0 and f.h.admission.snapshot()["active"] == 0)
+    assert f.h.servicer.counters.to_dict()["cancelled"] == 2 and f.h.servicer.counters.to_dict()["started"] == 1
+
+
+def test_grpc_and_http_share_one_queue(make):
+    f = make(max_concurrent=1, max_queue=0, step_s=0.05)
+    items = f.h.client.generate("a b c", max_tokens=40)
+    next(items)  # the gRPC stream holds the one slot
+    assert f.post(GOOD)[0] == 429
+    items.close()
+
+
+# -- /metrics ----------------------------------------------------------------------------------
+def test_metrics_parse_and_move_by_exactly_what_a_request_adds(f):
+    before = f.metrics()
+    assert f.post(chat("one two three", max_tokens=4))[0] == 200
+    after = f.metrics()
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert moved("memspec_requests_total", (("outcome", "completed"),)) == 1
+    assert moved("memspec_requests_total", (("outcome", "invalid"),)) == 0
+    assert moved("memspec_requests_started_total") == 1
+    assert moved("memspec_prompt_tokens_total") == 3 and moved("memspec_generation_tokens_total") == 4
+    assert moved("memspec_time_to_first_token_seconds_count") == 1
+    assert moved("memspec_inter_token_latency_seconds_count") == 3  # 4 tokens, one step each
+    assert moved("memspec_e2e_request_latency_seconds_count") == 1
+    assert moved("memspec_request_queue_time_seconds_count") == 1
+    assert after[("memspec_num_requests_running", ())] == 0 and after[("memspec_kv_cache_bytes", ())] == 0
+    assert after[("memspec_model_resident_bytes", (("model", "tiny"), ("role", "target"), ("variant", "q4")))] > 0
+    assert after[("memspec_process_resident_memory_bytes", ())] > 0 and after[("memspec_serving", ())] == 1
+
+
+def test_grpc_status_and_metrics_read_the_same_counters(f):
+    f.h.client.generate("a b", max_tokens=3)  # one by gRPC (a generator: run it)
+    list(f.h.client.generate("a b", max_tokens=3))
+    f.post(chat(max_tokens=2))
+    f.post(chat(max_tokens=0))
+    st, m = f.h.client.status()["requests"], f.metrics()
+    for outcome in ("completed", "invalid", "cancelled", "rejected", "failed"):
+        assert m[("memspec_requests_total", (("outcome", outcome),))] == st[outcome], outcome
+    assert m[("memspec_generation_tokens_total", ())] == st["generation_tokens"] == 5
+    assert m[("memspec_prompt_tokens_total", ())] == st["prompt_tokens"]
+
+
+def test_a_streamed_and_a_whole_answer_are_counted_alike(f):
+    read_all(raw_stream(f.port, chat(max_tokens=3, stream=True)))
+    f.post(chat(max_tokens=3))
+    wait_for(lambda: f.h.servicer.counters.to_dict()["completed"] == 2)
+    assert f.h.servicer.counters.to_dict()["generation_tokens"] == 6
+
+
+def test_concurrent_http_streams_all_complete(make):
+    f = make(step_s=0.01)
+    results = []
+
+    def one(i):
+        events = sse_events(read_all(raw_stream(f.port, chat(f"w{i} x y", max_tokens=5, stream=True)))
+                            .partition(b"\r\n\r\n")[2])
+        results.append("".join(json.loads(e)["choices"][0]["delta"].get("content", "") for e in events[:-1]))
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert sorted(results) == sorted(f"y x w{i} y x " for i in range(8))

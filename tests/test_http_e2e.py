@@ -1,0 +1,180 @@
+"""End to end: the real `memspec serve --http` process and model, through the official `openai`
+SDK, curl and raw sockets, side by side with the gRPC client on the same daemon."""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+import socket
+import subprocess
+import tempfile
+from pathlib import Path
+from urllib.request import urlopen
+
+import pytest
+from openai import OpenAI
+from prometheus_client.parser import text_string_to_metric_families
+
+from test_daemon_e2e import Daemon, wait_for
+
+from memspec.request import Completion, GenerationRequest, SamplingParams
+
+MODEL = "smollm2-135m"
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+@pytest.fixture(scope="module")
+def daemon(model_store):
+    with tempfile.TemporaryDirectory(prefix="ms-http-") as d:  # short: socket paths are limited
+        dm = Daemon(Path(d), model_store.home, name="h")
+        dm.args = ["--http", "127.0.0.1:0"]  # any free port; status tells which
+        dm.start()
+        yield dm
+        dm.stop()
+
+
+@pytest.fixture(scope="module")
+def grpc_client(daemon):
+    with daemon.client(timeout=60) as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def base(grpc_client):
+    listen = grpc_client.status()["http_listen"]
+    assert listen.startswith("127.0.0.1:")
+    return f"http://{listen}"
+
+
+@pytest.fixture(scope="module")
+def sdk(base):
+    return OpenAI(base_url=f"{base}/v1", api_key="unused", max_retries=0, timeout=60)
+
+
+def grpc_text(client, req: GenerationRequest) -> str:
+    return "".join(i.text for i in client.stream(req) if not isinstance(i, Completion))
+
+
+def metrics(base: str) -> dict:
+    text = urlopen(f"{base}/metrics", timeout=10).read().decode()
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(text) for s in fam.samples}
+
+
+def test_health_and_models(base, sdk):
+    assert json.loads(urlopen(f"{base}/health", timeout=10).read()) == {"status": "serving"}
+    models = {m.id: m for m in sdk.models.list().data}
+    assert MODEL in models and models[MODEL].model_extra["memspec"]["resident"]
+    assert sdk.models.retrieve(MODEL).id == MODEL
+
+
+def test_sdk_chat_whole_and_streamed_agree_and_carry_usage(sdk, grpc_client):
+    whole = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16)
+    text = whole.choices[0].message.content
+    req = GenerationRequest(messages=tuple((m["role"], m["content"]) for m in QUESTION), max_tokens=16)
+    assert text and text == grpc_text(grpc_client, req) and whole.choices[0].finish_reason in ("stop", "length")
+    assert whole.usage.completion_tokens > 0 and whole.model_extra["memspec"]["model"] == MODEL
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, stream=True,
+                                              stream_options={"include_usage": True}))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == text
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+def test_sdk_completions(sdk, grpc_client):
+    out = sdk.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=8)
+    req = GenerationRequest(prompt="The capital of France is", raw=True, max_tokens=8)
+    assert out.choices[0].text == grpc_text(grpc_client, req) and out.usage.completion_tokens == 8
+
+
+def test_the_http_stream_equals_the_grpc_stream(sdk, grpc_client):
+    messages = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Name three colors."}]
+    stream = sdk.chat.completions.create(model=MODEL, messages=messages, max_tokens=24, temperature=0.7, seed=11,
+                                         stream=True)
+    http_text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    req = GenerationRequest(messages=tuple((m["role"], m["content"]) for m in messages), max_tokens=24,
+                            sampling=SamplingParams(temperature=0.7, seed=11))
+    assert http_text == grpc_text(grpc_client, req) and http_text
+
+
+def test_a_seeded_sampling_request_repeats_exactly(sdk):
+    def ask():
+        return sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=1.0,
+                                           top_p=0.95, seed=1234).choices[0].message.content
+
+    first = ask()
+    assert ask() == first
+    other = [sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=1.0,
+                                         top_p=0.95, seed=s).choices[0].message.content for s in (1, 2, 3)]
+    assert any(o != first for o in other)  # the seed matters
+
+
+@pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")
+def test_curl_reads_the_sse_framing(base):
+    body = json.dumps({"model": MODEL, "messages": QUESTION, "max_tokens": 8, "stream": True})
+    out = subprocess.run(["curl", "-sN", f"{base}/v1/chat/completions", "-H", "Content-Type: application/json",
+                          "-d", body], capture_output=True, text=True, timeout=60, check=True).stdout
+    events = out.split("\n\n")
+    assert events[-1] == "" and events[-2] == "data: [DONE]"
+    chunks = [json.loads(e[len("data: "):]) for e in events[:-2]]
+    assert all(e.startswith("data: ") for e in events[:-1])
+    assert chunks[0]["choices"][0]["delta"]["role"] == "assistant" and chunks[-1]["choices"][0]["finish_reason"]
+
+
+def test_a_disconnect_mid_stream_frees_the_kv_cache(base, grpc_client):
+    host, port = base[len("http://"):].split(":")
+    body = json.dumps({"prompt": "Once upon a time", "max_tokens": 64, "stream": True}).encode()
+    s = socket.create_connection((host, int(port)), timeout=30)
+    s.sendall(b"POST /v1/completions HTTP/1.0\r\nContent-Type: application/json\r\n"
+              b"Content-Length: %d\r\n\r\n" % len(body) + body)
+    got = b""
+    while got.count(b"data: ") < 3:
+        got += s.recv(4096)
+    assert grpc_client.status()["kv_bytes"] > 0
+    before = grpc_client.status()["requests"]["cancelled"]
+    s.close()
+    wait_for(lambda: grpc_client.status()["kv_bytes"] == 0 and grpc_client.status()["active_streams"] == 0)
+    assert grpc_client.status()["requests"]["cancelled"] == before + 1
+
+
+def test_metrics_move_by_exactly_one_request(base, sdk, grpc_client):
+    wait_for(lambda: grpc_client.status()["active_streams"] == 0)
+    before = metrics(base)
+    out = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=10, extra_body={
+        "memspec": {"draft": "prompt-lookup"}})
+    after = metrics(base)
+
+    def moved(name, labels=()):
+        return after.get((name, labels), 0.0) - before.get((name, labels), 0.0)
+
+    assert moved("memspec_requests_total", (("outcome", "completed"),)) == 1
+    assert moved("memspec_prompt_tokens_total") == out.usage.prompt_tokens
+    assert moved("memspec_generation_tokens_total") == out.usage.completion_tokens
+    assert moved("memspec_time_to_first_token_seconds_count") == 1
+    assert moved("memspec_e2e_request_latency_seconds_count") == 1
+    ms = out.model_extra["memspec"]
+    if ms["draft"]:  # prompt lookup found something to propose
+        label = (("draft", ms["draft"]),)
+        assert moved("memspec_spec_decode_num_drafts_total", label) == ms["num_drafts"]
+        assert moved("memspec_spec_decode_num_accepted_tokens_total", label) == ms["num_accepted_tokens"]
+    st = grpc_client.status()
+    assert after[("memspec_requests_total", (("outcome", "completed"),))] == st["requests"]["completed"]
+    assert after[("memspec_model_resident_bytes", (("model", MODEL), ("role", "target"), ("variant", "q4")))] > 0
+
+
+def test_logprobs_are_the_targets_and_greedy_picks_the_top_one(sdk):
+    out = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, logprobs=True, top_logprobs=3)
+    entries = out.choices[0].logprobs.content
+    assert len(entries) == out.usage.completion_tokens or out.choices[0].finish_reason == "stop"
+    assert "".join(e.token for e in entries) == out.choices[0].message.content
+    for e in entries:
+        assert e.logprob <= 0 and len(e.top_logprobs) == 3
+        assert e.top_logprobs[0].token == e.token and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+        assert sum(math.exp(t.logprob) for t in e.top_logprobs) <= 1 + 1e-6
+    streamed = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=12, logprobs=True,
+                                           top_logprobs=3, stream=True)
+    tokens = [e for c in streamed if c.choices and c.choices[0].logprobs for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 4)) for e in tokens] == [(e.token, round(e.logprob, 4)) for e in entries]
+    text = sdk.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2)
+    assert len(text.choices[0].logprobs.tokens) == 5 and len(text.choices[0].logprobs.top_logprobs[0]) == 2
