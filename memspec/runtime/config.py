@@ -26,4 +26,5 @@ class SessionConfig:
     batch_invariant: bool = True  # target passes of one token run as two, so that target-only
     #                                decoding and multi-token verification use the same kernels and
     #                                greedy speculative output is target-only output token for token
-    #                                (on q4 ~2% of tokens flip otherwise); costs target-only steps ~15%
+    #                                (on q4 ~2% of tokens flip otherwise); graphs that pad attention
+    #                                themselves (memspec.attention_pad) need neither, and ignore it
