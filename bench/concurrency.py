@@ -40,20 +40,12 @@ def start_daemon(label: str, tree: str, config: str | None, folder: Path) -> tup
            "serve", "--listen", str(sock)]
     log = open(folder / f"{label}.log", "ab")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
-    from memspec.serving.client import Client
+    from memspec.serving.client import wait_until_serving
 
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 300:
-        if proc.poll() is not None:
-            raise SystemExit(f"the {label} daemon exited with {proc.returncode}; see {folder / (label + '.log')}")
-        if sock.exists():
-            try:
-                with Client(str(sock), timeout=2) as c:
-                    if c.health() == "SERVING":
-                        return proc, sock
-            except Exception:
-                pass
-        time.sleep(0.3)
+    if wait_until_serving(str(sock), lambda: proc.poll() is None, 300, poll=0.3):
+        return proc, sock
+    if proc.poll() is not None:
+        raise SystemExit(f"the {label} daemon exited with {proc.returncode}; see {folder / (label + '.log')}")
     proc.kill()
     raise SystemExit(f"the {label} daemon did not start serving within 300 s")
 

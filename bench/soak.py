@@ -60,20 +60,12 @@ def start_daemon(folder: Path, config: str | None) -> tuple[subprocess.Popen, Pa
            "serve", "--listen", str(sock)]
     log = open(folder / "daemon.log", "ab")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
-    from memspec.serving.client import Client
+    from memspec.serving.client import wait_until_serving
 
-    t0 = time.monotonic()
-    while time.monotonic() - t0 < 180:
-        if proc.poll() is not None:
-            raise SystemExit(f"the daemon exited with {proc.returncode}; see {folder / 'daemon.log'}")
-        if sock.exists():
-            try:
-                with Client(str(sock), timeout=2) as c:
-                    if c.health() == "SERVING":
-                        return proc, sock
-            except Exception:
-                pass
-        time.sleep(0.2)
+    if wait_until_serving(str(sock), lambda: proc.poll() is None, 180):
+        return proc, sock
+    if proc.poll() is not None:
+        raise SystemExit(f"the daemon exited with {proc.returncode}; see {folder / 'daemon.log'}")
     proc.kill()
     raise SystemExit("the daemon did not start serving within 180 s")
 

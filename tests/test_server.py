@@ -825,3 +825,17 @@ def test_a_request_runs_on_the_engine_that_checked_it_even_across_a_load_model(h
     assert run.model == "tiny"
     items = list(run.items)
     assert first.checks == 1 and h.engine.checks == 0 and items[-1].finish_reason == "length"
+
+
+def test_wait_until_serving_stops_for_a_dead_process_and_at_its_timeout(tmp_path):
+    """The benchmarks' start-up wait (serving.client.wait_until_serving): False at once when the
+    process is gone, False after the timeout when nothing answers, never an exception."""
+    import time
+
+    from memspec.serving.client import wait_until_serving
+
+    sock = str(tmp_path / "nobody.sock")
+    t0 = time.monotonic()
+    assert wait_until_serving(sock, lambda: False, 30) is False and time.monotonic() - t0 < 1
+    t0 = time.monotonic()
+    assert wait_until_serving(sock, lambda: True, 0.5, poll=0.1) is False and 0.4 < time.monotonic() - t0 < 5

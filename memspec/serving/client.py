@@ -11,7 +11,8 @@ UnavailableError, ...), so callers never see grpc types.
 
 from __future__ import annotations
 
-from typing import Iterator, Mapping, Sequence
+import time
+from typing import Callable, Iterator, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
@@ -203,6 +204,21 @@ class Client:
         """
         resp = self._unary(self._health.Check, health_pb2.HealthCheckRequest(service=wire.SERVICE), timeout)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(resp.status)
+
+
+def wait_until_serving(address: str, alive: Callable[[], bool], timeout: float, poll: float = 0.2) -> bool:
+    """Poll a daemon starting at `address` until its health check says SERVING (True), `alive()`
+    turns False (the process exited: False), or `timeout` seconds pass (False)."""
+    t0 = time.monotonic()
+    while time.monotonic() - t0 < timeout and alive():
+        try:
+            with Client(address, timeout=2) as c:
+                if c.health() == "SERVING":
+                    return True
+        except Exception:  # not listening yet, or still loading
+            pass
+        time.sleep(poll)
+    return False
 
 
 def _policy(text: str | None) -> PolicyName | None:
