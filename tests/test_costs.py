@@ -83,3 +83,28 @@ def first_k(target) -> int:
     from memspec.speculation.config import SpecConfig
 
     return SpecConfig().gamma_max + 1
+
+
+def test_the_batched_pass_cost_table_is_kept_beside_the_solo_curve(model_store, tmp_path, monkeypatch):
+    """Under batching the cost controller also needs a pass of b rows for b = 1..slots: measured once
+    into the store's cost file, then read back by the next engine, row for row."""
+    from memspec.runtime.config import SessionConfig
+    from memspec.speculation.engine import Engine, TargetModel
+
+    target = TargetModel.load(model_store, "smollm2-135m", "q4", SessionConfig(max_context=256))
+    first = Engine(target, costs=CostCache(tmp_path / "costs.json"), batch_slots=2)
+    try:
+        first.calibrate()
+        table = first.pass_cost_s
+        assert sorted(table) == [1, 2] and all(len(row) == first_k(target) + 1 for row in table.values())
+    finally:
+        first.close()
+    second = Engine(target, costs=CostCache(tmp_path / "costs.json"), batch_slots=2)
+    try:
+        monkeypatch.setattr(second.batch.target, "measure_pass_costs",
+                            lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+        second.calibrate()
+        assert second.pass_cost_s == table
+    finally:
+        second.close()
+    assert len(json.loads((tmp_path / "costs.json").read_text())) == 2  # the solo curve and the table
