@@ -219,6 +219,9 @@ class DecoderSession:
         # tokens a pass is padded to here (the graph pads itself), and slots written past the last token
         self.pad_rows = 1 if self.graph_pads else self.min_rows
         self.slack = 1 if self.graph_pads else self.min_rows - 1
+        # slots a cache's buffer has past its capacity: the graph's padded pass writes one even at
+        # the last slot (the session pads only where the cache has room)
+        self.buffer_slack = 1 if self.graph_pads else 0
         self.max_context = max_context
 
     # -- caches -------------------------------------------------------------
@@ -226,7 +229,7 @@ class DecoderSession:
         cap = capacity or self.max_context
         if self.layout == "gqa":
             return SharedBufferCache(cap, self.n_layers, self.kv_heads, self.head_dim, self.device, self.kv_dtype,
-                                     1 if self.graph_pads else 0)
+                                     self.buffer_slack)
         return GrowingCache(cap, self.n_layers, self.kv_heads, self.head_dim, self.kv_dtype)
 
     def kv_bytes_per_token(self) -> int:
@@ -245,7 +248,7 @@ class DecoderSession:
         if self.layout != "gqa":
             return self.kv_bytes_per_token() * max(0, min(tokens, self.max_context))
         return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.head_dim, tokens,
-                               self.max_context + (1 if self.graph_pads else 0), np.dtype(self.kv_dtype).itemsize)
+                               self.max_context + self.buffer_slack, np.dtype(self.kv_dtype).itemsize)
 
     # -- forward ------------------------------------------------------------
     def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:

@@ -118,11 +118,8 @@ class Engine:
         with self._calibrate_lock:
             if self.verify_cost_s is None:
                 session, max_k = self.target.session, self.spec.gamma_max + 1
-                if self.costs is None:
-                    self.verify_cost_s = session.measure_step_costs(max_k)
-                else:
-                    self.verify_cost_s = self.costs.measured(session.cost_key(max_k),
-                                                             lambda: session.measure_step_costs(max_k))
+                self.verify_cost_s = self._measured(session.cost_key(max_k),
+                                                    lambda: session.measure_step_costs(max_k))
             if self.batch is not None and self.pass_cost_s is None:
                 self.pass_cost_s = self._batched_pass_costs(self.spec.gamma_max + 1)
         return self.verify_cost_s
@@ -137,15 +134,16 @@ class Engine:
             table = bt.measure_pass_costs(max_k)
             return [c for b in range(1, bt.rows + 1) for c in table[b]]
 
-        if self.costs is None:
+        key = f"{self.target.session.cost_key(max_k)} batched rows={bt.rows}"
+        flat = self._measured(key, measure)
+        if len(flat) != bt.rows * width:  # a hand-edited file: measure again
             flat = measure()
-        else:
-            key = f"{self.target.session.cost_key(max_k)} batched rows={bt.rows}"
-            flat = self.costs.measured(key, measure)
-            if len(flat) != bt.rows * width:  # a hand-edited file: measure again
-                flat = measure()
-                self.costs.put(key, flat)
+            self.costs.put(key, flat)
         return {b: flat[(b - 1) * width: b * width] for b in range(1, bt.rows + 1)}
+
+    def _measured(self, key: str, measure: Callable[[], list[float]]) -> list[float]:
+        """measure(), through the store's cost file where the engine has one."""
+        return measure() if self.costs is None else self.costs.measured(key, measure)
 
     def _verify_costs(self) -> list[float] | Callable[[], list[float]] | None:
         """What the cost controller reads: the one-request costs, or under batching the cost of a
