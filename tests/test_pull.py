@@ -45,6 +45,29 @@ def test_second_pull_is_a_no_op(model_store):
     assert not any("converting" in s for s in said)
 
 
+@pytest.mark.model
+def test_an_up_to_date_pull_writes_tokenizer_files_built_differently_again(tmp_path, gguf_path):
+    """A model converted by an older memspec keeps its graphs, but gets this one's tokenizer files
+    (an end-of-generation list that grew), and its manifest checks out again."""
+    store = ModelStore(tmp_path, shipped=None)
+    import_gguf(store, gguf_path, "s", ("q4",))
+    cfg = store.model_dir("s") / "tokenizer_config.json"
+    fresh = cfg.read_text()
+    old = json.loads(fresh)
+    old["eos_token_ids"] = old["eos_token_ids"][:1]
+    cfg.write_text(json.dumps(old))
+    m = store.get("s")  # as the older memspec recorded it: its own file, checksum and all
+    m.tokenizer[cfg.name] = pull_module.file_record(cfg)
+    store.write_manifest(m)
+    said = []
+    m = import_gguf(store, gguf_path, "s", ("q4",), progress=said.append)
+    assert any("writing its tokenizer files again" in x for x in said) and not any("converting" in x for x in said)
+    assert json.loads(cfg.read_text()) == json.loads(fresh) and store.verify(m) == []
+    said.clear()
+    import_gguf(store, gguf_path, "s", ("q4",), progress=said.append)
+    assert not any("tokenizer" in x for x in said), said
+
+
 def test_wrong_size_and_wrong_checksum_are_refused(tmp_path, gguf_path):
     short = tmp_path / "short.gguf"
     short.write_bytes(gguf_path.read_bytes()[:1000])

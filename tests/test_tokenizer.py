@@ -298,9 +298,11 @@ def test_qwen_special_tokens(qwen: Tokenizer) -> None:
 def test_qwen_both_end_tokens_stop_generation(qwen: Tokenizer, qwen_meta: dict[str, Any]) -> None:
     assert qwen.eos_token_id == IM_END
     assert {IM_END, ENDOFTEXT} <= qwen.eos_token_ids
-    fim = {151662, 151663, 151664}  # <|fim_pad|>, <|repo_name|>, <|file_sep|>: llama.cpp stops there too, we don't
-    assert qwen.eos_token_ids == set(QWEN_GOLDEN["meta"]["eog_ids"]) - fim
-    assert build_tokenizer_config(qwen_meta)["eos_token_ids"] == [IM_END, PLAIN_END_S, ENDOFTEXT]
+    # llama.cpp's end-of-generation set, <|fim_pad|>, <|repo_name|> and <|file_sep|> (151662-4) included
+    assert qwen.eos_token_ids == set(QWEN_GOLDEN["meta"]["eog_ids"])
+    assert {151662, 151663, 151664} <= qwen.eos_token_ids
+    assert build_tokenizer_config(qwen_meta)["eos_token_ids"] == [IM_END, PLAIN_END_S, ENDOFTEXT,
+                                                                  151662, 151663, 151664]
 
 
 def test_qwen_plain_end_s_is_control_as_in_llama_cpp(qwen: Tokenizer) -> None:

@@ -319,6 +319,7 @@ def import_gguf(store: ModelStore, gguf: Path, name: str, variants: tuple[str, .
                                  f"{', '.join((*VARIANTS, *ON_REQUEST))}")
     gguf_sha = source.sha256 if source else sha256_file(gguf)  # pull() checked the file against its source
     if not force and (m := _up_to_date(store, name, gguf_sha, variants)):
+        _refresh_tokenizer(store, m, gguf, progress)
         _say(progress, f"{name}: up to date ({', '.join(sorted(m.variants))})")
         return m
     model = GGUFModel(gguf)  # refuses unsupported or unreadable files before any work
@@ -333,6 +334,22 @@ def import_gguf(store: ModelStore, gguf: Path, name: str, variants: tuple[str, .
     except BaseException:
         _discard_unfinished(folder)
         raise
+
+
+def _refresh_tokenizer(store: ModelStore, m: Manifest, gguf: Path, progress: Progress | None) -> None:
+    """Write the tokenizer files again where this memspec builds them differently from the GGUF
+    (say a longer end-of-generation list) than the one that converted the model; the graphs stay."""
+    from memspec.models.tokenizer import build_tokenizer_config, write_tokenizer_files
+
+    path = m.folder / "tokenizer_config.json"
+    try:
+        if json.loads(path.read_text()) == json.loads(json.dumps(build_tokenizer_config(gguf))):
+            return
+    except (OSError, ValueError):
+        pass
+    _say(progress, f"{m.name}: writing its tokenizer files again (this memspec builds them differently)")
+    m.tokenizer = {p.name: file_record(p) for p in write_tokenizer_files(gguf, m.folder).values()}
+    store.write_manifest(m)
 
 
 def _convert_into(store: ModelStore, folder: Path, model: GGUFModel, gguf: Path, gguf_sha: str, name: str,

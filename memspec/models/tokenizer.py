@@ -95,6 +95,9 @@ _END_OF_GENERATION = frozenset({
     "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<|flush|>", "<|calls|>", "<end_of_turn>",
     "<|endoftext|>", "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>",
     "<end_of_utterance>", "<eos>", "<turn|>", "<|tool_response>", "<｜end▁of▁sentence｜>", "[e~[",
+    # llama.cpp also ends generation at the fill-in-the-middle pad, repository and file separators
+    # (Qwen2.5-Coder's ids 151662-151664): an instruct answer that reaches one has left the chat
+    "<|fim_pad|>", "<|repo_name|>", "<|file_sep|>",
 })
 
 
