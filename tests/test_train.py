@@ -89,6 +89,31 @@ def test_tiny_export_matches_torch_forward(tmp_path):
     np.testing.assert_allclose(got, want, atol=2e-4, rtol=1e-4)
 
 
+@pytest.mark.skipif(not HAS_TORCH, reason="torch is not installed (pip install 'memspec[train]'); teacher check skipped")
+def test_a_qwen2_teacher_computes_what_its_converted_graph_does(tmp_path):
+    """The teacher of a qwen2 target (Q/K/V biases, a separate head) from its GGUF: its logits are
+    the fp32 graph's; in bfloat16 its greedy tokens mostly stay the same."""
+    import torch
+
+    from memspec.models.convert import convert
+    from memspec.training.teacher import load_teacher
+    from test_quants import write_tiny_gguf
+
+    gguf = write_tiny_gguf(tmp_path / "q.gguf", "qwen2", "Q4_K", "Q6_K", seed=2)
+    teacher = load_teacher(gguf)
+    assert teacher.output is not None and teacher.blocks[0].attn_q.bias is not None
+    ids = [3, 17, 50, 5, 9, 95, 0, 42]
+    with torch.no_grad():
+        want = teacher(torch.tensor([ids]))[0].numpy()
+        half = load_teacher(gguf, "bfloat16")(torch.tensor([ids]))[0].float().numpy()
+    s = DecoderSession(convert(gguf, tmp_path / "q.onnx", "fp32"), SessionConfig(max_context=64, intra_op_threads=1))
+    got = s.forward(s.new_cache(), ids, keep=len(ids))
+    np.testing.assert_allclose(got, want, atol=2e-3, rtol=1e-3)
+    assert (half.argmax(-1) == want.argmax(-1)).mean() >= 0.75
+    with pytest.raises(ValueError, match="teacher dtype 'float16' is not one of float32, bfloat16"):
+        load_teacher(gguf, "float16")
+
+
 @pytest.mark.parametrize("name", DRAFTS)
 def test_shipped_draft_is_intact_and_loads(name):
     folder = SHIPPED_MODELS / name

@@ -18,15 +18,26 @@ TOP_K = 64  # teacher log-probs kept per answer position
 HELD_OUT = 0.1  # fraction of each domain's prompts kept for evaluation
 
 
-def load_teacher(gguf_path: Path):
-    """The target as a float32 torch module, from its GGUF."""
+TEACHER_DTYPES = ("float32", "bfloat16")
+
+
+def load_teacher(gguf_path: Path, dtype: str = "float32"):
+    """The target as a torch module, from its GGUF's weights dequantized to float32.
+
+    dtype="bfloat16" runs it in bfloat16: about 2.4x faster on a CPU with AVX512-BF16 (a 1.5B
+    target answers at 26 tok/s against 11 in float32, batch 32), and its greedy answers matched
+    the q4 target's first 20 tokens on every prompt tried; a draft is trained on them, so a rare
+    difference costs acceptance only, never correctness."""
+    torch = require_torch()
     from memspec.models.gguf import GGUFModel
     from memspec.training.torch_model import Llama
 
+    if dtype not in TEACHER_DTYPES:
+        raise ValueError(f"teacher dtype {dtype!r} is not one of {', '.join(TEACHER_DTYPES)}")
     g = GGUFModel(gguf_path)
     model = Llama(g.config)
     model.load_tensors(g)
-    return model.eval()
+    return model.to(getattr(torch, dtype)).eval()
 
 
 def generate_answers(teacher, prompts: list[list[int]], max_new: int, eos: int, batch: int = 64) -> list[dict]:
@@ -105,7 +116,8 @@ def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, 
         return {"train": [], "eval": [], "info": {"domain": domain, "prompts": 0, "seed": seed}}
     ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     t0 = time.time()
-    samples = generate_answers(teacher_fn(), ids, max_new, tokenizer.eos_token_id)
+    teacher = teacher_fn()
+    samples = generate_answers(teacher, ids, max_new, tokenizer.eos_token_id)
     for s, t in zip(samples, texts):
         s["text"] = t
     n_eval = max(1, int(round(len(samples) * HELD_OUT)))
@@ -114,7 +126,8 @@ def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, 
         "info": {"domain": domain, "prompts": len(samples), "eval_prompts": n_eval, "max_new": max_new,
                  "answer_tokens": int(sum(len(s["answer"]) for s in samples)),
                  "prompt_tokens": int(sum(len(s["prompt"]) for s in samples)),
-                 "seconds": round(time.time() - t0, 1), "seed": seed},
+                 "seconds": round(time.time() - t0, 1), "seed": seed,
+                 "teacher_dtype": str(next(teacher.parameters()).dtype).removeprefix("torch.")},
     }
     work.mkdir(parents=True, exist_ok=True)
     torch.save(data, path.with_suffix(".partial"))

@@ -34,9 +34,9 @@ class Block(nn.Module):
         super().__init__()
         self.c = c
         self.attn_norm = nn.Parameter(torch.ones(c.hidden))
-        self.attn_q = nn.Linear(c.hidden, c.n_heads * c.head_dim, bias=False)
-        self.attn_k = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
-        self.attn_v = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=False)
+        self.attn_q = nn.Linear(c.hidden, c.n_heads * c.head_dim, bias=c.qkv_bias)  # qwen2: Q/K/V biases
+        self.attn_k = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
+        self.attn_v = nn.Linear(c.hidden, c.n_kv_heads * c.head_dim, bias=c.qkv_bias)
         self.attn_output = nn.Linear(c.n_heads * c.head_dim, c.hidden, bias=False)
         self.ffn_norm = nn.Parameter(torch.ones(c.hidden))
         self.ffn_gate = nn.Linear(c.hidden, c.ffn, bias=False)
@@ -65,13 +65,13 @@ class Block(nn.Module):
 
 
 class Llama(nn.Module):
-    """Llama decoder with a tied head; tensor names map 1:1 to GGUF names (see `tensors`)."""
+    """Llama or qwen2 decoder, tied or separate head; tensor names map 1:1 to GGUF names (see `tensors`)."""
 
     def __init__(self, c: DecoderConfig):
         super().__init__()
-        assert c.tied_embeddings, "only tied-embedding models are supported"
         self.c = c
         self.token_embd = nn.Embedding(c.vocab, c.hidden)
+        self.output = None if c.tied_embeddings else nn.Linear(c.hidden, c.vocab, bias=False)
         self.blocks = nn.ModuleList(Block(c) for _ in range(c.n_layers))
         self.output_norm = nn.Parameter(torch.ones(c.hidden))
         inv = 1.0 / (c.rope_theta ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
@@ -84,18 +84,21 @@ class Llama(nn.Module):
             pos = torch.arange(T).expand(B, T)
         ang = pos.to(torch.float64)[..., None] * self.inv_freq  # (B, T, hd/2)
         ang = torch.cat([ang, ang], dim=-1)[:, None]  # (B, 1, T, hd)
-        cos, sin = ang.cos().float(), ang.sin().float()
         x = self.token_embd(ids)
+        cos, sin = ang.cos().to(x.dtype), ang.sin().to(x.dtype)  # the model's dtype (float32, or bfloat16 for a teacher)
         for i, blk in enumerate(self.blocks):
             x = blk(x, cos, sin, mask, cache, i)
-        return rms(x, self.output_norm, self.c.rms_eps) @ self.token_embd.weight.T
+        head = self.token_embd.weight if self.output is None else self.output.weight
+        return rms(x, self.output_norm, self.c.rms_eps) @ head.T
 
     def tensors(self) -> dict[str, np.ndarray]:
         """Float32 weights under GGUF names, HF layout (what ArrayWeights takes)."""
         out = {"token_embd.weight": self.token_embd.weight, "output_norm.weight": self.output_norm}
+        if self.output is not None:
+            out["output.weight"] = self.output.weight
         for i, blk in enumerate(self.blocks):
-            for name, p in blk.named_parameters():
-                out[f"blk.{i}.{name}.weight" if not name.endswith(".weight") else f"blk.{i}.{name}"] = p
+            for name, p in blk.named_parameters():  # attn_q.weight, attn_q.bias (GGUF's names), attn_norm
+                out[f"blk.{i}.{name}" if "." in name else f"blk.{i}.{name}.weight"] = p
         return {k: v.detach().float().cpu().numpy() for k, v in out.items()}
 
     def load_tensors(self, tensors) -> None:
@@ -106,10 +109,12 @@ class Llama(nn.Module):
                 self._param(name).copy_(torch.from_numpy(np.array(get(name), dtype=np.float32)))
 
     def tensors_names(self) -> list[str]:
-        names = ["token_embd.weight", "output_norm.weight"]
+        names = ["token_embd.weight", "output_norm.weight"] + ([] if self.output is None else ["output.weight"])
         for i in range(self.c.n_layers):
             names += [f"blk.{i}.{k}.weight" for k in ("attn_norm", "attn_q", "attn_k", "attn_v", "attn_output",
                                                     "ffn_norm", "ffn_gate", "ffn_up", "ffn_down")]
+            if self.c.qkv_bias:
+                names += [f"blk.{i}.{k}.bias" for k in ("attn_q", "attn_k", "attn_v")]
         return names
 
     def _param(self, name: str):
@@ -117,6 +122,8 @@ class Llama(nn.Module):
             return self.token_embd.weight
         if name == "output_norm.weight":
             return self.output_norm
-        _, i, k, _ = name.split(".")
+        if name == "output.weight":
+            return self.output.weight
+        _, i, k, kind = name.split(".")
         p = getattr(self.blocks[int(i)], k)
-        return p if isinstance(p, nn.Parameter) else p.weight
+        return p if isinstance(p, nn.Parameter) else getattr(p, kind)  # a Linear's .weight or .bias
