@@ -173,7 +173,7 @@ def test_q_and_k_rows_are_unpermuted_for_llama_only(tmp_path):
         np.testing.assert_array_equal(GGUFModel(path).blocks("blk.0.attn_k.weight").dequantize(), got)
 
 
-@pytest.mark.parametrize("variant, quantize", [("fp32", None), ("q4", "Q4_1"), ("q4", "Q8_0")])
+@pytest.mark.parametrize("variant, quantize", [("fp32", None), ("q4", "Q4_1"), ("q4", "Q8_0"), ("q4", "Q4_0")])
 def test_tiny_qwen2_with_biases_matches_the_float64_reference(tmp_path, variant, quantize):
     """ArrayWeights with Q/K/V biases and a separate head; q4 against the reference of its own blocks."""
     from tiny_models import tiny_config, tiny_weights
@@ -186,6 +186,30 @@ def test_tiny_qwen2_with_biases_matches_the_float64_reference(tmp_path, variant,
              for n in weights._tensors}
     ids = list(np.random.default_rng(2).integers(0, 64, size=24))
     check_against_reference(path, ArrayWeights(cfg, exact), variant, ids)
+
+
+def test_q4_0_blocks_are_symmetric_and_leave_no_block_sum_correction(tmp_path):
+    """Q4_0 (what a draft re-quantized from a sibling uses): each weight within half a step of its
+    block's scale (a whole step where the side opposite the largest magnitude clips at +7), the
+    largest-magnitude weight exact, and a graph without BlockBias MatMuls."""
+    from tiny_models import tiny_config, tiny_weights
+
+    cfg = tiny_config(vocab=64, hidden=64, arch="qwen2")
+    weights = ArrayWeights(cfg, tiny_weights(cfg, seed=5, scale=4.0)._tensors, quantize="Q4_0")
+    name = "blk.0.ffn_up.weight"
+    b = weights.blocks(name)
+    assert (b.zero, b.bits, b.offset, b.block) == (8, 4, None, 32)
+    w = weights.float32(name).reshape(b.q.shape)
+    err = np.abs(b.dequantize().reshape(b.q.shape) - w)
+    step = np.abs(b.scale)[..., None]
+    clipped = np.abs(w) > 7.5 * step  # (and the largest, exact)
+    assert (err[~clipped] <= step.repeat(32, -1)[~clipped] * 0.5 + 1e-6).all()
+    assert (err <= step + 1e-6).all()
+    big = np.abs(w).argmax(axis=-1)[..., None]
+    np.testing.assert_allclose(np.take_along_axis(b.dequantize().reshape(b.q.shape), big, -1),
+                               np.take_along_axis(w, big, -1), rtol=1e-6)
+    nodes = DecoderBuilder(weights, "q4", 256).build().graph.node
+    assert any(n.op_type == "MatMulNBits" for n in nodes) and not any("BlockBias" in n.name for n in nodes)
 
 
 def test_unsupported_type_is_refused_before_anything_is_written(tmp_path):

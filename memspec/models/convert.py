@@ -94,11 +94,14 @@ def _nbits_pieces(b: Blocks) -> tuple[np.ndarray, np.ndarray | None]:
     which compute scale * (stored - Z) with their default zero point Z = 2^(bits-1).
 
     8 bits: stored = q - zero + Z (every 8-bit type's q fits), remainder = offset (or None).
-    4 bits: stored = q, two per byte, remainder = scale * (Z - zero) + offset per 32 weights."""
+    4 bits: stored = q, two per byte, remainder = scale * (Z - zero) + offset per 32 weights
+    (None for symmetric blocks, zero = Z and no offset)."""
     z = 1 << (b.bits - 1)
     if b.bits == 8:
         return (b.q.astype(np.int16) - b.zero + z).astype(np.uint8), b.offset
     packed = (b.q[..., 0::2] | (b.q[..., 1::2] << 4)).astype(np.uint8)  # (N, nb, block/2)
+    if b.zero == z and b.offset is None:  # symmetric blocks (Q4_0): nothing is left over
+        return packed, None
     rest = (z - b.zero) * b.scale
     return packed, rest if b.offset is None else b.offset + rest
 

@@ -302,6 +302,11 @@ class GGUFModel:
         self._check_types()
 
     @property
+    def tensor_names(self) -> list[str]:
+        """Every tensor's name, in the file's order."""
+        return list(self._tensors)
+
+    @property
     def weight_count(self) -> int:
         """Weights in all tensors (what an fp32 variant stores at 4 bytes each)."""
         return sum(int(t.n_elements) for t in self._tensors.values())
@@ -406,11 +411,13 @@ class ArrayWeights:
 
     Offers the part of GGUFModel's interface that convert.DecoderBuilder uses,
     so a model trained here is built into the same ONNX layout as the target.
-    With `quantize` ("Q8_0" or "Q4_1") every matrix is offered as blocks of that
+    With `quantize` ("Q8_0", "Q4_1" or "Q4_0") every matrix is offered as blocks of that
     ggml type, rounded to nearest here, so the builder's quantized variant can use them.
+    Q4_0 (symmetric, a scale per 32 and no min) is the smallest: 4.5 bits a weight as
+    4-bit MatMulNBits with nothing left over, where Q4_1 needs its block-sum correction.
     """
 
-    QUANTIZE = ("Q8_0", "Q4_1")
+    QUANTIZE = ("Q8_0", "Q4_1", "Q4_0")
 
     def __init__(self, config: DecoderConfig, tensors: dict[str, np.ndarray], quantize: str | None = None):
         if quantize is not None and quantize not in self.QUANTIZE:
@@ -450,8 +457,19 @@ class ArrayWeights:
         q = np.rint((b - m[..., None]) / np.where(d == 0, 1.0, d)[..., None]).clip(0, 15).astype(np.uint8)
         return Q4Blocks(q=q, d=d.astype(np.float32), m=m.astype(np.float32))
 
+    def q4_0(self, name: str) -> Blocks:
+        """Symmetric 4-bit blocks of ggml's Q4_0 shape: d = w_max / -8 with w_max the block's
+        weight of largest magnitude (sign kept, so it maps to q = 0), q = clip(round(w / d) + 8, 0, 15)."""
+        b = self._blocks(name, "Q4_0")
+        big = np.take_along_axis(b, np.abs(b).argmax(axis=-1)[..., None], axis=-1)[..., 0]
+        d = (big / -8.0).astype(np.float32)
+        q = np.rint(b / np.where(d == 0, 1.0, d)[..., None]) + 8
+        return Blocks(q=q.clip(0, 15).astype(np.uint8), scale=d, zero=8, bits=4)
+
     def blocks(self, name: str) -> Blocks:
         """The matrix's blocks in the builder's terms (GGUFModel.blocks)."""
+        if self.qtype(name) == "Q4_0":
+            return self.q4_0(name)
         if self.qtype(name) == "Q8_0":
             b = self.q8_0(name)
             return Blocks(q=(b.q.astype(np.int16) + 128).astype(np.uint8), scale=b.d, zero=128, bits=8)
