@@ -333,7 +333,7 @@ def _choose_model(args) -> None:
 def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     """The parser of every command; of the developer commands only `dev_command` gets its real
     options (importing its module), the others stand-ins that list them in --help."""
-    from memspec.models.catalog import KNOWN_MODELS  # plain dataclasses
+    from memspec.models.catalog import KNOWN_DRAFTS, KNOWN_MODELS  # plain dataclasses
 
     p = argparse.ArgumentParser(prog="memspec", description="memory-aware speculative decoding runtime")
     p.add_argument("--version", action="version", version=f"memspec {__version__}")
@@ -347,7 +347,8 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     address.add_argument("--address", help="the daemon's socket or HOST:PORT (default: the default socket)")
 
     pl = sub.add_parser("pull", parents=[common], help="fetch and convert a model into the store")
-    pl.add_argument("model", nargs="?", help=f"a known model: {', '.join(KNOWN_MODELS)}")
+    pl.add_argument("model", nargs="?", help=f"a known model: {', '.join(KNOWN_MODELS)}; or a draft built from "
+                                             f"one: {', '.join(KNOWN_DRAFTS)}")
     pl.add_argument("--gguf", metavar="PATH", help="convert a local GGUF instead")
     pl.add_argument("--name", help="store name for --gguf (default: the file's stem)")
     pl.add_argument("--variant", action="append", choices=("fp32", "q4", "q4f16"),  # convert.VARIANTS + ON_REQUEST
@@ -434,7 +435,7 @@ def _add_dev_command(sub, common: argparse.ArgumentParser, name: str) -> None:
     elif name == "profile":
         from memspec.training import profile
 
-        profile.add_profile_parser(sub)
+        _model_option(profile.add_profile_parser(sub))
     else:
         from memspec.training import predictor_fit
 

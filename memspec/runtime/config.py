@@ -9,6 +9,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 
+LARGE_DRAFT_BYTES = 64 * 2**20  # a draft this large runs on every core when draft_threads = 0
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """How ONNX Runtime runs a model."""
@@ -17,8 +20,9 @@ class SessionConfig:
     draft_providers: tuple[str, ...] = ()  # the drafts' EPs, if not the target's (a tiny draft step
     #                                        can be cheaper on the CPU than a GPU kernel launch each)
     intra_op_threads: int = 0  # target threads; 0 = one per physical core
-    draft_threads: int = 1  # draft threads: drafts are tiny, and a second spinning thread pool
-    #                         would steal the cores the target verifies on
+    draft_threads: int = 0  # threads of each draft; 0 = by its size: one for a small draft (a second
+    #                         pool would only wait), one per physical core for one of LARGE_DRAFT_BYTES
+    #                         or more (a 0.5B sibling's step is memory-bound); draft pools never spin
     max_context: int = 2048  # KV capacity in tokens (prompt + generated)
     batching: bool = False  # concurrent requests share one batched target pass, [server] max_concurrent
     #                         rows (memspec.speculation.batching; CPU provider only; a second, batched

@@ -153,7 +153,7 @@ class DecoderSession:
     """One decoder model in ONNX Runtime, shapes read from the model itself."""
 
     def __init__(self, path: str | Path, config: SessionConfig = SessionConfig(), arena: bool = False,
-                 threads: int | None = None, min_rows: int = 1):
+                 threads: int | None = None, min_rows: int = 1, spinning: bool = True):
         """arena=True keeps ORT's CPU memory arena: faster steps, but freed memory stays in the
         process.  The pinned target uses it; drafts, which are loaded and evicted, do not.
 
@@ -165,7 +165,10 @@ class DecoderSession:
 
         A graph of ours that pads attention itself (metadata memspec.attention_pad) needs none of
         that: it gives attention, the one kernel that differs, the copy row, while its matrix
-        multiplies run one row (on the 1.5B a two-row pass costs 1.2x a one-row pass)."""
+        multiplies run one row (on the 1.5B a two-row pass costs 1.2x a one-row pass).
+
+        spinning=False: its threads sleep as soon as a run ends (drafts: a pool spinning after its
+        run would steal the cores the target verifies on next); a one-thread pool never spins."""
         self.path = Path(path)
         self.min_rows = min_rows
         if not self.path.is_file():
@@ -174,7 +177,7 @@ class DecoderSession:
         threads = threads if threads is not None else config.intra_op_threads
         opts.intra_op_num_threads = threads or physical_cores()
         self.threads = opts.intra_op_num_threads
-        if opts.intra_op_num_threads == 1:
+        if opts.intra_op_num_threads == 1 or not spinning:
             opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
         opts.log_severity_level = 3
         opts.enable_cpu_mem_arena = arena

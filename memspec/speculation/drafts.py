@@ -20,7 +20,7 @@ import numpy as np
 from memspec.speculation import sampling
 from memspec.errors import ModelFormatError
 from memspec.request import SamplingParams
-from memspec.runtime.config import SessionConfig
+from memspec.runtime.config import LARGE_DRAFT_BYTES, SessionConfig
 from memspec.runtime.sessions import DecoderSession
 from memspec.speculation.config import DraftLimits
 from memspec.models.store import Manifest, ModelStore
@@ -88,6 +88,14 @@ def ngram_continuation(context: list[int], k: int, min_ngram: int, max_ngram: in
 
 
 # -- model drafts -----------------------------------------------------------------
+def draft_threads(config: SessionConfig, nbytes: int) -> int:
+    """A draft's thread count: config.draft_threads, or by its size when that is 0 (auto): one
+    thread under LARGE_DRAFT_BYTES, else the target's (intra_op_threads; 0 = one per physical core)."""
+    if config.draft_threads:
+        return config.draft_threads
+    return config.intra_op_threads if nbytes >= LARGE_DRAFT_BYTES else 1
+
+
 def draft_variant(m: Manifest) -> str:
     """The variant a draft runs as: the one it ships (q8: 8-bit weights; fp32: float16-stored)."""
     return next(iter(m.variants))
@@ -143,7 +151,8 @@ class DraftModel:
         to_target = read_vocab_map(m, target_vocab)
         if config.draft_providers:
             config = dataclasses.replace(config, providers=config.draft_providers)
-        session = DecoderSession(m.variant_path(draft_variant(m)), config, threads=config.draft_threads)
+        session = DecoderSession(m.variant_path(draft_variant(m)), config, spinning=False,
+                                 threads=draft_threads(config, m.variant_bytes(draft_variant(m))))
         if session.vocab_size not in (None, len(to_target)):
             raise ModelFormatError(
                 f"draft {name!r}: the model has {session.vocab_size} logits but its map has {len(to_target)} ids"
