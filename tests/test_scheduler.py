@@ -130,6 +130,35 @@ def test_the_predictor_fitted_for_the_target_variant_is_preferred(monkeypatch, t
     assert predictor_file("/x/mine.json", "fp32") == Path("/x/mine.json")  # a configured file always wins
 
 
+def test_each_target_gets_the_predictor_fitted_for_it_or_none(monkeypatch, tmp_path):
+    """A predictor fitted on another target's traces names drafts this one does not have: a target
+    takes its own file, the default files only where they were fitted on it, else none."""
+    import json
+
+    import memspec.models.store
+    from memspec.scheduling.policies import predictor_file
+
+    monkeypatch.setattr(memspec.models.store, "SHIPPED_MODELS", tmp_path)
+    (tmp_path / "predictor.json").write_text(json.dumps({"info": {"target": "small:q4"}}))
+    assert predictor_file("", "q4", "small") == tmp_path / "predictor.json"
+    assert predictor_file("", "q4", "big") is None
+    (tmp_path / "predictor-big.json").write_text("{}")
+    assert predictor_file("", "q4", "big") == tmp_path / "predictor-big.json"
+    (tmp_path / "predictor-big-q4.json").write_text("{}")
+    assert predictor_file("", "q4", "big") == tmp_path / "predictor-big-q4.json"
+    assert predictor_file("/x/mine.json", "q4", "big") == Path("/x/mine.json")
+
+
+def test_memspec_without_a_predictor_for_its_target_lets_the_bandit_choose(monkeypatch, tmp_path, caplog):
+    import memspec.models.store
+    from memspec.scheduling.policies import Bandit
+
+    monkeypatch.setattr(memspec.models.store, "SHIPPED_MODELS", tmp_path)  # no predictor at all
+    sched = Scheduler(SchedulerConfig(policy="memspec"), FakeLoader(SIZES), SIZES, FakeProbe(), target=("mine", 10))
+    assert isinstance(sched.policy(sched.default), Bandit)
+    assert "no predictor was fitted for mine" in caplog.text
+
+
 def test_fixed_policy_stalls_once_then_hits_and_releases():
     sched, loader, clock, _ = make("fixed:draft-code", load_s=0.2)
     for _ in range(3):

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
 
-from memspec.errors import InvalidRequestError, MemspecError
+from memspec.errors import ConfigError, InvalidRequestError, MemspecError
 from memspec.runtime.memory import MiB
 from memspec.request import NO_DRAFT, Completion, GenerationRequest, PolicyName, unknown_draft, unknown_policy
 
@@ -387,7 +387,11 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     target_bytes = target.file_bytes
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
     base_cfg = config.scheduler
-    predictor = load_predictor(base_cfg.predictor, target.variant) if "memspec" in policies else None
+    predictor = load_predictor(base_cfg.predictor, target.variant, target.name) if "memspec" in policies else None
+    if "memspec" in policies and predictor is None:
+        raise ConfigError(f"policy 'memspec' needs a predictor fitted for {target.name}: none ships for it "
+                          f"(memspec profile --model {target.name}, then memspec train-predictor --out "
+                          f"models/predictor-{target.name}-{target.variant}.json)")
     limits = spec.draft_limits()
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
     oracle_table = None

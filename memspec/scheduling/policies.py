@@ -156,25 +156,46 @@ def expected_seconds(tokens: int, tps_now: float, tps_new: float, load_s: float)
     return load_s + (tokens - during) / tps_new
 
 
-def predictor_file(path: str, variant: str = "") -> Path:
-    """The predictor to use: `path` when set, else the shipped one fitted on traces of the target's
-    variant (models/predictor-VARIANT.json) when there is one, else models/predictor.json."""
+def predictor_file(path: str, variant: str = "", target: str = "") -> Path | None:
+    """The predictor to use: `path` when set; else the shipped one fitted for the target and its
+    variant, models/predictor-TARGET-VARIANT.json, then models/predictor-TARGET.json; else the
+    default target's models/predictor-VARIANT.json or models/predictor.json, where they were fitted
+    on `target` (their info says which; any target when `target` is not given).  None: no shipped
+    predictor was fitted for this target."""
     from memspec.models.store import SHIPPED_MODELS
 
     if path:
         return Path(path)
+    for name in ((f"predictor-{target}-{variant}.json", f"predictor-{target}.json") if target else ()):
+        if (SHIPPED_MODELS / name).is_file():
+            return SHIPPED_MODELS / name
     own = SHIPPED_MODELS / f"predictor-{variant}.json"
-    return own if variant and own.is_file() else SHIPPED_MODELS / "predictor.json"
+    for file in ((own,) if variant else ()) + (SHIPPED_MODELS / "predictor.json",):
+        if file.is_file() and (not target or _fitted_target(file) in ("", target)):
+            return file
+    return None
 
 
-def load_predictor(path: str, variant: str = ""):
-    """The predictor for a target of `variant` (see predictor_file), or a ConfigError naming what is missing."""
+def _fitted_target(file: Path) -> str:
+    """The target name a predictor file was fitted on ("" when it does not say)."""
+    try:
+        info = json.loads(file.read_text()).get("info") or {}
+    except (OSError, ValueError):
+        return ""
+    return str(info.get("target") or "").rsplit(":", 1)[0]
+
+
+def load_predictor(path: str, variant: str = "", target: str = ""):
+    """The predictor for `target` of `variant` (see predictor_file); None when none is configured and
+    none was fitted for this target; a ConfigError naming what is missing or broken."""
     try:
         from memspec.scheduling.predictor import Predictor
     except ImportError as exc:
         raise ConfigError(f"policy 'memspec' needs the predictor, but memspec/scheduling/predictor.py cannot be "
                           f"imported ({exc}); use another [scheduler] policy until it is installed") from None
-    file = predictor_file(path, variant)
+    file = predictor_file(path, variant, target)
+    if file is None:
+        return None
     if not file.is_file():
         raise ConfigError(f"policy 'memspec' needs a trained predictor, but {file} does not exist "
                           f"(memspec train-predictor writes it; or set [scheduler] predictor)")

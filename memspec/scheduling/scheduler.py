@@ -49,6 +49,7 @@ class Scheduler:
         kv_sizers: draft -> tokens -> bytes of its KV cache (a draft without one keeps none)."""
         self.config = config
         self.variant = variant
+        self.target_name = target[0] if target else ""
         self._kv_sizers = dict(kv_sizers or {})
         self._kv_ids = itertools.count(1)
         self.drafts = dict(drafts)
@@ -96,7 +97,13 @@ class Scheduler:
         if name.kind == "bandit":
             return Bandit(self)
         if name.kind == "memspec":
-            return Memspec(self, self._predictor or load_predictor(self.config.predictor, self.variant))
+            predictor = self._predictor or load_predictor(self.config.predictor, self.variant, self.target_name)
+            if predictor is None:  # a target nobody fitted a predictor for (say your own GGUF): learn online
+                log.warning("policy 'memspec': no predictor was fitted for %s (memspec profile --model %s, then "
+                            "memspec train-predictor, or set [scheduler] predictor); the bandit chooses its drafts",
+                            self.target_name or "this target", self.target_name or "NAME")
+                return Bandit(self)
+            return Memspec(self, predictor)
         if self._oracle_table is None:
             if not self.config.oracle:
                 raise ConfigError("policy 'oracle' needs a table of the fastest draft per prompt: "
