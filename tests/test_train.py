@@ -22,6 +22,9 @@ from memspec.training.drafts import UNKNOWN_TARGET_ID, VocabMap, acceptance, dra
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 DRAFTS = ("draft-code", "draft-math", "draft-chat", "draft-general")
+QWEN_DRAFTS = ("qwen2.5-coder-draft-code", "qwen2.5-coder-draft-math", "qwen2.5-coder-draft-chat")
+TARGETS = {**dict.fromkeys(DRAFTS, "smollm2-135m"), **dict.fromkeys(QWEN_DRAFTS, "qwen2.5-coder-1.5b")}
+REQUIRED = {"smollm2-135m": set(range(17)) | {2}, "qwen2.5-coder-1.5b": {151643, 151644, 151645}}  # control, EOS
 
 
 def test_select_vocab_keeps_required_tokens_first():
@@ -114,17 +117,17 @@ def test_a_qwen2_teacher_computes_what_its_converted_graph_does(tmp_path):
         load_teacher(gguf, "float16")
 
 
-@pytest.mark.parametrize("name", DRAFTS)
+@pytest.mark.parametrize("name", DRAFTS + QWEN_DRAFTS)
 def test_shipped_draft_is_intact_and_loads(name):
     folder = SHIPPED_MODELS / name
     if not (folder / "manifest.json").is_file():
         pytest.fail(f"{folder} has no manifest.json: the draft pool is not shipped")
     store = ModelStore(home=folder.parent / "_none", shipped=SHIPPED_MODELS)
     m = store.get(name)
-    assert m.role == "draft" and m.extra["target"] == "smollm2-135m"
+    assert m.role == "draft" and m.extra["target"] == TARGETS[name]
     assert store.verify(m) == []  # sha256 and bytes match the files
     vocab = json.loads((folder / m.extra["draft_vocab"]).read_text())
-    assert UNKNOWN_TARGET_ID in vocab and 2 in vocab and set(range(17)) <= set(vocab)
+    assert UNKNOWN_TARGET_ID in vocab and REQUIRED[TARGETS[name]] <= set(vocab)
     assert len(vocab) == len(set(vocab)) == m.architecture["vocab"]
     assert draft_variant(m) == "q8"  # drafts ship with 8-bit weights
     s = DecoderSession(m.variant_path(draft_variant(m)), SessionConfig(max_context=64, intra_op_threads=1))
