@@ -358,3 +358,19 @@ def test_train_predictor_saves_the_chosen_default_and_margin(tmp_path, capsys):
     pred = Predictor.load(tmp_path / "p.json")
     assert pred.default == single_best_policy(traces, pred.drafts)
     assert pred.margin == pytest.approx(chosen) and pred.info["held_out"]["margin"] == pred.margin
+
+
+def test_each_shipped_target_gets_its_own_predictor_naming_its_own_drafts():
+    """The 1.5B's predictor is chosen for it, and scores the 1.5B's pool; SmolLM2 keeps its own."""
+    from memspec.scheduling.policies import predictor_file
+
+    qwen = predictor_file("", "q4", "qwen2.5-coder-1.5b")
+    assert qwen == SHIPPED_MODELS / "predictor-qwen2.5-coder-1.5b-q4.json"
+    p = Predictor.load(qwen)
+    assert p.info["target"] == "qwen2.5-coder-1.5b:q4"
+    assert {"qwen2.5-coder-draft-code", "qwen2.5-coder-draft-math", "qwen2.5-coder-0.5b-draft",
+            "prompt-lookup"} <= set(p.drafts)
+    assert predictor_file("", "q4", "smollm2-135m") == SHIPPED_MODELS / "predictor.json"
+    assert predictor_file("", "fp32", "smollm2-135m") == SHIPPED_MODELS / "predictor-fp32.json"
+    scores = p.predict("Write a Python function that merges two sorted lists.")
+    assert set(scores) == set(p.drafts) and all(v > 0 for v in scores.values())
