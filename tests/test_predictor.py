@@ -283,14 +283,16 @@ def test_profile_tallies_and_mismatch():
 
 
 # -- the shipped predictor -------------------------------------------------------------------------------------
-@pytest.mark.parametrize("file,variant", [("predictor.json", "q4"), ("predictor-fp32.json", "fp32")])
-def test_shipped_predictor_scores_every_shipped_draft(file, variant):
-    """One predictor per target variant ships, each fitted on traces of that variant."""
+@pytest.mark.parametrize("file,target,variant", [("predictor.json", "smollm2-135m", "q4"),
+                                                ("predictor-fp32.json", "smollm2-135m", "fp32"),
+                                                ("predictor-qwen2.5-coder-1.5b-q4.json", "qwen2.5-coder-1.5b", "q4")])
+def test_shipped_predictor_scores_every_shipped_draft(file, target, variant):
+    """One predictor per target and variant ships, each fitted on traces of that target's pool."""
     pred = Predictor.load(SHIPPED_MODELS / file)
-    assert pred.info["target"] == f"smollm2-135m:{variant}"
+    assert pred.info["target"] == f"{target}:{variant}"
     assert (SHIPPED_MODELS / pred.info["traces"]).is_file()  # the traces it was fitted on ship beside it
-    shipped = {json.loads(p.read_text())["name"] for p in SHIPPED_MODELS.glob("*/manifest.json")
-               if json.loads(p.read_text()).get("role") == "draft"}
+    manifests = [json.loads(p.read_text()) for p in SHIPPED_MODELS.glob("*/manifest.json")]
+    shipped = {m["name"] for m in manifests if m.get("role") == "draft" and m["extra"].get("target") == target}
     assert shipped, "no drafts in models/"
     assert shipped | {NONE, "prompt-lookup"} <= set(pred.drafts)
     for prompt in (CODE, PROSE, MATH, REWRITE):
