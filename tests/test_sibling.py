@@ -53,8 +53,9 @@ def test_a_bad_vocabulary_list_is_refused(tiny, tmp_path):
     for ids, match in (([], "empty"), ([1, 1], "repeats"), ([0, VOCAB], f"holds id {VOCAB}")):
         f = tmp_path / "v.json"
         f.write_text(json.dumps({"ids": ids}))
+        r = SiblingDraft(base="b", target="t", vocab=str(f))
         with pytest.raises(ModelFormatError, match=match):
-            sibling.build(tiny, SiblingDraft(base="b", target="t", vocab=str(f)), tmp_path / "out")
+            sibling.build(tiny, r, tmp_path / "out", sibling.vocab_list(r))
 
 
 @pytest.fixture

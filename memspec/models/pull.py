@@ -441,11 +441,8 @@ def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
     return import_gguf(store, gguf, name, variants or source.variants, source, progress, force)
 
 
-def _recipe_record(recipe: SiblingDraft) -> dict:
-    """What a built draft's manifest records of its recipe; a different one builds it again."""
-    from memspec.models.sibling import vocab_list
-
-    ids = vocab_list(recipe)
+def _recipe_record(recipe: SiblingDraft, ids: list[int]) -> dict:
+    """What a built draft's manifest records of its recipe and vocabulary; a different one builds it again."""
     return {"base": recipe.base, "quantize": recipe.quantize, "vocab_list": recipe.vocab,
             "vocab_sha256": hashlib.sha256(json.dumps(ids).encode()).hexdigest()}
 
@@ -457,30 +454,25 @@ def pull_draft(store: ModelStore, name: str, recipe: SiblingDraft, progress: Pro
     from memspec.models import sibling
 
     source = KNOWN_MODELS[recipe.base]
-    record = _recipe_record(recipe)
-    if not force:
-        try:
-            m = store.get(name)
-        except (ModelNotFoundError, ModelFormatError):
-            m = None
-        if (m is not None and m.provenance.get("gguf_sha256") == source.sha256
-                and m.provenance.get("graph") == GRAPH_VERSION and m.provenance.get("recipe") == record
-                and not store.verify(m)):
-            _say(progress, f"{name}: up to date")
-            return m
+    ids = sibling.vocab_list(recipe)
+    record = _recipe_record(recipe, ids)
+    m = None if force else _up_to_date(store, name, source.sha256, (sibling.VARIANT,))
+    if m is not None and m.provenance.get("recipe") == record:
+        _say(progress, f"{name}: up to date")
+        return m
     _say(progress, f"pulling {name} (a draft for {recipe.target}, built from {recipe.base})")
     gguf = _fetch(store, source, progress, download)
     try:
         target = store.get(recipe.target)
     except (ModelNotFoundError, ModelFormatError):
-        target = None  # checked when the target is pulled: the draft pool refuses ids past its vocabulary
+        target = None  # not in the store yet: only the draft pool's check of its ids against the vocabulary stands
     if target is not None and not sibling.same_tokens(gguf, target.folder / "tokenizer.json"):
         raise ModelFormatError(f"{gguf.name}'s tokens are not {recipe.target}'s: it cannot draft for it")
     folder = store.model_dir(name)
     (folder / MANIFEST).unlink(missing_ok=True)  # the old build no longer holds while this one runs
     _say(progress, f"building {name}: vocabulary cut to {recipe.vocab}, matrices as {recipe.quantize}")
     try:
-        onnx_path, vocab_path, arch = sibling.build(gguf, recipe, folder)
+        onnx_path, vocab_path, arch = sibling.build(gguf, recipe, folder, ids)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise

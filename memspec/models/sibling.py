@@ -59,15 +59,14 @@ def trimmed_weights(model: GGUFModel, vocab: list[int], quantize: str = "Q4_0",
     return ArrayWeights(cfg, tensors, quantize=quantize)
 
 
-def build(gguf: Path, recipe: SiblingDraft, out_dir: Path) -> tuple[Path, Path, dict]:
-    """Write `<out_dir>/q4.onnx` and `vocab.json` (the draft -> target id map); returns their paths
-    and the draft's architecture."""
+def build(gguf: Path, recipe: SiblingDraft, out_dir: Path, vocab: list[int]) -> tuple[Path, Path, dict]:
+    """Write `<out_dir>/q4.onnx` and `vocab.json` (the draft -> target id map) for the target ids
+    `vocab` (the recipe's vocab_list); returns their paths and the draft's architecture."""
     import onnx
 
     from memspec.models.convert import DecoderBuilder
 
     model = GGUFModel(gguf)
-    vocab = vocab_list(recipe)
     weights = trimmed_weights(model, vocab, recipe.quantize)
     proto = DecoderBuilder(weights, VARIANT, pad_attention=False).build()
     out_dir.mkdir(parents=True, exist_ok=True)
