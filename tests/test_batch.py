@@ -47,6 +47,24 @@ def test_rows_equal_solo_bit_for_bit_in_any_batch(tiny):
             np.testing.assert_array_equal(got, _solo(tiny, ctx, feed))
 
 
+def test_spare_slots_feed_no_token(tiny, monkeypatch):
+    """A pass with fewer rows than slots runs the token-wise nodes over the real rows' tokens only
+    (a spare slot used to feed a dummy token through every matrix); the rows stay bit-exact."""
+    bt = BatchedTarget(tiny, rows=4)
+    fed = {}
+    bind = bt._binding.bind_cpu_input
+    monkeypatch.setattr(bt._binding, "bind_cpu_input", lambda name, arr: (fed.__setitem__(name, arr), bind(name, arr)))
+    a, b = tiny.new_cache(), tiny.new_cache()
+    tiny.forward(a, [1, 2, 3], keep=1)
+    tiny.forward(b, [4, 5], keep=1)
+    out = bt.forward([a, b], [[6], [7, 8]], [1, 2])
+    first = max(1, tiny.pad_rows)  # an unpadded graph's one-token row is padded on the host
+    assert fed["input_ids"].shape == (1, first + 2)
+    assert list(fed["row_offsets"]) == [0, first, first + 2, first + 2, first + 2]
+    np.testing.assert_array_equal(out[0], _solo(tiny, [1, 2, 3], [6]))
+    np.testing.assert_array_equal(out[1], _solo(tiny, [4, 5], [7, 8]))
+
+
 def test_rollback_then_next_pass_matches_solo(tiny):
     """A rejected tail is rolled back by truncation; the next pass overwrites it, as alone."""
     bt = BatchedTarget(tiny, rows=2)

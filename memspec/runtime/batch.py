@@ -20,9 +20,10 @@ rewritten, not re-converted:
   exactly as the one-request graph runs it, so a row attends to its own cache only;
 * `logits_to_keep` becomes `logits_index` (K,): the flat positions whose logits are returned.
 
-The graph has a fixed number R of row slots.  A pass with fewer requests fills the rest with a
-one-token dummy row over a small scratch cache (GroupQueryAttention cannot run an empty row);
-it costs one token of compute.  Each row keeps the request's own SharedBufferCache, so KV
+The graph has a fixed number R of row slots.  A pass with fewer requests leaves the rest empty:
+they feed no token, so the token-wise nodes run over the real rows' tokens only; each spare
+slot's attention (GroupQueryAttention cannot run an empty row) reads a copy of the pass's last
+token over a small scratch cache, and its output is dropped.  Each row keeps the request's own SharedBufferCache, so KV
 memory is counted per request exactly as before (pages touched), and a request that leaves
 frees its cache as before.  CPU only (the binding uses host buffers as they are).
 
@@ -85,6 +86,15 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
     axis0, axis1, one = const("/batch/axis0", [0]), const("/batch/axis1", [1]), const("/batch/one", [1])
     zero = const("/batch/zero", [0])
     nodes: list[onnx.NodeProto] = []
+    # a spare row slot holds no token (row_offsets[b] == row_offsets[b + 1]); its attention still
+    # runs (an empty row crashes GroupQueryAttention), over a copy of the pass's last token
+    # (start..end widened to one token), into the scratch cache, and its output is dropped
+    n_total, last_tok = "/batch/n_total", "/batch/last_tok"
+    nodes += [
+        helper.make_node("Slice", ["row_offsets", const("/batch/iR", [rows]), const("/batch/iR1", [rows + 1]),
+                                   axis0], [n_total], name=n_total),
+        helper.make_node("Sub", [n_total, one], [last_tok], name=last_tok),
+    ]
     per_row: list[tuple[str, str, str, str, str | None, str | None]] = []  # start, end, seqlens_k, total, pad, m
     for b in range(rows):
         p = f"/batch/row{b}"
@@ -94,6 +104,12 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
             helper.make_node("Slice", ["row_offsets", i0, i1, axis0], [start], name=start),
             helper.make_node("Slice", ["row_offsets", i1, const(f"{p}/i2", [b + 2]), axis0], [end], name=end),
             helper.make_node("Slice", ["row_lengths", i0, i1, axis0], [length], name=length),
+        ]
+        # what the row's attention reads: its own tokens, or (a spare row) one token, the pass's last
+        nodes += [
+            helper.make_node("Min", [start, last_tok], [f"{p}/q_start"], name=f"{p}/q_start"),
+            helper.make_node("Add", [start, one], [f"{p}/start1"], name=f"{p}/start1"),
+            helper.make_node("Max", [end, f"{p}/start1"], [f"{p}/q_end"], name=f"{p}/q_end"),
         ]
         pad = m = None
         if pads:  # pad = 1 for a one-token row, as the solo graph's /model/pad/Pad; length counts it
@@ -110,7 +126,7 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
             helper.make_node("Cast", [f"{p}/sub"], [f"{p}/seqlens"], name=f"{p}/seqlens", to=TensorProto.INT32),
             helper.make_node("Cast", [length], [f"{p}/total"], name=f"{p}/total", to=TensorProto.INT32),
         ]
-        per_row.append((start, end, f"{p}/seqlens", f"{p}/total", pad, m))
+        per_row.append((f"{p}/q_start", f"{p}/q_end", f"{p}/seqlens", f"{p}/total", pad, m))
     past_inputs, present_outputs = [], []
     ks = keep_slice[0]
     for n in g.node:
@@ -158,7 +174,14 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
                 vi.CopyFrom(outs[src])
                 vi.name = dst
                 present_outputs.append(vi)
-        nodes.append(helper.make_node("Concat", parts, [out], name=f"{n.name}/concat", axis=1))
+        if pads:  # each row's output is cut to its own tokens above: a spare row's to none
+            nodes.append(helper.make_node("Concat", parts, [out], name=f"{n.name}/concat", axis=1))
+        else:  # spare rows sit after every real one: cut the joined rows to the pass's tokens
+            joined = f"{n.name}/joined"
+            nodes += [
+                helper.make_node("Concat", parts, [joined], name=joined, axis=1),
+                helper.make_node("Slice", [joined, zero, n_total, axis1], [out], name=f"{n.name}/concat"),
+            ]
     del g.node[:]
     g.node.extend(nodes)  # still in the original's order: each row's nodes sit where its layer's GQA was
     kept = [i for i in g.input if i.name in ("input_ids",)]
@@ -248,8 +271,7 @@ class BatchedTarget:
             ids.extend(row)
             offsets.append(len(ids))
             lengths.append(cache.length + len(row))
-        for _ in range(n, self.rows):  # dummy rows: one token each over the scratch cache
-            ids.append(0)
+        for _ in range(n, self.rows):  # spare rows: no token of their own, the scratch cache (ragged_graph)
             offsets.append(len(ids))
             lengths.append(1)
         bd = self._binding
