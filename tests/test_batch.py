@@ -60,7 +60,8 @@ def test_spare_slots_feed_no_token(tiny, monkeypatch):
     out = bt.forward([a, b], [[6], [7, 8]], [1, 2])
     first = max(1, tiny.pad_rows)  # an unpadded graph's one-token row is padded on the host
     assert fed["input_ids"].shape == (1, first + 2)
-    assert list(fed["row_offsets"]) == [0, first, first + 2, first + 2, first + 2]
+    assert list(fed["row_sizes"]) == [2, 2, 1, 1]  # the one-token row with its copy (either way), spares 1
+    assert list(fed["qkv_index"][-2:]) == [first + 1] * 2  # a spare row's attention reads the last token
     np.testing.assert_array_equal(out[0], _solo(tiny, [1, 2, 3], [6]))
     np.testing.assert_array_equal(out[1], _solo(tiny, [4, 5], [7, 8]))
 
@@ -119,7 +120,8 @@ def test_one_token_rows_are_padded_inside_the_ragged_graph(tiny):
 
     names = [n.name for n in ragged_graph(onnx.load(str(tiny.path)), 2).graph.node]
     assert not any(n.startswith("/model/pad/") or n.endswith(("/PadRow", "/PadConcat", "/Unpad")) for n in names)
-    assert any(n.endswith("/row1/qkv/padded") for n in names) == tiny.graph_pads
+    layers = sum(n.endswith("/qkv_rows") for n in names)  # one Gather and one Split per layer, not per row
+    assert layers and sum(n.endswith("/rows") for n in names) == layers
     bt = BatchedTarget(tiny, rows=3)
     a, b, c = tiny.new_cache(), tiny.new_cache(), tiny.new_cache()
     for cache, ctx in ((a, [1, 2, 3]), (b, [4, 5]), (c, [6, 7, 8, 9])):

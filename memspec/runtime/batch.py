@@ -11,21 +11,28 @@ and a batch-0 slice crashes its CPU kernel (SIGFPE).  So at load time the target
 rewritten, not re-converted:
 
 * input_ids becomes one flat row (1, N) holding every request's tokens back to back, with no
-  padding; `row_offsets` (R + 1,) says where each row's tokens start and `row_lengths` (R,) how
-  many tokens each row holds after the pass (committed + new), which replaces the attention mask;
-* every token-wise node (embedding, norms, MatMulNBits, MLP, LM head) runs once over all N tokens,
-  which is where a batch saves: the weights are read once per pass, not once per request;
-* each GroupQueryAttention becomes R of them, one per row, over that row's slice of the packed
-  QKV and its own past/present buffers (`past_key_values.{layer}.key.{row}`), each with batch 1,
-  exactly as the one-request graph runs it, so a row attends to its own cache only;
+  padding; every token-wise node (embedding, norms, MatMulNBits, MLP, LM head) runs once over all
+  N tokens, which is where a batch saves: the weights are read once per pass, not once per request;
+* per layer, one Gather (`qkv_index`) lays the packed QKV out row by row as attention wants it
+  (a one-token row's token twice, as the solo graph pads a one-token pass's attention), one Split
+  (`row_sizes`) cuts it into the rows, and each GroupQueryAttention becomes R of them, one per
+  row, over its own past/present buffers (`past_key_values.{layer}.key.{row}`), each with batch 1,
+  exactly as the one-request graph runs it, so a row attends to its own cache only; one Concat
+  and one Gather (`out_index`) put the rows' outputs back in token order, without the copies;
+* `row_seqlens` and `row_totals` (R,) give each row's lengths after the pass (committed + new,
+  the copy counted), which replace the attention mask;
 * `logits_to_keep` becomes `logits_index` (K,): the flat positions whose logits are returned.
+
+The host (BatchedTarget.forward) computes these indices per pass, so the graph holds no per-row
+bookkeeping nodes besides the attention itself (two lengths sliced per row, once per pass).
 
 The graph has a fixed number R of row slots.  A pass with fewer requests leaves the rest empty:
 they feed no token, so the token-wise nodes run over the real rows' tokens only; each spare
 slot's attention (GroupQueryAttention cannot run an empty row) reads a copy of the pass's last
-token over a small scratch cache, and its output is dropped.  Each row keeps the request's own SharedBufferCache, so KV
-memory is counted per request exactly as before (pages touched), and a request that leaves
-frees its cache as before.  CPU only (the binding uses host buffers as they are).
+token over a small scratch cache, and its output is dropped.  Each row keeps the request's own
+SharedBufferCache, so KV memory is counted per request exactly as before (pages touched), and a
+request that leaves frees its cache as before.  CPU only (the binding uses host buffers as they
+are).
 
 Memory: the batched graph is a second ONNX Runtime session with its own copy of the target's
 weights (`weight_bytes`), beside the target's session, which still serves prefill and lone
@@ -55,10 +62,10 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
     """Rewrite one of our decoder graphs (models.convert) into the ragged batched graph (above).
 
     A graph that pads attention for a one-token pass (memspec.attention_pad: `/model/pad/*`, and
-    per layer PadRow + PadConcat before GroupQueryAttention and Unpad after it) gets the same
-    padding per row: a row that holds one token gives its attention a copy of that token's query
-    row (its K/V one slot past the token, in the cache's slack slot), seqlens/total count it, and
-    the copy's output is dropped, exactly as its solo pass does; a longer row is not padded."""
+    per layer PadRow + PadConcat before GroupQueryAttention and Unpad after it) loses those nodes:
+    the host's `qkv_index` pads each one-token row instead (its query row twice, the copy's K/V
+    one slot past the token, in the cache's slack slot; the lengths count it) and `out_index`
+    drops the copy's output, exactly as its solo pass does; a longer row is not padded."""
     g = model.graph
     gqa = [n for n in g.node if n.op_type == "GroupQueryAttention"]
     keep_slice = [n for n in g.node if n.name == KEEP_NODES + "Slice"]
@@ -83,50 +90,17 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
         g.initializer.append(numpy_helper.from_array(np.asarray(value, dtype=np.int64), name))
         return name
 
-    axis0, axis1, one = const("/batch/axis0", [0]), const("/batch/axis1", [1]), const("/batch/one", [1])
-    zero = const("/batch/zero", [0])
+    axis0 = const("/batch/axis0", [0])
     nodes: list[onnx.NodeProto] = []
-    # a spare row slot holds no token (row_offsets[b] == row_offsets[b + 1]); its attention still
-    # runs (an empty row crashes GroupQueryAttention), over a copy of the pass's last token
-    # (start..end widened to one token), into the scratch cache, and its output is dropped
-    n_total, last_tok = "/batch/n_total", "/batch/last_tok"
-    nodes += [
-        helper.make_node("Slice", ["row_offsets", const("/batch/iR", [rows]), const("/batch/iR1", [rows + 1]),
-                                   axis0], [n_total], name=n_total),
-        helper.make_node("Sub", [n_total, one], [last_tok], name=last_tok),
-    ]
-    per_row: list[tuple[str, str, str, str, str | None, str | None]] = []  # start, end, seqlens_k, total, pad, m
+    per_row: list[tuple[str, str]] = []  # each row's seqlens_k and total_sequence_length (int32)
     for b in range(rows):
         p = f"/batch/row{b}"
         i0, i1 = const(f"{p}/i0", [b]), const(f"{p}/i1", [b + 1])
-        start, end, length = f"{p}/start", f"{p}/end", f"{p}/length"
         nodes += [
-            helper.make_node("Slice", ["row_offsets", i0, i1, axis0], [start], name=start),
-            helper.make_node("Slice", ["row_offsets", i1, const(f"{p}/i2", [b + 2]), axis0], [end], name=end),
-            helper.make_node("Slice", ["row_lengths", i0, i1, axis0], [length], name=length),
+            helper.make_node("Slice", ["row_seqlens", i0, i1, axis0], [f"{p}/seqlens"], name=f"{p}/seqlens"),
+            helper.make_node("Slice", ["row_totals", i0, i1, axis0], [f"{p}/total"], name=f"{p}/total"),
         ]
-        # what the row's attention reads: its own tokens, or (a spare row) one token, the pass's last
-        nodes += [
-            helper.make_node("Min", [start, last_tok], [f"{p}/q_start"], name=f"{p}/q_start"),
-            helper.make_node("Add", [start, one], [f"{p}/start1"], name=f"{p}/start1"),
-            helper.make_node("Max", [end, f"{p}/start1"], [f"{p}/q_end"], name=f"{p}/q_end"),
-        ]
-        pad = m = None
-        if pads:  # pad = 1 for a one-token row, as the solo graph's /model/pad/Pad; length counts it
-            m, pad = f"{p}/m", f"{p}/pad"
-            nodes += [
-                helper.make_node("Sub", [end, start], [m], name=m),
-                helper.make_node("Equal", [m, one], [f"{p}/one_token"], name=f"{p}/one_token"),
-                helper.make_node("Cast", [f"{p}/one_token"], [pad], name=pad, to=TensorProto.INT64),
-                helper.make_node("Add", [length, pad], [f"{p}/padded"], name=f"{p}/padded"),
-            ]
-            length = f"{p}/padded"
-        nodes += [
-            helper.make_node("Sub", [length, one], [f"{p}/sub"], name=f"{p}/sub"),
-            helper.make_node("Cast", [f"{p}/sub"], [f"{p}/seqlens"], name=f"{p}/seqlens", to=TensorProto.INT32),
-            helper.make_node("Cast", [length], [f"{p}/total"], name=f"{p}/total", to=TensorProto.INT32),
-        ]
-        per_row.append((f"{p}/q_start", f"{p}/q_end", f"{p}/seqlens", f"{p}/total", pad, m))
+        per_row.append((f"{p}/seqlens", f"{p}/total"))
     past_inputs, present_outputs = [], []
     ks = keep_slice[0]
     for n in g.node:
@@ -140,29 +114,26 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
             continue
         qkv, _, _, pk, pv, _, _, cos, sin = n.input
         out, prk, prv = n.output
-        if qkv in pad_concat:  # the solo graph's padding goes: each row pads itself below
+        if qkv in pad_concat:  # the solo graph's padding goes: qkv_index pads every row at once
             qkv = pad_concat[qkv].input[0]
         if out in unpad:
             out = unpad[out].output[0]
+        # (1, N, D) -> (1, P, D): each row's tokens, a one-token row's twice, a spare row's one copy;
+        # then one piece per row, one attention per row over its own cache, and back to (1, N, D)
+        padded, joined = f"{n.name}/qkv_rows", f"{n.name}/out_rows"
+        pieces = [f"{n.name}/row{b}/qkv" for b in range(rows)]
+        nodes += [
+            helper.make_node("Gather", [qkv, "qkv_index"], [padded], name=padded, axis=1),
+            helper.make_node("Split", [padded, "row_sizes"], pieces, name=f"{n.name}/rows", axis=1),
+        ]
         parts = []
-        for b, (start, end, seqlens, total, pad, m) in enumerate(per_row):
-            q, o = f"{n.name}/row{b}/qkv", f"{n.name}/row{b}/out"
-            nodes.append(helper.make_node("Slice", [qkv, start, end, axis1], [q], name=q))
-            if pad is not None:  # (1, m, D) -> (1, m + pad, D): a one-token row's query, twice
-                nodes += [
-                    helper.make_node("Slice", [q, zero, pad, axis1], [f"{q}/copy"], name=f"{q}/copy"),
-                    helper.make_node("Concat", [q, f"{q}/copy"], [f"{q}/padded"], name=f"{q}/padded", axis=1),
-                ]
-                q, o = f"{q}/padded", f"{o}/padded"
+        for b, ((seqlens, total), q) in enumerate(zip(per_row, pieces)):
+            o = f"{n.name}/row{b}/out"
             node = helper.make_node("GroupQueryAttention", [q, "", "", f"{pk}.{b}", f"{pv}.{b}", seqlens, total,
                                                             cos, sin],
                                     [o, f"{prk}.{b}", f"{prv}.{b}"], name=f"{n.name}/row{b}", domain=n.domain)
             node.attribute.extend(n.attribute)
             nodes.append(node)
-            if pad is not None:  # the copy row's output goes
-                unpadded = f"{n.name}/row{b}/out"
-                nodes.append(helper.make_node("Slice", [o, zero, m, axis1], [unpadded], name=unpadded))
-                o = unpadded
             parts.append(o)
             for src, dst in ((pk, f"{pk}.{b}"), (pv, f"{pv}.{b}")):
                 vi = onnx.ValueInfoProto()
@@ -174,20 +145,19 @@ def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
                 vi.CopyFrom(outs[src])
                 vi.name = dst
                 present_outputs.append(vi)
-        if pads:  # each row's output is cut to its own tokens above: a spare row's to none
-            nodes.append(helper.make_node("Concat", parts, [out], name=f"{n.name}/concat", axis=1))
-        else:  # spare rows sit after every real one: cut the joined rows to the pass's tokens
-            joined = f"{n.name}/joined"
-            nodes += [
-                helper.make_node("Concat", parts, [joined], name=joined, axis=1),
-                helper.make_node("Slice", [joined, zero, n_total, axis1], [out], name=f"{n.name}/concat"),
-            ]
+        nodes += [
+            helper.make_node("Concat", parts, [joined], name=joined, axis=1),
+            helper.make_node("Gather", [joined, "out_index"], [out], name=f"{n.name}/unpad", axis=1),
+        ]
     del g.node[:]
     g.node.extend(nodes)  # still in the original's order: each row's nodes sit where its layer's GQA was
     kept = [i for i in g.input if i.name in ("input_ids",)]
     extra = [
-        helper.make_tensor_value_info("row_offsets", TensorProto.INT64, [rows + 1]),
-        helper.make_tensor_value_info("row_lengths", TensorProto.INT64, [rows]),
+        helper.make_tensor_value_info("qkv_index", TensorProto.INT64, ["padded_length"]),
+        helper.make_tensor_value_info("row_sizes", TensorProto.INT64, [rows]),
+        helper.make_tensor_value_info("row_seqlens", TensorProto.INT32, [rows]),
+        helper.make_tensor_value_info("row_totals", TensorProto.INT32, [rows]),
+        helper.make_tensor_value_info("out_index", TensorProto.INT64, ["sequence_length"]),
         helper.make_tensor_value_info("logits_index", TensorProto.INT64, ["logits_length"]),
     ]
     del g.input[:]
@@ -212,7 +182,9 @@ class BatchedTarget:
             raise ValueError(f"rows: {rows} is out of range; allowed 1..64")
         self.target = session
         self.rows = rows
-        model = ragged_graph(onnx.load(str(session.path)), rows)
+        model = onnx.load(str(session.path))
+        self.graph_pads = any(n.name.startswith(PAD_NODES) for n in model.graph.node)
+        model = ragged_graph(model, rows)
         # The batched session holds its own copy of the target's weights (ONNX Runtime cannot share
         # initializers between two sessions here): what the working set's budget must count for it.
         self.weight_bytes = sum(len(t.raw_data) or numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
@@ -255,7 +227,8 @@ class BatchedTarget:
             raise ValueError(f"a pass takes 1..{self.rows} rows with one cache and one keep each "
                              f"(got {n} feeds, {len(caches)} caches, {len(keep)} keeps)")
         ids: list[int] = []
-        offsets, lengths, index, spans = [0], [], [], []
+        qkv_index: list[int] = []  # per row: its tokens' flat positions, a one-token row's twice
+        sizes, seqlens, totals, out_index, index, spans = [], [], [], [], [], []
         for cache, feed, k in zip(caches, feeds, keep):
             m = len(feed)
             if m == 0:
@@ -266,22 +239,32 @@ class BatchedTarget:
             pad = min(max(self.pad_rows - m, 0), cache.capacity - cache.length - m)
             k = min(max(k, 1), m)
             row = [*feed, *[feed[-1]] * pad]
+            copy = int(self.graph_pads and len(row) == 1)  # the solo graph's one-token attention padding
             spans.append((len(index), k))
             index.extend(range(len(ids) + m - k, len(ids) + m))
+            out_index.extend(range(len(qkv_index), len(qkv_index) + len(row)))
+            qkv_index.extend(range(len(ids), len(ids) + len(row)))
+            qkv_index.extend([len(ids)] * copy)
             ids.extend(row)
-            offsets.append(len(ids))
-            lengths.append(cache.length + len(row))
-        for _ in range(n, self.rows):  # spare rows: no token of their own, the scratch cache (ragged_graph)
-            offsets.append(len(ids))
-            lengths.append(1)
+            sizes.append(len(row) + copy)
+            totals.append(cache.length + len(row) + copy)
+            seqlens.append(totals[-1] - 1)
+        for _ in range(n, self.rows):  # spare rows: no token of their own; one copy of the last for attention
+            qkv_index.append(len(ids) - 1)
+            sizes.append(1)
+            totals.append(1)
+            seqlens.append(0)
         bd = self._binding
         for b, cache in enumerate(caches):
             self._bind_row(b, cache)
         for b in range(n, self.rows):
             self._bind_row(b, self._dummy)
         bd.bind_cpu_input("input_ids", np.asarray([ids], dtype=np.int64))
-        bd.bind_cpu_input("row_offsets", np.asarray(offsets, dtype=np.int64))
-        bd.bind_cpu_input("row_lengths", np.asarray(lengths, dtype=np.int64))
+        bd.bind_cpu_input("qkv_index", np.asarray(qkv_index, dtype=np.int64))
+        bd.bind_cpu_input("row_sizes", np.asarray(sizes, dtype=np.int64))
+        bd.bind_cpu_input("row_seqlens", np.asarray(seqlens, dtype=np.int32))
+        bd.bind_cpu_input("row_totals", np.asarray(totals, dtype=np.int32))
+        bd.bind_cpu_input("out_index", np.asarray(out_index, dtype=np.int64))
         bd.bind_cpu_input("logits_index", np.asarray(index, dtype=np.int64))
         bd.bind_output("logits", "cpu")
         self.session.run_with_iobinding(bd)
