@@ -159,3 +159,21 @@ def test_real_target_rows_are_batch_invariant(model_store, variant):
         out = bt.forward(caches, feeds[:b], [len(f) for f in feeds[:b]])
         for ctx, feed, got in zip(ctxs, feeds, out):
             np.testing.assert_array_equal(got, _solo(sess, ctx, feed))
+
+
+def test_the_batched_graph_leaves_no_file_behind(tiny):
+    """It is written beside the target to be loaded from a file, and removed once loaded."""
+    before = sorted(p.name for p in tiny.path.parent.iterdir())
+    BatchedTarget(tiny, rows=2)
+    assert sorted(p.name for p in tiny.path.parent.iterdir()) == before
+
+
+def test_an_unwritable_store_is_a_clear_error(tiny, monkeypatch):
+    import tempfile
+
+    def refuse(*args, **kwargs):
+        raise PermissionError(13, "Permission denied", str(tiny.path.parent))
+
+    monkeypatch.setattr(tempfile, "mkdtemp", refuse)
+    with pytest.raises(ModelFormatError, match="cannot write the batched graph beside"):
+        BatchedTarget(tiny, rows=2)
