@@ -177,3 +177,25 @@ def test_an_unwritable_store_is_a_clear_error(tiny, monkeypatch):
     monkeypatch.setattr(tempfile, "mkdtemp", refuse)
     with pytest.raises(ModelFormatError, match="cannot write the batched graph beside"):
         BatchedTarget(tiny, rows=2)
+
+
+def test_a_folder_left_by_a_killed_load_is_swept(tiny):
+    """A process killed while loading leaves its `.batched-*` folder (the weights, for the 1.5B 1.5
+    GB) beside the target; the next load removes one that old, and never a fresh one (another
+    process may be loading from it)."""
+    import os
+    import time
+
+    old, fresh = tiny.path.parent / ".batched-old", tiny.path.parent / ".batched-fresh"
+    for d in (old, fresh):
+        d.mkdir()
+        (d / "weights.bin").write_bytes(b"x")
+    os.utime(old, (time.time() - 3600, time.time() - 3600))
+    try:
+        BatchedTarget(tiny, rows=2)
+        assert not old.exists() and fresh.exists()
+    finally:
+        import shutil
+
+        shutil.rmtree(fresh, ignore_errors=True)
+        shutil.rmtree(old, ignore_errors=True)

@@ -55,6 +55,8 @@ from memspec.runtime.sessions import DecoderSession, SharedBufferCache
 MASK_NODES = "/model/mask/"  # the converter's seqlens/total from the attention mask (models.convert)
 KEEP_NODES = "/model/keep/"  # its logits_to_keep slice
 PAD_NODES = "/model/pad/"  # its one-token attention padding (pad = 1 when the pass feeds one token)
+BATCHED_PREFIX = ".batched-"  # the folder beside the target that the batched graph is loaded from
+STALE_S = 600  # such a folder older than this was left by a process that died loading (loading takes < 1 min)
 DUMMY_TOKENS = 2  # the scratch cache's capacity: a dummy row feeds one token after none
 
 
@@ -178,9 +180,16 @@ def _load(model: onnx.ModelProto, session: DecoderSession) -> ort.InferenceSessi
     removed once the session has it."""
     import shutil
     import tempfile
+    import time
 
+    for stale in session.path.parent.glob(BATCHED_PREFIX + "*"):  # left by a process killed while loading
+        try:
+            if time.time() - stale.stat().st_mtime > STALE_S:
+                shutil.rmtree(stale, ignore_errors=True)
+        except OSError:
+            pass
     try:
-        folder = tempfile.mkdtemp(prefix=".batched-", dir=session.path.parent)
+        folder = tempfile.mkdtemp(prefix=BATCHED_PREFIX, dir=session.path.parent)
     except OSError as exc:
         raise ModelFormatError(f"cannot write the batched graph beside {session.path}: {exc}") from None
     try:
