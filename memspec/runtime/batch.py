@@ -57,7 +57,7 @@ KEEP_NODES = "/model/keep/"  # its logits_to_keep slice
 PAD_NODES = "/model/pad/"  # its one-token attention padding (pad = 1 when the pass feeds one token)
 BATCHED_PREFIX = ".batched-"  # the folder beside the target that the batched graph is loaded from
 STALE_S = 600  # such a folder older than this was left by a process that died loading (loading takes < 1 min)
-DUMMY_TOKENS = 2  # the scratch cache's capacity: a dummy row feeds one token after none
+DUMMY_TOKENS = 2  # the scratch cache's capacity: a spare row's attention writes one token after none
 
 
 def ragged_graph(model: onnx.ModelProto, rows: int) -> onnx.ModelProto:
@@ -234,16 +234,13 @@ class BatchedTarget:
             raise ValueError(f"rows: {rows} is out of range; allowed 1..64")
         self.target = session
         self.rows = rows
-        model = onnx.load(str(session.path))
-        self.graph_pads = any(n.name.startswith(PAD_NODES) for n in model.graph.node)
-        model = ragged_graph(model, rows)
+        model = ragged_graph(onnx.load(str(session.path)), rows)
         # The batched session holds its own copy of the target's weights (ONNX Runtime cannot share
         # initializers between two sessions here): what the working set's budget must count for it.
         self.weight_bytes = sum(len(t.raw_data) or numpy_helper.to_array(t).nbytes for t in model.graph.initializer)
         self.session = _load(model, session)
         del model
         _return_freed_memory()
-        self.pad_rows = session.pad_rows  # tokens a feed is padded to here (1 when the graph pads)
         self._dummy = session.new_cache(DUMMY_TOKENS)
         self._binding = self.session.io_binding()
         self._binding.bind_output("logits", "cpu")  # first: a rebound name keeps its place, get_outputs()[0]
@@ -268,8 +265,8 @@ class BatchedTarget:
         """One pass: feeds[i] after caches[i]'s committed tokens.  Returns, per row, the logits of
         its last keep[i] fed positions, (keep[i], V) float32 (a copy).  Each cache's length
         advances by len(feeds[i]).  A row takes the same attention kernels as it would alone: on a
-        graph that pads attention, the graph pads a one-token row itself (ragged_graph); on an
-        older graph a feed shorter than the session's pad_rows (min_rows) is padded here with
+        graph that pads attention, `qkv_index` gives a one-token row's attention its token twice
+        (ragged_graph), as the solo graph pads itself; on an older graph a feed shorter than the session's pad_rows (min_rows) is padded here with
         copies of its last token, which are dropped (as DecoderSession.forward does)."""
         n = len(feeds)
         if not 1 <= n <= self.rows or len(caches) != n or len(keep) != n:
@@ -285,10 +282,10 @@ class BatchedTarget:
             if cache.length + m > cache.capacity:
                 raise ContextOverflowError(
                     f"context overflow: {cache.length} cached + {m} new tokens > capacity {cache.capacity}")
-            pad = min(max(self.pad_rows - m, 0), cache.capacity - cache.length - m)
+            pad = min(max(self.target.pad_rows - m, 0), cache.capacity - cache.length - m)
             k = min(max(k, 1), m)
             row = [*feed, *[feed[-1]] * pad]
-            copy = int(self.graph_pads and len(row) == 1)  # the solo graph's one-token attention padding
+            copy = int(self.target.graph_pads and len(row) == 1)  # the solo graph's one-token attention padding
             spans.append((len(index), k))
             index.extend(range(len(ids) + m - k, len(ids) + m))
             out_index.extend(range(len(qkv_index), len(qkv_index) + len(row)))
