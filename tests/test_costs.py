@@ -4,7 +4,18 @@ from __future__ import annotations
 
 import json
 
-from memspec.runtime.costs import MAX_AGE_S, MAX_ENTRIES, CostCache
+import os
+import subprocess
+import sys
+import time
+
+from memspec.runtime.costs import BUSY_SHARE, MAX_AGE_S, MAX_ENTRIES, CostCache, others_cpu_share, timed_curve
+
+
+def quiet(fn):
+    """CostCache's contention check on a machine nothing else uses (the real one reads the CPU
+    times of the machine, which a parallel test run would make busy)."""
+    return fn(), 0.0
 
 
 class Clock:
@@ -23,15 +34,73 @@ def test_a_curve_is_measured_once_then_read_back_by_another_process(tmp_path):
         return [0.0, 0.05, 0.06]
 
     clock = Clock()
-    assert CostCache(tmp_path / "costs.json", clock).measured("k", measure) == [0.0, 0.05, 0.06]
-    assert CostCache(tmp_path / "costs.json", clock).measured("k", measure) == [0.0, 0.05, 0.06]
+    assert CostCache(tmp_path / "costs.json", clock, quiet).measured("k", measure) == [0.0, 0.05, 0.06]
+    assert CostCache(tmp_path / "costs.json", clock, quiet).measured("k", measure) == [0.0, 0.05, 0.06]
     assert len(calls) == 1
-    assert CostCache(tmp_path / "costs.json", clock).measured("other", measure) and len(calls) == 2
+    assert CostCache(tmp_path / "costs.json", clock, quiet).measured("other", measure) and len(calls) == 2
+
+
+def test_a_curve_measured_on_a_busy_machine_is_used_but_not_kept(tmp_path):
+    """Regression: a daemon started beside a training run kept a 1.5B curve whose one-token pass
+    looked twice as slow as it is, for a day.  Now such a curve serves only the process that
+    measured it, and the next start measures again."""
+    calls = []
+
+    def measure():
+        calls.append(1)
+        return [0.0, 0.12, 0.15]
+
+    for share in (BUSY_SHARE + 0.01, 0.9):
+        busy = CostCache(tmp_path / "costs.json", Clock(), lambda fn, s=share: (fn(), s))
+        assert busy.measured("k", measure) == [0.0, 0.12, 0.15]
+        assert busy.get("k") is None
+    assert len(calls) == 2
+    assert CostCache(tmp_path / "costs.json", Clock(), lambda fn: (fn(), BUSY_SHARE)).measured("k", measure)
+    assert CostCache(tmp_path / "costs.json", Clock(), quiet).get("k") == [0.0, 0.12, 0.15]
+
+
+def test_other_processes_cpu_share_is_read_off_the_machine():
+    """others_cpu_share sees a process that keeps a core busy, and not the caller's own work."""
+    spin = "import time\nt = time.time()\nwhile time.time() - t < 3: pass\n"
+    child = subprocess.Popen([sys.executable, "-c", spin])
+    try:
+        time.sleep(0.3)  # the child is running
+        _, share = others_cpu_share(lambda: time.sleep(0.8))
+    finally:
+        child.kill()
+        child.wait()
+    assert share >= 0.5 / (os.cpu_count() or 1)
+
+    def own_work():
+        t = time.perf_counter()
+        while time.perf_counter() - t < 0.3:
+            pass
+        return "done"
+
+    result, mine = others_cpu_share(own_work)
+    assert result == "done" and mine < share
+
+
+def test_a_timed_curve_takes_each_ks_fastest_run_in_turns_and_never_falls():
+    """timed_curve runs k = 1..max_k once per repeat, in turn (a burst of other work lands on all
+    k, not on one); keeps each k's fastest run; and lifts a dip, so that a longer pass never looks
+    cheaper than a shorter one."""
+    now = [0.0]
+    order = []
+    cost = {1: 1.0, 2: 3.0, 3: 2.5}  # k = 3 measured cheaper than k = 2: noise
+
+    def run(k):
+        order.append(k)
+        now[0] += cost[k] + (10.0 if len(order) == 2 else 0.0)  # one slow run of k = 2
+
+    curve = timed_curve(run, 3, repeats=2, clock=lambda: now[0])
+    assert order == [1, 2, 3, 1, 2, 3]
+    assert curve == [0.0, 1.0, 3.0, 3.0]
 
 
 def test_an_old_or_future_curve_is_measured_again(tmp_path):
     clock = Clock()
-    cache = CostCache(tmp_path / "costs.json", clock)
+    cache = CostCache(tmp_path / "costs.json", clock, quiet)
     cache.put("k", [0.0, 1.0])
     clock.t += MAX_AGE_S + 1
     assert cache.get("k") is None
@@ -42,7 +111,7 @@ def test_an_old_or_future_curve_is_measured_again(tmp_path):
 
 def test_a_damaged_file_means_measuring_again_not_an_error(tmp_path):
     path = tmp_path / "costs.json"
-    cache = CostCache(path, Clock())
+    cache = CostCache(path, Clock(), quiet)
     for text in ("not json", "[1, 2]", json.dumps({"k": [0.1]}), json.dumps({"k": {"costs": ["a"], "at": 1000}}),
                  json.dumps({"k": {"costs": [-1.0], "at": 1000}}), json.dumps({"k": {"costs": [], "at": 1000}})):
         path.write_text(text)
@@ -71,9 +140,9 @@ def test_the_engine_calibrates_from_the_stores_costs_once(model_store, tmp_path,
     measured = []
     real = target.session.measure_step_costs
     monkeypatch.setattr(target.session, "measure_step_costs", lambda k: measured.append(k) or real(k))
-    cache = CostCache(tmp_path / "costs.json")
+    cache = CostCache(tmp_path / "costs.json", contention=quiet)
     first = Engine(target, costs=cache).calibrate()
-    second = Engine(target, costs=CostCache(tmp_path / "costs.json")).calibrate()
+    second = Engine(target, costs=CostCache(tmp_path / "costs.json", contention=quiet)).calibrate()
     assert first == second and len(first) == first_k(target) + 1 and measured == [first_k(target)]
     assert target.session.cost_key(4) != target.session.cost_key(5)
     assert str(target.session.path.resolve()) in json.loads(target.session.cost_key(4))
@@ -92,14 +161,14 @@ def test_the_batched_pass_cost_table_is_kept_beside_the_solo_curve(model_store, 
     from memspec.speculation.engine import Engine, TargetModel
 
     target = TargetModel.load(model_store, "smollm2-135m", "q4", SessionConfig(max_context=256))
-    first = Engine(target, costs=CostCache(tmp_path / "costs.json"), batch_slots=2)
+    first = Engine(target, costs=CostCache(tmp_path / "costs.json", contention=quiet), batch_slots=2)
     try:
         first.calibrate()
         table = first.pass_cost_s
         assert sorted(table) == [1, 2] and all(len(row) == first_k(target) + 1 for row in table.values())
     finally:
         first.close()
-    second = Engine(target, costs=CostCache(tmp_path / "costs.json"), batch_slots=2)
+    second = Engine(target, costs=CostCache(tmp_path / "costs.json", contention=quiet), batch_slots=2)
     try:
         monkeypatch.setattr(second.batch.target, "measure_pass_costs",
                             lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))

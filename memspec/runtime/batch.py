@@ -320,11 +320,11 @@ class BatchedTarget:
         return [logits[s: s + k].copy() for s, k in spans]
 
     def measure_pass_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> dict[int, list[float]]:
-        """Median seconds of one pass over b rows of k tokens each after `context` cached tokens,
-        for b = 1..rows and k = 1..max_k: {b: [unused, k=1, ..., k=max_k]}.  The batched cost
-        controller reads it (what a request's k tokens cost inside a pass of b rows)."""
-        import statistics
-        import time
+        """Seconds of one pass over b rows of k tokens each after `context` cached tokens, for
+        b = 1..rows and k = 1..max_k (timed as memspec.runtime.costs.timed_curve times them):
+        {b: [unused, k=1, ..., k=max_k]}.  The batched cost controller reads it (what a
+        request's k tokens cost inside a pass of b rows)."""
+        from memspec.runtime.costs import timed_curve
 
         vocab = self.target.vocab_size or 1000
         caches = [self.target.new_cache(context + max_k + 1) for _ in range(self.rows)]
@@ -333,17 +333,12 @@ class BatchedTarget:
             self.target.forward(c, ctx, keep=1)
         out: dict[int, list[float]] = {}
         for b in range(1, self.rows + 1):
-            row = [0.0]
-            for k in range(1, max_k + 1):
-                times = []
-                for _ in range(repeats):
-                    for c in caches[:b]:
-                        c.truncate(context)
-                    t = time.perf_counter()
-                    self.forward(caches[:b], [[(5 * j + 11) % vocab for j in range(k)]] * b, [k] * b)
-                    times.append(time.perf_counter() - t)
-                row.append(statistics.median(times))
-            out[b] = row
+            def run(k: int, b: int = b) -> None:
+                for c in caches[:b]:
+                    c.truncate(context)
+                self.forward(caches[:b], [[(5 * j + 11) % vocab for j in range(k)]] * b, [k] * b)
+
+            out[b] = timed_curve(run, max_k, repeats)
         for c in caches:
             self.release(c)
         return out

@@ -6,8 +6,12 @@ every `memspec generate` and every daemon start would otherwise repeat before it
 drafted token.  This file keeps them in the store (`<home>/costs.json`), keyed by everything
 they depend on: the model file (path, size, mtime), ONNX Runtime's version, the providers and
 threads, the padding rule, the CPU and its core count.  A machine or a model that changes gets
-a new key, and so a new measurement; a curve older than MAX_AGE_S is measured again, so that one
-taken while the machine was busy does not stay.
+a new key, and so a new measurement; a curve older than MAX_AGE_S is measured again.
+
+A curve measured while other processes kept the machine busy is used by the process that measured
+it but never kept: the next start measures again.  Without that, a daemon started beside a training
+run kept a curve of a 1.5B whose one-token pass looked twice as slow as it is (and whose draft
+tokens so looked half as costly) for a whole day.
 """
 
 from __future__ import annotations
@@ -22,6 +26,48 @@ from typing import Callable
 COSTS = "costs.json"
 MAX_ENTRIES = 32  # oldest keys beyond this are dropped
 MAX_AGE_S = 24 * 3600.0  # a curve is measured again after a day
+BUSY_SHARE = 0.25  # other processes used more of the machine's CPU than this while measuring: not kept
+
+
+def timed_curve(run: Callable[[int], object], max_k: int, repeats: int = 3,
+                clock: Callable[[], float] = time.perf_counter) -> list[float]:
+    """Seconds of run(k) for k = 1..max_k; index 0 is unused (0.0).
+
+    Each repeat runs every k once, in turn, so that a burst of other work slows all k alike rather
+    than one of them; each k keeps its fastest time, since other work only ever adds time; and a
+    pass over more tokens is never taken to cost less than one over fewer: the cost controller
+    reads the curve's ratios, and a dip would make a longer proposal look free.
+    """
+    best = [float("inf")] * (max_k + 1)
+    for _ in range(repeats):
+        for k in range(1, max_k + 1):
+            t = clock()
+            run(k)
+            best[k] = min(best[k], clock() - t)
+    out = [0.0]
+    for k in range(1, max_k + 1):
+        out.append(max(best[k], out[-1]))
+    return out
+
+
+def others_cpu_share(fn: Callable[[], object]) -> tuple[object, float]:
+    """fn(), and the share of the machine's CPU time that other processes used while it ran
+    (0 = they were idle, 1 = they kept every core busy).  A virtual machine's stolen time counts
+    as theirs: it slows the measurement just the same."""
+    import psutil
+
+    me = psutil.Process()
+
+    def busy() -> tuple[float, float]:
+        t, own = psutil.cpu_times(), me.cpu_times()
+        return (t.user + t.nice + t.system + sum(getattr(t, f, 0.0) for f in ("irq", "softirq", "steal")),
+                own.user + own.system)
+
+    (all0, own0), w0 = busy(), time.perf_counter()
+    result = fn()
+    (all1, own1), wall = busy(), time.perf_counter() - w0
+    others = (all1 - all0) - (own1 - own0)
+    return result, max(0.0, min(1.0, others / max(wall * (psutil.cpu_count() or 1), 1e-9)))
 
 
 def cpu_name() -> str:
@@ -48,9 +94,11 @@ class CostCache:
     """`<home>/costs.json`: cost curves by cost_key.  A store that cannot be written just
     measures again next time."""
 
-    def __init__(self, path: Path, clock: Callable[[], float] = time.time):
+    def __init__(self, path: Path, clock: Callable[[], float] = time.time,
+                 contention: Callable[[Callable[[], object]], tuple[object, float]] = others_cpu_share):
         self.path = Path(path)
         self.clock = clock
+        self.contention = contention  # fn -> (fn(), other processes' CPU share meanwhile)
 
     def _read(self) -> dict:
         try:
@@ -85,9 +133,10 @@ class CostCache:
             pass
 
     def measured(self, key: str, measure: Callable[[], list[float]]) -> list[float]:
-        """The cached curve for `key`, else measure() and keep it."""
+        """The cached curve for `key`, else measure(), kept if the machine was quiet meanwhile."""
         costs = self.get(key)
         if costs is None:
-            costs = measure()
-            self.put(key, costs)
+            costs, others = self.contention(measure)
+            if others <= BUSY_SHARE:
+                self.put(key, costs)
         return costs

@@ -332,26 +332,22 @@ class DecoderSession:
         return cost_key(self.path, max_k, self.session.get_providers(), self.threads, self.pad_rows)
 
     def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
-        """Median seconds of one forward over k tokens after `context` cached ones, k = 1..max_k.
+        """Seconds of one forward over k tokens after `context` cached ones, k = 1..max_k
+        (memspec.runtime.costs.timed_curve: the fastest of `repeats`, never falling with k).
 
         Index 0 of the result is unused (0.0).  This is what verifying k-1 draft tokens costs,
         measured on this machine at start-up for the draft-length controller.
         """
-        import statistics
-        import time
+        from memspec.runtime.costs import timed_curve
 
         cache = self.new_cache(context + max_k + 1)
         vocab = self.vocab_size or 1000
         ids = [(17 * i + 3) % vocab for i in range(context + max_k)]
         self.forward(cache, ids[:context], keep=1)
-        out = [0.0]
-        for k in range(1, max_k + 1):
-            times = []
-            for _ in range(repeats):
-                cache.truncate(context)
-                t = time.perf_counter()
-                self.forward(cache, ids[context: context + k], keep=k)
-                times.append(time.perf_counter() - t)
-            out.append(statistics.median(times))
-        return out
+
+        def run(k: int) -> None:
+            cache.truncate(context)
+            self.forward(cache, ids[context: context + k], keep=k)
+
+        return timed_curve(run, max_k, repeats)
 
