@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-DOMAINS = ("code", "math", "chat", "scripts")
+DOMAINS = ("code", "math", "chat", "scripts", "text")
 
 CODE_TASKS = [
     "reverse a string", "check whether a number is prime", "compute the factorial of n",
@@ -289,8 +289,197 @@ def _chat(rng: random.Random) -> str:
         x=rng.choice(CHAT_SUBJECTS), y=y, y2=y2, z=rng.choice(CHAT_ACTIVITIES)
     )
 
+# "text": instructions over a text the user gives (summarize, extract, rewrite, convert).  The
+# target's answers copy and reshape the given text, so a draft that learns to follow it accepts
+# well; the passages are composed from the pools below, so that no two prompts share one.
+PEOPLE = ["Maria Lopez", "James Chen", "Aisha Khan", "Tom Becker", "Yuki Tanaka", "Lena Novak", "Omar Haddad",
+          "Sofia Rossi", "David Kim", "Nora Lindqvist", "Carlos Silva", "Emma Dubois", "Ravi Patel", "Grace Okafor"]
+CITIES = ["Madrid", "Toronto", "Berlin", "Nairobi", "Osaka", "Lisbon", "Chicago", "Prague", "Lima", "Sydney",
+          "Dublin", "Seoul", "Cairo", "Oslo", "Vancouver", "Milan"]
+MONTHS = ["January", "February", "March", "April", "May", "June", "July", "August", "September", "October",
+          "November", "December"]
+DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday", "Saturday", "Sunday"]
+VENUES = ["the city museum", "a small cafe near the station", "the university library", "the town hall",
+          "a conference center", "the old harbor", "a hotel by the river", "the science park"]
+NOTICES = [  # (place, reason, what people can do meanwhile)
+    ("The swimming pool", "the changing rooms are renovated", "use the pool in the sports center"),
+    ("The main post office", "the roof is repaired", "send parcels from the shop on Market Street"),
+    ("The community garden", "new paths and benches are built", "pick up their vegetables at the school gate"),
+    ("The north parking lot", "the surface is repainted", "park in the garage behind the cinema"),
+    ("The school cafeteria", "a new kitchen is installed", "buy lunch from the food truck in the yard"),
+    ("The public library", "the heating system is replaced", "return books at the drop box by the door"),
+    ("The bus station", "the waiting hall is extended", "catch their buses at the temporary stop on Elm Road"),
+    ("The city gym", "the floors are replaced", "join the free outdoor classes in the park"),
+]
+STRUCTURES = [("bridge", "cars"), ("tunnel", "trains"), ("dam", "visitors"), ("stadium", "fans"),
+              ("ferry terminal", "passengers"), ("highway", "trucks"), ("tower", "tourists")]
+PRODUCTS = [("a blue backpack", 35), ("a water bottle", 12), ("a pair of running shoes", 80), ("a desk lamp", 24),
+            ("a rain jacket", 60), ("a notebook", 4), ("a phone case", 15), ("a coffee mug", 9),
+            ("a wool scarf", 22), ("a bicycle helmet", 45), ("a travel pillow", 18), ("a set of pens", 7)]
+EMAIL_ITEMS = [
+    "the release is moved to {day} because the payment tests failed",
+    "the team lunch is on {day} at noon in the big meeting room",
+    "the office will be closed on {day} for the electrical inspection",
+    "the client demo moved to {day} morning",
+    "our quarterly review is on {day}, so please update your reports",
+    "the new laptops arrive on {day}",
+]
+EMAIL_ASKS = ["fix your open bugs by {day}", "send me your slides by {day}", "book your travel before {day}",
+              "reply to the survey by {day}", "clean your desks before {day}", "update the wiki page by {day}"]
+EMAIL_EXTRAS = ["Ana will cover the support rotation.", "Remember to bring your badge.",
+                "Coffee and snacks will be provided.", "Ask me if anything is unclear.",
+                "The parking garage will be closed that day.", "Please keep the meeting under an hour."]
+STORY_PAIRS = [("a young fox", "a lost puppy", "the forest"), ("an old owl", "a frightened kitten", "the barn"),
+               ("a little girl", "a wounded bird", "the garden"), ("a fisherman", "a baby seal", "the harbor"),
+               ("a shy rabbit", "a lost duckling", "the meadow"), ("a farmer", "a stray goat", "the hills"),
+               ("a boy", "a runaway kite", "the park"), ("a crow", "a lost ring", "the market")]
+PROS_CONS = [
+    ("Remote work", ["saves commuting time", "lets people focus"], ["makes collaboration harder", "blurs the line between work and home"]),
+    ("Electric cars", ["produce no exhaust", "are cheap to run"], ["cost more to buy", "need long charging stops"]),
+    ("Living in a big city", ["offers many jobs", "has good public transport"], ["is expensive", "can be noisy and crowded"]),
+    ("Online classes", ["are flexible", "can be taken from anywhere"], ["need a lot of self-discipline", "offer little contact with teachers"]),
+    ("Solar panels", ["lower electricity bills", "need little maintenance"], ["are costly to install", "produce less power in winter"]),
+    ("Owning a dog", ["keeps you active", "gives you company"], ["takes a lot of time", "makes travel harder"]),
+    ("Buying a used car", ["is much cheaper", "avoids the first years of value loss"], ["may need more repairs", "comes with a shorter warranty"]),
+]
+PARAGRAPHS = [
+    "Regular exercise strengthens the heart and lungs. It also improves mood, because the body releases chemicals that reduce stress. Even a short daily walk can lower the risk of many diseases.",
+    "Coral reefs cover less than one percent of the ocean floor, yet they shelter about a quarter of all marine species. Warmer water causes corals to lose the algae they live with, and the reefs turn white.",
+    "The printing press, built by Johannes Gutenberg around 1440, made books far cheaper. Ideas spread faster across Europe, and more people learned to read.",
+    "Volcanoes form where molten rock rises through cracks in the Earth's crust. When pressure builds up, the magma escapes as lava, ash and gas. Some eruptions change the weather for years.",
+    "Recycling paper saves trees, water and energy. One ton of recycled paper can save about 17 trees. However, paper can only be recycled a few times before its fibers become too short.",
+    "Honey never spoils when it is stored properly. Its low water content and natural acids stop bacteria from growing. Jars of honey thousands of years old have been found in Egyptian tombs.",
+    "Trains are one of the most energy-efficient ways to travel. A full train uses far less fuel per passenger than cars or planes, and many trains now run on electricity.",
+    "Drinking enough water helps the body control its temperature and carry nutrients to the cells. Most adults need about two liters a day, more in hot weather or during exercise.",
+    "The Great Barrier Reef is the largest living structure on Earth and can be seen from space. It stretches for more than 2,300 kilometers along the coast of Australia.",
+    "Libraries today do much more than lend books. Many offer free internet access, language classes, help with job applications and quiet places to study.",
+    "Bamboo is one of the fastest-growing plants in the world: some species grow almost a meter in a single day. It is strong and light, so it is used for floors, furniture and even bridges.",
+    "Birds migrate to find food and safe places to raise their young. Some fly thousands of kilometers each year, using the sun, the stars and the Earth's magnetic field to find their way.",
+]
+INFORMAL = ["hey, can u check the numbers again pls", "gonna be late, traffic is crazy", "thx for the help, ur the best",
+            "cant make it to the meeting, sry", "pls send the slides asap", "the printer is broken again lol",
+            "whats the plan for tmrw?", "ok cool, lets do it on friday", "btw the client called, call them back",
+            "need the budget numbers by tonight, ok?"]
+RUDE = ["give me the report now.", "fix this mistake today.", "stop sending me these emails.", "answer my question.",
+        "move your car.", "call me back right away.", "send the money tomorrow.", "tell me why this is late."]
+BAD_GRAMMAR = ["She don't like apples and she have two cat.", "He go to school every days and he like it.",
+               "They was happy because the weather were nice.", "Me and him goes to the park on sundays.",
+               "I has three brother and one sisters.", "The childs is playing in the gardens.",
+               "We was waiting since two hours.", "She can sings very good.", "There is many reason for this problem.",
+               "He don't know nothing about it.", "Yesterday I buyed a new bike.", "The informations are not correct."]
+ACTIVE = ["The committee approved the budget. The manager announced the decision. The staff celebrated the news.",
+          "The chef prepared the meal. The waiter served the guests. The guests praised the food.",
+          "The storm damaged the roof. The workers repaired it. The owner paid the bill.",
+          "The teacher graded the tests. The students read their results. The parents signed the reports.",
+          "The company released a new phone. Critics reviewed it. Millions of people bought it.",
+          "The mayor opened the bridge. The police closed the old road. Drivers used the new route."]
+TECHNICAL = ["Photosynthesis is the process by which plants convert light energy into chemical energy.",
+             "Evaporation occurs when liquid water absorbs heat and changes into water vapor.",
+             "Vaccines stimulate the immune system to produce antibodies against a specific pathogen.",
+             "Inflation is a sustained increase in the general price level of goods and services.",
+             "Erosion is the gradual removal of soil and rock by wind, water or ice.",
+             "The heart pumps oxygenated blood through the arteries to the tissues of the body.",
+             "Friction is a force that opposes the relative motion of two surfaces in contact.",
+             "Gravity is the attractive force that bodies with mass exert on one another."]
+NOTES = ["meeting moved - {day} {h}pm - room {r} - bring laptop", "dentist - {day} {h}am - call if late",
+         "team dinner - {day} {h}pm - Italian place - book table for {n}",
+         "project deadline - {day} - send draft to {p} - review after",
+         "flight {day} {h}am - taxi at {h2}am - hotel booked for {n} nights",
+         "gym class cancelled {day} - next one {day2} {h}pm - same room"]
+PAIRS = [("Fruit", "Color", [("apple", "red"), ("banana", "yellow"), ("grape", "purple"), ("lime", "green"), ("plum", "purple"), ("orange", "orange")]),
+         ("City", "Country", [("Paris", "France"), ("Tokyo", "Japan"), ("Cairo", "Egypt"), ("Lima", "Peru"), ("Oslo", "Norway"), ("Rome", "Italy")]),
+         ("Animal", "Sound", [("dog", "bark"), ("cat", "meow"), ("cow", "moo"), ("duck", "quack"), ("sheep", "baa"), ("owl", "hoot")]),
+         ("Planet", "Moons", [("Earth", "1"), ("Mars", "2"), ("Venus", "0"), ("Neptune", "16"), ("Mercury", "0"), ("Uranus", "28")]),
+         ("Language", "Creator", [("Python", "Guido van Rossum"), ("C", "Dennis Ritchie"), ("Java", "James Gosling"), ("Ruby", "Yukihiro Matsumoto"), ("Perl", "Larry Wall")])]
 
-_MAKERS = {"code": _code, "math": _math, "chat": _chat, "scripts": _scripts}
+
+def _passage(rng: random.Random) -> str:
+    """A short text of one of several kinds, with its names, places, days and numbers drawn."""
+    kind = rng.randrange(6)
+    if kind == 0:
+        place, reason, meanwhile = rng.choice(NOTICES)
+        weeks = rng.choice(["one week", "two weeks", "three weeks", "a month"])
+        return (f"{place} will close for {weeks} in {rng.choice(MONTHS)} while {reason}. Residents can {meanwhile} "
+                f"during that time. It reopens on {rng.choice(DAYS)}, {rng.choice(MONTHS)} {rng.randint(1, 28)}.")
+    if kind == 1:
+        a, b = rng.sample(PEOPLE, 2)
+        c1, c2 = rng.sample(CITIES, 2)
+        return (f"On {rng.choice(MONTHS)} {rng.randint(1, 28)}, {2015 + rng.randint(0, 10)}, {a} flew from {c1} to {c2} "
+                f"to meet {b}. They spent two days at {rng.choice(VENUES)} and agreed to meet again in {c1} in "
+                f"{rng.choice(MONTHS)}.")
+    if kind == 2:
+        what, users = rng.choice(STRUCTURES)
+        return (f"The {what} is {rng.randint(2, 60) * 100:,} meters long, {rng.randint(8, 60)} meters wide and was opened in "
+                f"{rng.randint(1890, 2020)}. It serves about {rng.randint(5, 120) * 1000:,} {users} a day and cost "
+                f"{rng.randint(20, 900)} million dollars to build.")
+    if kind == 3:
+        day, day2 = rng.sample(DAYS[:5], 2)
+        lines = [rng.choice(EMAIL_ITEMS).format(day=day), rng.choice(EMAIL_ASKS).format(day=day2)]
+        return f"Hi team, {lines[0]}. Please {lines[1]}. {rng.choice(EMAIL_EXTRAS)} Thanks, {rng.choice(PEOPLE).split()[0]}"
+    if kind == 4:
+        hero, lost, where = rng.choice(STORY_PAIRS)
+        return (f"{hero[0].upper() + hero[1:]} found {lost} in {where} on a cold {rng.choice(DAYS).lower()} evening. "
+                f"Although they had never met, {hero} led {lost} home through the {rng.choice(['rain', 'snow', 'dark', 'wind'])}. "
+                f"From that day on, the two of them met every {rng.choice(['morning', 'week', 'spring', 'evening'])}.")
+    return rng.choice(PARAGRAPHS)
+
+
+def _text(rng: random.Random) -> str:
+    kind = rng.random()
+    if kind < 0.3:
+        form = rng.choice(["Summarize in one sentence: {p}", "Summarize in two sentences: {p}",
+                           "Summarize the main idea: {p}", "Give a short summary of this text: {p}",
+                           "What is the main point of this text? {p}", "Write a headline for this text: {p}"])
+        return form.format(p=_passage(rng))
+    if kind < 0.5:
+        if rng.random() < 0.25:
+            items = rng.sample(PRODUCTS, rng.randint(2, 4))
+            text = "The store sells " + ", ".join(f"{n} for {p} dollars" for n, p in items[:-1]) + \
+                   f" and {items[-1][0]} for {items[-1][1]} dollars."
+            return f"Extract the product names and prices from this text: {text}"
+        if rng.random() < 0.3:
+            thing, pros, cons = rng.choice(PROS_CONS)
+            return f"Summarize the pros and cons described here: {thing} {pros[0]} and {pros[1]}, but it can {cons[0]} and {cons[1]}."
+        form = rng.choice(["Extract the names, dates and places from this text: {p}",
+                           "Extract every number and what it measures from this text: {p}",
+                           "List the key points of this message: {p}", "List the key points of this email: {p}",
+                           "Who is mentioned in this text, and what do they do? {p}"])
+        return form.format(p=_passage(rng))
+    if kind < 0.75:
+        choice = rng.randrange(6)
+        if choice == 0:
+            return f"Rewrite this sentence in a formal tone: {rng.choice(INFORMAL)}"
+        if choice == 1:
+            return f"Rewrite this sentence in a polite tone: {rng.choice(RUDE)}"
+        if choice == 2:
+            return f"{rng.choice(['Correct the grammar', 'Fix the grammar of this sentence', 'Correct the mistakes'])}: {rng.choice(BAD_GRAMMAR)}"
+        if choice == 3:
+            return f"Rewrite this paragraph in the passive voice: {rng.choice(ACTIVE)}"
+        if choice == 4:
+            return f"{rng.choice(['Rewrite in simple English for a child', 'Explain this sentence in plain words', 'Rewrite this for a ten-year-old'])}: {rng.choice(TECHNICAL)}"
+        day, day2 = rng.sample(DAYS, 2)
+        note = rng.choice(NOTES).format(day=day, day2=day2, h=rng.randint(1, 11), h2=rng.randint(4, 9),
+                                        r=rng.randint(100, 450), n=rng.randint(2, 9), p=rng.choice(PEOPLE).split()[0])
+        return f"Turn these notes into full sentences: {note}"
+    choice = rng.randrange(4)
+    if choice == 0:
+        name = rng.choice(PEOPLE)
+        age, city = rng.randint(19, 80), rng.choice(CITIES)
+        return f"Convert to JSON with keys name, age and city: {name} is {age} years old and lives in {city}."
+    if choice == 1:
+        a, b, rows = rng.choice(PAIRS)
+        picked = rng.sample(rows, rng.randint(3, min(5, len(rows))))
+        return f"Convert this list to a markdown table with columns {a} and {b}: " + ", ".join(f"{x} {y}" for x, y in picked) + "."
+    if choice == 2:
+        host = rng.choice(["localhost", "db.internal", "10.0.0.5", "api.example.com"])
+        return (f'Convert this JSON to YAML: {{"server": {{"host": "{host}", "port": {rng.choice([80, 443, 5432, 8000, 8080, 9090])}}}, '
+                f'"debug": {rng.choice(["true", "false"])}, "workers": {rng.randint(1, 16)}}}')
+    a, b, rows = rng.choice(PAIRS)
+    picked = rng.sample(rows, rng.randint(3, min(5, len(rows))))
+    return f"Turn this into a JSON list of objects with keys {a.lower()} and {b.lower()}: " + "; ".join(f"{x} - {y}" for x, y in picked)
+
+
+_MAKERS = {"code": _code, "math": _math, "chat": _chat, "scripts": _scripts, "text": _text}
 
 
 def domain_prompts(domain: str, n: int, seed: int = 0, exclude=()) -> list[str]:
