@@ -173,6 +173,33 @@ MATH_TEMPLATES = [
     "What is {a} to the power of 3? Explain the calculation.",
     "A tank holds {n} liters and drains at {b} liters per minute. How long until it is empty? Step by step.",
     "Solve the inequality {a}x - {b} > {c}. Show each step.",
+    # phrasings and numbers that the first set lacks: decimals, unit prices, rates, ratios, other
+    # closing instructions ("Explain how you calculate it.")
+    "A cyclist rides {d} km in {h} hours. What is her average speed in km per hour? Explain step by step.",
+    "A shop sells apples at {k} for {c} cents. How much do {n} apples cost? Think step by step.",
+    "What is {p}% of {n}? Explain how you calculate it.",
+    "What is {a} times {c}? Explain how you calculate it.",
+    "Compute {n} minus {c}, then multiply the result by {b}. Show each step.",
+    "If {k} notebooks cost ${b}, how much do {a} notebooks cost? Solve step by step.",
+    "Solve for y: {b}y - {c} = {n}. Show each step.",
+    "Solve for x: x/{b} + {a} = {c}. Explain your steps.",
+    "A worker earns ${b} per hour and works {c} hours a week. How much does she earn in {k} weeks? Step by step.",
+    "A bottle holds {d} liters. How many bottles are needed for {n} liters? Explain step by step.",
+    "What is {d} plus {h}? Show your work.",
+    "A square has a side of {a} cm. What are its perimeter and its area? Show your reasoning.",
+    "A pizza is cut into {m} slices and {k} friends eat {b} slices each. How many slices are left? Think step by step.",
+    "The ratio of boys to girls in a class is {k}:{b}, and there are {e} students. How many girls are there? Solve step by step.",
+    "A jacket costs ${n} and is on sale for {p}% off. What is the sale price? Explain how you calculate it.",
+    "What is the volume of a box that is {a} cm long, {b} cm wide and {k} cm high? Show the steps.",
+    "If it takes {k} hours to paint {b} rooms, how long does it take to paint {c} rooms at the same rate? Step by step.",
+    "Lisa reads {c} pages a day. How many days does she need for a book of {n} pages? Explain your answer.",
+    "Write {n}/{m} as a decimal and as a percentage. Show the steps.",
+    "Round {d} to the nearest whole number and explain why.",
+    "A phone plan costs ${b} a month plus ${k} per gigabyte. How much is a month with {a} gigabytes? Step by step.",
+    "Find two consecutive integers whose sum is {o}. Solve step by step.",
+    "The angles of a triangle are {t} degrees and {u} degrees. What is the third angle? Explain step by step.",
+    "How many seconds are there in {b} hours? Show your calculation.",
+    "A farmer has {n} eggs and packs them in boxes of {m}. How many full boxes does he get, and how many eggs are left? Step by step.",
 ]
 
 CHAT_TEMPLATES = [
@@ -277,9 +304,12 @@ def _scripts(rng: random.Random) -> str:
 def _math(rng: random.Random) -> str:
     a, b, c = rng.randint(2, 25), rng.randint(2, 12), rng.randint(3, 40)
     s, q = rng.randint(2, 6), rng.randint(1, 5)
+    k, t = rng.randint(2, 6), rng.randint(20, 80)
     return rng.choice(MATH_TEMPLATES).format(
         a=a, b=b, c=c, n=rng.randint(30, 480), m=rng.choice([4, 6, 8, 12, 16, 24]),
         p=rng.choice([5, 10, 12, 15, 20, 25, 30, 40, 75]), s=s + q, q=s * q, e=2 * a + 2 * rng.randint(1, a),
+        k=k, d=round(rng.uniform(1.5, 99.5), 1), h=rng.choice([1.5, 2.5, 3.5, 0.5, 1.25, 2.75]), o=2 * a + 1,
+        t=t, u=rng.randint(20, 160 - t),
     )
 
 
