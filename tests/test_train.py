@@ -22,7 +22,8 @@ from memspec.training.drafts import UNKNOWN_TARGET_ID, VocabMap, acceptance, dra
 
 HAS_TORCH = importlib.util.find_spec("torch") is not None
 DRAFTS = ("draft-code", "draft-math", "draft-chat", "draft-general")
-QWEN_DRAFTS = ("qwen2.5-coder-draft-code", "qwen2.5-coder-draft-math", "qwen2.5-coder-draft-chat")
+QWEN_DRAFTS = ("qwen2.5-coder-draft-code", "qwen2.5-coder-draft-math", "qwen2.5-coder-draft-chat",
+               "qwen2.5-coder-draft-text")
 TARGETS = {**dict.fromkeys(DRAFTS, "smollm2-135m"), **dict.fromkeys(QWEN_DRAFTS, "qwen2.5-coder-1.5b")}
 REQUIRED = {"smollm2-135m": set(range(17)) | {2}, "qwen2.5-coder-1.5b": {151643, 151644, 151645}}  # control, EOS
 
