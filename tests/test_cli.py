@@ -57,6 +57,17 @@ def test_version():
     assert r.returncode == 0 and r.stdout == f"memspec {__version__}\n" == "memspec 0.1.0\n", r
 
 
+def test_python_dash_m_memspec_runs_the_command_line():
+    """`python -m memspec` is `memspec`, for an environment whose scripts folder is not on PATH."""
+    from memspec import __version__
+
+    r = subprocess.run([sys.executable, "-m", "memspec", "--version"], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0 and r.stdout == f"memspec {__version__}\n", r
+    r = subprocess.run([sys.executable, "-m", "memspec", "no-such-command"], capture_output=True, text=True,
+                       timeout=60)
+    assert r.returncode == 2 and "invalid choice" in r.stderr
+
+
 def test_help_lists_developer_commands_apart():
     r = memspec("--help")
     assert r.returncode == 0, r.stderr
