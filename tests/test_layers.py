@@ -19,7 +19,7 @@ LAYERS = [
     {"memspec.build"},  # composition: an engine and its draft source from a config
     {"memspec.serving"},  # the daemon and its client
     {"memspec.training", "memspec.bench"},  # developer tooling
-    {"memspec.cli"},
+    {"memspec.cli", "memspec.__main__"},  # the command line (`memspec`, `python -m memspec`)
 ]
 
 
