@@ -186,6 +186,28 @@ def test_bandit_learns_the_fastest_draft_and_loads_on_demand():
     assert c["stalls"] >= 3 and c["evictions"] >= 2 and sched.ws.used_bytes() <= 115 * MiB
 
 
+def test_a_bandit_arm_that_cannot_be_had_is_a_pull_that_earned_nothing():
+    """Regression: an arm the working set could not lease (too big for the budget) ran the request
+    target-only and taught the bandit nothing, so UCB, which tries an untried arm first, picked it
+    again for every request: on the 1.5B's stream the bandit ran target-only steps throughout."""
+    sizes = {"draft-huge": 500 * MiB, **SIZES}  # first in order, and never fits the budget
+    clock = FakeClock()
+    sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=125, pressure_floor_mb=0),
+                      FakeLoader(sizes, clock), sizes, FakeProbe(), target=("target", 100 * MiB), clock=clock,
+                      decode=decode)
+    sched.ws._reclaim = lambda: None
+    used = []
+    for _ in range(12):
+        sel = sched.selector(req(), [1, 2, 3], 64)
+        used.append(sel.name if sel is not None else None)
+        if sel is not None:
+            run_steps(sel, 3)
+            sel.close()
+    bandit = sched.policy(PolicyName("bandit"))
+    assert used[0] is None and bandit.pulls["draft-huge"] >= 1 and bandit.rewards["draft-huge"] == 0.0
+    assert used.count(None) <= 3 and set(used[1:5]) == set(SIZES)  # every arm that fits is tried next
+
+
 def test_oracle_preloads_everything_and_follows_its_table():
     table = {"write code": "draft-code", "chat": "draft-chat", "plain": "none"}
     sched, loader, *_ = make("oracle", budget_mb=110, oracle=table)  # the budget does not bind the oracle

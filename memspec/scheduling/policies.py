@@ -123,7 +123,12 @@ class Bandit(Policy):
         with self._lock:
             arm = ucb_pick(arms, self.pulls, self.rewards, self.sched.config.ucb_c)
         log.debug("bandit: picks %s", arm)
-        return self.sched.leased(self.name, req, prompt, capacity, arm, cancelled, on_close=self.learn)
+        sel = self.sched.leased(self.name, req, prompt, capacity, arm, cancelled, on_close=self.learn)
+        if sel is None and not cancelled():  # the arm could not be had (too big for the budget now, or
+            with self._lock:  # still loading past load_wait_s): a pull that earned nothing, so that
+                self.pulls[arm] = self.pulls.get(arm, 0) + 1  # UCB moves on instead of picking it again
+                self.rewards[arm] = self.rewards.get(arm, 0.0)  # for every request
+        return sel
 
     def learn(self, sel: RequestSelector) -> None:
         name = sel.name
