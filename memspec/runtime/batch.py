@@ -266,8 +266,9 @@ class BatchedTarget:
         its last keep[i] fed positions, (keep[i], V) float32 (a copy).  Each cache's length
         advances by len(feeds[i]).  A row takes the same attention kernels as it would alone: on a
         graph that pads attention, `qkv_index` gives a one-token row's attention its token twice
-        (ragged_graph), as the solo graph pads itself; on an older graph a feed shorter than the session's pad_rows (min_rows) is padded here with
-        copies of its last token, which are dropped (as DecoderSession.forward does)."""
+        (ragged_graph), as the solo graph pads itself; on an older graph a feed shorter than the
+        session's pad_rows (min_rows) is padded here with copies of its last token, which are
+        dropped (as DecoderSession.forward does)."""
         n = len(feeds)
         if not 1 <= n <= self.rows or len(caches) != n or len(keep) != n:
             raise ValueError(f"a pass takes 1..{self.rows} rows with one cache and one keep each "

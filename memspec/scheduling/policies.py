@@ -124,11 +124,19 @@ class Bandit(Policy):
             arm = ucb_pick(arms, self.pulls, self.rewards, self.sched.config.ucb_c)
         log.debug("bandit: picks %s", arm)
         sel = self.sched.leased(self.name, req, prompt, capacity, arm, cancelled, on_close=self.learn)
-        if sel is None and not cancelled():  # the arm could not be had (too big for the budget now, or
-            with self._lock:  # still loading past load_wait_s): a pull that earned nothing, so that
-                self.pulls[arm] = self.pulls.get(arm, 0) + 1  # UCB moves on instead of picking it again
-                self.rewards[arm] = self.rewards.get(arm, 0.0)  # for every request
+        if sel is None and not cancelled():
+            # The arm could not be had (too big for the budget now, or still loading past
+            # load_wait_s): a pull that earned nothing, so that UCB moves on instead of picking it
+            # again for every request.
+            with self._lock:
+                self._pull(arm, 0.0)
         return sel
+
+    def _pull(self, name: str, reward: float) -> float:
+        """Count one pull of `name` that earned `reward` (scaled); its mean reward.  Under the lock."""
+        self.pulls[name] = self.pulls.get(name, 0) + 1
+        self.rewards[name] = self.rewards.get(name, 0.0) + reward
+        return self.rewards[name] / self.pulls[name]
 
     def learn(self, sel: RequestSelector) -> None:
         name = sel.name
@@ -138,9 +146,7 @@ class Bandit(Policy):
         with self._lock:
             self.reward_max = max(self.reward_max, raw)
             reward = raw / self.reward_max if self.reward_max else 0.0
-            self.pulls[name] = self.pulls.get(name, 0) + 1
-            self.rewards[name] = self.rewards.get(name, 0.0) + reward
-            mean = self.rewards[name] / self.pulls[name]
+            mean = self._pull(name, reward)
         self.sched.ws.set_value(name, mean)
         log.debug("bandit: %s reward %.3f (raw %.2f)", name, reward, raw)
 
