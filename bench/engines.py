@@ -1,7 +1,8 @@
 """End-to-end generation, side by side: memspec against llama.cpp and onnxruntime-genai on one model.
 
     python bench/engines.py [--workload FILE] [--limit N] [--max-tokens 128] [--rounds 3]
-                            [--threads 2] [--engines memspec,target-only,onnxruntime-genai,llama.cpp]
+                            [--threads 2] [--engines memspec,target-only,onnxruntime-genai,...]
+                            [--draft-max 4] [--llama-server PATH]
                             [--config FILE] [--model NAME] [--json FILE]
 
 Every engine gets the same token ids (each prompt of the workload with the chat template,
@@ -14,7 +15,16 @@ tokenized by memspec, whose tokenizer matches llama.cpp's) and decodes greedily 
   onnxruntime-genai  onnxruntime-genai's Generator on memspec's q4 file: the same ONNX graph and
                      weights, with genai's own decoding loop and KV handling
   llama.cpp          llama-cpp-python on the GGUF the q4 file was converted from
+  onnxruntime-genai-spec
+                     onnxruntime-genai's own speculative decoding (`model.draft`): memspec's q4
+                     file verifies, the same-family draft's GGUF (Qwen2.5-Coder-0.5B for the 1.5B)
+                     converted whole by memspec's converter drafts --draft-max tokens a round
+  llama.cpp-spec     llama.cpp's own speculative decoding (llama-server --spec-type draft-simple,
+                     --spec-draft-n-max = --draft-max) on the two GGUFs; the binary comes from
+                     --llama-server, $MEMSPEC_LLAMA_SERVER or `bash bench/build_llama_cpp.sh`
 
+The -spec engines need a target with a same-family draft GGUF in the store (`memspec pull
+qwen2.5-coder-0.5b-draft`); without one, or without the binary, they are left out with the reason.
 Ollama serves llama.cpp: its numbers are llama.cpp's plus an HTTP server (it is not installable
 from a package index, so it is not run here).  Each engine runs in its own process, loaded once
 and warmed on the first prompt; the rounds interleave the engines in rotating order, so that
@@ -22,7 +32,7 @@ machine noise falls on all of them.  Per engine and round, tok/s = generated tok
 over the whole workload (time to first token included); the report gives the median over rounds,
 the ratio to llama.cpp, the process's resident memory, and how many prompts each engine answers
 exactly as memspec's target-only does (the 4-bit kernels of the three runtimes differ, so
-near-ties can go either way).
+near-ties can go either way) and, for a -spec engine, as its own plain decoding does.
 
 Needs `pip install -e .[bench]` (llama-cpp-python, onnxruntime-genai); an engine whose package is
 missing is reported and left out.
@@ -40,8 +50,10 @@ import tempfile
 import time
 from pathlib import Path
 
-ENGINES = ("memspec", "target-only", "onnxruntime-genai", "llama.cpp")
+ENGINES = ("memspec", "target-only", "onnxruntime-genai", "llama.cpp", "onnxruntime-genai-spec", "llama.cpp-spec")
 BASELINE = "llama.cpp"
+PLAIN = {"onnxruntime-genai-spec": "onnxruntime-genai", "llama.cpp-spec": "llama.cpp"}  # what a -spec engine speeds up
+CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memspec-bench"
 
 
 # -- workers: one process per engine -------------------------------------------------------
@@ -75,34 +87,47 @@ class MemspecWorker:
         self.engine.close()
 
 
-def genai_config(arch: dict, filename: str, eos: int, threads: int) -> dict:
-    """onnxruntime-genai's description of a memspec decoder: its "llama" model type, with past and
-    present sharing one buffer, greedy."""
+def genai_decoder(arch: dict, filename: str, threads: int) -> dict:
+    """One decoder block of genai_config.json (`model.decoder`, or `model.draft`): a memspec graph,
+    past and present sharing one buffer."""
     return {
+        "filename": filename,
+        "session_options": {"log_id": "bench", "intra_op_num_threads": threads, "provider_options": []},
+        "head_size": arch["head_dim"], "hidden_size": arch["hidden"],
+        "num_attention_heads": arch["n_heads"], "num_key_value_heads": arch["n_kv_heads"],
+        "num_hidden_layers": arch["n_layers"],
+        "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
+                   "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
+        "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
+                    "present_value_names": "present.%d.value"},
+    }
+
+
+def genai_config(arch: dict, filename: str, eos: int, threads: int, draft: dict | None = None,
+                 draft_max: int = 4) -> dict:
+    """onnxruntime-genai's description of a memspec decoder: its "llama" model type, greedy; with
+    `draft` ({"arch", "filename"}), genai's own speculative decoding, `draft_max` tokens a round."""
+    config = {
         "model": {
             "type": "llama", "vocab_size": arch["vocab"], "context_length": 2048,
             "bos_token_id": 1, "eos_token_id": eos, "pad_token_id": eos,
-            "decoder": {
-                "filename": filename,
-                "session_options": {"log_id": "bench", "intra_op_num_threads": threads, "provider_options": []},
-                "head_size": arch["head_dim"], "hidden_size": arch["hidden"],
-                "num_attention_heads": arch["n_heads"], "num_key_value_heads": arch["n_kv_heads"],
-                "num_hidden_layers": arch["n_layers"],
-                "inputs": {"input_ids": "input_ids", "attention_mask": "attention_mask",
-                           "past_key_names": "past_key_values.%d.key", "past_value_names": "past_key_values.%d.value"},
-                "outputs": {"logits": "logits", "present_key_names": "present.%d.key",
-                            "present_value_names": "present.%d.value"},
-            },
+            "decoder": genai_decoder(arch, filename, threads),
         },
         "search": {"do_sample": False, "num_beams": 1, "max_length": 2048, "min_length": 0,
                    "past_present_share_buffer": True, "top_k": 1, "top_p": 1.0, "temperature": 1.0,
                    "repetition_penalty": 1.0},
     }
+    if draft is not None:
+        if draft["arch"]["vocab"] != arch["vocab"]:
+            raise ValueError(f"the draft has {draft['arch']['vocab']} logits, the target {arch['vocab']}: "
+                             f"onnxruntime-genai's speculative decoding needs one vocabulary")
+        config["model"]["draft"] = genai_decoder(draft["arch"], draft["filename"], threads)
+        config["speculative"] = {"max_draft_tokens": draft_max}
+    return config
 
 
-def genai_folder(model_path: Path, folder: Path, arch: dict, eos: int, threads: int) -> Path:
-    """A folder onnxruntime-genai loads: memspec's graph with `logits_to_keep` fixed to 0 (every
-    position; genai does not feed that input), the tokenizer files and genai_config.json."""
+def genai_graph(model_path: Path, out: Path) -> None:
+    """memspec's graph with `logits_to_keep` fixed to 0 (every position; genai does not feed that input)."""
     import numpy as np
     import onnx
     from onnx import numpy_helper
@@ -112,22 +137,56 @@ def genai_folder(model_path: Path, folder: Path, arch: dict, eos: int, threads: 
     del model.graph.input[:]
     model.graph.input.extend(inputs)
     model.graph.initializer.append(numpy_helper.from_array(np.array(0, dtype=np.int64), "logits_to_keep"))
-    onnx.save(model, str(folder / "model.onnx"))
+    onnx.save(model, str(out))
+
+
+def genai_folder(model_path: Path, folder: Path, arch: dict, eos: int, threads: int,
+                 draft: dict | None = None, draft_max: int = 4) -> Path:
+    """A folder onnxruntime-genai loads: memspec's graph (and, with `draft` = {"arch", "path"}, the
+    draft's as draft.onnx) made genai's, the tokenizer files and genai_config.json."""
+    genai_graph(model_path, folder / "model.onnx")
+    if draft is not None:
+        genai_graph(Path(draft["path"]), folder / "draft.onnx")
+        draft = {"arch": draft["arch"], "filename": "draft.onnx"}
     for name in ("tokenizer.json", "tokenizer_config.json"):  # genai reads them only for its Tokenizer
         if (model_path.parent / name).is_file():
             (folder / name).write_bytes((model_path.parent / name).read_bytes())
-    (folder / "genai_config.json").write_text(json.dumps(genai_config(arch, "model.onnx", eos, threads)))
+    config = genai_config(arch, "model.onnx", eos, threads, draft, draft_max)
+    (folder / "genai_config.json").write_text(json.dumps(config))
     return folder
 
 
+def whole_draft(gguf: str) -> dict:
+    """The same-family draft's GGUF as one memspec q4 graph with its whole vocabulary (what genai's
+    speculative decoding needs; memspec's own copy of it keeps a trimmed head), converted once and
+    cached under CACHE by the GGUF's size and name: {"arch", "path"}."""
+    from memspec.models.convert import convert
+    from memspec.models.gguf import GGUFModel
+
+    src = Path(gguf)
+    out = CACHE / f"genai-draft-{src.stem}-{src.stat().st_size}" / "q4.onnx"
+    if not out.is_file():
+        convert(src, out, "q4")
+    cfg = GGUFModel(src).config
+    arch = {k: getattr(cfg, k) for k in ("vocab", "head_dim", "hidden", "n_heads", "n_kv_heads", "n_layers")}
+    return {"arch": arch, "path": str(out)}
+
+
 class GenaiWorker:
-    def __init__(self, setup: dict):
+    def __init__(self, setup: dict, speculative: bool = False):
         import onnxruntime_genai as og
 
         self.og = og
+        self.speculative = speculative
+        self.drafted: tuple[int, int] | None = None  # the last request's draft tokens (proposed, accepted)
+        draft = None
+        if speculative:
+            if not setup.get("draft_gguf"):
+                raise LeftOut(setup.get("no_draft") or "no same-family draft GGUF")
+            draft = whole_draft(setup["draft_gguf"])
         self.tmp = tempfile.TemporaryDirectory(prefix="memspec-genai-")
         folder = genai_folder(Path(setup["model"]), Path(self.tmp.name), setup["arch"], setup["eos"],
-                              setup["threads"])
+                              setup["threads"], draft, setup.get("draft_max", 4))
         self.model = og.Model(str(folder))
 
     def generate(self, ids: list[int], text: str, max_new: int) -> list[int]:
@@ -140,6 +199,9 @@ class GenaiWorker:
         while not gen.is_done():
             gen.generate_next_token()
             out.append(int(gen.get_next_tokens()[0]))
+        if self.speculative:
+            stats = gen.get_speculative_stats()
+            self.drafted = (int(stats["draft_tokens_proposed"]), int(stats["draft_tokens_accepted"]))
         return out
 
     def close(self) -> None:
@@ -174,6 +236,83 @@ class LlamaCppWorker:
         self.llm.close()
 
 
+class LlamaServerWorker:
+    """llama.cpp's own speculative decoding: a llama-server process with the target GGUF and the
+    same-family draft GGUF (--spec-type draft-simple), asked over HTTP on 127.0.0.1 for token ids."""
+
+    def __init__(self, setup: dict):
+        import socket
+
+        binary = setup.get("llama_server")
+        if not binary or not Path(binary).is_file():
+            raise LeftOut(f"no llama-server binary ({binary or 'none given'}): build one with "
+                          f"`bash bench/build_llama_cpp.sh` and pass --llama-server PATH")
+        if not setup.get("draft_gguf"):
+            raise LeftOut(setup.get("no_draft") or "no same-family draft GGUF")
+        with socket.socket() as s:  # a free port, released for the server to take
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        t = str(setup["threads"])
+        self.eos = setup["eos"]
+        self.drafted: tuple[int, int] | None = None  # the last request's draft tokens (proposed, accepted)
+        self.proc = subprocess.Popen(
+            [binary, "-m", setup["gguf"], "-md", setup["draft_gguf"], "--spec-type", "draft-simple",
+             "--spec-draft-n-max", str(setup.get("draft_max", 4)), "-t", t, "-tb", t, "-td", t, "-tbd", t,
+             "-c", "2048", "-np", "1", "--no-webui", "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=sys.stderr, stderr=sys.stderr)
+        deadline = time.monotonic() + 300
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"llama-server exited while loading (status {self.proc.returncode}); "
+                                   f"its log is above")
+            if time.monotonic() > deadline:
+                raise RuntimeError("llama-server did not become ready in 300 s")
+            time.sleep(0.2)
+
+    def _post(self, path: str, body: dict | None = None, timeout: float = 600) -> dict:
+        import urllib.request
+
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return json.loads(r.read())
+
+    def _healthy(self) -> bool:
+        try:
+            return self._post("/health", timeout=2).get("status") == "ok"
+        except OSError:  # not listening yet, or 503 while loading
+            return False
+
+    def generate(self, ids: list[int], text: str, max_new: int) -> list[int]:
+        r = self._post("/completion", {"prompt": ids, "n_predict": max_new, "temperature": 0.0, "top_k": 1,
+                                       "cache_prompt": False, "return_tokens": True, "stream": False})
+        out = [int(t) for t in r["tokens"]]
+        timings = r.get("timings") or {}
+        self.drafted = (int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0)))
+        if r.get("stop_type") == "eos" and (not out or out[-1] != self.eos) and len(out) < max_new:
+            out.append(self.eos)  # the server leaves the end token out; the other engines count it
+        return out
+
+    def rss_mb(self) -> float:
+        import psutil
+
+        from memspec.runtime.memory import MiB
+
+        return _rss_mb() + psutil.Process(self.proc.pid).memory_info().rss / MiB
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class LeftOut(Exception):
+    """An engine that cannot run here, with the reason (a missing binary or draft)."""
+
+
 def worker_main(name: str, setup: dict) -> int:
     """Load `name`, say ready, then answer one JSON request per stdin line.  The answers go to the
     process's original stdout; anything a library prints there goes to stderr instead."""
@@ -188,20 +327,27 @@ def worker_main(name: str, setup: dict) -> int:
     try:
         if name in ("memspec", "target-only"):
             w = MemspecWorker(setup, drafts=name == "memspec")
-        elif name == "onnxruntime-genai":
-            w = GenaiWorker(setup)
+        elif name in ("onnxruntime-genai", "onnxruntime-genai-spec"):
+            w = GenaiWorker(setup, speculative=name == "onnxruntime-genai-spec")
+        elif name == "llama.cpp-spec":
+            w = LlamaServerWorker(setup)
         else:
             w = LlamaCppWorker(setup)
     except ImportError as exc:
         say({"error": f"{exc.name or exc} is not installed (pip install -e .[bench])"})
         return 1
-    say({"ready": True, "load_s": time.perf_counter() - t, "rss_mb": _rss_mb()})
+    except LeftOut as exc:
+        say({"error": str(exc)})
+        return 1
+    rss = getattr(w, "rss_mb", _rss_mb)
+    say({"ready": True, "load_s": time.perf_counter() - t, "rss_mb": rss()})
     try:
         for line in sys.stdin:
             req = json.loads(line)
             t = time.perf_counter()
             out = w.generate(req["ids"], req["text"], req["max_new"])
-            say({"ids": out, "seconds": time.perf_counter() - t, "rss_mb": _rss_mb()})
+            say({"ids": out, "seconds": time.perf_counter() - t, "rss_mb": rss(),
+                 "drafted": getattr(w, "drafted", None)})
     finally:
         w.close()
     return 0
@@ -255,7 +401,25 @@ def prompts(workload: str | None, limit: int | None, config_path: str | None,
         w["ids"] = tok.encode(tok.apply_chat_template([{"role": "user", "content": w["prompt"]}]))
     setup = {"config": config_path, "target": m.name, "model": str(m.variant_path("q4")), "arch": m.architecture,
              "eos": int(m.extra["eos_token_ids"][0]), "gguf": str(store.downloads_dir / m.provenance["gguf_file"])}
+    setup.update(sibling_gguf(store, m.name))
     return items, setup
+
+
+def sibling_gguf(store, target: str) -> dict:
+    """{"draft_gguf": path} of the same-family draft's GGUF for `target` (what the -spec engines
+    draft with), or {"no_draft": why not}."""
+    from memspec.models.catalog import KNOWN_DRAFTS
+
+    names = [n for n, d in KNOWN_DRAFTS.items() if d.target == target]
+    have = {m.name: m for m in store.list()}
+    for name in names:
+        if name in have:
+            path = store.downloads_dir / have[name].provenance["gguf_file"]
+            if path.is_file():
+                return {"draft_gguf": str(path)}
+    if not names:
+        return {"no_draft": f"{target} has no same-family draft in the catalog"}
+    return {"no_draft": f"the same-family draft's GGUF is not in the store: memspec pull {names[0]}"}
 
 
 def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: int, progress=print) -> dict:
@@ -281,15 +445,19 @@ def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: 
         for r in range(rounds):
             order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]
             for name in order:
-                tokens, seconds, outs = 0, 0.0, []
+                tokens, seconds, outs, drafted = 0, 0.0, [], None
                 for w in items:
                     res = engines[name].generate(w["ids"], w["prompt"], max_new)
                     tokens += len(res["ids"])
                     seconds += res["seconds"]
                     outs.append(res["ids"])
-                per_round[name].append({"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds})
+                    if res.get("drafted"):  # an engine whose own speculation reports its draft tokens
+                        drafted = [a + b for a, b in zip(drafted or (0, 0), res["drafted"])]
+                per_round[name].append({"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
+                                        "drafted": drafted})
                 outputs.setdefault(name, outs)
-                progress(f"round {r + 1}/{rounds} {name}: {tokens / seconds:.1f} tok/s ({tokens} tokens)")
+                said = f", {drafted[1]}/{drafted[0]} draft tokens accepted" if drafted else ""
+                progress(f"round {r + 1}/{rounds} {name}: {tokens / seconds:.1f} tok/s ({tokens} tokens{said})")
     finally:
         for e in engines.values():
             e.close()
@@ -298,12 +466,14 @@ def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: 
 
 
 def summarize(per_round: dict, outputs: dict, rss: dict, load_s: dict) -> dict:
-    """Median tok/s per engine, its ratio to llama.cpp (and to target-only), memory, agreement."""
+    """Median tok/s per engine, its ratio to llama.cpp (and to target-only), memory, agreement (with
+    memspec's target-only, and for a -spec engine with its own plain decoding)."""
     med = {n: statistics.median(r["tok_per_s"] for r in runs) for n, runs in per_round.items()}
     ref = outputs.get("target-only")
     rows = []
     for n in per_round:
         same = sum(a == b for a, b in zip(outputs[n], ref)) if ref is not None else None
+        plain = outputs.get(PLAIN.get(n))
         rows.append({
             "engine": n, "tok_per_s": round(med[n], 2),
             "vs_llama_cpp": round(med[n] / med[BASELINE], 3) if BASELINE in med else None,
@@ -311,21 +481,35 @@ def summarize(per_round: dict, outputs: dict, rss: dict, load_s: dict) -> dict:
             "tokens": per_round[n][0]["tokens"], "rounds": [round(r["tok_per_s"], 2) for r in per_round[n]],
             "peak_rss_mib": round(rss[n], 1), "load_s": round(load_s[n], 2),
             "same_output_as_target_only": same, "prompts": len(outputs[n]),
+            "same_output_as_plain": sum(a == b for a, b in zip(outputs[n], plain)) if plain is not None else None,
+            "draft_acceptance": acceptance(per_round[n]),
         })
     return {"rows": rows}
+
+
+def acceptance(runs: list[dict]) -> float | None:
+    """Accepted / proposed draft tokens over an engine's rounds; None for an engine that reports none."""
+    drafted = [r["drafted"] for r in runs if r.get("drafted")]
+    proposed = sum(d[0] for d in drafted)
+    return round(sum(d[1] for d in drafted) / proposed, 3) if proposed else None
 
 
 def print_report(result: dict, out=sys.stdout) -> None:
     def ratio(v):
         return "-" if v is None else f"{v:.2f}x"
 
-    print(f"{'engine':<18} {'tok/s':>7} {'vs llama.cpp':>12} {'vs target-only':>14} {'tokens':>7} "
-          f"{'RSS MiB':>8} {'load s':>6}  same output as target-only", file=out)
+    def share(r, key):
+        return "-" if r.get(key) is None else f"{r[key]}/{r['prompts']}"
+
+    print(f"{'engine':<22} {'tok/s':>7} {'vs llama.cpp':>12} {'vs target-only':>14} {'tokens':>7} "
+          f"{'RSS MiB':>8} {'load s':>6}  same output as target-only (as its plain engine)", file=out)
     for r in result["rows"]:
-        same = "-" if r["same_output_as_target_only"] is None else f"{r['same_output_as_target_only']}/{r['prompts']}"
-        print(f"{r['engine']:<18} {r['tok_per_s']:>7.1f} {ratio(r['vs_llama_cpp']):>12} "
+        plain = f" ({share(r, 'same_output_as_plain')})" if r.get("same_output_as_plain") is not None else ""
+        if r.get("draft_acceptance") is not None:
+            plain += f"; {r['draft_acceptance']:.0%} of its draft tokens accepted"
+        print(f"{r['engine']:<22} {r['tok_per_s']:>7.1f} {ratio(r['vs_llama_cpp']):>12} "
               f"{ratio(r['vs_target_only']):>14} {r['tokens']:>7} {r['peak_rss_mib']:>8.0f} {r['load_s']:>6.2f}  "
-              f"{same}", file=out)
+              f"{share(r, 'same_output_as_target_only')}{plain}", file=out)
 
 
 def main(argv=None) -> int:
@@ -338,6 +522,10 @@ def main(argv=None) -> int:
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
     ap.add_argument("--config", help="memspec TOML config for the memspec engines")
     ap.add_argument("--model", metavar="NAME", help="target from the store (default: the config's [model] target)")
+    ap.add_argument("--draft-max", type=int, default=4, help="draft tokens a round for the -spec engines (1-16)")
+    ap.add_argument("--llama-server", metavar="PATH", default=os.environ.get("MEMSPEC_LLAMA_SERVER"),
+                    help="llama-server binary for llama.cpp-spec (default: $MEMSPEC_LLAMA_SERVER, else the one "
+                         "bench/build_llama_cpp.sh builds, if built)")
     ap.add_argument("--json", metavar="FILE")
     ap.add_argument("--worker", help=argparse.SUPPRESS)
     ap.add_argument("--setup", help=argparse.SUPPRESS)
@@ -350,6 +538,8 @@ def main(argv=None) -> int:
         ap.error(f"--engines: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(ENGINES)}")
     if args.max_tokens < 1 or args.rounds < 1 or (args.limit is not None and args.limit < 1):
         ap.error("--max-tokens, --rounds and --limit must be at least 1")
+    if not 1 <= args.draft_max <= 16:
+        ap.error(f"--draft-max must be 1..16 (onnxruntime-genai's range), got {args.draft_max}")
     from memspec.errors import MemspecError
     from memspec.runtime.sessions import physical_cores
 
@@ -359,6 +549,8 @@ def main(argv=None) -> int:
         print(f"engines: {exc}", file=sys.stderr)
         return 2
     setup["threads"] = args.threads or physical_cores()
+    setup["draft_max"] = args.draft_max
+    setup["llama_server"] = args.llama_server or str(CACHE / "llama.cpp" / "build" / "bin" / "llama-server")
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         result = run(names, items, setup, args.max_tokens, args.rounds, progress)
@@ -369,7 +561,8 @@ def main(argv=None) -> int:
         print("engines: no engine could run", file=sys.stderr)
         return 1
     result.update({"prompts": len(items), "max_tokens": args.max_tokens, "rounds": args.rounds,
-                   "threads": setup["threads"], "workload": args.workload or "built-in"})
+                   "threads": setup["threads"], "workload": args.workload or "built-in",
+                   "draft_max": args.draft_max})
     print(f"\n{len(items)} prompts, greedy, up to {args.max_tokens} tokens each, {setup['threads']} threads per "
           f"engine, median of {args.rounds} interleaved rounds")
     print_report(result)

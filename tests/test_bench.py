@@ -160,7 +160,7 @@ def test_onnxruntime_genai_runs_memspecs_q4_graph_token_for_token(tmp_path):
     (tmp_path / "g").mkdir()
     folder = engines.genai_folder(path, tmp_path / "g", arch, eos=31, threads=1)
     worker = engines.GenaiWorker.__new__(engines.GenaiWorker)  # its model, without the temp folder
-    worker.og, worker.model = og, og.Model(str(folder))
+    worker.og, worker.model, worker.speculative = og, og.Model(str(folder)), False
     prompt = [1, 4, 9, 2, 7]
     got = worker.generate(prompt, "", 24)
 
@@ -172,6 +172,66 @@ def test_onnxruntime_genai_runs_memspecs_q4_graph_token_for_token(tmp_path):
         logits = s.forward(cache, want[-1:])
     assert len(set(want)) >= 5, want  # a sequence worth comparing
     assert got == want
+
+
+def test_onnxruntime_genai_speculative_decoding_runs_on_memspec_graphs_losslessly(tmp_path):
+    """The -spec engine's folder: genai's own draft-model speculation with a memspec graph as the
+    draft (the target itself, or another tiny model of one vocabulary) answers exactly what its
+    plain decoding answers."""
+    import dataclasses
+
+    import numpy as np
+    import onnx
+    import pytest
+    from tiny_models import tiny_config, tiny_weights
+
+    from memspec.models.convert import DecoderBuilder
+    from memspec.models.gguf import ArrayWeights
+
+    og = pytest.importorskip("onnxruntime_genai")
+    engines = _bench_module("engines")
+    paths, archs = {}, {}
+    for name, seed, head_seed, layers in (("target", 7, 1, 2), ("draft", 3, 2, 1)):
+        cfg = dataclasses.replace(tiny_config(vocab=32), tied_embeddings=False, n_layers=layers)
+        tensors = {k: v for k, v in tiny_weights(cfg, seed)._tensors.items()}
+        tensors["output.weight"] = np.random.default_rng(head_seed).standard_normal((cfg.vocab, cfg.hidden)) * 4
+        (tmp_path / name).mkdir()
+        paths[name] = tmp_path / name / "q4.onnx"
+        onnx.save(DecoderBuilder(ArrayWeights(cfg, tensors, quantize="Q4_1"), "q4", 256).build(), str(paths[name]))
+        archs[name] = {k: getattr(cfg, k) for k in ("vocab", "head_dim", "hidden", "n_heads", "n_kv_heads", "n_layers")}
+    got, drafted = {}, {}
+    for mode, draft in (("plain", None), ("self", {"arch": archs["target"], "path": str(paths["target"])}),
+                        ("other", {"arch": archs["draft"], "path": str(paths["draft"])})):
+        (tmp_path / mode).mkdir()
+        folder = engines.genai_folder(paths["target"], tmp_path / mode, archs["target"], eos=31, threads=1,
+                                      draft=draft, draft_max=3)
+        config = json.loads((folder / "genai_config.json").read_text())
+        assert ("draft" in config["model"]) == (draft is not None)
+        worker = engines.GenaiWorker.__new__(engines.GenaiWorker)
+        worker.og, worker.model, worker.speculative = og, og.Model(str(folder)), draft is not None
+        got[mode] = [worker.generate([1, 4, 9, 2, 7], "", 24), worker.generate([5, 5, 3], "", 24)]
+        drafted[mode] = worker.drafted if draft is not None else None
+    assert len(set(got["plain"][0])) >= 5, got  # a sequence worth comparing
+    assert got["self"] == got["plain"]
+    assert drafted["self"][0] > 0 and drafted["self"][1] == drafted["self"][0]  # it drafted; all accepted
+    assert got["other"] == got["plain"]
+    assert drafted["other"][1] < drafted["other"][0]  # some rejected
+    with pytest.raises(ValueError, match="one vocabulary"):
+        engines.genai_config(archs["target"], "model.onnx", 31, 1, {"arch": {**archs["draft"], "vocab": 40},
+                                                                    "filename": "draft.onnx"})
+
+
+def test_a_speculative_engine_without_its_binary_or_draft_is_left_out_with_the_reason(tmp_path):
+    engines = _bench_module("engines")
+    said = []
+    setup = {"threads": 1, "llama_server": str(tmp_path / "no-such-llama-server"), "draft_gguf": "x.gguf"}
+    assert engines.run(["llama.cpp-spec"], [{"ids": [1], "prompt": "hi"}], setup, 2, 1, said.append) == {"rows": []}
+    assert said == [f"llama.cpp-spec: left out: no llama-server binary ({tmp_path / 'no-such-llama-server'}): "
+                    f"build one with `bash bench/build_llama_cpp.sh` and pass --llama-server PATH"]
+    said.clear()
+    setup = {"threads": 1, "no_draft": "the same-family draft's GGUF is not in the store: memspec pull d"}
+    engines.run(["onnxruntime-genai-spec"], [{"ids": [1], "prompt": "hi"}], setup, 2, 1, said.append)
+    assert said == ["onnxruntime-genai-spec: left out: the same-family draft's GGUF is not in the store: memspec pull d"]
 
 
 def test_engines_summary_gives_ratios_memory_and_agreement():
@@ -189,6 +249,11 @@ def test_engines_summary_gives_ratios_memory_and_agreement():
     assert rows["memspec"]["vs_llama_cpp"] == 2.4 and rows["memspec"]["vs_target_only"] == 2.0
     assert rows["llama.cpp"]["vs_llama_cpp"] == 1.0 and rows["llama.cpp"]["tokens"] == 29
     assert [rows[n]["same_output_as_target_only"] for n in ("memspec", "target-only", "llama.cpp")] == [2, 3, 2]
+    assert rows["memspec"]["same_output_as_plain"] is None
+    spec = engines.summarize({**per_round, "llama.cpp-spec": per_round["memspec"]},
+                             {**outputs, "llama.cpp-spec": [[1, 2], [3, 5], [7]]}, {n: 1.0 for n in engines.ENGINES},
+                             {n: 1.0 for n in engines.ENGINES})["rows"]
+    assert {r["engine"]: r["same_output_as_plain"] for r in spec}["llama.cpp-spec"] == 2  # against llama.cpp's own
     out = io.StringIO()
     engines.print_report({"rows": list(rows.values())}, out)
     assert "2.40x" in out.getvalue() and "2/3" in out.getvalue()
