@@ -362,6 +362,37 @@ def test_train_predictor_saves_the_chosen_default_and_margin(tmp_path, capsys):
     assert pred.margin == pytest.approx(chosen) and pred.info["held_out"]["margin"] == pred.margin
 
 
+def test_train_predictor_scores_itself_on_test_traces_of_other_prompts(tmp_path, capsys):
+    """--test-traces: the fitted predictor's choices on prompts it never saw, kept in its record;
+    a test file that shares a prompt with the training one is refused."""
+    import argparse
+
+    from memspec.errors import ModelFormatError
+    from memspec.training.predictor_fit import add_train_predictor_parser, run_train_predictor
+
+    traces = _synthetic_traces(10)
+    train = [t for t in traces if traces.index(t) % 10 < 6]  # topics 0-5 of each kind
+    test = [t for t in traces if traces.index(t) % 10 >= 6]  # topics 6-9: other prompts
+    for name, rows in (("train", train), ("test", test)):
+        (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in rows))
+    parser = argparse.ArgumentParser()
+    add_train_predictor_parser(parser.add_subparsers())
+
+    def run(test_file):
+        return run_train_predictor(parser.parse_args([
+            "train-predictor", "--traces", str(tmp_path / "train.jsonl"), "--out", str(tmp_path / "p.json"),
+            "--folds", "0", "--trees", "20", "--test-traces", str(tmp_path / test_file)]))
+
+    assert run("test.jsonl") == 0
+    assert f"on {len(test)} prompts of" in capsys.readouterr().out
+    got = Predictor.load(tmp_path / "p.json").info["test"]
+    assert got["traces"] == "test.jsonl" and got["requests"] == got["request"]["n"] == len(test)
+    assert got["request"]["accuracy_modeled"] > got["request"]["accuracy_single_best_modeled"]  # it tells kinds apart
+    assert got["request"]["regret_modeled_tok_s"] < got["request"]["regret_single_best_modeled_tok_s"]
+    with pytest.raises(ModelFormatError, match="not held out"):
+        run("train.jsonl")
+
+
 def test_each_shipped_target_gets_its_own_predictor_naming_its_own_drafts():
     """The 1.5B's predictor is chosen for it, and scores the 1.5B's pool; SmolLM2 keeps its own."""
     from memspec.scheduling.policies import predictor_file

@@ -279,9 +279,13 @@ def summarize_choices(ev: dict[str, list], singles: list[str]) -> dict:
     return res
 
 
-def print_report(res: dict, n_requests: int, cfg: PredictorFitConfig, out=sys.stdout) -> None:
-    print(f"held out by prompt: {cfg.folds} folds over {n_requests} prompts; "
-          f"single best draft of the training folds: {', '.join(res['single_best'])}", file=out)
+def print_report(res: dict, n_requests: int, cfg: PredictorFitConfig, out=sys.stdout, held_out: bool = True) -> None:
+    if held_out:
+        print(f"held out by prompt: {cfg.folds} folds over {n_requests} prompts; "
+              f"single best draft of the training folds: {', '.join(res['single_best'])}", file=out)
+    else:
+        print(f"{n_requests} prompts; single best draft of the training traces: {', '.join(res['single_best'])}",
+              file=out)
     print(f"{'level':<9} {'n':>5} {'choice=best':>11} {'(cost model)':>12} {'regret tok/s: predictor':>24} "
           f"{'single-best':>11} {'random':>7} {'(best tok/s)':>12}", file=out)
     for level in ("request", "segment"):
@@ -327,6 +331,9 @@ def add_train_predictor_parser(subparsers):
     p.add_argument("--traces", required=True, metavar="FILE", help="JSONL written by `memspec profile`")
     p.add_argument("--out", default=str(DEFAULT_PATH), metavar="FILE", help="where to save (default: %(default)s)")
     p.add_argument("--folds", type=int, default=PredictorFitConfig.folds, help="held-out folds (0 = skip evaluation)")
+    p.add_argument("--test-traces", metavar="FILE",
+                   help="traces of other prompts (say `memspec profile --workload bench/heldout_mixed.jsonl`) to "
+                        "score the fitted predictor on; none of their prompts may be in --traces")
     p.add_argument("--trees", type=int, default=PredictorFitConfig.n_estimators, help="trees per ensemble")
     p.add_argument("--seed", type=int, default=PredictorFitConfig.seed)
     p.set_defaults(func=run_train_predictor)
@@ -339,6 +346,13 @@ def run_train_predictor(args) -> int:
     import sklearn
 
     traces = read_traces(args.traces)
+    tests = read_traces(args.test_traces) if args.test_traces else None
+    if tests:
+        seen = {t["prompt_text"] for t in traces}
+        shared = [t["prompt"] for t in tests if t["prompt_text"] in seen]
+        if shared:
+            raise ModelFormatError(f"--test-traces: {len(shared)} of its prompts are in --traces too, so they are "
+                                   f"not held out (the first: {shared[0][:80]!r})")
     if args.folds and not 2 <= args.folds <= len(traces):
         raise ModelFormatError(f"--folds must be 0 or 2..{len(traces)} (the number of prompts), got {args.folds}")
     cfg = PredictorFitConfig(n_estimators=args.trees, folds=args.folds or PredictorFitConfig.folds, seed=args.seed)
@@ -364,6 +378,12 @@ def run_train_predictor(args) -> int:
             "config": asdict(cfg), "held_out": held_out}
     pred = fit(traces, cfg, info)
     pred.default, pred.margin = single_best_policy(traces, pred.drafts), margin  # as cross_validate sets them
+    if tests:
+        test = summarize_choices(evaluate_choices(pred, tests, pred.default), [pred.default])
+        pred.info["test"] = {"traces": Path(args.test_traces).name, "requests": len(tests), **test}
+        print(f"\non {len(tests)} prompts of {args.test_traces} (none of them in --traces), with the predictor fitted "
+              f"on all {len(traces)}:")
+        print_report(test, len(tests), cfg, held_out=False)
     pred.save(args.out)
     lat = measure_latency(pred, traces[0]["prompt_text"])
     print(f"saved {args.out} ({Path(args.out).stat().st_size / 1e3:.0f} kB): {', '.join(pred.drafts)}; "
