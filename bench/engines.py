@@ -255,19 +255,23 @@ class LlamaServerWorker:
         t = str(setup["threads"])
         self.eos = setup["eos"]
         self.drafted: tuple[int, int] | None = None  # the last request's draft tokens (proposed, accepted)
+        self.log = tempfile.NamedTemporaryFile(prefix="memspec-llama-server-", suffix=".log")
         self.proc = subprocess.Popen(
             [binary, "-m", setup["gguf"], "-md", setup["draft_gguf"], "--spec-type", "draft-simple",
              "--spec-draft-n-max", str(setup.get("draft_max", 4)), "-t", t, "-tb", t, "-td", t, "-tbd", t,
              "-c", "2048", "-np", "1", "--no-webui", "--host", "127.0.0.1", "--port", str(self.port)],
-            stdout=sys.stderr, stderr=sys.stderr)
+            stdout=self.log, stderr=subprocess.STDOUT)
         deadline = time.monotonic() + 300
         while not self._healthy():
             if self.proc.poll() is not None:
-                raise RuntimeError(f"llama-server exited while loading (status {self.proc.returncode}); "
-                                   f"its log is above")
+                raise RuntimeError(f"llama-server exited while loading (status {self.proc.returncode}):\n"
+                                   f"{self.log_tail()}")
             if time.monotonic() > deadline:
-                raise RuntimeError("llama-server did not become ready in 300 s")
+                raise RuntimeError(f"llama-server did not become ready in 300 s:\n{self.log_tail()}")
             time.sleep(0.2)
+
+    def log_tail(self, lines: int = 20) -> str:
+        return "\n".join(Path(self.log.name).read_text(errors="replace").splitlines()[-lines:])
 
     def _post(self, path: str, body: dict | None = None, timeout: float = 600) -> dict:
         import urllib.request
@@ -285,8 +289,13 @@ class LlamaServerWorker:
             return False
 
     def generate(self, ids: list[int], text: str, max_new: int) -> list[int]:
-        r = self._post("/completion", {"prompt": ids, "n_predict": max_new, "temperature": 0.0, "top_k": 1,
-                                       "cache_prompt": False, "return_tokens": True, "stream": False})
+        body = {"prompt": ids, "n_predict": max_new, "temperature": 0.0, "top_k": 1, "cache_prompt": False,
+                "return_tokens": True, "stream": False}
+        try:
+            r = self._post("/completion", body)
+        except OSError as exc:  # it crashed (say, an AMX build on this host) or refused the request
+            state = "exited" if self.proc.poll() is not None else "failed"
+            raise RuntimeError(f"llama-server {state} on a request ({exc}):\n{self.log_tail()}") from None
         out = [int(t) for t in r["tokens"]]
         timings = r.get("timings") or {}
         self.drafted = (int(timings.get("draft_n", 0)), int(timings.get("draft_n_accepted", 0)))
@@ -307,6 +316,7 @@ class LlamaServerWorker:
             self.proc.wait(timeout=30)
         except subprocess.TimeoutExpired:
             self.proc.kill()
+        self.log.close()
 
 
 class LeftOut(Exception):
