@@ -391,6 +391,11 @@ def test_train_predictor_scores_itself_on_test_traces_of_other_prompts(tmp_path,
     assert got["request"]["regret_modeled_tok_s"] < got["request"]["regret_single_best_modeled_tok_s"]
     with pytest.raises(ModelFormatError, match="not held out"):
         run("train.jsonl")
+    for t in test:
+        t["policies"] = [p for p in t["policies"] if p != "draft-code"]
+    (tmp_path / "fewer.jsonl").write_text("".join(json.dumps(t) + "\n" for t in test))
+    with pytest.raises(ModelFormatError, match="profiled without draft-code"):
+        run("fewer.jsonl")
 
 
 def test_each_shipped_target_gets_its_own_predictor_naming_its_own_drafts():

@@ -353,6 +353,10 @@ def run_train_predictor(args) -> int:
         if shared:
             raise ModelFormatError(f"--test-traces: {len(shared)} of its prompts are in --traces too, so they are "
                                    f"not held out (the first: {shared[0][:80]!r})")
+        lacking = sorted({d for t in tests for d in traces[0]["policies"] if d not in t["policies"]})
+        if lacking:
+            raise ModelFormatError(f"--test-traces: profiled without {', '.join(lacking)}, which --traces has; "
+                                   f"profile them with the same drafts")
     if args.folds and not 2 <= args.folds <= len(traces):
         raise ModelFormatError(f"--folds must be 0 or 2..{len(traces)} (the number of prompts), got {args.folds}")
     cfg = PredictorFitConfig(n_estimators=args.trees, folds=args.folds or PredictorFitConfig.folds, seed=args.seed)
