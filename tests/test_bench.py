@@ -71,6 +71,30 @@ def test_stream_bench_runs_every_policy_under_the_budget_with_target_only_output
         assert not png.exists() and "pip install -e .[bench]" in r.stderr
 
 
+def test_stream_bench_measures_the_verification_costs_before_any_policy_runs(model_store, monkeypatch):
+    """Regression: the policy bench's engine had no cost file and measured the target's cost curve
+    (4 s on the 1.5B) inside the first request that drafted, charged to whichever policy that was."""
+    import argparse
+
+    from memspec.bench import policies as P
+    from memspec.config import Config
+
+    seen = {}
+
+    def stop(engine, *args, **kwargs):
+        seen["costs"], seen["file"] = engine.verify_cost_s, engine.costs
+        raise KeyboardInterrupt  # enough: the policies would run now
+
+    monkeypatch.setattr(P, "run_stream", stop)
+    args = argparse.Namespace(config=Config(), variant="fp32", budget_mb=None, oracle_table=None, max_tokens=4,
+                              lookahead=1)
+    workload = [{"prompt": "Write a Python function that reverses a string.", "category": "code"}]
+    with pytest.raises(KeyboardInterrupt):
+        P.run_bench_stream(args, ["target-only", "bandit"], workload, Config().speculative)
+    assert seen["costs"] is not None and len(seen["costs"]) == Config().speculative.gamma_max + 2
+    assert seen["file"] is not None and seen["file"].path.parent == model_store.home  # the store's, as the daemon's
+
+
 def test_fixed_bench_runs_a_pool_and_refuses_what_a_pool_cannot_run(model_store, tmp_path):
     """The fixed-policy bench (no budget): every policy on a DraftPool, checked before anything runs."""
     from test_cli import memspec

@@ -382,7 +382,9 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     config = args.config
     store = ModelStore(config.store_home)
     target = TargetModel.load(store, config.model.target, args.variant or config.model.variant, config.runtime)
-    engine = Engine(target, config.limits, spec=spec)
+    from memspec.runtime.costs import COSTS, CostCache
+
+    engine = Engine(target, config.limits, spec=spec, costs=CostCache(store.home / COSTS))  # as build_engine
     sizes = draft_sizes(store, target)
     target_bytes = target.file_bytes
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
@@ -417,6 +419,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     lengths = [len(engine.prompt_ids(GenerationRequest(prompt=w["prompt"]))) for w in workload]
     longest = max(lengths)
     engine.generate(GenerationRequest(prompt=workload[lengths.index(longest)]["prompt"], max_tokens=args.max_tokens))
+    engine.calibrate()  # the verification cost curve, as the daemon measures it at start: in no policy's time
     reclaim()
     process = PsutilProbe().rss_bytes()
     kv = request_kv_bytes(longest + args.max_tokens, target.session.cache_nbytes,  # the most one request may hold
@@ -492,6 +495,7 @@ def run_bench(args) -> int:
         policies = policies or ["target-only", *(f"fixed:{d}" for d in sorted(engine.drafts))]
         for p in policies:
             policy_draft(p, engine.drafts)  # refuse unknown policies before running anything
+        engine.calibrate()  # measured (or read from the store) now, not in the first drafting policy's time
         cells = run(engine, workload, policies, args.max_tokens,
                     progress=lambda m: print(m, file=sys.stderr, flush=True))
         rows = summarize_runs(cells, policies)
