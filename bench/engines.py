@@ -167,9 +167,7 @@ def whole_draft(gguf: str) -> dict:
     out = CACHE / f"genai-draft-{src.stem}-{src.stat().st_size}" / "q4.onnx"
     if not out.is_file():
         convert(src, out, "q4")
-    cfg = GGUFModel(src).config
-    arch = {k: getattr(cfg, k) for k in ("vocab", "head_dim", "hidden", "n_heads", "n_kv_heads", "n_layers")}
-    return {"arch": arch, "path": str(out)}
+    return {"arch": dict(GGUFModel(src).config.__dict__), "path": str(out)}  # as a pulled model's manifest has it
 
 
 class GenaiWorker:

@@ -374,6 +374,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
 
     from memspec.speculation.drafts import target_drafts
     from memspec.speculation.engine import Engine, TargetModel
+    from memspec.runtime.costs import COSTS, CostCache
     from memspec.runtime.memory import request_kv_bytes
     from memspec.scheduling.policies import load_predictor
     from memspec.scheduling.scheduler import draft_kv_sizers, from_store
@@ -382,8 +383,6 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     config = args.config
     store = ModelStore(config.store_home)
     target = TargetModel.load(store, config.model.target, args.variant or config.model.variant, config.runtime)
-    from memspec.runtime.costs import COSTS, CostCache
-
     engine = Engine(target, config.limits, spec=spec, costs=CostCache(store.home / COSTS))  # as build_engine
     sizes = draft_sizes(store, target)
     target_bytes = target.file_bytes
