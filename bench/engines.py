@@ -27,8 +27,9 @@ The -spec engines need a target with a same-family draft GGUF in the store (`mem
 qwen2.5-coder-0.5b-draft`); without one, or without the binary, they are left out with the reason.
 Ollama serves llama.cpp: its numbers are llama.cpp's plus an HTTP server (it is not installable
 from a package index, so it is not run here).  Each engine runs in its own process, loaded once
-and warmed on the first prompt; the rounds interleave the engines in rotating order, so that
-machine noise falls on all of them.  Per engine and round, tok/s = generated tokens / seconds
+and warmed on the first prompt; in each round every prompt runs on every engine in turn, in an
+order that rotates from prompt to prompt and round to round, so that the machine's drift (speeds
+here move by 10% within minutes) falls on all of them alike.  Per engine and round, tok/s = generated tokens / seconds
 over the whole workload (time to first token included); the report gives the median over rounds,
 the ratio to llama.cpp, the process's resident memory, and how many prompts each engine answers
 exactly as memspec's target-only does (the 4-bit kernels of the three runtimes differ, so
@@ -449,21 +450,26 @@ def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: 
         return {"rows": []}
     per_round: dict[str, list[dict]] = {n: [] for n in engines}
     outputs: dict[str, list[list[int]]] = {}
+    names = list(engines)
     try:
         for r in range(rounds):
-            order = list(engines)[r % len(engines):] + list(engines)[:r % len(engines)]
-            for name in order:
-                tokens, seconds, outs, drafted = 0, 0.0, [], None
-                for w in items:
+            acc = {n: {"tokens": 0, "seconds": 0.0, "outs": [], "drafted": None} for n in names}
+            for i, w in enumerate(items):
+                shift = (r + i) % len(names)
+                for name in names[shift:] + names[:shift]:  # each prompt on every engine, in rotating order
                     res = engines[name].generate(w["ids"], w["prompt"], max_new)
-                    tokens += len(res["ids"])
-                    seconds += res["seconds"]
-                    outs.append(res["ids"])
+                    a = acc[name]
+                    a["tokens"] += len(res["ids"])
+                    a["seconds"] += res["seconds"]
+                    a["outs"].append(res["ids"])
                     if res.get("drafted"):  # an engine whose own speculation reports its draft tokens
-                        drafted = [a + b for a, b in zip(drafted or (0, 0), res["drafted"])]
+                        a["drafted"] = [x + y for x, y in zip(a["drafted"] or (0, 0), res["drafted"])]
+            for name in names:
+                a = acc[name]
+                tokens, seconds, drafted = a["tokens"], a["seconds"], a["drafted"]
                 per_round[name].append({"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
                                         "drafted": drafted})
-                outputs.setdefault(name, outs)
+                outputs.setdefault(name, a["outs"])
                 said = f", {drafted[1]}/{drafted[0]} draft tokens accepted" if drafted else ""
                 progress(f"round {r + 1}/{rounds} {name}: {tokens / seconds:.1f} tok/s ({tokens} tokens{said})")
     finally:
@@ -525,7 +531,7 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", help="JSONL with `prompt` fields (default: memspec's built-in 48 prompts)")
     ap.add_argument("--limit", type=int, help="only the first N prompts")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds over the workload")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds over the workload (each prompt on every engine in turn)")
     ap.add_argument("--threads", type=int, default=None, help="threads per engine (default: physical cores)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
     ap.add_argument("--config", help="memspec TOML config for the memspec engines")

@@ -311,6 +311,35 @@ def test_engines_bench_runs_each_engine_in_its_own_process(model_store, tmp_path
     assert bad.returncode == 2 and "unknown ollama" in bad.stderr
 
 
+def test_engines_run_each_prompt_on_every_engine_in_turn_in_rotating_order(monkeypatch):
+    """So that the machine's drift over a run falls on every engine alike, not on whichever ran last."""
+    engines = _bench_module("engines")
+    calls = []
+
+    class Worker:
+        def __init__(self, name, setup):
+            self.name, self.info, self.peak_rss_mb = name, {"load_s": 0.1, "rss_mb": 10.0}, 10.0
+
+        def generate(self, ids, text, max_new):
+            calls.append((self.name, text))
+            return {"ids": [len(calls)] * (1 + ids[0]), "seconds": 0.5 + ids[0] * 0.25, "rss_mb": 10.0}
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(engines, "Engine", Worker)
+    items = [{"ids": [i], "prompt": f"p{i}"} for i in range(3)]
+    result = engines.run(["a", "b", "c"], items, {}, max_new=4, rounds=2, progress=lambda _: None)
+    assert calls[:3] == [("a", "p0"), ("b", "p0"), ("c", "p0")]  # the warm-ups, as each loads
+    runs = calls[3:]
+    order = [[n for n, t in runs[j:j + 3]] for j in range(0, len(runs), 3)]
+    assert [t for _, t in runs[::3]] == ["p0", "p1", "p2"] * 2
+    assert order == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],  # round 1, then round 2 starts one on
+                     ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
+    rows = {r["engine"]: r for r in result["rows"]}
+    assert all(r["tokens"] == 1 + 2 + 3 and r["rounds"] == [2.67, 2.67] for r in rows.values())  # 6 tokens in 2.25 s a round
+
+
 def test_an_engine_that_cannot_load_is_left_out(tmp_path):
     """A worker that dies while loading (here: memspec with an unreadable config) is named and left
     out; the run goes on with the others (none here)."""
