@@ -73,11 +73,15 @@ class FakeProposer:
     tokens: list[int] = field(default_factory=lambda: [1, 2, 3])
     entropy: float = 0.5
     states: list = field(default_factory=list)
+    feed_s: float | None = None  # its catch-up cost a token, once "timed"
 
     def begin(self, capacity: int) -> FakeState:
         s = FakeState(self)
         self.states.append(s)
         return s
+
+    def feed_seconds_per_token(self) -> float | None:
+        return self.feed_s
 
 
 class FakeLoader:

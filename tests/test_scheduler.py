@@ -81,6 +81,8 @@ def test_expected_seconds_counts_the_load():
     assert expected_seconds(100, 10, 10, 0.0) == pytest.approx(10.0)
     assert expected_seconds(100, 10, 50, 1.0) == pytest.approx(1.0 + 90 / 50)  # 10 tokens while it loads
     assert expected_seconds(5, 10, 50, 1.0) == pytest.approx(0.5)  # done before the load is
+    assert expected_seconds(100, 10, 50, 1.0, 0.5) == pytest.approx(1.5 + 90 / 50)  # then 0.5 s catching up
+    assert expected_seconds(100, 10, 50, 0.0, 0.5) == pytest.approx(0.5 + 100 / 50)
 
 
 def test_request_reward_kinds():
@@ -251,6 +253,47 @@ def test_memspec_starts_without_stalling_then_switches_when_a_code_block_opens()
     c = sched.counters()
     assert c["stalls"] == 0 and c["switches"] >= 2
     assert all(d["leases"] == 0 for d in sched.ws.status()["drafts"].values())
+
+
+def switch_after_chat(sched, context_len, step_s, steps=8):
+    """A request started on draft-chat (resident) with draft-code resident too, whose context is
+    `context_len` tokens when its answer opens a code block; each step commits 4 tokens in
+    `step_s`.  The draft it runs on once the switcher has asked (at step `steps`)."""
+    sched.ws.lease("draft-code").release()
+    sel = sched.selector(req("tell me about cats", max_tokens=1024), [1, 2, 3, 4], 2048)
+    assert sel.name == "draft-chat"
+    m, context = SpecMetrics(), [1] * context_len + [FENCE]
+    for _ in range(steps):
+        name, state = sel(context, m)
+        n = len(state.propose(context, 3, None, None).tokens) if state else 0
+        m.record_step(name, n, 3, 4, step_s / 2, step_s / 2)
+        context = context + [1] * 4
+    name = sel(context, m)[0]
+    sel.close()
+    return name
+
+
+def test_memspec_counts_the_catch_up_of_the_context_before_switching_mid_request():
+    rates = {"draft-chat": 50.0, "draft-code": 20.0, "draft-math": 10.0, "prompt-lookup": 25.0, "none": 30.0}
+    code = dict(rates, **{"draft-code": 100.0})  # in the code block: 128 tokens in 1.28 s, not 2.56
+    for feed_s, context_len, switched in ((None, 200, True),  # nothing timed: no catch-up cost known
+                                          (0.02, 4, True),  # 0.66 s to catch up on 33 tokens
+                                          (0.02, 200, False)):  # 4.6 s on 229 tokens: not worth it
+        sched, loader, *_ = make("memspec", budget_mb=0, predictor=StandInPredictor(rates, code))
+        sched.ws.lease("draft-chat").release()
+        loader.proposers["draft-chat"].feed_s = feed_s  # draft-code (as large) costs the same a token
+        got = switch_after_chat(sched, context_len, step_s=0.1)  # 40 tok/s measured: below its 50 predicted
+        assert got == ("draft-code" if switched else "draft-chat"), (feed_s, context_len)
+        assert sched.counters().get("switches", 0) == switched
+
+
+def test_memspec_keeps_a_draft_that_does_better_than_predicted():
+    rates = {"draft-chat": 21.0, "draft-code": 20.0, "draft-math": 10.0, "prompt-lookup": 5.0, "none": 15.0}
+    for code_rate, switched in ((300.0, False),  # 14x draft-chat's prediction, but not 1.15x the 400 it measures
+                                (500.0, True)):
+        sched, _, *_ = make("memspec", budget_mb=0, predictor=StandInPredictor(rates, dict(rates, **{"draft-code": code_rate})))
+        sched.ws.lease("draft-chat").release()
+        assert switch_after_chat(sched, 4, step_s=0.01) == ("draft-code" if switched else "draft-chat")
 
 
 def test_memspec_uses_a_resident_draft_at_once_and_preloads_for_the_queue():

@@ -187,6 +187,19 @@ def test_model_draft_copies_an_earlier_occurrence_without_running_its_model(tiny
     assert calls and len(got.tokens) == 3
 
 
+def test_model_draft_times_its_catch_ups_of_a_context_and_not_single_tokens(tiny, monkeypatch):
+    fresh = DraftModel("timed", tiny[1].session, np.arange(V), V, DraftLimits(loop_tokens=0, lookup_ngram=0))
+    assert fresh.feed_seconds_per_token() is None and PromptLookup(V).feed_seconds_per_token() == 0.0
+    st = fresh.begin(64)
+    st.propose([3, 1, 4], 1, SamplingParams(), np.random.default_rng(0))  # 3 tokens fed: too short to time
+    assert fresh.feed_seconds_per_token() is None
+    clock = iter([10.0, 10.5])  # the timed catch-up below takes 0.5 s on this clock
+    monkeypatch.setattr("memspec.speculation.drafts.time.perf_counter", lambda: next(clock))
+    context = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
+    fresh.begin(64).propose(context, 1, SamplingParams(), np.random.default_rng(0))  # a new state feeds all 11
+    assert fresh.feed_seconds_per_token() == pytest.approx(0.5 / 11)
+
+
 def test_lookup_proposals_keep_the_sampling_distribution(tiny):
     """A copied proposal has no distribution (q is one-hot); the rejection rule must still
     reproduce the target's next-token distribution."""

@@ -83,6 +83,23 @@ def test_lease_miss_stalls_then_hits():
     ws.close()
 
 
+def test_catch_up_cost_is_a_drafts_own_timing_else_its_bytes_at_the_timed_drafts_rate():
+    ws, loader, _, _ = make()
+    assert ws.expected_catchup_s("b", 100) == 0.0  # nothing timed yet: unknown, not charged
+    ws.lease("a").release()
+    assert ws.expected_catchup_s("b", 100) == 0.0  # resident, but it has not caught up on anything
+    loader.proposers["a"].feed_s = 0.001  # 1 ms a token for its 10 MiB
+    assert ws.expected_catchup_s("a", 100) == pytest.approx(0.1)
+    assert ws.expected_catchup_s("c", 100) == pytest.approx(0.3)  # 30 MiB, not loaded: three times a's cost
+    assert ws.expected_catchup_s("lookup", 100) == 0.0  # no weights
+    ws.lease("c").release()
+    loader.proposers["c"].feed_s = 0.006  # its own timing wins over the estimate from its bytes
+    assert ws.expected_catchup_s("c", 100) == pytest.approx(0.6)
+    ws.unload("c")
+    assert ws.expected_catchup_s("c", 100) == pytest.approx(0.3)  # evicted: back to the estimate from a
+    ws.close()
+
+
 def test_leased_draft_is_never_evicted():
     ws, loader, _, _ = make(budget_mb=140)  # target + 40 MiB
     a = ws.lease("a")  # 10

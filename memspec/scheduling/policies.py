@@ -40,6 +40,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("memspec.scheduler")
 
+SWITCH_EVIDENCE_TOKENS = 16  # memspec trusts a request's own rate on its draft once this many tokens ran on it
+
 
 class Policy:
     """How one policy picks drafts.  The defaults are those of a policy that keeps no state."""
@@ -157,14 +159,15 @@ class Bandit(Policy):
 
 
 # -- memspec ---------------------------------------------------------------------------------
-def expected_seconds(tokens: int, tps_now: float, tps_new: float, load_s: float) -> float:
-    """Time to generate `tokens` running at `tps_now` while a draft loads for `load_s`,
-    then at `tps_new` (load_s = 0: the draft is there already)."""
+def expected_seconds(tokens: int, tps_now: float, tps_new: float, load_s: float, catchup_s: float = 0.0) -> float:
+    """Time to generate `tokens` running at `tps_now` while a draft loads for `load_s`, then,
+    after `catchup_s` in which it feeds the context so far and nothing is generated, at `tps_new`
+    (load_s = catchup_s = 0: the draft is there already)."""
     tps_now, tps_new = max(tps_now, 1e-6), max(tps_new, 1e-6)
     during = load_s * tps_now
     if during >= tokens:
         return tokens / tps_now
-    return load_s + (tokens - during) / tps_new
+    return load_s + catchup_s + (tokens - during) / tps_new
 
 
 def predictor_file(path: str, variant: str = "", target: str = "") -> Path | None:
@@ -238,17 +241,21 @@ class Memspec(Policy):
         usable.setdefault(NO_DRAFT, 0.0)
         return usable
 
-    def _best(self, pred: dict[str, float], tokens: int, current: str | None) -> tuple[str, float]:
+    def _best(self, pred: dict[str, float], tokens: int, current: str | None,
+              context: int = 0) -> tuple[str, float]:
         """The draft with the least expected time for `tokens` more tokens, counting loads:
         a resident draft runs at once; a missing one loads while `current` (or the best
-        resident) runs.  Returns (draft or 'none', expected seconds)."""
+        resident) runs.  Mid-request (`context` tokens so far) a draft other than `current`
+        first catches up on the whole context.  At the start that is the prompt, which the
+        predictor's rates already include.  Returns (draft or 'none', expected seconds)."""
         ws = self.sched.ws
         resident = {d for d in pred if d == NO_DRAFT or ws.is_resident(d)}
         now = current if current is not None else max(resident, key=lambda d: pred[d])
         best, best_s = now, expected_seconds(tokens, pred[now], pred[now], 0.0)
         for d, tps in pred.items():
             load_s = 0.0 if d in resident else ws.expected_load_s(d)
-            s = expected_seconds(tokens, pred[now], tps, load_s)
+            catchup_s = ws.expected_catchup_s(d, context) if context and d not in (now, NO_DRAFT) else 0.0
+            s = expected_seconds(tokens, pred[now], tps, load_s, catchup_s)
             if s < best_s:
                 best, best_s = d, s
         return best, best_s
@@ -285,10 +292,12 @@ class Memspec(Policy):
         pred = self._predict(request_text(sel.req), ctx)
         self._compare(sel, pred)
         current = sel.name or NO_DRAFT
-        left = min(sel.req.max_tokens - ctx.position, sched.config.expected_tokens)
-        best, best_s = self._best(pred, max(left, 1), current)
-        if best == current or pred.get(best, 0.0) < pred.get(current, 0.0) * (1 + sched.config.switch_margin):
-            return
+        # a draft doing better in this request than predicted keeps its measured rate
+        pred[current] = max(pred.get(current, 0.0), sel.observed_rate(current, SWITCH_EVIDENCE_TOKENS))
+        left = max(min(sel.req.max_tokens - ctx.position, sched.config.expected_tokens), 1)
+        best, best_s = self._best(pred, left, current, len(sel.context))
+        if best == current or best_s * (1 + sched.config.switch_margin) > left / max(pred[current], 1e-6):
+            return  # it must save at least switch_margin of the time left, its load and catch-up counted
         if best == NO_DRAFT:
             sel.drop()
             sched.count("switches")

@@ -127,6 +127,12 @@ class RequestSelector:
             obs[0] += d_tokens
             obs[1] += d_s
 
+    def observed_rate(self, name: str, min_tokens: int) -> float:
+        """Tokens a second this request committed with `name` (NO_DRAFT: target-only), once at
+        least `min_tokens` ran on it; else 0.0."""
+        tokens, seconds = self.observed.get(name, (0.0, 0.0))
+        return tokens / seconds if tokens >= min_tokens and seconds > 0 else 0.0
+
     def recent_acceptance(self) -> dict[str, float]:
         out = {}
         for name, steps in self.window.items():

@@ -249,6 +249,26 @@ class WorkingSet:
                 return 0.0
             return self.sizes.get(name, 0) / self._load_rate
 
+    def expected_catchup_s(self, name: str, tokens: int) -> float:
+        """How long `name` should take to feed `tokens` of context into an empty cache (what a
+        request that switches to it pays before its first proposal): its own timed catch-ups when
+        it is resident and has run one, else its declared bytes at the per-byte cost of the
+        resident drafts that have (a draft's prefill cost grows with its weights); 0.0 when no
+        draft was timed yet, or `name` holds no weights."""
+        with self._cond:
+            timed = {}
+            for e in self._entries.values():
+                rate = e.proposer.feed_seconds_per_token() if e.state == "resident" else None
+                if rate is not None:
+                    timed[e.name] = (rate, e.nbytes)
+            nbytes = self.sizes.get(name, 0)
+        if name in timed:
+            return tokens * timed[name][0]
+        per_byte = [rate / b for rate, b in timed.values() if b > 0]
+        if not nbytes or not per_byte:
+            return 0.0
+        return tokens * nbytes * sorted(per_byte)[len(per_byte) // 2]
+
     # -- queries -----------------------------------------------------------------------
     def is_resident(self, name: str) -> bool:
         with self._cond:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -27,6 +29,7 @@ from memspec.models.store import Manifest, ModelStore
 
 PROMPT_LOOKUP = "prompt-lookup"
 LOOKUP_MAX_NGRAM = 8  # a model draft's lookup prefers the longest earlier match up to this many tokens
+FEED_MIN_TOKENS = 8  # a catch-up at least this long is timed (a shorter one is mostly fixed cost)
 
 
 @dataclass
@@ -48,6 +51,8 @@ class Proposer(Protocol):
     session: DecoderSession | None  # its model; None for prompt lookup, which holds no weights and no cache
 
     def begin(self, capacity: int) -> DraftState: ...
+
+    def feed_seconds_per_token(self) -> float | None: ...  # its measured catch-up cost; None: not yet measured
 
 
 def loop_continuation(context: list[int], k: int, min_tokens: int, max_period: int = 8) -> list[int]:
@@ -140,6 +145,8 @@ class DraftModel:
         self.manifest = manifest
         self.nbytes = manifest.total_bytes if manifest else session.path.stat().st_size
         self.variant = draft_variant(manifest) if manifest else session.path.stem
+        self._fed = [0, 0.0]  # tokens and seconds of the timed catch-ups, over every request's state
+        self._fed_lock = threading.Lock()
 
     @classmethod
     def load(cls, store: ModelStore, name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
@@ -162,6 +169,19 @@ class DraftModel:
     def begin(self, capacity: int) -> "ModelDraftState":
         return ModelDraftState(self, capacity)
 
+    def fed(self, tokens: int, seconds: float) -> None:
+        """A catch-up of `tokens` took `seconds` (a request's state reports it)."""
+        with self._fed_lock:
+            self._fed[0] += tokens
+            self._fed[1] += seconds
+
+    def feed_seconds_per_token(self) -> float | None:
+        """Seconds a token of context costs to catch up on (a request that switches to this draft
+        feeds it the whole context first); None until a catch-up of FEED_MIN_TOKENS was timed."""
+        with self._fed_lock:
+            tokens, seconds = self._fed
+        return seconds / tokens if tokens else None
+
 
 class ModelDraftState:
     """One request's draft cache."""
@@ -180,7 +200,10 @@ class ModelDraftState:
         self.cache.truncate(n)
         del self.cached[n:]
         feed = context[n:]
+        t0 = time.perf_counter()
         logits = self.d.session.forward(self.cache, self.d.to_draft[feed].tolist(), keep=1)[-1]
+        if len(feed) >= FEED_MIN_TOKENS:
+            self.d.fed(len(feed), time.perf_counter() - t0)
         self.cached.extend(feed)
         return logits
 
@@ -244,6 +267,9 @@ class PromptLookup:
 
     def begin(self, capacity: int) -> "PromptLookupState":
         return PromptLookupState(self)
+
+    def feed_seconds_per_token(self) -> float:
+        return 0.0  # nothing to catch up on
 
 
 class PromptLookupState:
