@@ -340,6 +340,18 @@ def test_engines_run_each_prompt_on_every_engine_in_turn_in_rotating_order(monke
     assert all(r["tokens"] == 1 + 2 + 3 and r["rounds"] == [2.67, 2.67] for r in rows.values())  # 6 tokens in 2.25 s a round
 
 
+@pytest.mark.parametrize("args, says", [
+    (["--draft-max", "0"], "--draft-max must be 1..16 (onnxruntime-genai's range), got 0"),
+    (["--draft-max", "17"], "--draft-max must be 1..16 (onnxruntime-genai's range), got 17"),
+    (["--rounds", "0"], "--max-tokens, --rounds and --limit must be at least 1"),
+])
+def test_engines_bench_refuses_bad_options_before_loading_anything(args, says, capsys):
+    engines = _bench_module("engines")
+    with pytest.raises(SystemExit) as exc:
+        engines.main(args)
+    assert exc.value.code == 2 and says in capsys.readouterr().err
+
+
 def test_an_engine_that_cannot_load_is_left_out(tmp_path):
     """A worker that dies while loading (here: memspec with an unreadable config) is named and left
     out; the run goes on with the others (none here)."""
