@@ -29,8 +29,8 @@ Ollama serves llama.cpp: its numbers are llama.cpp's plus an HTTP server (it is 
 from a package index, so it is not run here).  Each engine runs in its own process, loaded once
 and warmed on the first prompt; in each round every prompt runs on every engine in turn, in an
 order that rotates from prompt to prompt and round to round, so that the machine's drift (speeds
-here move by 10% within minutes) falls on all of them alike.  Per engine and round, tok/s = generated tokens / seconds
-over the whole workload (time to first token included); the report gives the median over rounds,
+here move by 10% within minutes) falls on all of them alike.  Per engine and round, tok/s =
+generated tokens / seconds over the whole workload (time to first token included); the report gives the median over rounds,
 the ratio to llama.cpp, the process's resident memory, and how many prompts each engine answers
 exactly as memspec's target-only does (the 4-bit kernels of the three runtimes differ, so
 near-ties can go either way) and, for a -spec engine, as its own plain decoding does.
@@ -531,7 +531,8 @@ def main(argv=None) -> int:
     ap.add_argument("--workload", help="JSONL with `prompt` fields (default: memspec's built-in 48 prompts)")
     ap.add_argument("--limit", type=int, help="only the first N prompts")
     ap.add_argument("--max-tokens", type=int, default=128)
-    ap.add_argument("--rounds", type=int, default=3, help="rounds over the workload (each prompt on every engine in turn)")
+    ap.add_argument("--rounds", type=int, default=3,
+                    help="rounds over the workload (each prompt on every engine in turn)")
     ap.add_argument("--threads", type=int, default=None, help="threads per engine (default: physical cores)")
     ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
     ap.add_argument("--config", help="memspec TOML config for the memspec engines")

@@ -337,7 +337,8 @@ def test_engines_run_each_prompt_on_every_engine_in_turn_in_rotating_order(monke
     assert order == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],  # round 1, then round 2 starts one on
                      ["b", "c", "a"], ["c", "a", "b"], ["a", "b", "c"]]
     rows = {r["engine"]: r for r in result["rows"]}
-    assert all(r["tokens"] == 1 + 2 + 3 and r["rounds"] == [2.67, 2.67] for r in rows.values())  # 6 tokens in 2.25 s a round
+    # 6 tokens in 2.25 s a round
+    assert all(r["tokens"] == 1 + 2 + 3 and r["rounds"] == [2.67, 2.67] for r in rows.values())
 
 
 @pytest.mark.parametrize("args, says", [

@@ -371,8 +371,8 @@ def test_train_predictor_scores_itself_on_test_traces_of_other_prompts(tmp_path,
     from memspec.training.predictor_fit import add_train_predictor_parser, run_train_predictor
 
     traces = _synthetic_traces(10)
-    train = [t for t in traces if traces.index(t) % 10 < 6]  # topics 0-5 of each kind
-    test = [t for t in traces if traces.index(t) % 10 >= 6]  # topics 6-9: other prompts
+    train = [t for i, t in enumerate(traces) if i % 10 < 6]  # topics 0-5 of each kind
+    test = [t for i, t in enumerate(traces) if i % 10 >= 6]  # topics 6-9: other prompts
     for name, rows in (("train", train), ("test", test)):
         (tmp_path / f"{name}.jsonl").write_text("".join(json.dumps(t) + "\n" for t in rows))
     parser = argparse.ArgumentParser()

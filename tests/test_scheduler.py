@@ -291,7 +291,8 @@ def test_memspec_keeps_a_draft_that_does_better_than_predicted():
     rates = {"draft-chat": 21.0, "draft-code": 20.0, "draft-math": 10.0, "prompt-lookup": 5.0, "none": 15.0}
     for code_rate, switched in ((300.0, False),  # 14x draft-chat's prediction, but not 1.15x the 400 it measures
                                 (500.0, True)):
-        sched, _, *_ = make("memspec", budget_mb=0, predictor=StandInPredictor(rates, dict(rates, **{"draft-code": code_rate})))
+        code = dict(rates, **{"draft-code": code_rate})
+        sched, *_ = make("memspec", budget_mb=0, predictor=StandInPredictor(rates, code))
         sched.ws.lease("draft-chat").release()
         assert switch_after_chat(sched, 4, step_s=0.01) == ("draft-code" if switched else "draft-chat")
 
