@@ -48,3 +48,28 @@ def build_tiny(path: Path, seed: int, scale: float = 1.0, pad_attention: bool = 
     onnx.save(DecoderBuilder(tiny_weights(cfg, seed, scale), "fp32", 256, pad_attention=pad_attention).build(),
               str(path))
     return path
+
+
+def with_row_dependence(path: Path, out: Path, lone_rows_only: bool) -> Path:
+    """A copy of a decoder graph whose logits depend on how many tokens the pass feeds, as ONNX
+    Runtime's 4-bit kernels do on AVX2-only CPUs: lone_rows_only=True adds 1e-3 to every logit of
+    a one-token pass (a GEMV kernel of its own, which padding to two rows avoids); False adds 1e-3
+    times the pass's token count (no padding helps)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    m = onnx.load(str(path))
+    g = m.graph
+    for node in g.node:  # the node that makes the logits now makes logits_raw
+        node.output[:] = ["logits_raw" if o == "logits" else o for o in node.output]
+    g.initializer.extend([numpy_helper.from_array(np.array([1], np.int64), "rowdep/one"),
+                          numpy_helper.from_array(np.array(1e-3, np.float32), "rowdep/eps")])
+    count = [helper.make_node("Shape", ["input_ids"], ["rowdep/shape"], start=1, end=2),
+             helper.make_node("Cast", ["rowdep/shape"], ["rowdep/n"], to=TensorProto.FLOAT)]
+    if lone_rows_only:
+        count = [helper.make_node("Shape", ["input_ids"], ["rowdep/shape"], start=1, end=2),
+                 helper.make_node("Equal", ["rowdep/shape", "rowdep/one"], ["rowdep/lone"]),
+                 helper.make_node("Cast", ["rowdep/lone"], ["rowdep/n"], to=TensorProto.FLOAT)]
+    g.node.extend([*count, helper.make_node("Mul", ["rowdep/n", "rowdep/eps"], ["rowdep/bias"]),
+                   helper.make_node("Add", ["logits_raw", "rowdep/bias"], ["logits"])])
+    onnx.save(m, str(out))
+    return out

@@ -283,7 +283,7 @@ class BatchedTarget:
             if cache.length + m > cache.capacity:
                 raise ContextOverflowError(
                     f"context overflow: {cache.length} cached + {m} new tokens > capacity {cache.capacity}")
-            pad = min(max(self.target.pad_rows - m, 0), cache.capacity - cache.length - m)
+            pad = min(max(self.target.pad_rows - m, 0), cache.capacity + cache.slack - cache.length - m)
             k = min(max(k, 1), m)
             row = [*feed, *[feed[-1]] * pad]
             copy = int(self.target.graph_pads and len(row) == 1)  # the solo graph's one-token attention padding

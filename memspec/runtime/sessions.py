@@ -34,6 +34,7 @@ except ImportError as exc:  # memspec does not depend on one ONNX Runtime build:
         f"Jetson the JetPack build of onnxruntime-gpu from NVIDIA's index (not both: they replace each other)"
     ) from None
 from memspec.runtime.config import SessionConfig
+from memspec.runtime.invariance import UNCHECKED, RowCheck, settle
 
 PAGE = 4096  # bytes the OS commits at a time (Linux, x86-64 and aarch64 defaults)
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
@@ -97,8 +98,9 @@ def kv_cache_nbytes(rows: int, head_dim: int, tokens: int, capacity: int, itemsi
 class KVCache:
     """Per-request key/value state.  `length` is the number of committed tokens."""
 
-    def __init__(self, capacity: int):
+    def __init__(self, capacity: int, slack: int = 0):
         self.capacity = capacity  # most tokens the cache can hold
+        self.slack = slack  # slots past the capacity that a padded pass may write (never committed)
         self.length = 0  # tokens whose K/V are valid and visible
 
     def truncate(self, length: int) -> None:
@@ -117,7 +119,7 @@ class SharedBufferCache(KVCache):
 
     def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int, device: str = "cpu",
                  dtype: type = np.float32, slack: int = 0):
-        super().__init__(capacity)
+        super().__init__(capacity, slack)
         shape = (1, kv_heads, capacity + slack, head_dim)  # slack: slots a padded pass writes past the last token
         self.buffers = [
             ort.OrtValue.ortvalue_from_shape_and_type(shape, dtype, device, 0) for _ in range(2 * n_layers)
@@ -153,7 +155,7 @@ class DecoderSession:
     """One decoder model in ONNX Runtime, shapes read from the model itself."""
 
     def __init__(self, path: str | Path, config: SessionConfig = SessionConfig(), arena: bool = False,
-                 threads: int | None = None, min_rows: int = 1, spinning: bool = True):
+                 threads: int | None = None, min_rows: int = 1, spinning: bool = True, check_rows: bool = False):
         """arena=True keeps ORT's CPU memory arena: faster steps, but freed memory stays in the
         process.  The pinned target uses it; drafts, which are loaded and evicted, do not.
 
@@ -166,6 +168,11 @@ class DecoderSession:
         A graph of ours that pads attention itself (metadata memspec.attention_pad) needs none of
         that: it gives attention, the one kernel that differs, the copy row, while its matrix
         multiplies run one row (on the 1.5B a two-row pass costs 1.2x a one-row pass).
+
+        That holds where the matrix multiplies are row-invariant, which ONNX Runtime's 4-bit kernels
+        are not on every CPU (AVX2-only: a lone row takes a GEMV kernel of its own).  check_rows=True
+        (targets) probes this at load (memspec.runtime.invariance): with min_rows=2 a session whose
+        one-token passes still differ pads them to two rows after all; `rows` says what was found.
 
         spinning=False: its threads sleep as soon as a run ends (drafts: a pool spinning after its
         run would steal the cores the target verifies on next); a one-thread pool never spins."""
@@ -188,6 +195,8 @@ class DecoderSession:
             raise ModelFormatError(f"onnxruntime cannot load {self.path}: {exc}") from None
         self.device = "cuda" if self.session.get_providers()[0] != "CPUExecutionProvider" else "cpu"
         self._read_layout(config.max_context)
+        # the self-check's finding (and the padding it settled on: pad_rows), or UNCHECKED
+        self.rows: RowCheck = settle(self, escalate=min_rows >= 2) if check_rows else UNCHECKED
 
     def _read_layout(self, max_context: int) -> None:
         inputs = {i.name: i for i in self.session.get_inputs()}
@@ -219,7 +228,8 @@ class DecoderSession:
         meta = self.session.get_modelmeta().custom_metadata_map
         self.layout = "gqa" if meta.get("memspec.kv_layout") == "shared_buffer" else "growing"
         self.graph_pads = self.layout == "gqa" and meta.get("memspec.attention_pad") == "1"
-        # tokens a pass is padded to here (the graph pads itself), and slots written past the last token
+        # tokens a pass is padded to here (the graph pads itself; the self-check may raise it to 2),
+        # and slots written past the last token (1 either way)
         self.pad_rows = 1 if self.graph_pads else self.min_rows
         self.slack = 1 if self.graph_pads else self.min_rows - 1
         # slots a cache's buffer has past its capacity: the graph's padded pass writes one even at
@@ -268,8 +278,9 @@ class DecoderSession:
                 f"context overflow: {cache.length} cached + {n} new tokens > capacity {cache.capacity}"
             )
         keep = min(max(keep, 1), n)
-        # padding rows (min_rows), when the cache has room for them; they are dropped below
-        pad = min(max(self.pad_rows - n, 0), cache.capacity - cache.length - n)
+        # padding rows (pad_rows), when the cache has room for them, its slack slot included (so
+        # that a pass into the last slot is padded too); they are dropped below
+        pad = min(max(self.pad_rows - n, 0), cache.capacity + cache.slack - cache.length - n)
         if pad:
             ids = [*ids, *[ids[-1]] * pad]
         if isinstance(cache, SharedBufferCache):
@@ -294,7 +305,7 @@ class DecoderSession:
             for name, present, buf in zip(self.past_names, self.present_names, cache.buffers):
                 binding.bind_ortvalue_input(name, buf)
                 binding.bind_ortvalue_output(present, buf)
-            cache.ones = np.ones((1, cache.capacity), dtype=np.int64)
+            cache.ones = np.ones((1, cache.capacity + cache.slack), dtype=np.int64)
         binding.bind_cpu_input("input_ids", np.asarray([ids], dtype=np.int64))
         binding.bind_cpu_input("attention_mask", cache.ones[:, :total])
         binding.bind_cpu_input("logits_to_keep", np.array(keep, dtype=np.int64))

@@ -70,7 +70,9 @@ class TargetModel:
         path = m.variant_path(variant)
         store.check_files(m, variant)  # a tampered or truncated file is refused before it is parsed
         session = DecoderSession(path, config, arena=True,  # pinned: never unloaded
-                                 min_rows=2 if config.batch_invariant else 1)
+                                 min_rows=2 if config.batch_invariant else 1, check_rows=True)
+        if session.rows.warning():
+            log.warning("%s (%s): %s", name, variant, session.rows.warning())
         tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
         eos = set(m.extra.get("eos_token_ids", [])) | tok.eos_token_ids  # Qwen2.5: <|im_end|> and <|endoftext|>
         # ONNX Runtime frees its load-time copies of the weights once it has packed them, and the
