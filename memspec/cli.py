@@ -253,6 +253,8 @@ def cmd_status(args) -> int:
     mem = st["system_memory"]
     http = f" and http://{st['http_listen']}" if st.get("http_listen") else ""
     print(f"memspec {st['version']} {st['state']} on {st['listen']}{http}, up {st['uptime_s']:.0f} s")
+    for w in st.get("warnings", []):
+        print(f"warning   {w}")
     for m in st["resident"] or [{"name": "(none)", "role": "", "variant": "", "bytes": 0, "device": "", "providers": []}]:
         print(f"resident  {m['name']} {m['role']} {m['variant']} {_mib(m['bytes'])} {m['device']} "
               f"{','.join(m['providers'])}".rstrip())

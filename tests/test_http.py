@@ -443,6 +443,14 @@ def test_metrics_parse_and_move_by_exactly_what_a_request_adds(f):
     assert after[("memspec_num_requests_running", ())] == 0 and after[("memspec_kv_cache_bytes", ())] == 0
     assert after[("memspec_model_resident_bytes", (("model", "tiny"), ("role", "target"), ("variant", "q4")))] > 0
     assert after[("memspec_process_resident_memory_bytes", ())] > 0 and after[("memspec_serving", ())] == 1
+    assert after[("memspec_target_row_invariant", (("model", "tiny"), ("variant", "q4")))] == 1
+
+
+def test_a_target_whose_rows_round_apart_is_a_zero_gauge(f):
+    from memspec.runtime.invariance import RowCheck
+
+    f.h.engine.target.session.rows = RowCheck(exact=False, pad_rows=1, max_diff=0.2, reason="differs")
+    assert f.metrics()[("memspec_target_row_invariant", (("model", "tiny"), ("variant", "q4")))] == 0
 
 
 def test_grpc_status_and_metrics_read_the_same_counters(f):

@@ -33,6 +33,7 @@ from memspec.serving.notify import Notifier
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
 from memspec.serving.server import MemSpecServicer, create_server
 from memspec.speculation.sources import DraftPool, DraftRow, SourceStatus
+from memspec.runtime.invariance import WARNING, RowCheck
 
 KV_PER_TOKEN = 1000
 CONTEXT = 64
@@ -46,7 +47,8 @@ class FakeEngine:
     def __init__(self, name: str, variant: str, limits: Limits, step_s: float = 0.0):
         session = SimpleNamespace(layout="gqa", max_context=CONTEXT, device="cpu", providers=["CPUExecutionProvider"],
                                   kv_bytes_per_token=lambda: KV_PER_TOKEN,
-                                  cache_nbytes=lambda tokens: min(tokens, CONTEXT) * KV_PER_TOKEN)
+                                  cache_nbytes=lambda tokens: min(tokens, CONTEXT) * KV_PER_TOKEN,
+                                  rows=RowCheck(exact=True, pad_rows=1, max_diff=0.0, reason=""))
         manifest = SimpleNamespace(variants={variant: {"bytes": 5 * MiB}})
         self.target = SimpleNamespace(name=name, variant=variant, session=session, manifest=manifest,
                                       file_bytes=5 * MiB)
@@ -484,12 +486,27 @@ def test_status_reports_what_exists(h):
     st = h.client.status()
     assert st["state"] == "serving" and st["listen"] == "test"
     assert st["resident"] == [{"name": "tiny", "role": "target", "variant": "q4", "bytes": 5 * MiB,
-                               "device": "cpu", "providers": ["CPUExecutionProvider"]}]
-    assert st["resident_bytes"] == 5 * MiB and st["budget_bytes"] == 0
+                               "device": "cpu", "providers": ["CPUExecutionProvider"], "row_invariant": True,
+                               "exactness": ""}]
+    assert st["resident_bytes"] == 5 * MiB and st["budget_bytes"] == 0 and st["warnings"] == []
     assert st["drafts"] == [] and st["predictor"] == {} and st["scheduler"] == {}
     assert st["system_memory"]["total_bytes"] > 0 and st["system_memory"]["process_rss_bytes"] > 0
     assert st["requests"]["started"] == 1 and st["requests"]["completed"] == 1
     assert (st["max_concurrent"], st["max_queue"], st["queue_depth"], st["active_streams"]) == (4, 32, 0, 0)
+
+
+def test_a_target_whose_rows_round_apart_says_so_in_status(h, capsys):
+    """The self-check at load found that a row's logits depend on the pass's row count: GetStatus
+    and `memspec status` say that speculative output may differ, and why."""
+    from memspec.cli import main
+
+    reason = "a row's logits differ by up to 0.19 between passes of 1 and 5 rows"
+    h.engine.target.session.rows = RowCheck(exact=False, pad_rows=1, max_diff=0.19, reason=reason)
+    st = h.client.status()
+    assert st["warnings"] == [f"{WARNING}: {reason}"]
+    assert st["resident"][0]["row_invariant"] is False and st["resident"][0]["exactness"] == reason
+    assert main(["status", "--address", str(h.path)]) == 0
+    assert f"warning   {WARNING}: {reason}\n" in capsys.readouterr().out
 
 
 def test_status_takes_scheduler_and_predictor_counters_from_their_objects(h):

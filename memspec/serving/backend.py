@@ -214,7 +214,7 @@ class EngineBackend:
     def status(self) -> dict:
         engine = self.engine
         if engine is None:
-            return {"resident": [], "drafts": [], "predictor": {}, "scheduler": {}, "batch": {}}
+            return {"resident": [], "drafts": [], "predictor": {}, "scheduler": {}, "batch": {}, "warnings": []}
         report = engine.drafts.report()
         with self._count_lock:
             drafts = [{"name": d.name, "resident": d.resident, "bytes": d.bytes,
@@ -224,6 +224,7 @@ class EngineBackend:
         if report.budget_bytes is not None:  # the draft source's memory budget is the one that holds
             out["budget_bytes"] = int(report.budget_bytes)
         out["batch"] = engine.batch.report() if engine.batch is not None else {}
+        out["warnings"] = [w for w in (engine.target.session.rows.warning(),) if w]
         return out
 
     def reconfigure(self, config: Config) -> None:
@@ -246,8 +247,10 @@ def _resident(engine: ServingEngine | None) -> list[dict]:
     if engine is None:
         return []
     t = engine.target
+    rows = t.session.rows  # the self-check at load (memspec.runtime.invariance)
     out = [{"name": t.name, "role": "target", "variant": t.variant, "bytes": t.file_bytes,
-            "device": t.session.device, "providers": list(t.session.providers)}]
+            "device": t.session.device, "providers": list(t.session.providers),
+            "row_invariant": rows.exact, "exactness": rows.reason}]
     batch = getattr(engine, "batch", None)
     if batch is not None:  # [runtime] batching: the ragged batched graph holds its own copy of the weights
         out.append({"name": t.name, "role": "batched", "variant": t.variant, "bytes": batch.target.weight_bytes,

@@ -98,9 +98,16 @@ class Exporter(Collector):
         yield gauge("serving", "1 while the daemon takes requests (health), else 0", st["state"] == "serving")
         resident = GaugeMetricFamily(self._name("model_resident_bytes"), "weight bytes of each resident model",
                                      labels=["model", "role", "variant"])
+        exact = GaugeMetricFamily(self._name("target_row_invariant"),
+                                  "1 when the target's self-check found a row's logits the same in 1-, 2- and k-row "
+                                  "passes (speculative output is target-only output), 0 when it may differ",
+                                  labels=["model", "variant"])
         for m in st["resident"]:
             resident.add_metric([m["name"], m["role"], m["variant"]], m["bytes"])
+            if m["role"] == "target":
+                exact.add_metric([m["name"], m["variant"]], float(m.get("row_invariant", False)))
         yield resident
+        yield exact
 
 
 def registry(service: Service) -> CollectorRegistry:

@@ -71,8 +71,10 @@ class TargetModel:
         store.check_files(m, variant)  # a tampered or truncated file is refused before it is parsed
         session = DecoderSession(path, config, arena=True,  # pinned: never unloaded
                                  min_rows=2 if config.batch_invariant else 1, check_rows=True)
-        if session.rows.warning():
+        if session.rows.warning():  # the daemon's log, and stderr of `memspec generate`
             log.warning("%s (%s): %s", name, variant, session.rows.warning())
+        elif session.rows.reason:
+            log.info("%s (%s): %s", name, variant, session.rows.reason)
         tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
         eos = set(m.extra.get("eos_token_ids", [])) | tok.eos_token_ids  # Qwen2.5: <|im_end|> and <|endoftext|>
         # ONNX Runtime frees its load-time copies of the weights once it has packed them, and the
