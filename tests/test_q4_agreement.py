@@ -1,10 +1,11 @@
 """The fast 4-bit target: its single-token and multi-token passes round differently, so
 near-ties can flip between target-only decoding and speculative verification.
 
-Where it comes from (measured): MatMulNBits is row-invariant, and passes of 2..k tokens
-agree with each other bit for bit, but GroupQueryAttention's one-token path differs from
-its multi-token path by ~3e-7; accuracy_level=4 quantizes activations to int8, which turns
-that into logit differences up to ~0.9.  We measure the agreement teacher-forced (every
+Where it comes from (measured): passes of 2..k tokens agree with each other bit for bit, but
+GroupQueryAttention's one-token path differs from its multi-token path by ~3e-7, and on
+AVX2-only CPUs so does MatMulNBits' (docs/results.md, bench/row_invariance.py);
+accuracy_level=4 quantizes activations to int8, which turns that into logit differences up
+to ~0.9.  We measure the agreement teacher-forced (every
 position of the target-only greedy sequence, verified in passes of 6 tokens as the
 speculative loop does).  With `[runtime] batch_invariant = false` (one-row target steps) we
 measure about 0.98, pin 0.97 here, and check that every flip is a near-tie of the target
@@ -57,9 +58,21 @@ def q4_invariant(model_store):
     return Engine(TargetModel.load(model_store, "smollm2-135m", "q4", SessionConfig(max_context=512)))
 
 
+def exact_or_reported(engine) -> bool:
+    """True where the target's self-check at load found it row-invariant; where it did not (a CPU on
+    which no padding helps), the check must have said so, and the exactness tests have nothing to pin."""
+    rows = engine.target.session.rows
+    if not rows.exact:
+        assert rows.checked and rows.warning() and rows.max_diff > 0, rows
+    return rows.exact
+
+
 def test_batch_invariant_q4_verification_agrees_with_decoding(q4_invariant):
-    """`[runtime] batch_invariant = true`: one-token steps run as padded two-token passes, so
-    target-only decoding and verification share their kernels and agree exactly."""
+    """`[runtime] batch_invariant = true`: one-token steps take the kernels verification takes (the
+    graph pads attention; where this CPU's 4-bit kernels round a lone row differently, the whole
+    pass is padded to two rows), so target-only decoding and verification agree exactly."""
+    if not exact_or_reported(q4_invariant):
+        return
     rate, total = teacher_forced_agreement(q4_invariant)
     print(f"\nq4 batch-invariant teacher-forced agreement: {rate:.4f} over {total} tokens")
     assert rate >= 0.99
@@ -68,6 +81,8 @@ def test_batch_invariant_q4_verification_agrees_with_decoding(q4_invariant):
 def test_batch_invariant_q4_speculative_output_is_target_only_output(q4_invariant, model_store):
     from memspec.speculation.drafts import load_pool
 
+    if not exact_or_reported(q4_invariant):
+        return
     q4_invariant.drafts = DraftPool(load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512)))
     for prompt in PROMPTS:
         base = q4_invariant.generate(GenerationRequest(prompt=prompt, max_tokens=48, draft="none"))
