@@ -5,13 +5,18 @@ memspec/_proto/ into the build directory for wheels and plain installs, and
 into the source tree for editable installs (where the source tree is what gets
 imported).  The generated files are never committed.  Wheels and plain installs
 also carry the shipped drafts and predictor (models/) as memspec/_models/.
+
+The native kernels (memspec/runtime/native/, the `memspec.runtime._native` extension) are
+optional: without a C compiler the package still installs and memspec.runtime.kernels says
+so.  They are built for plain x86-64 (or the host's baseline); faster paths are chosen at run
+time, never with -march=native.
 """
 
 import importlib.util
 import shutil
 from pathlib import Path
 
-from setuptools import setup
+from setuptools import Extension, setup
 from setuptools.command.build_py import build_py
 
 HERE = Path(__file__).resolve().parent
@@ -36,4 +41,15 @@ class BuildWithProto(build_py):
             shutil.copytree(HERE / "models", Path(self.build_lib) / "memspec" / "_models", dirs_exist_ok=True)
 
 
-setup(cmdclass={"build_py": BuildWithProto})
+NATIVE = Extension(
+    "memspec.runtime._native",
+    sources=[f"memspec/runtime/native/{name}.c" for name in ("module", "matmul", "dot", "dot_avx2", "quants")],
+    depends=[f"memspec/runtime/native/{name}.h" for name in ("matmul", "dot", "quants")],
+    # -ffp-contract=off: a float op is fused only where the code says fmaf, on every path
+    extra_compile_args=["-O3", "-std=c11", "-fPIC", "-pthread", "-ffp-contract=off"],
+    extra_link_args=["-pthread"],
+    libraries=["m"],
+    optional=True,
+)
+
+setup(cmdclass={"build_py": BuildWithProto}, ext_modules=[NATIVE])

@@ -1,0 +1,63 @@
+/* Dot products of weight rows against activation rows, one implementation per ISA.
+ *
+ * Exactness: every (activation row, output) pair owns LANES float accumulators and
+ * sees the same sequence of float operations on every path, whatever the other rows:
+ *   - the integer part of a block's dot product is exact, so the order in which a
+ *     SIMD path adds its integers does not matter;
+ *   - the float part is fixed here, in the inline helpers both paths call (or their
+ *     lane-wise vector equivalents): one fused multiply-add per block into a fixed lane;
+ *   - lanes_sum() reduces the lanes in a fixed tree at the end.
+ * So the scalar and AVX2 paths agree bit for bit, and a row's result does not depend
+ * on how many rows share the call.
+ */
+#ifndef MEMSPEC_DOT_H
+#define MEMSPEC_DOT_H
+
+#include <math.h>
+
+#include "quants.h"
+
+/* Float accumulators per (row, output).  Lane of each contribution:
+ *   K-quants: lane 0 (one update per 256-weight block);
+ *   small blocks: lane b for block b of its 8-block chunk;
+ *   floats: lane i % 32 for weight i. */
+#define LANES 32
+
+struct dot_isa {
+    const char *name;
+    /* Add the dot products of weight row w (k weights of type t) with activation rows
+     * r0 .. r0+nr-1 into acc[0 .. nr-1], decoding each chunk of w once. */
+    void (*rows)(const struct type_info *t, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
+                 float (*acc)[LANES]);
+};
+
+extern const struct dot_isa DOT_SCALAR;
+#if defined(__x86_64__)
+extern const struct dot_isa DOT_AVX2;
+#endif
+
+/* The path called `name` ("scalar", "avx2"), or NULL if unknown or this CPU lacks it. */
+const struct dot_isa *dot_isa_named(const char *name);
+/* The best path this CPU supports. */
+const struct dot_isa *dot_isa_best(void);
+
+/* K-quant block: ia = sum sc*(q.x) - zoff.sum16, ib = mn.sum16 (integers, exact). */
+static inline float k_update(float acc, float d, float dmin, float dx, int32_t ia, int32_t ib) {
+    acc = fmaf(d * dx, (float)ia, acc);
+    return fmaf(-(dmin * dx), (float)ib, acc); /* Q6_K: dmin = 0, ib = 0: adds -0 */
+}
+
+/* Small block b: isum = q.x - zero*xsum, xsum = sum of the activation block's q. */
+static inline float small_update(float acc, float d, float m, float dx, int32_t isum, int32_t xsum) {
+    acc = fmaf(d * dx, (float)isum, acc);
+    return fmaf(m * dx, (float)xsum, acc); /* Q4_1's min; m = 0 otherwise */
+}
+
+/* The LANES accumulators of one (row, output), added in a fixed pairwise tree. */
+static inline float lanes_sum(float *acc) {
+    for (int half = LANES / 2; half > 0; half /= 2)
+        for (int i = 0; i < half; i++) acc[i] += acc[i + half];
+    return acc[0];
+}
+
+#endif
