@@ -253,13 +253,32 @@ class _Cursor:
         return np.frombuffer(raw, dtype=np.dtype("<" + fmt)).tolist()
 
 
+@dataclass(frozen=True)
+class TensorInfo:
+    """Where a tensor's data lies in a GGUF file, and what it is."""
+
+    offset: int  # absolute byte offset of its first block in the file
+    ggml_type: int  # ggml type id (gguf.GGMLQuantizationType)
+    shape: tuple[int, ...]  # ggml order: shape[0] is the row length (k), shape[1] the rows (n)
+
+
 def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
     """Read the key/value metadata of a GGUF file (v2/v3) into plain Python values.
 
     Tensor infos are never read.  Raises ModelFormatError, naming the offending
     value, for a missing, truncated or malformed file.
     """
-    path = Path(path)
+    return _read_header(Path(path), tensors=False)[0]
+
+
+def read_layout(path: str | os.PathLike[str]) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
+    """The metadata and every tensor's TensorInfo, without touching the tensors' data (milliseconds,
+    where gguf.GGUFReader takes seconds).  A tensor whose data would run past the end of the file is
+    a ModelFormatError naming it (a truncated download)."""
+    return _read_header(Path(path), tensors=True)
+
+
+def _read_header(path: Path, tensors: bool) -> tuple[dict[str, Any], dict[str, TensorInfo]]:
     if not path.is_file():
         raise ModelFormatError(f"GGUF file not found: {path}")
     if path.stat().st_size == 0:
@@ -273,14 +292,81 @@ def read_metadata(path: str | os.PathLike[str]) -> dict[str, Any]:
         version = cur.scalar("I")
         if version not in _GGUF_VERSIONS:
             raise cur.error(f"unsupported GGUF version {version} (expected 2 or 3)")
-        cur.scalar("Q")  # tensor count: the tensors are GGUFModel's
+        n_tensors = cur.scalar("Q")
         meta: dict[str, Any] = {}
         for _ in range(cur.scalar("Q")):
             key = cur.string()
             if key in meta:
                 raise cur.error(f"metadata key {key!r} appears twice")
             meta[key] = cur.value(cur.scalar("I"))
-        return meta
+        if not tensors:
+            return meta, {}
+        raw: list[tuple[str, tuple[int, ...], int, int]] = []
+        for _ in range(n_tensors):
+            name = cur.string()
+            shape = tuple(cur.scalar("Q") for _ in range(cur.scalar("I")))
+            raw.append((name, shape, cur.scalar("I"), cur.scalar("Q")))
+        align = int(meta.get("general.alignment", 32))
+        start = -(-cur.pos // align) * align  # the data section, aligned
+        infos = {}
+        for name, shape, ggml_type, rel in raw:
+            info = TensorInfo(start + rel, ggml_type, shape)
+            need = _tensor_bytes(info)
+            if need is not None and info.offset + need > len(buf):
+                raise cur.error(f"tensor {name!r} needs {need} bytes at byte {info.offset}, past the end "
+                                f"({len(buf)} bytes): the file is truncated")
+            infos[name] = info
+        return meta, infos
+
+
+def _tensor_bytes(info: TensorInfo) -> int | None:
+    """Bytes of a tensor of a known type (None for a type this module does not know)."""
+    import math
+
+    sizes = {0: (1, 4), 1: (1, 2), 30: (1, 2), 2: (32, 18), 3: (32, 20), 6: (32, 22), 8: (32, 34),
+             12: (256, 144), 13: (256, 176), 14: (256, 210)}  # ggml type id -> (weights, bytes) per block
+    if info.ggml_type not in sizes:
+        return None
+    per, nbytes = sizes[info.ggml_type]
+    return math.prod(info.shape) // per * nbytes
+
+
+def decoder_config(meta: dict[str, Any], tensors, name: str) -> DecoderConfig:
+    """The decoder's hyper-parameters from a GGUF's metadata; `tensors` maps names to objects with
+    a ggml-order `shape` (the token embedding's gives the vocabulary).  `name` is the file's, for messages."""
+    arch = meta.get("general.architecture")
+    if arch not in ARCHITECTURES:
+        raise ModelFormatError(f"{name}: architecture is {arch!r}, only 'llama' and 'qwen2' GGUF files can be run")
+
+    def field(k: str, default=None):
+        return meta.get(f"{arch}.{k}", default)
+
+    def require(k: str):
+        v = field(k)
+        if v is None:
+            raise ModelFormatError(f"{name}: metadata key {arch}.{k!r} is missing")
+        return v
+
+    emb = tensors.get("token_embd.weight")
+    if emb is None:
+        raise ModelFormatError(f"{name}: tensor 'token_embd.weight' is missing")
+    n_heads = int(require("attention.head_count"))
+    hidden = int(require("embedding_length"))
+    return DecoderConfig(
+        n_layers=int(require("block_count")),
+        hidden=hidden,
+        n_heads=n_heads,
+        n_kv_heads=int(field("attention.head_count_kv", n_heads)),
+        head_dim=int(field("attention.key_length", field("rope.dimension_count", hidden // n_heads))),
+        ffn=int(require("feed_forward_length")),
+        vocab=int(emb.shape[1]),
+        rope_theta=float(field("rope.freq_base", 10000.0)),
+        rms_eps=float(require("attention.layer_norm_rms_epsilon")),
+        context_length=int(field("context_length", 2048)),
+        tied_embeddings="output.weight" not in tensors,
+        arch=arch,
+        qkv_bias="blk.0.attn_q.bias" in tensors,
+    )
 
 
 class GGUFModel:
@@ -316,39 +402,8 @@ class GGUFModel:
         """Return one metadata value (str/int/float/bool or a list of them)."""
         return self.metadata.get(key, default)
 
-    def _require(self, key: str):
-        v = self.field(key)
-        if v is None:
-            raise ModelFormatError(f"{self.path.name}: metadata key {key!r} is missing")
-        return v
-
     def _read_config(self) -> DecoderConfig:
-        arch = self.field("general.architecture")
-        if arch not in ARCHITECTURES:
-            raise ModelFormatError(
-                f"{self.path.name}: architecture is {arch!r}, only 'llama' and 'qwen2' GGUF files can be converted"
-            )
-        key = lambda k: f"{arch}.{k}"  # noqa: E731 (hyper-parameters live under the architecture's prefix)
-        n_heads = int(self._require(key("attention.head_count")))
-        hidden = int(self._require(key("embedding_length")))
-        emb = self._tensors.get("token_embd.weight")
-        if emb is None:
-            raise ModelFormatError(f"{self.path.name}: tensor 'token_embd.weight' is missing")
-        return DecoderConfig(
-            n_layers=int(self._require(key("block_count"))),
-            hidden=hidden,
-            n_heads=n_heads,
-            n_kv_heads=int(self.field(key("attention.head_count_kv"), n_heads)),
-            head_dim=int(self.field(key("attention.key_length"), self.field(key("rope.dimension_count"), hidden // n_heads))),
-            ffn=int(self._require(key("feed_forward_length"))),
-            vocab=int(emb.shape[1]),
-            rope_theta=float(self.field(key("rope.freq_base"), 10000.0)),
-            rms_eps=float(self._require(key("attention.layer_norm_rms_epsilon"))),
-            context_length=int(self.field(key("context_length"), 2048)),
-            tied_embeddings="output.weight" not in self._tensors,
-            arch=arch,
-            qkv_bias="blk.0.attn_q.bias" in self._tensors,
-        )
+        return decoder_config(self.metadata, self._tensors, self.path.name)
 
     def _check_types(self) -> None:
         """Refuse, before any work, a tensor whose ggml type the converter cannot map exactly."""

@@ -32,7 +32,7 @@ def available() -> bool:
     return _native is not None
 
 
-def _module():
+def module():
     if _native is None:
         raise NativeKernelsUnavailable(NOT_BUILT)
     return _native
@@ -40,12 +40,12 @@ def _module():
 
 def isa() -> str:
     """The path matmul uses: "avx2" or "scalar" ($MEMSPEC_NATIVE_ISA=scalar forces scalar)."""
-    return _module().isa()
+    return module().isa()
 
 
 def isas() -> tuple[str, ...]:
     """Every path this CPU can run, for ``matmul(..., isa=)``."""
-    return _module().isas()
+    return module().isas()
 
 
 def matmul(raw: np.ndarray, ggml_type: int, n: int, k: int, x: np.ndarray, threads: int = 1,
@@ -59,7 +59,7 @@ def matmul(raw: np.ndarray, ggml_type: int, n: int, k: int, x: np.ndarray, threa
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, k={k}), got shape {x.shape}")
     out = np.empty((x.shape[0], n), dtype=np.float32)
-    _module().matmul(raw, ggml_type, n, k, x, out, threads, isa=isa)
+    module().matmul(raw, ggml_type, n, k, x, out, threads, isa=isa)
     return out
 
 

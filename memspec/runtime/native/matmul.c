@@ -25,25 +25,26 @@ struct job {
 
 static size_t row_bytes(const struct type_info *t, int k) { return (size_t)(k / t->block) * t->bytes; }
 
-/* out[r, j] for every row r and output j in [n0, n1). */
-static void run_job(const struct job *p) {
+void matmul_outputs(const struct dot_isa *isa, const struct type_info *t, const uint8_t *w, int n, int k,
+                    const struct acts *a, float *out, int n0, int n1) {
     float acc[ROW_TILE][LANES] __attribute__((aligned(32)));
-    const struct type_info *t = p->t;
-    size_t rb = row_bytes(t, p->k);
-    int m = p->a->m;
+    size_t rb = row_bytes(t, k);
+    int m = a->m;
     int wtile = rb < WEIGHT_TILE_BYTES ? (int)(WEIGHT_TILE_BYTES / rb) : 1;
-    for (int j0 = p->n0; j0 < p->n1; j0 += wtile) {
-        int j1 = j0 + wtile < p->n1 ? j0 + wtile : p->n1;
+    for (int j0 = n0; j0 < n1; j0 += wtile) {
+        int j1 = j0 + wtile < n1 ? j0 + wtile : n1;
         for (int r0 = 0; r0 < m; r0 += ROW_TILE) {
             int nr = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
             for (int j = j0; j < j1; j++) {
                 memset(acc, 0, sizeof(acc[0]) * nr);
-                p->isa->rows(t, p->w + (size_t)j * rb, p->k, p->a, r0, nr, acc);
-                for (int r = 0; r < nr; r++) p->out[(size_t)(r0 + r) * p->n + j] = lanes_sum(acc[r]);
+                isa->rows(t, w + (size_t)j * rb, k, a, r0, nr, acc);
+                for (int r = 0; r < nr; r++) out[(size_t)(r0 + r) * n + j] = lanes_sum(acc[r]);
             }
         }
     }
 }
+
+static void run_job(const struct job *p) { matmul_outputs(p->isa, p->t, p->w, p->n, p->k, p->a, p->out, p->n0, p->n1); }
 
 static void *job_thread(void *p) {
     run_job(p);

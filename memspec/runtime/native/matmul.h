@@ -10,4 +10,9 @@
 int matmul(const struct dot_isa *isa, const struct type_info *t, const uint8_t *w, int n, int k,
            const float *x, int m, float *out, int threads);
 
+/* out[r, j] for every activation row r of `a` (already quantized for t) and output j in
+ * [n0, n1): the forward pass's threads each take a range (one row's arithmetic, whatever the range). */
+void matmul_outputs(const struct dot_isa *isa, const struct type_info *t, const uint8_t *w, int n, int k,
+                    const struct acts *a, float *out, int n0, int n1);
+
 #endif

@@ -8,6 +8,9 @@
 #include <string.h>
 
 #include "matmul.h"
+#include "model.h"
+
+#include <pthread.h>
 
 static const struct dot_isa *default_isa; /* chosen once at import: $MEMSPEC_NATIVE_ISA or the best */
 
@@ -122,6 +125,292 @@ static PyObject *py_isas(PyObject *self, PyObject *unused) {
     return dot_isa_named("avx2") ? Py_BuildValue("(ss)", "scalar", "avx2") : Py_BuildValue("(s)", "scalar");
 }
 
+
+/* ---- Model: a decoder over one memory-mapped GGUF (model.h) ---- */
+
+typedef struct {
+    PyObject_HEAD
+    Py_buffer file;     /* the mapped GGUF; every tensor points into it */
+    int have_file;
+    struct model m;
+    pthread_mutex_t lock; /* one pass at a time: the pool serves one */
+} ModelObject;
+
+/* A tensor from (offset, ggml_type, n, k) into the file, or none from None. */
+static int parse_tensor(ModelObject *self, PyObject *spec, struct tensor *out, const char *what, int optional) {
+    memset(out, 0, sizeof(*out));
+    if (spec == Py_None && optional) return 0;
+    Py_ssize_t offset, n, k;
+    int type;
+    if (!PyArg_ParseTuple(spec, "ninn", &offset, &type, &n, &k)) {
+        PyErr_Format(PyExc_ValueError, "%s: the spec must be (offset, ggml_type, n, k)", what);
+        return -1;
+    }
+    const struct type_info *t = type_info(type);
+    if (!t) {
+        PyErr_Format(PyExc_ValueError, "tensor %s is of ggml type %d (%s), which memspec's native engine does not "
+                     "run; supported: %s", what, type, ggml_type_name(type), SUPPORTED_TYPES);
+        return -1;
+    }
+    if (n < 1 || k < 1 || n > INT_MAX || k > INT_MAX - CHUNK || k % t->block) {
+        PyErr_Format(PyExc_ValueError, "tensor %s: shape (%zd, %zd) does not fit %s blocks of %d", what, n, k, t->name,
+                     t->block);
+        return -1;
+    }
+    size_t bytes = (size_t)n * (size_t)(k / t->block) * (size_t)t->bytes;
+    if (offset < 0 || (size_t)offset + bytes > (size_t)self->file.len) {
+        PyErr_Format(PyExc_ValueError, "tensor %s: %zu bytes at offset %zd run past the file's %zd bytes (truncated?)",
+                     what, bytes, offset, self->file.len);
+        return -1;
+    }
+    *out = (struct tensor){(const uint8_t *)self->file.buf + offset, t, (int)n, (int)k};
+    return 0;
+}
+
+static int expect_vector(const struct tensor *v, int n, const char *what) {
+    if (!v->data) return 0;
+    if (v->t->id != TYPE_F32 || v->n != n || v->k != 1) {
+        PyErr_Format(PyExc_ValueError, "%s must be an F32 vector of %d values, got %s (%d, %d)", what, n, v->t->name,
+                     v->n, v->k);
+        return -1;
+    }
+    return 0;
+}
+
+static int expect_matrix(const struct tensor *w, int n, int k, const char *what) {
+    if (w->n != n || w->k != k) {
+        PyErr_Format(PyExc_ValueError, "%s must be (%d, %d), got (%d, %d)", what, n, k, w->n, w->k);
+        return -1;
+    }
+    return 0;
+}
+
+static int check_layer(const struct model *m, const struct layer *L, int l) {
+    char what[64];
+    int H = m->hidden, q = m->n_heads * m->head_dim, kv = m->n_kv_heads * m->head_dim, F = m->ffn;
+#define CHECK(expr, name) do { snprintf(what, sizeof(what), "blk.%d.%s", l, name); if (expr) return -1; } while (0)
+    CHECK(!L->attn_norm.data || expect_vector(&L->attn_norm, H, what), "attn_norm.weight");
+    CHECK(!L->ffn_norm.data || expect_vector(&L->ffn_norm, H, what), "ffn_norm.weight");
+    CHECK(expect_matrix(&L->wq, q, H, what), "attn_q.weight");
+    CHECK(expect_matrix(&L->wk, kv, H, what), "attn_k.weight");
+    CHECK(expect_matrix(&L->wv, kv, H, what), "attn_v.weight");
+    CHECK(expect_matrix(&L->wo, H, q, what), "attn_output.weight");
+    CHECK(expect_matrix(&L->wg, F, H, what), "ffn_gate.weight");
+    CHECK(expect_matrix(&L->wu, F, H, what), "ffn_up.weight");
+    CHECK(expect_matrix(&L->wd, H, F, what), "ffn_down.weight");
+    CHECK(expect_vector(&L->bq, q, what), "attn_q.bias");
+    CHECK(expect_vector(&L->bk, kv, what), "attn_k.bias");
+    CHECK(expect_vector(&L->bv, kv, what), "attn_v.bias");
+#undef CHECK
+    return 0;
+}
+
+static void model_dealloc(ModelObject *self) {
+    if (self->m.pool) pool_free(self->m.pool);
+    free(self->m.layers);
+    if (self->have_file) PyBuffer_Release(&self->file);
+    pthread_mutex_destroy(&self->lock);
+    Py_TYPE(self)->tp_free((PyObject *)self);
+}
+
+static const char *const LAYER_TENSORS[12] = {"attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight",
+                                             "attn_output.weight", "attn_q.bias", "attn_k.bias", "attn_v.bias",
+                                             "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"};
+
+static int model_init(ModelObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"file", "config", "embd", "out_norm", "output", "layers", "threads", "isa", NULL};
+    PyObject *file, *config, *embd, *out_norm, *output, *layers;
+    int threads = 1;
+    const char *isa_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|i$z", kwlist, &file, &config, &embd, &out_norm, &output,
+                                     &layers, &threads, &isa_name))
+        return -1;
+    pthread_mutex_init(&self->lock, NULL);
+    if (PyObject_GetBuffer(file, &self->file, PyBUF_SIMPLE) != 0) return -1;
+    self->have_file = 1;
+    struct model *m = &self->m;
+    if (!PyArg_ParseTuple(config, "iiiiiiiiff;config must be (n_layers, hidden, n_heads, n_kv_heads, head_dim, ffn, "
+                          "vocab, rope_neox, rope_theta, rms_eps)", &m->n_layers, &m->hidden, &m->n_heads,
+                          &m->n_kv_heads, &m->head_dim, &m->ffn, &m->vocab, &m->rope_neox, &m->rope_theta,
+                          &m->rms_eps))
+        return -1;
+    if (m->n_layers < 1 || m->hidden < 1 || m->n_heads < 1 || m->n_kv_heads < 1 || m->n_heads % m->n_kv_heads ||
+        m->head_dim < 8 || m->head_dim % 8 || m->ffn < 1 || m->vocab < 1) {
+        PyErr_Format(PyExc_ValueError, "config: %d layers, hidden %d, %d heads over %d KV heads of %d, ffn %d, vocab %d "
+                     "is not a decoder this engine runs (heads a multiple of KV heads, head_dim a multiple of 8)",
+                     m->n_layers, m->hidden, m->n_heads, m->n_kv_heads, m->head_dim, m->ffn, m->vocab);
+        return -1;
+    }
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "threads must be >= 1, got %d", threads);
+        return -1;
+    }
+    m->isa = isa_name ? dot_isa_named(isa_name) : default_isa;
+    if (!m->isa) {
+        PyErr_Format(PyExc_ValueError, "isa='%s' is not available on this CPU", isa_name);
+        return -1;
+    }
+    if (parse_tensor(self, embd, &m->embd, "token_embd.weight", 0) || parse_tensor(self, out_norm, &m->out_norm,
+        "output_norm.weight", 0) || parse_tensor(self, output, &m->output, "output.weight", 0))
+        return -1;
+    if (expect_matrix(&m->embd, m->vocab, m->hidden, "token_embd.weight") ||
+        expect_vector(&m->out_norm, m->hidden, "output_norm.weight") ||
+        expect_matrix(&m->output, m->vocab, m->hidden, "output.weight"))
+        return -1;
+    if (!PySequence_Check(layers) || PySequence_Size(layers) != m->n_layers) {
+        PyErr_Format(PyExc_ValueError, "layers must be a sequence of %d layers", m->n_layers);
+        return -1;
+    }
+    m->layers = calloc((size_t)m->n_layers, sizeof(struct layer));
+    if (!m->layers) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    for (int l = 0; l < m->n_layers; l++) {
+        PyObject *specs = PySequence_GetItem(layers, l);
+        if (!specs) return -1;
+        struct tensor *slots = (struct tensor *)&m->layers[l];
+        int bad = !PySequence_Check(specs) || PySequence_Size(specs) != 12;
+        for (int j = 0; j < 12 && !bad; j++) {
+            char what[64];
+            snprintf(what, sizeof(what), "blk.%d.%s", l, LAYER_TENSORS[j]);
+            PyObject *spec = PySequence_GetItem(specs, j);
+            bad = !spec || parse_tensor(self, spec, &slots[j], what, j >= 5 && j <= 7);
+            Py_XDECREF(spec);
+        }
+        Py_DECREF(specs);
+        if (bad) {
+            if (!PyErr_Occurred()) PyErr_Format(PyExc_ValueError, "layer %d must be 12 tensor specs", l);
+            return -1;
+        }
+        if (check_layer(m, &m->layers[l], l) != 0) return -1;
+    }
+    m->pool = pool_new(threads);
+    if (!m->pool) {
+        PyErr_NoMemory();
+        return -1;
+    }
+    return 0;
+}
+
+/* A 1-D int32 buffer of `n` values (n < 0: any), held in b. */
+static int get_ints(PyObject *obj, Py_buffer *b, const char *what, Py_ssize_t n) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_C_CONTIGUOUS | PyBUF_FORMAT) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "%s must be a C-contiguous int32 array", what);
+        return -1;
+    }
+    int ok = b->itemsize == 4 && b->format && strchr("iIl", b->format[strlen(b->format) - 1]) && b->ndim == 1 &&
+             (n < 0 || b->shape[0] == n);
+    if (!ok) {
+        PyErr_Format(PyExc_ValueError, "%s must be a 1-D int32 array%s, got format '%s' with %d dimensions", what,
+                     n >= 0 ? " of the batch's length" : "", b->format ? b->format : "?", b->ndim);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
+PyDoc_STRVAR(forward_doc,
+"forward(caches, capacities, ids, pos, seq, keep, logits)\n\n"
+"One pass: row t feeds ids[t] of sequence seq[t] at position pos[t] (int32 arrays of T), its key and\n"
+"value written into caches[seq[t]] (writable float16 buffers of n_layers*2*n_kv_heads*capacity*head_dim\n"
+"values); logits (len(keep), vocab) float32 receives the rows keep[j].  The GIL is released while it\n"
+"runs.  ValueError on a bad batch.");
+
+static PyObject *model_forward_py(ModelObject *self, PyObject *args) {
+    PyObject *caches, *caps, *ids_o, *pos_o, *seq_o, *keep_o, *logits_o;
+    if (!PyArg_ParseTuple(args, "OOOOOOO", &caches, &caps, &ids_o, &pos_o, &seq_o, &keep_o, &logits_o)) return NULL;
+    struct model *m = &self->m;
+    Py_ssize_t s = PySequence_Check(caches) ? PySequence_Size(caches) : -1;
+    if (s < 1 || !PySequence_Check(caps) || PySequence_Size(caps) != s) {
+        PyErr_SetString(PyExc_ValueError, "caches and capacities must be sequences of one or more, of equal length");
+        return NULL;
+    }
+    Py_buffer ids, pos, seq, keep, logits;
+    Py_buffer *bufs = calloc((size_t)s, sizeof(Py_buffer));
+    struct kv *kvs = calloc((size_t)s, sizeof(struct kv));
+    int held = 0, have = 0;
+    PyObject *result = NULL;
+    if (!bufs || !kvs) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    for (; held < s; held++) {
+        PyObject *c = PySequence_GetItem(caches, held), *cap = PySequence_GetItem(caps, held);
+        long capacity = cap ? PyLong_AsLong(cap) : -1;
+        int got = c && capacity > 0 && PyObject_GetBuffer(c, &bufs[held], PyBUF_WRITABLE) == 0;
+        Py_XDECREF(c);
+        Py_XDECREF(cap);
+        if (!got) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "cache %d must be a writable buffer with a positive capacity", held);
+            goto done;
+        }
+        size_t need = (size_t)m->n_layers * 2 * m->n_kv_heads * (size_t)capacity * m->head_dim * 2;
+        if ((size_t)bufs[held].len < need) {
+            PyErr_Format(PyExc_ValueError, "cache %d holds %zd bytes; a capacity of %ld needs %zu", held,
+                         bufs[held].len, capacity, need);
+            held++;
+            goto done;
+        }
+        kvs[held] = (struct kv){bufs[held].buf, (int)capacity};
+    }
+    if (get_ints(ids_o, &ids, "ids", -1)) goto done;
+    have = 1;
+    if (get_ints(pos_o, &pos, "pos", ids.shape[0])) goto done;
+    have = 2;
+    if (get_ints(seq_o, &seq, "seq", ids.shape[0])) goto done;
+    have = 3;
+    if (get_ints(keep_o, &keep, "keep", -1)) goto done;
+    have = 4;
+    if (get_matrix(logits_o, &logits, PyBUF_WRITABLE, "logits", keep.shape[0], m->vocab)) goto done;
+    have = 5;
+    struct batch b = {(int)ids.shape[0], (int)s, (int)keep.shape[0], ids.buf, pos.buf, seq.buf, keep.buf, kvs,
+                      logits.buf};
+    int rc;
+    Py_BEGIN_ALLOW_THREADS
+    pthread_mutex_lock(&self->lock);
+    rc = model_forward(m, &b);
+    pthread_mutex_unlock(&self->lock);
+    Py_END_ALLOW_THREADS
+    if (rc == -1) PyErr_NoMemory();
+    else if (rc == -2)
+        PyErr_SetString(PyExc_ValueError, "a bad batch: a token id outside the vocabulary, a position outside its "
+                        "cache, a sequence or kept row out of range, or no rows");
+    else {
+        Py_INCREF(Py_None);
+        result = Py_None;
+    }
+done:
+    if (have >= 5) PyBuffer_Release(&logits);
+    if (have >= 4) PyBuffer_Release(&keep);
+    if (have >= 3) PyBuffer_Release(&seq);
+    if (have >= 2) PyBuffer_Release(&pos);
+    if (have >= 1) PyBuffer_Release(&ids);
+    for (int i = 0; i < held && bufs; i++) PyBuffer_Release(&bufs[i]);
+    free(bufs);
+    free(kvs);
+    return result;
+}
+
+static PyMethodDef model_methods[] = {
+    {"forward", (PyCFunction)model_forward_py, METH_VARARGS, forward_doc},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject ModelType = {
+    PyVarObject_HEAD_INIT(NULL, 0).tp_name = "memspec.runtime._native.Model",
+    .tp_basicsize = sizeof(ModelObject),
+    .tp_flags = Py_TPFLAGS_DEFAULT,
+    .tp_doc = "Model(file, config, embd, out_norm, output, layers, threads=1, *, isa=None): a llama/qwen2 decoder "
+              "over a mapped GGUF (memspec.runtime.native_target builds it).",
+    .tp_new = PyType_GenericNew,
+    .tp_init = (initproc)model_init,
+    .tp_dealloc = (destructor)model_dealloc,
+    .tp_methods = model_methods,
+};
+
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
     {"isa", py_isa, METH_NOARGS, "isa() -> str: the path matmul uses by default (\"avx2\", \"scalar\")."},
@@ -138,5 +427,14 @@ PyMODINIT_FUNC PyInit__native(void) {
     if (!default_isa)
         return PyErr_Format(PyExc_ImportError, "MEMSPEC_NATIVE_ISA='%s' is not a path this CPU can run (scalar%s)",
                             env, dot_isa_named("avx2") ? ", avx2" : "");
-    return PyModule_Create(&module);
+    if (PyType_Ready(&ModelType) < 0) return NULL;
+    PyObject *mod = PyModule_Create(&module);
+    if (!mod) return NULL;
+    Py_INCREF(&ModelType);
+    if (PyModule_AddObject(mod, "Model", (PyObject *)&ModelType) < 0) {
+        Py_DECREF(&ModelType);
+        Py_DECREF(mod);
+        return NULL;
+    }
+    return mod;
 }

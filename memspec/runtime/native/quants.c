@@ -177,6 +177,33 @@ void quantize_row(const float *x, int k, int block, int8_t *q, float *d, int16_t
     }
 }
 
+void dequantize_row(const struct type_info *t, const uint8_t *raw, int k, float *out) {
+    size_t chunk_bytes = (size_t)(CHUNK / t->block) * t->bytes;
+    for (int c = 0; c * CHUNK < k; c++, raw += chunk_bytes) {
+        int count = k - c * CHUNK < CHUNK ? k - c * CHUNK : CHUNK;
+        float *y = out + (size_t)c * CHUNK;
+        if (t->family == FAM_FLOAT) {
+            struct fchunk w;
+            decode_float(t->id, raw, count, &w);
+            memcpy(y, w.w, (size_t)count * sizeof(float));
+        } else if (t->family == FAM_SMALL) {
+            struct qchunk w;
+            decode_small(t->id, raw, count, &w);
+            for (int i = 0; i < count; i++) {
+                int q = w.q_signed ? (int8_t)w.q[i] : w.q[i];
+                y[i] = w.d[i / QK] * (float)(q - w.zero) + w.m[i / QK];
+            }
+        } else {
+            struct kchunk w;
+            decode_k(t->id, raw, &w);
+            for (int i = 0; i < CHUNK; i++) {
+                int j = i / 16;
+                y[i] = w.d * (float)(w.sc[j] * w.q[i] - w.zoff[j]) - w.dmin * (float)w.mn[j];
+            }
+        }
+    }
+}
+
 int acts_init(struct acts *a, const struct type_info *t, const float *x, int m, int k) {
     memset(a, 0, sizeof(*a));
     a->m = m;

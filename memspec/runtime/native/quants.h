@@ -122,6 +122,9 @@ static inline void k_scales_unpack(const uint8_t *s, uint8_t sc[8], uint8_t mn[8
     __builtin_memcpy(mn, v, 8);
 }
 
+/* One row of k weights of type t (k a multiple of its block) as float32: the embedding lookup. */
+void dequantize_row(const struct type_info *t, const uint8_t *raw, int k, float *out);
+
 /* ---- activations ---- */
 
 /* M activation rows, each padded with zeros to kpad (a multiple of CHUNK) so that every

@@ -1,0 +1,58 @@
+/* A llama / qwen2 decoder over GGUF tensors as they are, and its forward pass.
+ *
+ * The weights are pointers into the memory-mapped GGUF (the Python side keeps the mapping
+ * alive); nothing is converted.  A pass takes T rows (tokens) from S sequences, each row with
+ * its sequence and position, writes their keys and values into the sequences' caches and
+ * returns the logits of the rows asked for.  A row's logits depend only on its sequence's
+ * tokens up to it and on the weights: not on T, S, the other rows or the thread count.
+ * Matrix multiplies are memspec's exact kernels (matmul.h); every other step works on one
+ * row (or one row and head) at a time, in a fixed order. */
+#ifndef MEMSPEC_MODEL_H
+#define MEMSPEC_MODEL_H
+
+#include <stdint.h>
+
+#include "dot.h"
+#include "pool.h"
+
+/* A GGUF tensor: (n, k) for a matrix (rows of k weights), (n) for a vector (k = 1, F32). */
+struct tensor {
+    const uint8_t *data;
+    const struct type_info *t;
+    int n, k;
+};
+
+struct layer {
+    struct tensor attn_norm, wq, wk, wv, wo, bq, bk, bv, ffn_norm, wg, wu, wd; /* biases: data NULL if none */
+};
+
+struct model {
+    int n_layers, hidden, n_heads, n_kv_heads, head_dim, ffn, vocab;
+    int rope_neox;   /* 1: rotate pairs (i, i + d/2) (qwen2); 0: adjacent pairs (2i, 2i+1) (llama's GGUF order) */
+    float rope_theta, rms_eps;
+    struct tensor embd, out_norm, output; /* output = embd when the head is tied */
+    struct layer *layers;
+    const struct dot_isa *isa;
+    struct pool *pool;
+};
+
+/* One sequence's KV cache: float16, [layer][K, V][kv head][capacity][head_dim]. */
+struct kv {
+    uint16_t *data;
+    int capacity;
+};
+
+/* One pass.  Row t feeds token ids[t] of sequence seq[t] at position pos[t]; a sequence's rows
+ * come in increasing positions and every position below them is in its cache already (or fed
+ * earlier in this pass).  logits (n_keep, vocab) for rows keep[0..n_keep-1]. */
+struct batch {
+    int t, s, n_keep;
+    const int32_t *ids, *pos, *seq, *keep;
+    struct kv *caches; /* s of them */
+    float *logits;
+};
+
+/* 0 on success; -1 out of memory; -2 a bad batch (ids, positions or sequences out of range). */
+int model_forward(const struct model *m, const struct batch *b);
+
+#endif

@@ -1,0 +1,154 @@
+"""The native CPU target: a llama or qwen2 decoder run from its GGUF file as it is.
+
+    t = NativeTarget(gguf_path, threads=2, max_context=2048)
+    c = t.new_cache()
+    logits = t.forward(c, ids, keep=k)                          # (k, V) float32, rows for the last k ids
+    c.truncate(n)                                               # roll back to n committed tokens
+    rows = t.forward_batch([c1, c2], [ids1, ids2], keeps=[k1, k2])   # one pass; a list of (k_i, V)
+
+The file is memory-mapped and its blocks are computed on where they lie (memspec/runtime/native/:
+the C extension memspec.runtime._native): no conversion, no second copy.  A row's logits are
+one fixed sequence of operations on that row's sequence and the weights, so they are the same
+bit for bit whether its token is fed alone, among draft tokens, or beside other sequences' rows,
+at any thread count (model.h).  The KV cache is float16, one buffer per sequence whose pages the
+OS commits as positions are written; rollback is a shorter `length`.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Sequence
+
+import numpy as np
+
+from memspec.errors import ContextOverflowError, ModelFormatError
+from memspec.models.gguf import TensorInfo, decoder_config, read_layout
+from memspec.runtime import kernels
+
+LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
+                 "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_norm.weight", "ffn_gate.weight",
+                 "ffn_up.weight", "ffn_down.weight")  # the order memspec.runtime._native.Model reads them in
+OPTIONAL = {"attn_q.bias", "attn_k.bias", "attn_v.bias"}  # qwen2 has them, llama not
+NEOX_ROPE = {"qwen2"}  # architectures whose rotary pairs are (i, i + d/2); llama's GGUF rows pair (2i, 2i+1)
+KV_ITEMSIZE = 2  # float16
+
+
+class NativeCache:
+    """One sequence's keys and values: (layers, K/V, kv heads, capacity, head_dim) float16.
+    `length` is the number of committed tokens; rolling back is truncation."""
+
+    def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int):
+        self.capacity = capacity  # most tokens the cache can hold
+        self.slack = 0  # no padded passes: nothing is written past the last token
+        self.length = 0  # tokens whose K/V are valid and visible
+        # np.empty of this size is an anonymous mapping: the OS commits pages as positions are written
+        self.data = np.empty((n_layers, 2, kv_heads, capacity, head_dim), dtype=np.uint16)
+
+    def truncate(self, length: int) -> None:
+        """Roll back to `length` tokens (the next forward overwrites the rest)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return self.data.nbytes
+
+
+def physical_cores() -> int:
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except Exception:
+        return os.cpu_count() or 1
+
+
+class NativeTarget:
+    """A decoder over one memory-mapped GGUF, run by memspec's own kernels."""
+
+    def __init__(self, path: str | Path, threads: int = 0, max_context: int = 2048, isa: str | None = None):
+        self.path = Path(path)
+        meta, tensors = read_layout(self.path)
+        self.config = cfg = decoder_config(meta, tensors, self.path.name)
+        native = kernels.module()  # NativeKernelsUnavailable where the extension was not built
+        self.max_context = max_context
+        self.vocab_size = cfg.vocab
+        self.n_layers, self.kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        self.threads = threads or physical_cores()
+        self.file_bytes = self.path.stat().st_size
+        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+
+        def spec(name: str, optional: bool = False):
+            info = tensors.get(name)
+            if info is None:
+                if optional:
+                    return None
+                raise ModelFormatError(f"{self.path.name}: tensor {name!r} is missing")
+            return _spec(info)
+
+        head = "output.weight" if "output.weight" in tensors else "token_embd.weight"  # tied head: the embedding
+        layers = [[spec(f"blk.{i}.{t}", t in OPTIONAL) for t in LAYER_TENSORS] for i in range(cfg.n_layers)]
+        config = (cfg.n_layers, cfg.hidden, cfg.n_heads, cfg.n_kv_heads, cfg.head_dim, cfg.ffn, cfg.vocab,
+                  int(cfg.arch in NEOX_ROPE), cfg.rope_theta, cfg.rms_eps)
+        try:
+            self.model = native.Model(self._map, config, spec("token_embd.weight"), spec("output_norm.weight"),
+                                      spec(head), layers, self.threads, isa=isa)
+        except ValueError as exc:  # an unsupported type, a wrong shape, a truncated file
+            raise ModelFormatError(f"{self.path.name}: {exc}") from None
+
+    # -- caches -------------------------------------------------------------
+    def new_cache(self, capacity: int | None = None) -> NativeCache:
+        return NativeCache(capacity or self.max_context, self.n_layers, self.kv_heads, self.head_dim)
+
+    def kv_bytes_per_token(self) -> int:
+        return 2 * self.n_layers * self.kv_heads * self.head_dim * KV_ITEMSIZE
+
+    # -- forward ------------------------------------------------------------
+    def forward(self, cache: NativeCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:
+        """Feed `ids` after the committed tokens; return the logits of the last `keep` positions,
+        (keep, V) float32.  cache.length advances by len(ids)."""
+        return self.forward_batch([cache], [ids], [keep])[0]
+
+    def forward_batch(self, caches: Sequence[NativeCache], feeds: Sequence[Sequence[int]],
+                      keeps: Sequence[int]) -> list[np.ndarray]:
+        """One pass over several sequences: feeds[i] after caches[i]'s committed tokens; returns, per
+        sequence, the logits of its last keeps[i] positions, (keeps[i], V) float32.  Each row's logits
+        are what it would get alone.  A cache may appear only once."""
+        if not len(caches) == len(feeds) == len(keeps) or not caches:
+            raise ValueError(f"a pass takes one or more sequences, each with one cache, one feed and one keep "
+                             f"(got {len(caches)} caches, {len(feeds)} feeds, {len(keeps)} keeps)")
+        if len({id(c) for c in caches}) != len(caches):
+            raise ValueError("a cache appears twice in one pass; feed a sequence's tokens as one feed")
+        ids, pos, seq, keep, spans = [], [], [], [], []
+        for s, (cache, feed, k) in enumerate(zip(caches, feeds, keeps)):
+            n = len(feed)
+            if n == 0:
+                raise ValueError("forward needs at least one token per sequence")
+            if cache.length + n > cache.capacity:
+                raise ContextOverflowError(
+                    f"context overflow: {cache.length} cached + {n} new tokens > capacity {cache.capacity}")
+            bad = [t for t in feed if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+            k = min(max(k, 1), n)
+            spans.append((len(keep), k))
+            keep.extend(range(len(ids) + n - k, len(ids) + n))
+            ids.extend(feed)
+            pos.extend(range(cache.length, cache.length + n))
+            seq.extend([s] * n)
+        logits = np.empty((len(keep), self.vocab_size), dtype=np.float32)
+        i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+        self.model.forward([c.data for c in caches], [c.capacity for c in caches], i32(ids), i32(pos), i32(seq),
+                           i32(keep), logits)
+        for cache, feed in zip(caches, feeds):
+            cache.length += len(feed)
+        return [logits[s: s + k] for s, k in spans]
+
+
+def _spec(info: TensorInfo) -> tuple[int, int, int, int]:
+    """(offset, ggml_type, n, k) as the extension reads a tensor: a matrix is n rows of k."""
+    if len(info.shape) == 1:
+        return info.offset, info.ggml_type, int(info.shape[0]), 1
+    return info.offset, info.ggml_type, int(info.shape[1]), int(info.shape[0])

@@ -1,0 +1,126 @@
+"""The native target (memspec.runtime.native_target): SmolLM2's GGUF run as it is by memspec's own
+kernels.  A row's logits are the same bit for bit however its tokens are fed: one at a time, in
+chunks, or as rows among other sequences in one pass, at any thread count."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+
+from memspec.errors import ContextOverflowError, ModelFormatError
+from memspec.runtime import kernels
+
+pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)  # test_native_build.py
+IDS = [(31 * i + 7) % 49152 for i in range(48)]
+
+
+@pytest.fixture(scope="module")
+def native(gguf_path):
+    from memspec.runtime.native_target import NativeTarget
+
+    return NativeTarget(gguf_path, threads=2, max_context=128)
+
+
+def whole(t, ids):
+    return t.forward(t.new_cache(), ids, keep=len(ids))
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3])
+def test_a_row_is_the_same_fed_alone_in_chunks_or_among_other_sequences(gguf_path, native, threads):
+    from memspec.runtime.native_target import NativeTarget
+
+    t = native if threads == 2 else NativeTarget(gguf_path, threads=threads, max_context=128)
+    ref = whole(native, IDS[:24])  # 2 threads, one pass of 24 rows
+    one = t.new_cache()
+    alone = np.concatenate([t.forward(one, [i]) for i in IDS[:24]])
+    assert np.array_equal(alone, ref)
+    for size in (2, 3, 5, 16):
+        c = t.new_cache()
+        chunks = [IDS[at:min(at + size, 24)] for at in range(0, 24, size)]
+        parts = [t.forward(c, chunk, keep=len(chunk)) for chunk in chunks]
+        assert np.array_equal(np.concatenate(parts), ref), size
+    rng = np.random.default_rng(threads)
+    for n in (2, 5, 8):  # n sequences in one pass, each at its own length, fed 1..6 tokens
+        caches, feeds, refs = [], [], []
+        for _ in range(n):
+            ctx, k = int(rng.integers(1, 17)), int(rng.integers(1, 7))
+            seq = list(map(int, rng.integers(0, 49152, ctx + k)))
+            c = t.new_cache()
+            t.forward(c, seq[:ctx])
+            caches.append(c)
+            feeds.append(seq[ctx:])
+            refs.append(whole(native, seq)[ctx:])
+        for got, want in zip(t.forward_batch(caches, feeds, [len(f) for f in feeds]), refs):
+            assert np.array_equal(got, want)
+
+
+def test_rollback_overwrites_rejected_tokens(native):
+    c = native.new_cache()
+    native.forward(c, IDS[:20])
+    want = native.forward(c, IDS[20:24], keep=4)
+    c.truncate(20)
+    native.forward(c, [5, 6, 7, 8, 9, 10], keep=6)  # a rejected draft run
+    c.truncate(20)
+    assert np.array_equal(native.forward(c, IDS[20:24], keep=4), want) and c.length == 24
+
+
+def test_it_agrees_with_the_exact_fp32_graph_as_int8_activations_allow(model_store, native):
+    """The fp32 ONNX variant dequantizes the same blocks exactly; the native engine quantizes its
+    activations to 8 bits as the q4 graph does: its logits stay as close to fp32 as q4's do."""
+    from memspec.models.tokenizer import Tokenizer
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.sessions import DecoderSession
+
+    m = model_store.get("smollm2-135m")
+    tok = Tokenizer.from_file(f"{m.folder}/tokenizer.json", f"{m.folder}/tokenizer_config.json")
+    ids = tok.encode("Write a Python function that merges two sorted lists. Here is one way to do it:")
+    got = whole(native, ids)
+    ref = {v: DecoderSession(m.variant_path(v), SessionConfig(max_context=128)) for v in ("fp32", "q4")}
+    fp32, q4 = (whole(s, ids) for s in (ref["fp32"], ref["q4"]))
+    ours, theirs = np.abs(got - fp32).mean(), np.abs(q4 - fp32).mean()
+    agree = (got.argmax(1) == fp32.argmax(1)).mean()
+    print(f"\nmean |logit - fp32|: native {ours:.3f}, onnx q4 {theirs:.3f}; argmax agreement {agree:.3f}")
+    assert ours < 1.25 * theirs and agree >= 0.85
+
+
+def test_bad_input_is_a_clear_error_and_the_target_keeps_working(native):
+    c = native.new_cache(capacity=8)
+    with pytest.raises(ValueError, match="token id 49152 is outside the vocabulary"):
+        native.forward(c, [1, 49152])
+    with pytest.raises(ContextOverflowError, match="0 cached \\+ 9 new tokens > capacity 8"):
+        native.forward(c, list(range(9)))
+    with pytest.raises(ValueError, match="a cache appears twice"):
+        native.forward_batch([c, c], [[1], [2]], [1, 1])
+    assert c.length == 0 and native.forward(c, IDS[:3]).shape == (1, 49152)
+
+
+def test_a_truncated_gguf_is_refused_naming_the_tensor(gguf_path, tmp_path):
+    from memspec.runtime.native_target import NativeTarget
+
+    cut = tmp_path / "cut.gguf"
+    with open(gguf_path, "rb") as src, open(cut, "wb") as dst:
+        dst.write(src.read(gguf_path.stat().st_size // 2))
+    with pytest.raises(ModelFormatError, match="tensor 'blk.*' needs .* the file is truncated"):
+        NativeTarget(cut)
+
+
+def test_an_unsupported_block_type_is_refused_naming_tensor_and_type(gguf_path, tmp_path):
+    """The type field of one tensor rewritten to Q2_K (10): refused at load with both names."""
+    from memspec.models.gguf import read_layout
+    from memspec.runtime.native_target import NativeTarget
+
+    bad = tmp_path / "q2k.gguf"
+    shutil.copy(gguf_path, bad)
+    raw = bytearray(bad.read_bytes())
+    name = b"blk.3.ffn_up.weight"
+    at = raw.index(len(name).to_bytes(8, "little") + name) + 8 + len(name)  # then n_dims, dims, type
+    n_dims = int.from_bytes(raw[at:at + 4], "little")
+    type_at = at + 4 + 8 * n_dims
+    assert int.from_bytes(raw[type_at:type_at + 4], "little") == 3  # Q4_1
+    raw[type_at:type_at + 4] = (10).to_bytes(4, "little")
+    bad.write_bytes(bytes(raw))
+    assert read_layout(bad)[1]["blk.3.ffn_up.weight"].ggml_type == 10
+    with pytest.raises(ModelFormatError, match=r"blk\.3\.ffn_up\.weight is of ggml type 10 \(Q2_K\)"):
+        NativeTarget(bad)
