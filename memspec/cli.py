@@ -122,7 +122,8 @@ def _daemon(args):
     from memspec.errors import UnavailableError
 
     explicit = bool(args.address or os.environ.get("MEMSPEC_ADDRESS"))
-    flag = "--variant" if args.variant else "--model" if getattr(args, "target", None) else None
+    flag = ("--variant" if args.variant else "--model" if getattr(args, "target", None)
+            else "--backend" if getattr(args, "backend", None) else None)
     if flag and args.address and not args.local:
         raise CLIError(f"{flag} picks the local target; a daemon serves the model it has loaded "
                        "(`memspec load NAME --variant V`). Drop --address to generate locally.")
@@ -312,9 +313,25 @@ def _sampling_options(g: argparse.ArgumentParser) -> None:
     _model_option(g, "; generates locally")
     g.add_argument("--variant", choices=("fp32", "q4"),
                    help="target variant; generates locally (default from config: q4)")
+    _backend_option(g, "; generates locally")
     g.add_argument("--json", action="store_true", help="print one JSON object per answer with ids, text and timings")
     g.add_argument("--address", help="the daemon's socket or HOST:PORT (default: the default socket)")
     g.add_argument("--local", action="store_true", help="generate in this process, without the daemon")
+
+
+def _backend_option(p: argparse.ArgumentParser, note: str = "") -> None:
+    p.add_argument("--backend", choices=("auto", "native", "onnxruntime"),
+                   help=f"the target's engine: memspec's native kernels on the GGUF as it is, or ONNX Runtime on "
+                        f"a converted graph{note} (default from config: [runtime] backend, auto)")
+
+
+def _choose_backend(args) -> None:
+    """--backend NAME: make it the config's [runtime] backend."""
+    import dataclasses
+
+    if getattr(args, "backend", None):
+        args.config = dataclasses.replace(args.config, runtime=dataclasses.replace(args.config.runtime,
+                                                                                      backend=args.backend))
 
 
 def _model_option(p: argparse.ArgumentParser, note: str = "") -> None:
@@ -382,6 +399,7 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     c.set_defaults(func=cmd_chat)
 
     sv = sub.add_parser("serve", parents=[common], help="run the daemon (gRPC on a Unix socket)")
+    _backend_option(sv)
     sv.add_argument("--listen", metavar="ADDRESS",
                     help="unix:///path.sock, a socket path, HOST:PORT, or PORT for loopback TCP "
                          "(default: [server] listen, else the default socket)")
@@ -428,6 +446,7 @@ def _add_dev_command(sub, common: argparse.ArgumentParser, name: str) -> None:
         from memspec.bench import policies as bench
 
         bench.add_arguments(b)
+        _backend_option(b)
         _model_option(b)
         b.set_defaults(func=cmd_bench)
     elif name == "train-draft":
@@ -470,6 +489,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.config_path = args.config
         args.config = load_config(args.config)
         _choose_model(args)
+        _choose_backend(args)
         return args.func(args)
     except MemspecError as exc:
         print(f"memspec: error: {exc}", file=sys.stderr)

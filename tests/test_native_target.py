@@ -124,3 +124,90 @@ def test_an_unsupported_block_type_is_refused_naming_tensor_and_type(gguf_path, 
     assert read_layout(bad)[1]["blk.3.ffn_up.weight"].ggml_type == 10
     with pytest.raises(ModelFormatError, match=r"blk\.3\.ffn_up\.weight is of ggml type 10 \(Q2_K\)"):
         NativeTarget(bad)
+
+
+# -- as the engine's target ---------------------------------------------------------------------
+PROMPTS = [
+    "Write a Python function that merges two sorted lists.",
+    "What is 15% of 240? Explain how you calculate it.",
+    "Tell me a short story about a robot who learns to paint.",
+    "Convert to JSON with keys name, age and city: Alice is 30 years old and lives in Paris.",
+]
+
+
+@pytest.fixture(scope="module")
+def native_engine(model_store):
+    from memspec.runtime.config import SessionConfig
+    from memspec.speculation.drafts import load_pool
+    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.speculation.sources import DraftPool
+
+    config = SessionConfig(max_context=512, backend="native", intra_op_threads=2)
+    target = TargetModel.load(model_store, "smollm2-135m", "q4", config)
+    return Engine(target, drafts=DraftPool(load_pool(model_store, "smollm2-135m", 49152, config)))
+
+
+def test_the_engine_runs_the_gguf_itself_when_the_config_says_native(native_engine, model_store):
+    from memspec.runtime.native_target import NativeTarget
+
+    t = native_engine.target
+    assert isinstance(t.session, NativeTarget) and t.variant == "gguf" and t.session.rows.exact
+    assert t.session.path == model_store.gguf_of(model_store.get("smollm2-135m"))
+    assert t.file_bytes == t.session.path.stat().st_size  # what the budget and GetStatus count
+
+
+def test_speculative_output_is_target_only_output_with_every_draft(native_engine):
+    """Greedy: every shipped draft and prompt lookup, token for token the native target's own answer."""
+    from memspec.request import GenerationRequest
+
+    for prompt in PROMPTS:
+        base = native_engine.generate(GenerationRequest(prompt=prompt, max_tokens=40, draft="none"))
+        for name in ("draft-code", "draft-math", "draft-chat", "prompt-lookup"):
+            r = native_engine.generate(GenerationRequest(prompt=prompt, max_tokens=40, draft=name))
+            assert r.token_ids == base.token_ids, f"{name} on {prompt!r}"
+
+
+def test_load_target_takes_a_gguf_path_or_a_store_name(gguf_path, model_store):
+    from memspec.runtime import load_target
+
+    t = load_target(gguf_path, backend="native", threads=2)
+    c = t.new_cache()
+    logits = t.forward(c, IDS[:5], keep=2)
+    assert logits.shape == (2, 49152) and c.length == 5
+    c.truncate(3)
+    rows = t.forward_batch([c, t.new_cache()], [IDS[3:5], IDS[:4]], keeps=[2, 1])
+    assert np.array_equal(rows[0], logits) and rows[1].shape == (1, 49152)
+    named = load_target("smollm2-135m", backend="native", threads=2, store=model_store)
+    assert named.path == t.path
+
+
+def test_a_backend_that_cannot_run_is_a_config_error(gguf_path, model_store):
+    from memspec.errors import ConfigError
+    from memspec.runtime import load_target
+    from memspec.runtime.batch import BatchedTarget
+    from memspec.runtime.target import resolve_backend
+
+    with pytest.raises(ConfigError, match="'tpu' is not an engine; choose one of auto, native, onnxruntime"):
+        resolve_backend("tpu", ("auto",))
+    with pytest.raises(ConfigError, match="runs on the CPU; providers CUDAExecutionProvider ask for a GPU"):
+        resolve_backend("native", ("CUDAExecutionProvider",))
+    with pytest.raises(ConfigError, match="a GGUF file runs on the native engine only"):
+        load_target(gguf_path, backend="onnxruntime")
+    with pytest.raises(ConfigError, match="batching runs a batched ONNX Runtime graph"):
+        BatchedTarget(load_target(gguf_path, backend="native"), rows=2)
+
+
+def test_a_gguf_that_is_not_the_one_pulled_is_refused(model_store, tmp_path):
+    """The store checks the GGUF against the sha256 its manifest recorded before the engine maps it."""
+    from memspec.models.store import ModelStore
+
+    home = tmp_path / "home"
+    store = ModelStore(home)
+    shutil.copytree(model_store.get("smollm2-135m").folder, home / "models" / "smollm2-135m")
+    store.downloads_dir.mkdir(parents=True, exist_ok=True)
+    m = store.get("smollm2-135m")
+    with pytest.raises(ModelFormatError, match="its GGUF .* is not in the store; .* memspec pull smollm2-135m"):
+        store.gguf_of(m)
+    (store.downloads_dir / m.provenance["gguf_file"]).write_bytes(b"GGUF not really")
+    with pytest.raises(ModelFormatError, match="is not the GGUF it was pulled from"):
+        store.gguf_of(m)

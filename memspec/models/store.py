@@ -231,6 +231,29 @@ class ModelStore:
         self._remember(known)
         return problems
 
+    def gguf_of(self, manifest: Manifest) -> Path:
+        """The GGUF a target was pulled from, in the downloads folder, checked against the sha256 its
+        manifest recorded (the native engine runs it as it is).  ModelFormatError when it is gone or
+        not that file."""
+        name, sha = manifest.provenance.get("gguf_file"), manifest.provenance.get("gguf_sha256")
+        if not name or not sha:
+            raise ModelFormatError(f"model {manifest.name!r} records no GGUF (pulled by an older memspec?); "
+                                   f"pull it again: memspec pull {manifest.name}")
+        path = self.downloads_dir / Path(str(name)).name
+        if not path.is_file():
+            raise ModelFormatError(f"model {manifest.name!r}: its GGUF {path} is not in the store; the native "
+                                   f"engine runs it: memspec pull {manifest.name} fetches it again")
+        known = self._verified()
+        st = path.stat()
+        identity = [st.st_size, st.st_mtime_ns, st.st_ino, sha]
+        if known.get(str(path)) != identity:
+            if sha256_file(path) != sha:
+                raise ModelFormatError(f"model {manifest.name!r}: {path} is not the GGUF it was pulled from "
+                                       f"(sha256 differs); pull it again: memspec pull {manifest.name}")
+            known[str(path)] = identity
+            self._remember(known)
+        return path
+
     def check_files(self, manifest: Manifest, variant: str) -> None:
         """Refuse to load a model whose files are not the ones its manifest names (a byte
         flipped, a file swapped): ModelFormatError (FAILED_PRECONDITION) naming the file."""

@@ -49,7 +49,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from memspec.errors import ContextOverflowError, ModelFormatError
+from memspec.errors import ConfigError, ContextOverflowError, ModelFormatError
 from memspec.runtime.sessions import DecoderSession, SharedBufferCache
 
 MASK_NODES = "/model/mask/"  # the converter's seqlens/total from the attention mask (models.convert)
@@ -224,6 +224,9 @@ class BatchedTarget:
     """The target's ragged batched graph (R row slots) and one pass over several caches."""
 
     def __init__(self, session: DecoderSession, rows: int):
+        if not isinstance(session, DecoderSession):
+            raise ConfigError("[runtime] batching runs a batched ONNX Runtime graph of the target; this target runs "
+                              "on the native engine: set [runtime] backend = \"onnxruntime\" to batch")
         if session.layout != "gqa" or not session.has_keep:
             raise ModelFormatError(f"{session.path.name}: batched passes need a memspec-converted graph "
                                    f"(shared-buffer KV and logits_to_keep)")

@@ -16,6 +16,8 @@ LARGE_DRAFT_BYTES = 64 * 2**20  # a draft this large runs on every core when dra
 class SessionConfig:
     """How ONNX Runtime runs a model."""
 
+    backend: str = "auto"  # the target's engine: "native" (memspec's kernels on the GGUF as it is, CPU),
+    #                        "onnxruntime" (a converted graph; CPU or CUDA), "auto" (memspec.runtime.target)
     providers: tuple[str, ...] = ("auto",)  # EP names, or "auto" = best that ORT reports
     draft_providers: tuple[str, ...] = ()  # the drafts' EPs, if not the target's (a tiny draft step
     #                                        can be cheaper on the CPU than a GPU kernel launch each)

@@ -81,13 +81,30 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def cost_key(model: Path, max_k: int, providers: list[str], threads: int, min_rows: int) -> str:
-    """Everything a measured cost curve depends on, as one string."""
-    import onnxruntime as ort
-
+def cost_key(model: Path, max_k: int, engine: list, threads: int, min_rows: int) -> str:
+    """Everything a measured cost curve depends on, as one string.  engine: what computes the
+    passes, with its version (ONNX Runtime's and its providers, or the native kernels' path)."""
     st = model.stat()
-    return json.dumps([str(model.resolve()), st.st_size, st.st_mtime_ns, ort.__version__, providers, threads,
-                       min_rows, max_k, cpu_name(), os.cpu_count()])
+    return json.dumps([str(model.resolve()), st.st_size, st.st_mtime_ns, *engine, threads, min_rows, max_k,
+                       cpu_name(), os.cpu_count()])
+
+
+def step_costs(target, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
+    """Seconds of one target forward (memspec.runtime.target.Target) over k tokens after `context`
+    cached ones, k = 1..max_k (timed_curve: the fastest of `repeats`, never falling with k).
+
+    Index 0 of the result is unused (0.0).  This is what verifying k-1 draft tokens costs,
+    measured on this machine at start-up for the draft-length controller."""
+    cache = target.new_cache(context + max_k + 1)
+    vocab = target.vocab_size or 1000
+    ids = [(17 * i + 3) % vocab for i in range(context + max_k)]
+    target.forward(cache, ids[:context], keep=1)
+
+    def run(k: int) -> None:
+        cache.truncate(context)
+        target.forward(cache, ids[context: context + k], keep=k)
+
+    return timed_curve(run, max_k, repeats)
 
 
 class CostCache:

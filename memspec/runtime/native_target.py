@@ -25,6 +25,9 @@ import numpy as np
 from memspec.errors import ContextOverflowError, ModelFormatError
 from memspec.models.gguf import TensorInfo, decoder_config, read_layout
 from memspec.runtime import kernels
+from memspec.runtime.costs import cost_key, step_costs
+from memspec.runtime.invariance import RowCheck, check
+from memspec.runtime.kvcache import KVCache, kv_cache_nbytes
 
 LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                  "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_norm.weight", "ffn_gate.weight",
@@ -34,22 +37,13 @@ NEOX_ROPE = {"qwen2"}  # architectures whose rotary pairs are (i, i + d/2); llam
 KV_ITEMSIZE = 2  # float16
 
 
-class NativeCache:
-    """One sequence's keys and values: (layers, K/V, kv heads, capacity, head_dim) float16.
-    `length` is the number of committed tokens; rolling back is truncation."""
+class NativeCache(KVCache):
+    """One sequence's keys and values: (layers, K/V, kv heads, capacity, head_dim) float16."""
 
     def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int):
-        self.capacity = capacity  # most tokens the cache can hold
-        self.slack = 0  # no padded passes: nothing is written past the last token
-        self.length = 0  # tokens whose K/V are valid and visible
+        super().__init__(capacity)  # no slack: a native pass is never padded
         # np.empty of this size is an anonymous mapping: the OS commits pages as positions are written
         self.data = np.empty((n_layers, 2, kv_heads, capacity, head_dim), dtype=np.uint16)
-
-    def truncate(self, length: int) -> None:
-        """Roll back to `length` tokens (the next forward overwrites the rest)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
-        self.length = length
 
     @property
     def nbytes(self) -> int:
@@ -97,6 +91,10 @@ class NativeTarget:
                                       spec(head), layers, self.threads, isa=isa)
         except ValueError as exc:  # an unsupported type, a wrong shape, a truncated file
             raise ModelFormatError(f"{self.path.name}: {exc}") from None
+        self.isa = isa or native.isa()
+        self.device = "cpu"
+        self.providers = [f"memspec-native ({self.isa})"]  # what computes it, as GetStatus lists engines
+        self.rows: RowCheck = check(self)  # the self-check at load (memspec.runtime.invariance)
 
     # -- caches -------------------------------------------------------------
     def new_cache(self, capacity: int | None = None) -> NativeCache:
@@ -104,6 +102,21 @@ class NativeTarget:
 
     def kv_bytes_per_token(self) -> int:
         return 2 * self.n_layers * self.kv_heads * self.head_dim * KV_ITEMSIZE
+
+    def cache_nbytes(self, tokens: int) -> int:
+        """Resident bytes of one sequence's cache once it holds `tokens` tokens: the pages of each
+        (layer, K/V, head) row written so far (memspec.runtime.kvcache.kv_cache_nbytes)."""
+        return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.head_dim, tokens, self.max_context,
+                               KV_ITEMSIZE)
+
+    # -- costs --------------------------------------------------------------
+    def cost_key(self, max_k: int) -> str:
+        """What measure_step_costs(max_k) depends on (memspec.runtime.costs keeps curves by it)."""
+        return cost_key(self.path, max_k, ["memspec-native", self.isa], self.threads, 1)
+
+    def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
+        """memspec.runtime.costs.step_costs: seconds of a pass over k = 1..max_k tokens."""
+        return step_costs(self, max_k, context, repeats)
 
     # -- forward ------------------------------------------------------------
     def forward(self, cache: NativeCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:

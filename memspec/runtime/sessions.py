@@ -35,8 +35,8 @@ except ImportError as exc:  # memspec does not depend on one ONNX Runtime build:
     ) from None
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.invariance import UNCHECKED, RowCheck, settle
+from memspec.runtime.kvcache import PAGE, KVCache, kv_cache_nbytes  # noqa: F401 (PAGE: re-exported)
 
-PAGE = 4096  # bytes the OS commits at a time (Linux, x86-64 and aarch64 defaults)
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
 
@@ -83,35 +83,6 @@ def physical_cores() -> int:
 
 
 KV_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}
-
-
-def kv_cache_nbytes(rows: int, head_dim: int, tokens: int, capacity: int, itemsize: int = 4) -> int:
-    """Resident bytes of a shared-buffer KV cache of `rows` (layer, K/V, head) rows of
-    `capacity` slots of `itemsize`-byte values each (4: float32; 2: the q4f16 variant's float16),
-    once `tokens` slots of every row are written: whole pages, plus one per row since rows need
-    not start on a page, never above the capacity."""
-    tokens = max(0, min(tokens, capacity))
-    pages = -(-tokens * head_dim * itemsize // PAGE) + (tokens > 0)
-    return min(rows * pages * PAGE, rows * capacity * head_dim * itemsize)
-
-
-class KVCache:
-    """Per-request key/value state.  `length` is the number of committed tokens."""
-
-    def __init__(self, capacity: int, slack: int = 0):
-        self.capacity = capacity  # most tokens the cache can hold
-        self.slack = slack  # slots past the capacity that a padded pass may write (never committed)
-        self.length = 0  # tokens whose K/V are valid and visible
-
-    def truncate(self, length: int) -> None:
-        """Roll back to `length` tokens (the next forward overwrites the rest)."""
-        if not 0 <= length <= self.length:
-            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
-        self.length = length
-
-    @property
-    def nbytes(self) -> int:
-        return 0
 
 
 class SharedBufferCache(KVCache):
@@ -340,25 +311,20 @@ class DecoderSession:
         """What measure_step_costs(max_k) depends on (memspec.runtime.costs keeps curves by it)."""
         from memspec.runtime.costs import cost_key
 
-        return cost_key(self.path, max_k, self.session.get_providers(), self.threads, self.pad_rows)
+        return cost_key(self.path, max_k, [ort.__version__, self.session.get_providers()], self.threads,
+                        self.pad_rows)
 
     def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
-        """Seconds of one forward over k tokens after `context` cached ones, k = 1..max_k
-        (memspec.runtime.costs.timed_curve: the fastest of `repeats`, never falling with k).
+        """memspec.runtime.costs.step_costs: seconds of a pass over k = 1..max_k tokens."""
+        from memspec.runtime.costs import step_costs
 
-        Index 0 of the result is unused (0.0).  This is what verifying k-1 draft tokens costs,
-        measured on this machine at start-up for the draft-length controller.
-        """
-        from memspec.runtime.costs import timed_curve
+        return step_costs(self, max_k, context, repeats)
 
-        cache = self.new_cache(context + max_k + 1)
-        vocab = self.vocab_size or 1000
-        ids = [(17 * i + 3) % vocab for i in range(context + max_k)]
-        self.forward(cache, ids[:context], keep=1)
-
-        def run(k: int) -> None:
-            cache.truncate(context)
-            self.forward(cache, ids[context: context + k], keep=k)
-
-        return timed_curve(run, max_k, repeats)
-
+    def forward_batch(self, caches: Sequence[KVCache], feeds: Sequence[Sequence[int]],
+                      keeps: Sequence[int]) -> list[np.ndarray]:
+        """Several sequences, one pass each, in turn (this graph takes one sequence a pass; the
+        batched graph, memspec.runtime.batch, is the one that shares passes)."""
+        if not len(caches) == len(feeds) == len(keeps):
+            raise ValueError(f"one cache, one feed and one keep per sequence (got {len(caches)} caches, "
+                             f"{len(feeds)} feeds, {len(keeps)} keeps)")
+        return [self.forward(c, f, keep=k) for c, f, k in zip(caches, feeds, keeps)]

@@ -234,7 +234,7 @@ def draft_footprints(drafts: list) -> dict[str, int]:
 def draft_kv_sizers(drafts: list, capacity: int) -> dict[str, KVSizer]:
     """Each draft's (manifests) KV cache: tokens -> bytes once it holds that many, in caches of
     `capacity` slots (a request's draft cache is as long as its target cache)."""
-    from memspec.runtime.sessions import kv_cache_nbytes
+    from memspec.runtime.kvcache import kv_cache_nbytes
 
     out = {}
     for m in drafts:

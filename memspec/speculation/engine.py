@@ -26,7 +26,8 @@ from memspec.request import Chunk, Completion, GenerationRequest, Limits, TokenL
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.costs import CostCache
 from memspec.runtime.memory import release_heap, request_kv_bytes
-from memspec.runtime.sessions import DecoderSession, KVCache, resolve_providers, variant_for
+from memspec.runtime.kvcache import KVCache
+from memspec.runtime.target import Target, open_target
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
 from memspec.speculation.metrics import SpecMetrics
@@ -44,7 +45,7 @@ class TargetModel:
 
     name: str  # store name
     variant: str  # "fp32", "q4", ...
-    session: DecoderSession
+    session: Target  # the engine that runs it (memspec.runtime.target)
     tokenizer: Tokenizer
     eos_ids: frozenset[int]
     manifest: Manifest | None = None
@@ -62,15 +63,11 @@ class TargetModel:
 
     @classmethod
     def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
+        """The target named `name`, on the engine `config.backend` picks (memspec.runtime.target):
+        `variant` of its ONNX graphs, or its GGUF as it is on the native engine."""
         m = store.get(name)
         folder = Path(m.folder)
-        variant, warning = variant_for(variant, resolve_providers(config.providers), m.variants)
-        if warning:
-            log.warning("%s: %s", name, warning)
-        path = m.variant_path(variant)
-        store.check_files(m, variant)  # a tampered or truncated file is refused before it is parsed
-        session = DecoderSession(path, config, arena=True,  # pinned: never unloaded
-                                 min_rows=2 if config.batch_invariant else 1, check_rows=True)
+        session, variant = open_target(store, m, variant, config)
         if session.rows.warning():  # the daemon's log, and stderr of `memspec generate`
             log.warning("%s (%s): %s", name, variant, session.rows.warning())
         elif session.rows.reason:

@@ -1,0 +1,39 @@
+"""A sequence's KV cache as every target engine keeps it, and what its pages cost.
+
+No ONNX Runtime, no native code: the scheduler and the memory accounting import this to count
+bytes, and each engine (memspec.runtime.sessions, memspec.runtime.native_target) subclasses
+`KVCache` with its own buffers.
+"""
+
+from __future__ import annotations
+
+PAGE = 4096  # bytes the OS commits at a time (Linux, x86-64 and aarch64 defaults)
+
+
+def kv_cache_nbytes(rows: int, head_dim: int, tokens: int, capacity: int, itemsize: int = 4) -> int:
+    """Resident bytes of a preallocated KV cache of `rows` (layer, K/V, head) rows of `capacity`
+    slots of `itemsize`-byte values each (4: float32; 2: float16), once `tokens` slots of every row
+    are written: whole pages, plus one per row since rows need not start on a page, never above
+    the capacity."""
+    tokens = max(0, min(tokens, capacity))
+    pages = -(-tokens * head_dim * itemsize // PAGE) + (tokens > 0)
+    return min(rows * pages * PAGE, rows * capacity * head_dim * itemsize)
+
+
+class KVCache:
+    """Per-sequence key/value state.  `length` is the number of committed tokens."""
+
+    def __init__(self, capacity: int, slack: int = 0):
+        self.capacity = capacity  # most tokens the cache can hold
+        self.slack = slack  # slots past the capacity that a padded pass may write (never committed)
+        self.length = 0  # tokens whose K/V are valid and visible
+
+    def truncate(self, length: int) -> None:
+        """Roll back to `length` tokens (the next forward overwrites the rest)."""
+        if not 0 <= length <= self.length:
+            raise ValueError(f"cannot truncate a cache of length {self.length} to {length}")
+        self.length = length
+
+    @property
+    def nbytes(self) -> int:
+        return 0

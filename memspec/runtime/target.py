@@ -1,0 +1,121 @@
+"""The one interface a target engine offers the layers above runtime/, and the choice of engine.
+
+    from memspec.runtime import load_target
+    t = load_target(model, backend="native", threads=2)   # model: a store entry or a GGUF path
+    c = t.new_cache()
+    logits = t.forward(c, ids, keep=k)        # (k, vocab) float32, rows for the last k ids
+    c.truncate(n)
+    rows = t.forward_batch([c1, c2], [ids1, ids2], keeps=[k1, k2])   # one pass, a list of arrays
+
+Two engines implement `Target`: memspec.runtime.native_target.NativeTarget (the GGUF's blocks as
+they are, memspec's own exact kernels; CPU) and memspec.runtime.sessions.DecoderSession (a graph
+converted for ONNX Runtime; CPU or CUDA).  `[runtime] backend` picks one: "native",
+"onnxruntime", or "auto" (AUTO_NATIVE below says which auto takes on a CPU).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Protocol, Sequence
+
+import numpy as np
+
+from memspec.errors import ConfigError
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.invariance import RowCheck
+from memspec.runtime.kvcache import KVCache
+
+log = logging.getLogger(__name__)
+BACKENDS = ("auto", "native", "onnxruntime")
+NATIVE_VARIANT = "gguf"  # what status calls a native target's variant: the GGUF file itself
+# What "auto" runs on a CPU when the native kernels are built.  ONNX Runtime until the native engine
+# measures faster there (docs/results.md, issue 29: decode 31 ms against 12 ms a SmolLM2 step today).
+AUTO_NATIVE = False
+
+
+class Target(Protocol):
+    """A decoder that verifies drafts: k rows of logits per pass, a KV cache per sequence."""
+
+    path: Path  # the file it runs: an ONNX graph or a GGUF
+    device: str  # "cpu" or "cuda"
+    providers: list[str]  # what computes it: ONNX Runtime's execution providers, or "memspec-native (isa)"
+    vocab_size: int | None  # rows of its logits (None: not known before a pass)
+    max_context: int  # a new cache's capacity in tokens
+    threads: int  # CPU threads a pass runs on
+    rows: RowCheck  # the self-check at load: is a row's result the same at any row count?
+
+    def new_cache(self, capacity: int | None = None) -> KVCache: ...
+
+    def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1) -> np.ndarray: ...
+
+    def forward_batch(self, caches: Sequence[KVCache], feeds: Sequence[Sequence[int]],
+                      keeps: Sequence[int]) -> list[np.ndarray]: ...
+
+    def kv_bytes_per_token(self) -> int: ...
+
+    def cache_nbytes(self, tokens: int) -> int: ...  # one sequence's resident KV bytes at `tokens`
+
+    def cost_key(self, max_k: int) -> str: ...
+
+    def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]: ...
+
+
+def resolve_backend(backend: str, providers: Sequence[str]) -> str:
+    """"native" or "onnxruntime" for `[runtime] backend` on these providers (config names)."""
+    from memspec.runtime import kernels
+
+    if backend not in BACKENDS:
+        raise ConfigError(f"[runtime] backend: {backend!r} is not an engine; choose one of {', '.join(BACKENDS)}")
+    gpu = any(p not in ("auto", "CPUExecutionProvider") for p in providers)
+    if backend == "native":
+        if gpu:
+            raise ConfigError(f"[runtime] backend = \"native\" runs on the CPU; providers {', '.join(providers)} ask "
+                              f"for a GPU: set backend = \"onnxruntime\" (or \"auto\") for it")
+        if not kernels.available():
+            raise ConfigError(f"[runtime] backend = \"native\": {kernels.NOT_BUILT}")
+        return "native"
+    if backend == "auto":
+        return "native" if AUTO_NATIVE and not gpu and kernels.available() else "onnxruntime"
+    return backend
+
+
+def load_target(model: str | Path, backend: str = "auto", threads: int = 0, max_context: int = 2048,
+                store=None, variant: str = "q4") -> Target:
+    """A target engine for `model`: a store entry's name (the store: `store`, else the default one)
+    or a GGUF file's path (native only: ONNX Runtime needs `memspec pull --gguf PATH --name NAME`)."""
+    config = SessionConfig(intra_op_threads=threads, max_context=max_context, backend=backend)
+    path = Path(model)
+    if str(model).endswith(".gguf") or path.is_file():
+        if resolve_backend(backend, config.providers) != "native":
+            raise ConfigError(f"{model}: a GGUF file runs on the native engine only (backend = \"native\"); "
+                              f"for ONNX Runtime convert it first: memspec pull --gguf {model} --name NAME")
+        from memspec.runtime.native_target import NativeTarget
+
+        return NativeTarget(path, threads=threads, max_context=max_context)
+    if store is None:
+        from memspec.models.store import ModelStore, default_home
+
+        store = ModelStore(default_home())
+    return open_target(store, store.get(str(model)), variant, config)[0]
+
+
+def open_target(store, manifest, variant: str, config: SessionConfig) -> tuple[Target, str]:
+    """The target engine for a store entry, by `config.backend`, and the variant it runs (the ONNX
+    variant, or NATIVE_VARIANT).  Files are checked against the manifest before they are parsed."""
+    if resolve_backend(config.backend, config.providers) == "native":
+        from memspec.runtime.native_target import NativeTarget
+
+        gguf = store.gguf_of(manifest)  # ModelFormatError: missing or not the one pulled
+        return NativeTarget(gguf, threads=config.intra_op_threads, max_context=config.max_context), NATIVE_VARIANT
+    from memspec.runtime.sessions import DecoderSession, resolve_providers, variant_for
+
+    variant, warning = variant_for(variant, resolve_providers(config.providers), manifest.variants)
+    if warning:
+        log.warning("%s: %s", manifest.name, warning)
+    path = manifest.variant_path(variant)
+    store.check_files(manifest, variant)  # a tampered or truncated file is refused before it is parsed
+    session = DecoderSession(path, config, arena=True,  # pinned: never unloaded
+                             min_rows=2 if config.batch_invariant else 1, check_rows=True)
+    return session, variant
+
