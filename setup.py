@@ -43,9 +43,10 @@ class BuildWithProto(build_py):
 
 NATIVE = Extension(
     "memspec.runtime._native",
-    sources=[f"memspec/runtime/native/{name}.c" for name in ("module", "model", "pool", "matmul", "dot", "dot_avx2",
-                                                                "quants")],
-    depends=[f"memspec/runtime/native/{name}.h" for name in ("model", "pool", "matmul", "dot", "quants")],
+    sources=[f"memspec/runtime/native/{name}.c" for name in ("module", "model", "attention", "pool", "matmul", "dot",
+                                                                "dot_avx2", "quants")],
+    depends=[f"memspec/runtime/native/{name}.h" for name in ("model", "attention", "pool", "matmul", "dot",
+                                                              "quants")],
     # -ffp-contract=off: a float op is fused only where the code says fmaf, on every path
     extra_compile_args=["-O3", "-std=c11", "-fPIC", "-pthread", "-ffp-contract=off"],
     extra_link_args=["-pthread"],

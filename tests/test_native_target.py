@@ -211,3 +211,13 @@ def test_a_gguf_that_is_not_the_one_pulled_is_refused(model_store, tmp_path):
     (store.downloads_dir / m.provenance["gguf_file"]).write_bytes(b"GGUF not really")
     with pytest.raises(ModelFormatError, match="is not the GGUF it was pulled from"):
         store.gguf_of(m)
+
+
+def test_every_path_of_this_cpu_gives_the_same_logits(gguf_path, native):
+    """The scalar reference and the SIMD path (kernels and attention) agree bit for bit on a whole
+    forward pass: where a machine runs decides nothing."""
+    from memspec.runtime.native_target import NativeTarget
+
+    for isa in kernels.isas():
+        other = NativeTarget(gguf_path, threads=2, max_context=128, isa=isa)
+        assert np.array_equal(whole(other, IDS[:20]), whole(native, IDS[:20])), isa

@@ -10,15 +10,6 @@
 
 /* ---- float16 (the KV cache) ---- */
 
-static float HALF[65536]; /* every float16 as float32: exact */
-static int half_ready;
-
-static void half_init(void) {
-    if (half_ready) return;
-    for (int i = 0; i < 65536; i++) HALF[i] = fp16_to_f32((uint16_t)i);
-    half_ready = 1;
-}
-
 /* float32 -> float16, rounding to nearest even (IEEE), with subnormals, inf and nan. */
 static uint16_t f32_to_f16(float f) {
     union { float f; uint32_t u; } v = {f};
@@ -69,15 +60,6 @@ static void rope(float *v, int heads, int hd, const float *cs, int neox) {
     }
 }
 
-/* q . k over hd values (k float16), in 8 fixed lanes and a fixed tree: vectorizable, and the
- * same sum whatever else runs. */
-static float dot_half(const float *q, const uint16_t *k, int hd) {
-    float acc[8] = {0};
-    for (int d = 0; d < hd; d += 8)
-        for (int l = 0; l < 8; l++) acc[l] += q[d + l] * HALF[k[d + l]];
-    return ((acc[0] + acc[4]) + (acc[2] + acc[6])) + ((acc[1] + acc[5]) + (acc[3] + acc[7]));
-}
-
 /* ---- the pass ---- */
 
 struct pass {
@@ -123,21 +105,16 @@ static void run_attention(void *arg, int i, int n) {
         const float *q = p->q + (size_t)t * nh * hd + (size_t)h * hd;
         const uint16_t *keys = c->data + kv_at(m, c, p->layer, 0, h / group, 0);
         const uint16_t *vals = c->data + kv_at(m, c, p->layer, 1, h / group, 0);
+        m->attn->scores(q, keys, pos + 1, hd, scale, w);
         float top = -INFINITY, sum = 0.0f;
-        for (int j = 0; j <= pos; j++) {
-            w[j] = dot_half(q, keys + (size_t)j * hd, hd) * scale;
-            top = w[j] > top ? w[j] : top;
-        }
+        for (int j = 0; j <= pos; j++) top = w[j] > top ? w[j] : top;
         for (int j = 0; j <= pos; j++) {
             w[j] = expf(w[j] - top);
             sum += w[j];
         }
         float *out = p->att + (size_t)t * nh * hd + (size_t)h * hd;
         memset(out, 0, sizeof(float) * hd);
-        for (int j = 0; j <= pos; j++) {
-            const uint16_t *v = vals + (size_t)j * hd;
-            for (int d = 0; d < hd; d++) out[d] += w[j] * HALF[v[d]];
-        }
+        m->attn->mix(w, vals, pos + 1, hd, out);
         float inv = 1.0f / sum;
         for (int d = 0; d < hd; d++) out[d] *= inv;
     }
@@ -240,7 +217,6 @@ static void embed_row(const struct tensor *e, int id, float *out) {
 int model_forward(const struct model *m, const struct batch *b) {
     int rc = check_batch(m, b);
     if (rc) return rc;
-    half_init();
     int T = b->t, H = m->hidden, hd = m->head_dim, F = m->ffn;
     int qd = m->n_heads * hd, kd = m->n_kv_heads * hd, threads = pool_threads(m->pool);
     struct pass p = {.m = m, .b = b};

@@ -12,6 +12,7 @@
 
 #include <stdint.h>
 
+#include "attention.h"
 #include "dot.h"
 #include "pool.h"
 
@@ -33,6 +34,7 @@ struct model {
     struct tensor embd, out_norm, output; /* output = embd when the head is tied */
     struct layer *layers;
     const struct dot_isa *isa;
+    const struct attn_isa *attn; /* attention's loops on the same path as isa */
     struct pool *pool;
 };
 

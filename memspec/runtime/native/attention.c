@@ -1,0 +1,67 @@
+/* attention.h: the scalar path (the reference) and the AVX2 + F16C path. */
+#include "attention.h"
+
+#include <string.h>
+
+#include "quants.h"
+
+static void scores_scalar(const float *q, const uint16_t *keys, int n, int hd, float scale, float *w) {
+    for (int j = 0; j < n; j++) {
+        const uint16_t *k = keys + (size_t)j * hd;
+        float a[8] = {0};
+        for (int d = 0; d < hd; d += 8)
+            for (int l = 0; l < 8; l++) a[l] += q[d + l] * fp16_to_f32(k[d + l]);
+        w[j] = (((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))) * scale;
+    }
+}
+
+static void mix_scalar(const float *w, const uint16_t *vals, int n, int hd, float *out) {
+    for (int j = 0; j < n; j++) {
+        const uint16_t *v = vals + (size_t)j * hd;
+        for (int d = 0; d < hd; d++) out[d] += w[j] * fp16_to_f32(v[d]);
+    }
+}
+
+static const struct attn_isa ATTN_SCALAR = {"scalar", scores_scalar, mix_scalar};
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,f16c")))
+
+AVX2 static void scores_avx2(const float *q, const uint16_t *keys, int n, int hd, float scale, float *w) {
+    for (int j = 0; j < n; j++) {
+        const uint16_t *k = keys + (size_t)j * hd;
+        __m256 a = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            __m256 kv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + d)));
+            a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + d), kv)); /* no FMA: the scalar rounds twice */
+        }
+        __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* (0+4, 1+5, 2+6, 3+7) */
+        __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                /* (0+4)+(2+6), (1+5)+(3+7) */
+        w[j] = _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1))) * scale;
+    }
+}
+
+AVX2 static void mix_avx2(const float *w, const uint16_t *vals, int n, int hd, float *out) {
+    for (int d = 0; d < hd; d += 8) {
+        __m256 o = _mm256_loadu_ps(out + d);
+        for (int j = 0; j < n; j++) {
+            __m256 v = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(vals + (size_t)j * hd + d)));
+            o = _mm256_add_ps(o, _mm256_mul_ps(_mm256_set1_ps(w[j]), v));
+        }
+        _mm256_storeu_ps(out + d, o);
+    }
+}
+
+static const struct attn_isa ATTN_AVX2 = {"avx2", scores_avx2, mix_avx2};
+#endif
+
+const struct attn_isa *attn_isa_for(const char *dot_isa_name) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (strcmp(dot_isa_name, "scalar") != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
+        return &ATTN_AVX2;
+#endif
+    return &ATTN_SCALAR;
+}
