@@ -208,6 +208,46 @@ def test_avx2_equals_the_scalar_reference_bit_for_bit(name):
                              f"{scalar[tuple(differ[0])]!r} vs {avx2[tuple(differ[0])]!r}"
 
 
+# Decode-sized calls take their own loops on the AVX2 path (native/dot_avx2.c): K-quants one
+# row alone (its sum in a register) or rows in groups of up to 8 (sums in vector lanes, each
+# block unpacked once per group); small blocks a partial last chunk.  Each must give the
+# scalar bits, whatever group a row falls in.
+DECODE_K = {**dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q8_0"), 1568),  # 6 chunks and one of a single block
+            **dict.fromkeys(("Q4_K", "Q5_K", "Q6_K"), 2304)}          # 9 blocks
+
+
+@pytest.mark.parametrize("name", list(DECODE_K))
+def test_one_row_and_every_group_size_equal_the_scalar_path(name):
+    if "avx2" not in kernels.isas():
+        pytest.skip(f"this CPU has no AVX2 (paths: {kernels.isas()})")
+    rng = np.random.default_rng(300 + TYPES.index(name))
+    n, k = 24, DECODE_K[name]
+    raw, x = random_weights(rng, name, n, k), activations(rng, 17, k)
+    scalar = kernels.matmul(raw, type_id(name), n, k, x, isa="scalar")
+    for m in range(1, 18):  # groups 1..8, then 8 + 1 .. 8 + 8 + 1
+        got = kernels.matmul(raw, type_id(name), n, k, x[:m], isa="avx2", threads=1 + m % 2)
+        same = (got == scalar[:m]).all(axis=1)
+        assert same.all(), f"{name}: rows {np.flatnonzero(~same).tolist()} of an {m}-row call differ from the scalar path"
+    for r in (0, 8, 16):  # each alone: the one-row loop
+        alone = kernels.matmul(raw, type_id(name), n, k, x[r : r + 1], isa="avx2")
+        np.testing.assert_array_equal(alone[0], scalar[r], err_msg=f"{name}: row {r} alone vs the scalar path")
+
+
+@pytest.mark.model  # reaches the 1.5B's GGUF without a model fixture
+def test_qwen_rows_alone_and_in_a_batch_equal_the_scalar_path(qwen):
+    """The 1.5B's Q4_K and Q6_K tensors: a row alone, among 9 (a group of 8 and one) and scalar."""
+    rng = np.random.default_rng(11)
+    for tname, (raw, qtype, n, k) in qwen.items():
+        x = activations(rng, 9, k)
+        scalar = kernels.matmul(raw, type_id(qtype), n, k, x, isa="scalar")
+        for isa in kernels.isas():
+            nine = kernels.matmul(raw, type_id(qtype), n, k, x, isa=isa, threads=2)
+            np.testing.assert_array_equal(nine, scalar, err_msg=f"{tname} ({qtype}): 9 rows, {isa} vs scalar")
+            for r in (0, 5):
+                alone = kernels.matmul(raw, type_id(qtype), n, k, x[r : r + 1], isa=isa)
+                np.testing.assert_array_equal(alone[0], scalar[r], err_msg=f"{tname} ({qtype}): row {r} alone, {isa}")
+
+
 def native_in_subprocess(env_isa: str) -> subprocess.CompletedProcess:
     env = {**os.environ, "MEMSPEC_NATIVE_ISA": env_isa}
     code = "from memspec.runtime import _native; print(_native.isa())"

@@ -6,7 +6,7 @@
  *     SIMD path adds its integers does not matter;
  *   - the float part is fixed here, in the inline helpers both paths call (or their
  *     lane-wise vector equivalents): one fused multiply-add per block into a fixed lane;
- *   - lanes_sum() reduces the lanes in a fixed tree at the end.
+ *   - lanes_take() reduces the lanes in a fixed tree at the end.
  * So the scalar and AVX2 paths agree bit for bit, and a row's result does not depend
  * on how many rows share the call.
  */
@@ -53,11 +53,22 @@ static inline float small_update(float acc, float d, float m, float dx, int32_t 
     return fmaf(m * dx, (float)xsum, acc); /* Q4_1's min; m = 0 otherwise */
 }
 
-/* The LANES accumulators of one (row, output), added in a fixed pairwise tree. */
-static inline float lanes_sum(float *acc) {
-    for (int half = LANES / 2; half > 0; half /= 2)
-        for (int i = 0; i < half; i++) acc[i] += acc[i + half];
-    return acc[0];
+/* The LANES accumulators of one (row, output), added in a fixed pairwise tree (lane i + half
+ * into lane i, half = 16, 8, 4, 2, 1), four lanes per vector operation; acc is cleared for the
+ * next output.  acc: 16-byte aligned. */
+typedef float lanes4 __attribute__((vector_size(16), may_alias));
+static inline float lanes_take(float *acc) {
+    _Static_assert(LANES == 32, "lanes_take sums 32 lanes");
+    lanes4 *p = (lanes4 *)acc, v[8];
+    for (int i = 0; i < 8; i++) {
+        v[i] = p[i];
+        p[i] = (lanes4){0.0f, 0.0f, 0.0f, 0.0f};
+    }
+    for (int i = 0; i < 4; i++) v[i] += v[i + 4]; /* half 16 */
+    for (int i = 0; i < 2; i++) v[i] += v[i + 2]; /* half 8 */
+    v[0] += v[1];                                 /* half 4 */
+    float a = v[0][0] + v[0][2], b = v[0][1] + v[0][3]; /* half 2 */
+    return a + b;                                 /* half 1 */
 }
 
 #endif

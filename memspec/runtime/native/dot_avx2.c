@@ -2,31 +2,52 @@
  *
  * Only these functions use AVX2, through the target attribute: the module is built for
  * plain x86-64 and dot.c picks this path at run time when the CPU has it.  The integer
- * sums equal the scalar ones exactly; the float updates are dot.h's, per lane. */
+ * sums equal the scalar ones exactly; the float updates are dot.h's, per lane.
+ *
+ * Quantized weights are never decoded to memory: each block is unpacked in registers and
+ * multiplied straight into the activation rows.  K-quants take one row alone (k_one: its
+ * float sum in a register) or rows in groups of up to 8 (k_group: each block unpacked once
+ * for the group, the rows' float sums in vector lanes); small blocks take each 8-block
+ * chunk once for all the rows.  Which loop a row takes changes no bit of its result. */
 #if defined(__x86_64__)
 
 #include <immintrin.h>
+#include <stddef.h>
 #include <string.h>
 
 #include "dot.h"
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
+#define INLINE inline __attribute__((always_inline)) /* the type a constant in each copy */
 
-AVX2 static inline int32_t hsum_i32(__m256i v) {
-    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(1, 0, 3, 2)));
-    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, _MM_SHUFFLE(2, 3, 0, 1)));
-    return _mm_cvtsi128_si32(s);
+/* v, opaque to the compiler: keeps a running sum a running sum (GCC would otherwise
+ * regroup a long integer sum into a tree whose products all stay live, and spill them). */
+AVX2 static inline __m256i in_register(__m256i v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+/* Lanes 0..3 (per 128-bit half) of the sums of a's and b's lanes 0,2 / 1,3 interleaved:
+ * a0+a2, b0+b2, a1+a3, b1+b3 (unpacks, not hadd: that takes twice as long on AMD). */
+AVX2 static inline __m256i fold_pair32(__m256i a, __m256i b) {
+    return _mm256_add_epi32(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
 }
 
 /* Eight vectors of 8 int32 -> one vector whose lane b is the sum of v[b]. */
 AVX2 static inline __m256i hsum_8x8(const __m256i v[8]) {
-    __m256i a = _mm256_hadd_epi32(v[0], v[1]), b = _mm256_hadd_epi32(v[2], v[3]);
-    __m256i c = _mm256_hadd_epi32(v[4], v[5]), d = _mm256_hadd_epi32(v[6], v[7]);
-    __m256i ab = _mm256_hadd_epi32(a, b); /* per 128-bit half: sums of v0..v3's half */
-    __m256i cd = _mm256_hadd_epi32(c, d); /* and of v4..v7's */
-    __m256i lo = _mm256_permute2x128_si256(ab, cd, 0x20), hi = _mm256_permute2x128_si256(ab, cd, 0x31);
-    return _mm256_add_epi32(lo, hi);
+    __m256i p01 = fold_pair32(v[0], v[1]), p23 = fold_pair32(v[2], v[3]);
+    __m256i p45 = fold_pair32(v[4], v[5]), p67 = fold_pair32(v[6], v[7]);
+    /* per 128-bit half: the half-sums of v0..v3, and of v4..v7 */
+    __m256i q03 = _mm256_add_epi32(_mm256_unpacklo_epi64(p01, p23), _mm256_unpackhi_epi64(p01, p23));
+    __m256i q47 = _mm256_add_epi32(_mm256_unpacklo_epi64(p45, p67), _mm256_unpackhi_epi64(p45, p67));
+    return _mm256_add_epi32(_mm256_permute2x128_si256(q03, q47, 0x20), _mm256_permute2x128_si256(q03, q47, 0x31));
+}
+
+/* The sums of a's lanes and of b's lanes, in lanes 0 and 1. */
+AVX2 static inline __m128i hsum_2x8(__m256i a, __m256i b) {
+    __m256i p = fold_pair32(a, b); /* per half: a, b, a, b partial sums */
+    __m128i u = _mm_add_epi32(_mm256_castsi256_si128(p), _mm256_extracti128_si256(p, 1));
+    return _mm_add_epi32(u, _mm_unpackhi_epi64(u, u));
 }
 
 /* Byte j is 0xFF where bit j of `bits` is set. */
@@ -38,78 +59,213 @@ AVX2 static inline __m256i bits_to_bytes(uint32_t bits) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(v, bit), bit);
 }
 
-/* ---- decoders (same output as quants.c's) ---- */
-
-/* K-quant block -> its 256 integers q (as quants.c's decode_k). */
-AVX2 static void decode_k_q(int type, const uint8_t *raw, uint8_t *q) {
-    const __m256i m4 = _mm256_set1_epi8(0x0F), m2 = _mm256_set1_epi8(3), m1 = _mm256_set1_epi8(1);
-    if (type == TYPE_Q6_K) {
-        const block_q6_K *b = (const block_q6_K *)raw;
-        for (int h = 0; h < 2; h++) {
-            __m256i l0 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h));
-            __m256i l1 = _mm256_loadu_si256((const __m256i *)(b->ql + 64 * h + 32));
-            __m256i hb = _mm256_loadu_si256((const __m256i *)(b->qh + 32 * h));
-            __m256i lows[4] = {_mm256_and_si256(l0, m4), _mm256_and_si256(l1, m4),
-                               _mm256_and_si256(_mm256_srli_epi16(l0, 4), m4),
-                               _mm256_and_si256(_mm256_srli_epi16(l1, 4), m4)};
-            for (int s = 0; s < 4; s++) {
-                __m256i high = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * s), m2);
-                _mm256_store_si256((__m256i *)(q + 128 * h + 32 * s), _mm256_or_si256(lows[s], _mm256_slli_epi16(high, 4)));
-            }
-        }
-        return;
-    }
-    const uint8_t *qs = raw + (type == TYPE_Q4_K ? 16 : 48);
-    __m256i hb = type == TYPE_Q5_K ? _mm256_loadu_si256((const __m256i *)(raw + 16)) : _mm256_setzero_si256();
-    for (int c = 0; c < 4; c++) {
-        __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * c));
-        __m256i lo = _mm256_and_si256(v, m4), hi = _mm256_and_si256(_mm256_srli_epi16(v, 4), m4);
-        __m256i hlo = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * c), m1);
-        __m256i hhi = _mm256_and_si256(_mm256_srli_epi16(hb, 2 * c + 1), m1);
-        _mm256_store_si256((__m256i *)(q + 64 * c), _mm256_or_si256(lo, _mm256_slli_epi16(hlo, 4)));
-        _mm256_store_si256((__m256i *)(q + 64 * c + 32), _mm256_or_si256(hi, _mm256_slli_epi16(hhi, 4)));
-    }
+static inline uint16_t u16_at(const uint8_t *p) { /* unaligned-safe */
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
 }
 
-/* A K-quant block's scales in registers (quants.c's decode_k_scales, as vectors). */
+/* ---- K-quants: computed from the packed block, in registers ----
+ *
+ * A block's 256 integers q are unpacked into 8 vectors (weights 32j .. 32j+31, quants.c's
+ * decode_k order) as they are needed and multiplied straight into each activation row:
+ * _mm256_maddubs_epi16 (q unsigned, x signed: pairs, at most 2*63*127, no saturation), then
+ * _mm256_madd_epi16 by the scale of each weight pair.  The int32 sums are the scalar
+ * path's ia and ib exactly, and each goes through dot.h's k_update (or its lane-wise
+ * vector form), block after block. */
+
+/* A block's scales: the int16 scale of each weight pair of q vector j, and per 16 weights
+ * the min (Q4_K/Q5_K) or the zero offset 32*sc (Q6_K). */
 struct kscales {
-    __m256i sc[8];    /* int16 scale of each weight in 32i..32i+31: sc[2i] low half, sc[2i+1] high */
-    __m256i zoff, mn; /* int16 per 16 weights */
+    __m256i sc[8];
+    __m256i zm;
     float d, dmin;
 };
 
-AVX2 static void decode_k_scales_avx2(int type, const uint8_t *raw, struct kscales *ks) {
-    __m128i sc; /* int8 scale per 16 weights */
-    if (type == TYPE_Q6_K) {
-        const block_q6_K *b = (const block_q6_K *)raw;
-        sc = _mm_loadu_si128((const __m128i *)b->scales);
-        ks->zoff = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5); /* 32 * sc */
-        ks->mn = _mm256_setzero_si256();
-        ks->d = fp16_at(&b->d);
-        ks->dmin = 0.0f;
-    } else {
-        uint8_t s8[8], m8[8];
-        k_scales_unpack(raw + 4, s8, m8);
-        __m128i s = _mm_loadl_epi64((const __m128i *)s8), m = _mm_loadl_epi64((const __m128i *)m8);
-        sc = _mm_unpacklo_epi8(s, s); /* each 32-weight scale twice */
-        ks->zoff = _mm256_setzero_si256();
-        ks->mn = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m));
-        ks->d = fp16_at(raw);
-        ks->dmin = fp16_at(raw + 2);
+AVX2 static INLINE void k_scales(int type, const uint8_t *raw, struct kscales *s) {
+    if (type == TYPE_Q6_K) { /* int8 scale per 16 weights: vector j takes sc[2j] (low half), sc[2j+1] */
+        const block_q6_K *p = (const block_q6_K *)raw;
+        __m128i sc = _mm_loadu_si128((const __m128i *)p->scales);
+        for (int j = 0; j < 8; j++) {
+            __m128i pick = _mm_unpacklo_epi64(_mm_set1_epi8((char)(2 * j)), _mm_set1_epi8((char)(2 * j + 1)));
+            s->sc[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
+        }
+        s->zm = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5);
+        s->d = _cvtsh_ss(u16_at(raw + offsetof(block_q6_K, d)));
+        s->dmin = 0.0f;
+        return;
     }
-    const __m128i pick = _mm_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1);
-    for (int i = 0; i < 8; i++)
-        ks->sc[i] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, _mm_add_epi8(pick, _mm_set1_epi8((char)(2 * i)))));
+    uint8_t s8[8], m8[8]; /* Q4_K/Q5_K: 6-bit scale and min per 32 weights */
+    k_scales_unpack(raw + 4, s8, m8);
+    __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)s8)));
+    for (int j = 0; j < 8; j++) s->sc[j] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+    __m128i m = _mm_loadl_epi64((const __m128i *)m8);
+    s->zm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m)); /* each min twice */
+    s->d = _cvtsh_ss(u16_at(raw));
+    s->dmin = _cvtsh_ss(u16_at(raw + 2));
 }
 
-AVX2 static void decode_small_avx2(int type, const uint8_t *raw, int count, struct qchunk *out) {
+/* q vector j (0..7) of a block (quants.c's decode_q45_k and decode_q6_k). */
+AVX2 static INLINE __m256i k_q(int type, const uint8_t *raw, int j) {
+    const __m256i m4 = _mm256_set1_epi8(0x0F);
+    if (type == TYPE_Q6_K) { /* weight 128h + 32s + l: ql nibble | ((qh[32h + l] >> 2s) & 3) << 4 */
+        const block_q6_K *p = (const block_q6_K *)raw;
+        int h = j / 4, s = j % 4;
+        __m256i l = _mm256_loadu_si256((const __m256i *)(p->ql + 64 * h + 32 * (s & 1)));
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(p->qh + 32 * h));
+        __m256i lo = _mm256_and_si256(s < 2 ? l : _mm256_srli_epi16(l, 4), m4);
+        __m256i hi = s == 0 ? _mm256_slli_epi16(hb, 4) : s == 1 ? _mm256_slli_epi16(hb, 2) : s == 2 ? hb : _mm256_srli_epi16(hb, 2);
+        return _mm256_or_si256(lo, _mm256_and_si256(hi, _mm256_set1_epi8(0x30)));
+    }
+    /* Q4_K/Q5_K: 32 bytes of qs hold q vector 2c (low nibbles) and 2c+1 (high nibbles) */
+    const uint8_t *qs = raw + (type == TYPE_Q4_K ? 16 : 48);
+    __m256i v = _mm256_loadu_si256((const __m256i *)(qs + 32 * (j / 2)));
+    __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, m4);
+    if (type == TYPE_Q5_K) { /* fifth bit of weight 32j + l: bit j of qh[l] */
+        __m256i hb = _mm256_loadu_si256((const __m256i *)(raw + 16));
+        q = _mm256_or_si256(q, _mm256_slli_epi16(_mm256_and_si256(_mm256_srli_epi16(hb, j), _mm256_set1_epi8(1)), 4));
+    }
+    return q;
+}
+
+/* Block `raw` against G activation rows, row i's 256 q at x + i * stride and its 16 sums at
+ * sum16 + i * stride / 16: ia, ib as 8 int32 partial sums each.  Each q vector is unpacked
+ * once for the G rows. */
+AVX2 static INLINE void k_sums(int type, const uint8_t *raw, const struct kscales *s, const int8_t *x,
+                               const int16_t *sum16, size_t stride, const int G, __m256i *ia, __m256i *ib) {
+#pragma GCC unroll 8
+    for (int i = 0; i < G; i++) ia[i] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+    for (int j = 0; j < 8; j++) {
+        __m256i q = k_q(type, raw, j);
+#pragma GCC unroll 8
+        for (int i = 0; i < G; i++) {
+            __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x + i * stride + 32 * j)));
+            ia[i] = in_register(_mm256_add_epi32(ia[i], _mm256_madd_epi16(p, s->sc[j])));
+        }
+    }
+#pragma GCC unroll 8
+    for (int i = 0; i < G; i++) {
+        __m256i z = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(sum16 + i * (stride / 16))), s->zm);
+        if (type == TYPE_Q6_K) { /* ia = sc.dot - zoff.sum16, ib = 0 */
+            ia[i] = _mm256_sub_epi32(ia[i], z);
+            ib[i] = _mm256_setzero_si256();
+        } else { /* ia = sc.dot, ib = mn.sum16 */
+            ib[i] = z;
+        }
+    }
+}
+
+/* Lane i of acc: k_update(acc_i, d, dmin, dx_i, ia_i, ib_i) for 4 rows, ia and ib the sums of
+ * v[i] and v[4 + i] (rows past G: zero vectors, dx 0, lanes unused).  The same operations
+ * as k_update's, lane by lane (d * dx, its negation, int -> float, two fused multiply-adds
+ * in that order), so the same bits. */
+AVX2 static INLINE __m128 k_update4(__m128 acc, float d, float dmin, __m128 dx, const __m256i v[8]) {
+    __m256 f = _mm256_cvtepi32_ps(hsum_8x8(v));
+    __m128 nm = _mm_xor_ps(_mm_mul_ps(_mm_set1_ps(dmin), dx), _mm_set1_ps(-0.0f)); /* -(dmin * dx) */
+    acc = _mm_fmadd_ps(_mm_mul_ps(_mm_set1_ps(d), dx), _mm256_castps256_ps128(f), acc);
+    return _mm_fmadd_ps(nm, _mm256_extractf128_ps(f, 1), acc);
+}
+
+/* acc[i][0] += the weight row . activation row r + i, i < G (2..8): the rows' float sums in
+ * vector lanes, each block decoded once for the G rows. */
+AVX2 static INLINE void k_group(int type, const uint8_t *w, size_t bytes, int k, const struct acts *a, int r, const int G,
+                                float (*acc)[LANES]) {
+    size_t stride = a->kpad, at = (size_t)r * stride;
+    float lanes[8] = {0};
+#pragma GCC unroll 8
+    for (int i = 0; i < G; i++) lanes[i] = acc[i][0];
+    __m128 s0 = _mm_loadu_ps(lanes), s1 = _mm_loadu_ps(lanes + 4);
+    for (int c = 0; c * CHUNK < k; c++, at += CHUNK) {
+        const uint8_t *raw = w + c * bytes;
+        struct kscales s;
+        __m256i v[16]; /* ia of row i in v[i], ib in v[8 + i] */
+        k_scales(type, raw, &s);
+        k_sums(type, raw, &s, a->q + at, a->sum16 + at / 16, stride, G, v, v + 8);
+        const float *dxs = a->d + at / QK_K;
+        float dx[8] = {0};
+#pragma GCC unroll 8
+        for (int i = 0; i < G; i++) dx[i] = dxs[i * (stride / QK_K)];
+        __m256i u[8]; /* rows 0..3: ia, ib */
+#pragma GCC unroll 8
+        for (int i = 0; i < 4; i++) {
+            u[i] = i < G ? v[i] : _mm256_setzero_si256();
+            u[4 + i] = i < G ? v[8 + i] : _mm256_setzero_si256();
+        }
+        s0 = k_update4(s0, s.d, s.dmin, _mm_loadu_ps(dx), u);
+        if (G > 4) { /* rows 4..7 */
+#pragma GCC unroll 8
+            for (int i = 0; i < 4; i++) {
+                u[i] = 4 + i < G ? v[4 + i] : _mm256_setzero_si256();
+                u[4 + i] = 4 + i < G ? v[12 + i] : _mm256_setzero_si256();
+            }
+            s1 = k_update4(s1, s.d, s.dmin, _mm_loadu_ps(dx + 4), u);
+        }
+    }
+    _mm_storeu_ps(lanes, s0);
+    _mm_storeu_ps(lanes + 4, s1);
+#pragma GCC unroll 8
+    for (int i = 0; i < G; i++) acc[i][0] = lanes[i];
+}
+
+/* acc[0] += the weight row . activation row r: the float sum in a register, k_update block
+ * by block. */
+AVX2 static INLINE void k_one(int type, const uint8_t *w, size_t bytes, int k, const struct acts *a, int r, float *acc) {
+    size_t at = (size_t)r * a->kpad;
+    const float *dx = a->d + at / QK_K;
+    float sum = acc[0];
+    for (int c = 0; c * CHUNK < k; c++) {
+        const uint8_t *raw = w + c * bytes;
+        const int8_t *x = a->q + at + (size_t)c * CHUNK;
+        const int16_t *sum16 = a->sum16 + (at + (size_t)c * CHUNK) / 16;
+        struct kscales s;
+        __m256i ia, ib;
+        k_scales(type, raw, &s);
+        k_sums(type, raw, &s, x, sum16, 0, 1, &ia, &ib);
+        __m128i u = hsum_2x8(ia, ib);
+        sum = k_update(sum, s.d, s.dmin, dx[c], _mm_cvtsi128_si32(u), _mm_extract_epi32(u, 1));
+    }
+    acc[0] = sum;
+}
+
+/* A whole weight row of a K-quant type (type a constant after inlining), rows in groups of
+ * up to 8. */
+AVX2 static INLINE void k_row_all(int type, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
+                                  float (*acc)[LANES]) {
+    size_t bytes = type == TYPE_Q4_K ? sizeof(block_q4_K) : type == TYPE_Q5_K ? sizeof(block_q5_K) : sizeof(block_q6_K);
+    for (int r = 0; r < nr;) {
+        int g = nr - r < 8 ? nr - r : 8;
+        switch (g) {
+        case 1: k_one(type, w, bytes, k, a, r0 + r, acc[r]); break;
+        case 2: k_group(type, w, bytes, k, a, r0 + r, 2, acc + r); break;
+        case 3: k_group(type, w, bytes, k, a, r0 + r, 3, acc + r); break;
+        case 4: k_group(type, w, bytes, k, a, r0 + r, 4, acc + r); break;
+        case 5: k_group(type, w, bytes, k, a, r0 + r, 5, acc + r); break;
+        case 6: k_group(type, w, bytes, k, a, r0 + r, 6, acc + r); break;
+        case 7: k_group(type, w, bytes, k, a, r0 + r, 7, acc + r); break;
+        default: k_group(type, w, bytes, k, a, r0 + r, 8, acc + r); break;
+        }
+        r += g;
+    }
+}
+
+/* ---- small blocks: eight 32-weight blocks per chunk, in registers ---- */
+
+struct sblock {
+    __m256i q[8]; /* block b's 32 integers (Q8_0: |q|) */
+    __m256i s[8]; /* Q8_0: q itself, for its sign */
+    __m256 d, m;  /* per block: scale, and Q4_1's min (0 otherwise) */
+};
+
+/* The first nb blocks of raw (the rest zero, as quants.c's decode_small). */
+AVX2 static INLINE void small_load(int type, const uint8_t *raw, int nb, struct sblock *s) {
+    const int bytes = type == TYPE_Q4_0 ? 18 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q5_0 ? 22 : 34;
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    int bytes = type_info(type)->bytes, nb = count / QK;
+    __m128i hd = _mm_setzero_si128(), hm = _mm_setzero_si128(); /* fp16 d and m of each block */
     for (int b = 0; b < 8; b++) {
+        const uint8_t *blk = raw + b * bytes;
         __m256i q = _mm256_setzero_si256();
-        out->d[b] = out->m[b] = 0.0f;
         if (b < nb) {
-            const uint8_t *blk = raw + b * bytes;
             if (type == TYPE_Q8_0) {
                 q = _mm256_loadu_si256((const __m256i *)(blk + 2));
             } else { /* low nibbles are weights 0..15, high nibbles 16..31 */
@@ -121,14 +277,64 @@ AVX2 static void decode_small_avx2(int type, const uint8_t *raw, int count, stru
                 memcpy(&qh, blk + 2, 4);
                 q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
             }
-            out->d[b] = fp16_at(blk);
-            out->m[b] = type == TYPE_Q4_1 ? fp16_at(blk + 2) : 0.0f;
+            hd = _mm_insert_epi16(hd, u16_at(blk), b);
+            if (type == TYPE_Q4_1) hm = _mm_insert_epi16(hm, u16_at(blk + 2), b);
         }
-        _mm256_store_si256((__m256i *)(out->q + QK * b), q);
+        if (type == TYPE_Q8_0) {
+            s->s[b] = q;
+            q = _mm256_abs_epi8(q);
+        }
+        s->q[b] = q;
     }
-    out->zero = type == TYPE_Q4_0 ? 8 : type == TYPE_Q5_0 ? 16 : 0;
-    out->q_signed = type == TYPE_Q8_0;
+    s->d = _mm256_cvtph_ps(hd);
+    s->m = _mm256_cvtph_ps(hm);
 }
+
+/* acc[r][b] += block b of the chunk . its activation block (scalar small_row), lane by lane. */
+AVX2 static INLINE void small_rows(int type, const struct sblock *s, const struct acts *a, int c, int r0, int nr, int nb,
+                                   float (*acc)[LANES]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < nr; r++) {
+        size_t at = (size_t)(r0 + r) * a->kpad + (size_t)c * CHUNK;
+        const int8_t *x = a->q + at;
+        __m256i v[8];
+        for (int b = 0; b < 8; b++) {
+            v[b] = _mm256_setzero_si256(); /* blocks past the end: q = 0 */
+            if (b >= nb) continue;
+            __m256i xb = _mm256_loadu_si256((const __m256i *)(x + QK * b));
+            if (type == TYPE_Q8_0) xb = _mm256_sign_epi8(xb, s->s[b]); /* |q| * (x * sign q) */
+            v[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(s->q[b], xb), ones);
+        }
+        __m256i xsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->sum16 + at / 16)), ones);
+        __m256i isum = hsum_8x8(v); /* isum = q.x - zero * xsum */
+        if (type == TYPE_Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 3));
+        if (type == TYPE_Q5_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 4));
+        __m256 dx = _mm256_loadu_ps(a->d + at / QK);
+        __m256 lanes = _mm256_loadu_ps(acc[r]); /* small_update, lane by lane */
+        lanes = _mm256_fmadd_ps(_mm256_mul_ps(s->d, dx), _mm256_cvtepi32_ps(isum), lanes);
+        lanes = _mm256_fmadd_ps(_mm256_mul_ps(s->m, dx), _mm256_cvtepi32_ps(xsum), lanes);
+        _mm256_storeu_ps(acc[r], lanes);
+    }
+}
+
+/* A whole weight row of a small type (type a constant after inlining). */
+AVX2 static INLINE void small_row_all(int type, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
+                                      float (*acc)[LANES]) {
+    const int bytes = type == TYPE_Q4_0 ? 18 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q5_0 ? 22 : 34;
+    struct sblock s;
+    int c = 0;
+    for (; (c + 1) * CHUNK <= k; c++) {
+        small_load(type, w + (size_t)c * 8 * bytes, 8, &s);
+        small_rows(type, &s, a, c, r0, nr, 8, acc);
+    }
+    if (c * CHUNK < k) { /* a partial last chunk */
+        int nb = (k - c * CHUNK) / QK;
+        small_load(type, w + (size_t)c * 8 * bytes, nb, &s);
+        small_rows(type, &s, a, c, r0, nr, nb, acc);
+    }
+}
+
+/* ---- floats ---- */
 
 AVX2 static void decode_float_avx2(int type, const uint8_t *raw, int count, struct fchunk *out) {
     int i = 0;
@@ -146,58 +352,6 @@ AVX2 static void decode_float_avx2(int type, const uint8_t *raw, int count, stru
     for (; i < CHUNK; i++) out->w[i] = 0.0f;
 }
 
-/* ---- row kernels ---- */
-
-AVX2 static void k_rows(int type, const uint8_t *q, const struct kscales *w, const struct acts *a, int c, int r0, int nr,
-                        float (*acc)[LANES]) {
-    for (int r = 0; r < nr; r++) {
-        size_t at = (size_t)(r0 + r) * a->kpad + (size_t)c * CHUNK;
-        const int8_t *x = a->q + at;
-        __m256i sum = _mm256_setzero_si256();
-        for (int i = 0; i < 8; i++) {
-            __m256i p = _mm256_maddubs_epi16(_mm256_load_si256((const __m256i *)(q + 32 * i)),
-                                             _mm256_loadu_si256((const __m256i *)(x + 32 * i)));
-            sum = _mm256_add_epi32(sum, _mm256_madd_epi16(p, w->sc[i]));
-        }
-        __m256i s16 = _mm256_loadu_si256((const __m256i *)(a->sum16 + at / 16));
-        int32_t ia, ib = 0; /* the scalar path's sums, less its terms that are zero for this type */
-        if (type == TYPE_Q6_K) { /* mn = 0 */
-            ia = hsum_i32(_mm256_sub_epi32(sum, _mm256_madd_epi16(s16, w->zoff)));
-        } else { /* zoff = 0 */
-            ia = hsum_i32(sum);
-            ib = hsum_i32(_mm256_madd_epi16(s16, w->mn));
-        }
-        acc[r][0] = k_update(acc[r][0], w->d, w->dmin, a->d[at / QK_K], ia, ib);
-    }
-}
-
-/* 8 int32 partial sums of a 32-weight block . its activations. */
-AVX2 static inline __m256i block_dot(__m256i w, __m256i x, int q_signed) {
-    __m256i p = q_signed ? _mm256_maddubs_epi16(_mm256_abs_epi8(w), _mm256_sign_epi8(x, w))
-                         : _mm256_maddubs_epi16(w, x);
-    return _mm256_madd_epi16(p, _mm256_set1_epi16(1));
-}
-
-AVX2 static void small_rows(const struct qchunk *w, const struct acts *a, int c, int r0, int nr, float (*acc)[LANES]) {
-    __m256 d = _mm256_load_ps(w->d), m = _mm256_load_ps(w->m);
-    __m256i zero = _mm256_set1_epi32(w->zero);
-    for (int r = 0; r < nr; r++) {
-        size_t at = (size_t)(r0 + r) * a->kpad + (size_t)c * CHUNK;
-        const int8_t *x = a->q + at;
-        __m256i v[8];
-        for (int b = 0; b < 8; b++)
-            v[b] = block_dot(_mm256_load_si256((const __m256i *)(w->q + QK * b)),
-                             _mm256_loadu_si256((const __m256i *)(x + QK * b)), w->q_signed);
-        __m256i xsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->sum16 + at / 16)), _mm256_set1_epi16(1));
-        __m256i isum = _mm256_sub_epi32(hsum_8x8(v), _mm256_mullo_epi32(zero, xsum));
-        __m256 dx = _mm256_loadu_ps(a->d + at / QK);
-        __m256 lanes = _mm256_loadu_ps(acc[r]); /* small_update, lane by lane */
-        lanes = _mm256_fmadd_ps(_mm256_mul_ps(d, dx), _mm256_cvtepi32_ps(isum), lanes);
-        lanes = _mm256_fmadd_ps(_mm256_mul_ps(m, dx), _mm256_cvtepi32_ps(xsum), lanes);
-        _mm256_storeu_ps(acc[r], lanes);
-    }
-}
-
 AVX2 static void float_rows(const struct fchunk *w, const struct acts *a, int c, int r0, int nr, float (*acc)[LANES]) {
     for (int r = 0; r < nr; r++) {
         const float *x = a->f + (size_t)(r0 + r) * a->kpad + (size_t)c * CHUNK;
@@ -212,25 +366,20 @@ AVX2 static void float_rows(const struct fchunk *w, const struct acts *a, int c,
 
 AVX2 static void avx2_rows(const struct type_info *t, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
                            float (*acc)[LANES]) {
-    size_t chunk_bytes = (size_t)(CHUNK / t->block) * t->bytes;
+    switch (t->id) { /* each type its own specialized loop */
+    case TYPE_Q4_K: k_row_all(TYPE_Q4_K, w, k, a, r0, nr, acc); return;
+    case TYPE_Q5_K: k_row_all(TYPE_Q5_K, w, k, a, r0, nr, acc); return;
+    case TYPE_Q6_K: k_row_all(TYPE_Q6_K, w, k, a, r0, nr, acc); return;
+    case TYPE_Q4_0: small_row_all(TYPE_Q4_0, w, k, a, r0, nr, acc); return;
+    case TYPE_Q4_1: small_row_all(TYPE_Q4_1, w, k, a, r0, nr, acc); return;
+    case TYPE_Q5_0: small_row_all(TYPE_Q5_0, w, k, a, r0, nr, acc); return;
+    case TYPE_Q8_0: small_row_all(TYPE_Q8_0, w, k, a, r0, nr, acc); return;
+    }
+    size_t chunk_bytes = (size_t)CHUNK * t->bytes;
     for (int c = 0; c * CHUNK < k; c++) {
-        const uint8_t *raw = w + c * chunk_bytes;
-        int count = k - c * CHUNK < CHUNK ? k - c * CHUNK : CHUNK;
-        if (t->family == FAM_K) {
-            uint8_t q[CHUNK] __attribute__((aligned(32)));
-            struct kscales ks;
-            decode_k_q(t->id, raw, q);
-            decode_k_scales_avx2(t->id, raw, &ks);
-            k_rows(t->id, q, &ks, a, c, r0, nr, acc);
-        } else if (t->family == FAM_SMALL) {
-            struct qchunk wc;
-            decode_small_avx2(t->id, raw, count, &wc);
-            small_rows(&wc, a, c, r0, nr, acc);
-        } else {
-            struct fchunk wc;
-            decode_float_avx2(t->id, raw, count, &wc);
-            float_rows(&wc, a, c, r0, nr, acc);
-        }
+        struct fchunk wc;
+        decode_float_avx2(t->id, w + c * chunk_bytes, k - c * CHUNK < CHUNK ? k - c * CHUNK : CHUNK, &wc);
+        float_rows(&wc, a, c, r0, nr, acc);
     }
 }
 

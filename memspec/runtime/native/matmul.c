@@ -31,14 +31,14 @@ void matmul_outputs(const struct dot_isa *isa, const struct type_info *t, const 
     size_t rb = row_bytes(t, k);
     int m = a->m;
     int wtile = rb < WEIGHT_TILE_BYTES ? (int)(WEIGHT_TILE_BYTES / rb) : 1;
+    memset(acc, 0, sizeof(acc));
     for (int j0 = n0; j0 < n1; j0 += wtile) {
         int j1 = j0 + wtile < n1 ? j0 + wtile : n1;
         for (int r0 = 0; r0 < m; r0 += ROW_TILE) {
             int nr = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
             for (int j = j0; j < j1; j++) {
-                memset(acc, 0, sizeof(acc[0]) * nr);
                 isa->rows(t, w + (size_t)j * rb, k, a, r0, nr, acc);
-                for (int r = 0; r < nr; r++) out[(size_t)(r0 + r) * n + j] = lanes_sum(acc[r]);
+                for (int r = 0; r < nr; r++) out[(size_t)(r0 + r) * n + j] = lanes_take(acc[r]);
             }
         }
     }
