@@ -2,7 +2,8 @@
 
     python bench/target.py [--model NAME] [--variant q4 --variant fp32] [--threads 2] [--json out.json]
 
-Per variant: load time and RSS, prefill tok/s and time to first token, decode
+Per engine (each ONNX variant through ONNX Runtime, and memspec's native engine on the GGUF
+itself, `native`): load time and RSS, prefill tok/s and time to first token, decode
 tok/s (greedy, one token per step), and cost(k)/cost(1) for k = 1..16 (one
 target pass over k tokens against a single-token pass: what verification
 costs).  llama.cpp (llama-cpp-python, `pip install -e .[bench]`) runs the same
@@ -25,7 +26,9 @@ import psutil
 
 from memspec.config import load_config
 from memspec.errors import ModelNotFoundError
+from memspec.runtime import kernels
 from memspec.runtime.config import SessionConfig
+from memspec.runtime.native_target import NativeTarget
 from memspec.runtime.sessions import DecoderSession
 from memspec.models.store import ModelStore
 from memspec.models.tokenizer import Tokenizer
@@ -89,10 +92,11 @@ def median_ms(fn, repeats: int) -> float:
     return statistics.median(times) * 1e3
 
 
-def bench_variant(path: Path, prompt: list[int], args) -> dict:
+def bench_engine(load, prompt: list[int], args) -> dict:
+    """One engine's figures; load() makes its target (memspec.runtime.target.Target)."""
     before = rss_mb()
     t = time.perf_counter()
-    s = DecoderSession(path, SessionConfig(max_context=2048, intra_op_threads=args.threads))
+    s = load()
     load_s = time.perf_counter() - t
     cache = s.new_cache()
     s.forward(cache, prompt[:8], keep=1)  # warm-up
@@ -173,6 +177,7 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=2, help="interleaved rounds of memspec and llama.cpp")
     ap.add_argument("--max-k", type=int, default=16)
     ap.add_argument("--no-llama-cpp", action="store_true")
+    ap.add_argument("--no-native", action="store_true", help="leave out memspec's native engine")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     config = load_config(args.config)
@@ -186,11 +191,16 @@ def main(argv=None) -> int:
     tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
     prompt = tok.encode(TEXT)[: args.prompt_tokens]
     gguf = store.downloads_dir / m.provenance["gguf_file"]
-    rounds: dict[str, list[dict]] = {v: [] for v in variants}
+    loaders = {v: (lambda v=v: DecoderSession(m.variant_path(v), SessionConfig(max_context=2048,
+                                                                           intra_op_threads=args.threads)))
+               for v in variants}
+    if not args.no_native and kernels.available():  # memspec's native engine on the GGUF itself
+        loaders["native"] = lambda: NativeTarget(gguf, threads=args.threads, max_context=2048)
+    rounds: dict[str, list[dict]] = {name: [] for name in loaders}
     rounds["llama.cpp"] = []
     for r in range(args.rounds):
-        for v in variants:
-            rounds[v].append(bench_variant(m.variant_path(v), prompt, args))
+        for name, load in loaders.items():
+            rounds[name].append(bench_engine(load, prompt, args))
         if not args.no_llama_cpp:
             lc = bench_llama_cpp(gguf, prompt, args)
             if lc:

@@ -158,15 +158,25 @@ void decode_k(int type, const uint8_t *raw, struct kchunk *out) {
 /* ---- activations ---- */
 
 /* x ~= d * q per block with d = max|x| / 127 and q = round-half-even(x * 127 / max|x|). */
+/* nearbyintf(v) for |v| <= 127 under the default rounding mode (to nearest, ties to even), without a
+ * libm call (base x86-64 has no roundss): v + 1.5 * 2^23 lands where floats are 1 apart. */
+static inline float round_even(float v) {
+    const float magic = 12582912.0f;
+    return (v + magic) - magic;
+}
+
 void quantize_row(const float *x, int k, int block, int8_t *q, float *d, int16_t *sum16) {
     for (int b = 0; b < k / block; b++) {
         const float *xb = x + b * block;
         float amax = 0.0f;
-        for (int i = 0; i < block; i++) amax = fmaxf(amax, fabsf(xb[i]));
+        for (int i = 0; i < block; i++) {
+            float a = fabsf(xb[i]);
+            amax = a > amax ? a : amax; /* fmaxf, but inlined (a NaN is skipped, as fmaxf skips it) */
+        }
         float id = amax > 0.0f ? 127.0f / amax : 0.0f;
         d[b] = amax / 127.0f;
         for (int i = 0; i < block; i++) {
-            float v = nearbyintf(xb[i] * id); /* in [-127, 127], or NaN from an inf/nan input */
+            float v = round_even(xb[i] * id); /* in [-127, 127], or NaN from an inf/nan input */
             q[b * block + i] = (int8_t)(v >= -127.0f && v <= 127.0f ? v : 0.0f);
         }
     }
