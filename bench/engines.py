@@ -12,6 +12,9 @@ tokenized by memspec, whose tokenizer matches llama.cpp's) and decodes greedily 
   memspec            memspec's engine as the daemon runs it: the configured target (q4 by default)
                      and the scheduler's drafts, picked per request and step by its policy
   target-only        the same target, no drafts
+  memspec-native, target-only-native
+                     the same two with [runtime] backend = "native": memspec's own kernels on the
+                     GGUF itself (memspec.runtime.native_target) instead of ONNX Runtime
   onnxruntime-genai  onnxruntime-genai's Generator on memspec's q4 file: the same ONNX graph and
                      weights, with genai's own decoding loop and KV handling
   llama.cpp          llama-cpp-python on the GGUF the q4 file was converted from
@@ -51,9 +54,11 @@ import tempfile
 import time
 from pathlib import Path
 
-ENGINES = ("memspec", "target-only", "onnxruntime-genai", "llama.cpp", "onnxruntime-genai-spec", "llama.cpp-spec")
+ENGINES = ("memspec", "target-only", "memspec-native", "target-only-native", "onnxruntime-genai", "llama.cpp",
+           "onnxruntime-genai-spec", "llama.cpp-spec")  # -native: memspec with [runtime] backend = "native"
 BASELINE = "llama.cpp"
-PLAIN = {"onnxruntime-genai-spec": "onnxruntime-genai", "llama.cpp-spec": "llama.cpp"}  # what a -spec engine speeds up
+PLAIN = {"onnxruntime-genai-spec": "onnxruntime-genai", "llama.cpp-spec": "llama.cpp",  # what a -spec engine speeds up
+         "memspec-native": "target-only-native"}
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memspec-bench"
 
 
@@ -65,15 +70,17 @@ def _rss_mb() -> float:
 
 
 class MemspecWorker:
-    def __init__(self, setup: dict, drafts: bool):
+    def __init__(self, setup: dict, drafts: bool, backend: str | None = None):
         import dataclasses
 
         from memspec.build import build_engine
         from memspec.config import load_config
 
         config = load_config(setup["config"])
+        runtime = dataclasses.replace(config.runtime, intra_op_threads=setup["threads"],
+                                      backend=backend or config.runtime.backend)
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, target=setup["target"]),
-                                     runtime=dataclasses.replace(config.runtime, intra_op_threads=setup["threads"]))
+                                     runtime=runtime)
         self.engine = build_engine(config, drafts="scheduler" if drafts else "none")
 
     def generate(self, ids: list[int], text: str, max_new: int) -> list[int]:
@@ -334,8 +341,9 @@ def worker_main(name: str, setup: dict) -> int:
 
     t = time.perf_counter()
     try:
-        if name in ("memspec", "target-only"):
-            w = MemspecWorker(setup, drafts=name == "memspec")
+        if name in ("memspec", "target-only", "memspec-native", "target-only-native"):
+            w = MemspecWorker(setup, drafts=name.startswith("memspec"),
+                              backend="native" if name.endswith("-native") else None)
         elif name in ("onnxruntime-genai", "onnxruntime-genai-spec"):
             w = GenaiWorker(setup, speculative=name == "onnxruntime-genai-spec")
         elif name == "llama.cpp-spec":

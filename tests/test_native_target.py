@@ -127,12 +127,7 @@ def test_an_unsupported_block_type_is_refused_naming_tensor_and_type(gguf_path, 
 
 
 # -- as the engine's target ---------------------------------------------------------------------
-PROMPTS = [
-    "Write a Python function that merges two sorted lists.",
-    "What is 15% of 240? Explain how you calculate it.",
-    "Tell me a short story about a robot who learns to paint.",
-    "Convert to JSON with keys name, age and city: Alice is 30 years old and lives in Paris.",
-]
+from test_q4_agreement import PROMPTS  # noqa: E402 (the exactness prompts of the ONNX Runtime target)
 
 
 @pytest.fixture(scope="module")

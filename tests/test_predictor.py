@@ -410,5 +410,8 @@ def test_each_shipped_target_gets_its_own_predictor_naming_its_own_drafts():
             "prompt-lookup"} <= set(p.drafts)
     assert predictor_file("", "q4", "smollm2-135m") == SHIPPED_MODELS / "predictor.json"
     assert predictor_file("", "fp32", "smollm2-135m") == SHIPPED_MODELS / "predictor-fp32.json"
+    # the native engine runs the GGUF whose blocks the q4 graph holds: q4's predictor is the nearest
+    assert predictor_file("", "gguf", "qwen2.5-coder-1.5b") == qwen
+    assert predictor_file("", "gguf", "smollm2-135m") == SHIPPED_MODELS / "predictor.json"
     scores = p.predict("Write a Python function that merges two sorted lists.")
     assert set(scores) == set(p.drafts) and all(v > 0 for v in scores.values())

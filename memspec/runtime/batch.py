@@ -49,7 +49,7 @@ import onnx
 import onnxruntime as ort
 from onnx import TensorProto, helper, numpy_helper
 
-from memspec.errors import ConfigError, ContextOverflowError, ModelFormatError
+from memspec.errors import ConfigError, ModelFormatError
 from memspec.runtime.sessions import DecoderSession, SharedBufferCache
 
 MASK_NODES = "/model/mask/"  # the converter's seqlens/total from the attention mask (models.convert)
@@ -281,11 +281,7 @@ class BatchedTarget:
         sizes, seqlens, totals, out_index, index, spans = [], [], [], [], [], []
         for cache, feed, k in zip(caches, feeds, keep):
             m = len(feed)
-            if m == 0:
-                raise ValueError("forward needs at least one token per row")
-            if cache.length + m > cache.capacity:
-                raise ContextOverflowError(
-                    f"context overflow: {cache.length} cached + {m} new tokens > capacity {cache.capacity}")
+            cache.check_room(m)
             pad = min(max(self.target.pad_rows - m, 0), cache.capacity + cache.slack - cache.length - m)
             k = min(max(k, 1), m)
             row = [*feed, *[feed[-1]] * pad]

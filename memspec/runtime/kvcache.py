@@ -7,6 +7,8 @@ bytes, and each engine (memspec.runtime.sessions, memspec.runtime.native_target)
 
 from __future__ import annotations
 
+from memspec.errors import ContextOverflowError
+
 PAGE = 4096  # bytes the OS commits at a time (Linux, x86-64 and aarch64 defaults)
 
 
@@ -27,6 +29,15 @@ class KVCache:
         self.capacity = capacity  # most tokens the cache can hold
         self.slack = slack  # slots past the capacity that a padded pass may write (never committed)
         self.length = 0  # tokens whose K/V are valid and visible
+
+    def check_room(self, n: int) -> None:
+        """ContextOverflowError unless n more tokens fit after the committed ones (the one message
+        every engine gives)."""
+        if n < 1:
+            raise ValueError("forward needs at least one token per sequence")
+        if self.length + n > self.capacity:
+            raise ContextOverflowError(f"context overflow: {self.length} cached + {n} new tokens > capacity "
+                                       f"{self.capacity}")
 
     def truncate(self, length: int) -> None:
         """Roll back to `length` tokens (the next forward overwrites the rest)."""

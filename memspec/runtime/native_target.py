@@ -22,7 +22,7 @@ from typing import Sequence
 
 import numpy as np
 
-from memspec.errors import ContextOverflowError, ModelFormatError
+from memspec.errors import ModelFormatError
 from memspec.models.gguf import TensorInfo, decoder_config, read_layout
 from memspec.runtime import kernels
 from memspec.runtime.costs import cost_key, step_costs
@@ -137,11 +137,7 @@ class NativeTarget:
         ids, pos, seq, keep, spans = [], [], [], [], []
         for s, (cache, feed, k) in enumerate(zip(caches, feeds, keeps)):
             n = len(feed)
-            if n == 0:
-                raise ValueError("forward needs at least one token per sequence")
-            if cache.length + n > cache.capacity:
-                raise ContextOverflowError(
-                    f"context overflow: {cache.length} cached + {n} new tokens > capacity {cache.capacity}")
+            cache.check_room(n)
             bad = [t for t in feed if not 0 <= t < self.vocab_size]
             if bad:
                 raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")

@@ -24,7 +24,7 @@ from typing import Iterable, Sequence
 
 import numpy as np
 
-from memspec.errors import ConfigError, ContextOverflowError, ModelFormatError
+from memspec.errors import ConfigError, ModelFormatError
 
 try:
     import onnxruntime as ort
@@ -242,12 +242,7 @@ class DecoderSession:
         cache.truncate() to commit fewer.
         """
         n = len(ids)
-        if n == 0:
-            raise ValueError("forward needs at least one token")
-        if cache.length + n > cache.capacity:
-            raise ContextOverflowError(
-                f"context overflow: {cache.length} cached + {n} new tokens > capacity {cache.capacity}"
-            )
+        cache.check_room(n)
         keep = min(max(keep, 1), n)
         # padding rows (pad_rows), when the cache has room for them, its slack slot included (so
         # that a pass into the last slot is padded too); they are dropped below

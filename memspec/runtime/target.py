@@ -29,6 +29,13 @@ from memspec.runtime.kvcache import KVCache
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "native", "onnxruntime")
 NATIVE_VARIANT = "gguf"  # what status calls a native target's variant: the GGUF file itself
+
+
+def profiled_as(variant: str) -> str | None:
+    """The variant whose profiles (predictors, traces) are nearest to `variant`'s where it has none:
+    the native engine runs the GGUF the q4 graph holds the very blocks of (the speeds differ; the
+    scheduler warns that its costs may not hold).  None: no such stand-in."""
+    return "q4" if variant == NATIVE_VARIANT else None
 # What "auto" runs on a CPU when the native kernels are built.  ONNX Runtime until the native engine
 # measures faster there (docs/results.md, issue 29: decode 31 ms against 12 ms a SmolLM2 step today).
 AUTO_NATIVE = False

@@ -180,7 +180,10 @@ def predictor_file(path: str, variant: str = "", target: str = "") -> Path | Non
 
     if path:
         return Path(path)
-    for name in ((f"predictor-{target}-{variant}.json", f"predictor-{target}.json") if target else ()):
+    from memspec.runtime.target import profiled_as
+
+    nearest = [v for v in (variant, profiled_as(variant)) if v]  # its own variant's, else the nearest one's
+    for name in ([f"predictor-{target}-{v}.json" for v in nearest] + [f"predictor-{target}.json"] if target else ()):
         if (SHIPPED_MODELS / name).is_file():
             return SHIPPED_MODELS / name
     own = SHIPPED_MODELS / f"predictor-{variant}.json"
