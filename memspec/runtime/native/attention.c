@@ -62,6 +62,8 @@ const struct attn_isa *attn_isa_for(const char *dot_isa_name) {
     __builtin_cpu_init();
     if (strcmp(dot_isa_name, "scalar") != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
         return &ATTN_AVX2;
+#else
+    (void)dot_isa_name; /* one path */
 #endif
     return &ATTN_SCALAR;
 }

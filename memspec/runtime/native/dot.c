@@ -62,14 +62,12 @@ static void scalar_rows(const struct type_info *t, const uint8_t *w, int k, cons
 
 const struct dot_isa DOT_SCALAR = {"scalar", scalar_rows};
 
-static int has_avx2(void) {
 #if defined(__x86_64__)
+static int has_avx2(void) {
     __builtin_cpu_init();
     return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-#else
-    return 0;
-#endif
 }
+#endif
 
 const struct dot_isa *dot_isa_named(const char *name) {
     if (strcmp(name, "scalar") == 0) return &DOT_SCALAR;

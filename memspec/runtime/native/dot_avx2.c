@@ -261,7 +261,7 @@ struct sblock {
 AVX2 static INLINE void small_load(int type, const uint8_t *raw, int nb, struct sblock *s) {
     const int bytes = type == TYPE_Q4_0 ? 18 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q5_0 ? 22 : 34;
     const __m128i m4 = _mm_set1_epi8(0x0F);
-    __m128i hd = _mm_setzero_si128(), hm = _mm_setzero_si128(); /* fp16 d and m of each block */
+    uint16_t hd[8] = {0}, hm[8] = {0}; /* fp16 d and m of each block (0: past the row's end) */
     for (int b = 0; b < 8; b++) {
         const uint8_t *blk = raw + b * bytes;
         __m256i q = _mm256_setzero_si256();
@@ -277,8 +277,8 @@ AVX2 static INLINE void small_load(int type, const uint8_t *raw, int nb, struct 
                 memcpy(&qh, blk + 2, 4);
                 q = _mm256_or_si256(q, _mm256_and_si256(bits_to_bytes(qh), _mm256_set1_epi8(0x10)));
             }
-            hd = _mm_insert_epi16(hd, u16_at(blk), b);
-            if (type == TYPE_Q4_1) hm = _mm_insert_epi16(hm, u16_at(blk + 2), b);
+            hd[b] = u16_at(blk);
+            if (type == TYPE_Q4_1) hm[b] = u16_at(blk + 2);
         }
         if (type == TYPE_Q8_0) {
             s->s[b] = q;
@@ -286,8 +286,8 @@ AVX2 static INLINE void small_load(int type, const uint8_t *raw, int nb, struct 
         }
         s->q[b] = q;
     }
-    s->d = _mm256_cvtph_ps(hd);
-    s->m = _mm256_cvtph_ps(hm);
+    s->d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
+    s->m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hm));
 }
 
 /* acc[r][b] += block b of the chunk . its activation block (scalar small_row), lane by lane. */

@@ -1,0 +1,124 @@
+/* The native kernels without Python, for any architecture (tests/test_native_build.py builds it with
+ * the host compiler, and for aarch64 runs it under qemu-aarch64 where the cross compiler and qemu are
+ * installed).
+ *
+ *   selftest [scalar]     one line per type: its name and a hash of every output's bits
+ *
+ * For every supported type, on random blocks: a row's outputs are the same bits in calls of 1..9
+ * rows and at 1 and 3 threads, and within the error 8-bit activations allow of a double-precision
+ * reference (quants.c's own dequantization).  A failure prints what differs and exits 1.  The
+ * hashes let the test compare paths and machines: the scalar path, the host's SIMD path and another
+ * architecture's must agree bit for bit (fmaf is correctly rounded everywhere; nothing else fuses). */
+#include <math.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "matmul.h"
+
+#define N 24
+#define M 9
+
+static uint64_t rng = 0x9E3779B97F4A7C15ull;
+static uint32_t next(void) { /* xorshift64* */
+    rng ^= rng >> 12, rng ^= rng << 25, rng ^= rng >> 27;
+    return (uint32_t)((rng * 0x2545F4914F6CDD1Dull) >> 32);
+}
+static float uniform(void) { return (float)(next() >> 8) / 16777216.0f * 2.0f - 1.0f; } /* [-1, 1) */
+
+/* Offsets of a block's float16 scale fields (written with small positive normals). */
+static void scale_fields(int type, int *at, int *count) {
+    *count = 1, at[0] = 0, at[1] = 2;
+    if (type == TYPE_Q4_1 || type == TYPE_Q4_K || type == TYPE_Q5_K) *count = 2;
+    if (type == TYPE_Q6_K) at[0] = 208;
+}
+
+static void random_weights(const struct type_info *t, uint8_t *w, int n, int k) {
+    size_t bytes = (size_t)n * (k / t->block) * t->bytes;
+    for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)next();
+    if (t->family == FAM_FLOAT) {
+        for (size_t i = 0; i < (size_t)n * k; i++) {
+            float v = uniform() * 0.1f;
+            uint32_t u;
+            memcpy(&u, &v, 4);
+            if (t->id == TYPE_F32) memcpy(w + 4 * i, &v, 4);
+            else {
+                uint16_t h = t->id == TYPE_BF16 ? (uint16_t)(u >> 16) : (uint16_t)(0x2000 | (next() & 0x83FF));
+                memcpy(w + 2 * i, &h, 2);
+            }
+        }
+        return;
+    }
+    int at[2], count;
+    scale_fields(t->id, at, &count);
+    for (size_t b = 0; b < bytes / t->bytes; b++)
+        for (int f = 0; f < count; f++) {
+            uint16_t h = (uint16_t)(0x1400 | (next() & 0x3FF)); /* about 2^-10 */
+            memcpy(w + b * t->bytes + at[f], &h, 2);
+        }
+}
+
+static uint64_t fnv(uint64_t h, const void *p, size_t n) {
+    for (size_t i = 0; i < n; i++) h = (h ^ ((const uint8_t *)p)[i]) * 0x100000001B3ull;
+    return h;
+}
+
+static int check_type(const struct dot_isa *isa, int type, int k) {
+    const struct type_info *t = type_info(type);
+    size_t row = (size_t)(k / t->block) * t->bytes;
+    uint8_t *w = malloc(N * row);
+    float *x = malloc(sizeof(float) * M * k), *full = malloc(sizeof(float) * M * N), *part = malloc(sizeof(float) * M * N);
+    float *deq = malloc(sizeof(float) * k);
+    random_weights(t, w, N, k);
+    for (int i = 0; i < M * k; i++) x[i] = uniform() * (next() % 50 == 0 ? 20.0f : 1.0f);
+    int bad = matmul(isa, t, w, N, k, x, M, full, 1) != 0;
+    for (int m = 1; m <= M && !bad; m++)
+        for (int threads = 1; threads <= 3 && !bad; threads += 2) {
+            bad = matmul(isa, t, w, N, k, x + (size_t)(M - m) * k, m, part, threads) != 0;
+            if (!bad && memcmp(part, full + (size_t)(M - m) * N, sizeof(float) * m * N)) {
+                printf("%s: rows %d..%d of a %d-row call at %d threads differ from the %d-row call\n", t->name,
+                       M - m, M - 1, m, threads, M);
+                bad = 1;
+            }
+        }
+    for (int j = 0; j < N && !bad; j++) { /* the double reference, and the 8-bit activations' bound */
+        dequantize_row(t, w + j * row, k, deq);
+        for (int r = 0; r < M && !bad; r++) {
+            const float *xr = x + (size_t)r * k;
+            double ref = 0, size = 0, err = 0;
+            int block = t->family == FAM_FLOAT ? 0 : t->block == QK ? QK : QK_K;
+            for (int i = 0; i < k; i++) {
+                ref += (double)deq[i] * xr[i];
+                size += fabs((double)deq[i] * xr[i]);
+            }
+            for (int b = 0; block && b < k / block; b++) {
+                double amax = 0;
+                for (int i = b * block; i < (b + 1) * block; i++) amax = fmax(amax, fabs(xr[i]));
+                for (int i = b * block; i < (b + 1) * block; i++) err += fabs(deq[i]) * amax / 127.0 / 2.0;
+            }
+            double bound = err + (block ? 1e-5 : (k / 32.0 + 6) * 0x1p-24) * size + 1e-30;
+            if (fabs(full[r * N + j] - ref) > bound) {
+                printf("%s: output %d of row %d is %.9g, the reference %.9g (bound %.3g)\n", t->name, j, r,
+                       full[r * N + j], ref, bound);
+                bad = 1;
+            }
+        }
+    }
+    if (!bad) printf("%s %016llx\n", t->name, (unsigned long long)fnv(0xcbf29ce484222325ull, full, sizeof(float) * M * N));
+    free(w), free(x), free(full), free(part), free(deq);
+    return bad;
+}
+
+int main(int argc, char **argv) {
+    const struct dot_isa *isa = argc > 1 ? dot_isa_named(argv[1]) : dot_isa_best();
+    if (!isa) {
+        fprintf(stderr, "no path %s on this CPU\n", argv[1]);
+        return 2;
+    }
+    static const int types[][2] = {{TYPE_F32, 288}, {TYPE_F16, 288}, {TYPE_BF16, 288}, {TYPE_Q4_0, 608},
+                                   {TYPE_Q4_1, 576}, {TYPE_Q5_0, 608}, {TYPE_Q8_0, 576}, {TYPE_Q4_K, 768},
+                                   {TYPE_Q5_K, 768}, {TYPE_Q6_K, 1536}};
+    int bad = 0;
+    for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) bad |= check_type(isa, types[i][0], types[i][1]);
+    return bad;
+}
