@@ -20,18 +20,13 @@ import numpy as np
 import pytest
 
 from memspec.runtime import kernels
+from blocks import FP16_FIELDS, random_blocks
 
 gguf = pytest.importorskip("gguf")
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)  # see test_native_build.py
 
 TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FLOATS = ("F32", "F16", "BF16")
-# Byte offsets of a block's fp16 fields (scale, then min), and the typical |integer part| of
-# a weight, so that random blocks give weights of about N(0, 1/k).
-FP16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2),
-               "Q6_K": (208,)}
-TYPICAL = {"Q4_0": 4, "Q4_1": 7.5, "Q5_0": 8, "Q8_0": 64, "Q4_K": 236, "Q5_K": 480, "Q6_K": 1024}
-MIN_RATIO = {"Q4_1": -7.5, "Q4_K": 7.5, "Q5_K": 15.5}  # min field / scale field that centres the weights
 # k per type in the random cases: whole 256-weight chunks for K-quants, a partial last chunk otherwise
 K_OF = {**dict.fromkeys(FLOATS, 300), **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q8_0"), 608),
         **dict.fromkeys(("Q4_K", "Q5_K", "Q6_K"), 768)}
@@ -49,13 +44,7 @@ def random_weights(rng: np.random.Generator, name: str, n: int, k: int) -> np.nd
         if name == "BF16":
             return (w.view(np.uint32) >> 16).astype(np.uint16).view(np.uint8)
         return (w if name == "F32" else w.astype(np.float16)).view(np.uint8)
-    per, nbytes = gguf.constants.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
-    raw = rng.integers(0, 256, size=(n, k // per, nbytes), dtype=np.uint8)
-    d = rng.uniform(0.5, 1.5, size=(n, k // per)) / (TYPICAL[name] * np.sqrt(k))
-    fields = [d, d * MIN_RATIO.get(name, 0) * rng.uniform(0.8, 1.2, size=d.shape)]
-    for at, value in zip(FP16_FIELDS[name], fields):
-        raw[..., at : at + 2] = value.astype(np.float16)[..., None].view(np.uint8)
-    return raw.reshape(n, -1)
+    return random_blocks(rng, name, n, k)
 
 
 def activations(rng: np.random.Generator, m: int, k: int) -> np.ndarray:

@@ -127,7 +127,7 @@ def test_an_unsupported_block_type_is_refused_naming_tensor_and_type(gguf_path, 
 
 
 # -- as the engine's target ---------------------------------------------------------------------
-from test_q4_agreement import PROMPTS  # noqa: E402 (the exactness prompts of the ONNX Runtime target)
+from test_q4_agreement import assert_every_draft_keeps_target_only_output  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -153,13 +153,7 @@ def test_the_engine_runs_the_gguf_itself_when_the_config_says_native(native_engi
 
 def test_speculative_output_is_target_only_output_with_every_draft(native_engine):
     """Greedy: every shipped draft and prompt lookup, token for token the native target's own answer."""
-    from memspec.request import GenerationRequest
-
-    for prompt in PROMPTS:
-        base = native_engine.generate(GenerationRequest(prompt=prompt, max_tokens=40, draft="none"))
-        for name in ("draft-code", "draft-math", "draft-chat", "prompt-lookup"):
-            r = native_engine.generate(GenerationRequest(prompt=prompt, max_tokens=40, draft=name))
-            assert r.token_ids == base.token_ids, f"{name} on {prompt!r}"
+    assert_every_draft_keeps_target_only_output(native_engine, max_tokens=40)
 
 
 def test_load_target_takes_a_gguf_path_or_a_store_name(gguf_path, model_store):

@@ -84,10 +84,15 @@ def test_batch_invariant_q4_speculative_output_is_target_only_output(q4_invarian
     if not exact_or_reported(q4_invariant):
         return
     q4_invariant.drafts = DraftPool(load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512)))
+    assert_every_draft_keeps_target_only_output(q4_invariant, max_tokens=48)
+
+
+def assert_every_draft_keeps_target_only_output(engine, max_tokens: int) -> None:
+    """Greedy: SmolLM2's shipped drafts and prompt lookup give each of PROMPTS target-only's answer."""
     for prompt in PROMPTS:
-        base = q4_invariant.generate(GenerationRequest(prompt=prompt, max_tokens=48, draft="none"))
+        base = engine.generate(GenerationRequest(prompt=prompt, max_tokens=max_tokens, draft="none"))
         for name in ("draft-code", "draft-math", "draft-chat", "prompt-lookup"):
-            r = q4_invariant.generate(GenerationRequest(prompt=prompt, max_tokens=48, draft=name))
+            r = engine.generate(GenerationRequest(prompt=prompt, max_tokens=max_tokens, draft=name))
             assert r.token_ids == base.token_ids, f"{name} on {prompt!r}"
 
 

@@ -16,24 +16,9 @@ from memspec.models.convert import DecoderBuilder, convert
 from memspec.models.gguf import BLOCK_TYPES, ArrayWeights, GGUFModel, decode_blocks
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.sessions import DecoderSession
+from blocks import FP16_FIELDS, random_blocks
 
 gguf = pytest.importorskip("gguf")
-
-# Byte offsets of a block's fp16 fields: the scale, then the min's scale where the type has one.
-FP16_FIELDS = {"Q4_1": (0, 2), "Q5_0": (0,), "Q8_0": (0,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,)}
-TYPICAL = {"Q4_1": 7.5, "Q5_0": 8, "Q8_0": 64, "Q4_K": 236, "Q5_K": 480, "Q6_K": 1024}  # typical |integer part|
-MIN_RATIO = {"Q4_1": -7.5, "Q4_K": 7.5, "Q5_K": 15.5}  # min field / scale field that centres the weights
-
-
-def random_blocks(rng: np.random.Generator, qtype: str, n: int, k: int) -> np.ndarray:
-    """(n, bytes per row) uint8: random blocks whose weights are about N(0, 1/k) in size."""
-    per, nbytes = BLOCK_TYPES[qtype]
-    raw = rng.integers(0, 256, size=(n, k // per, nbytes), dtype=np.uint8)
-    d = rng.uniform(0.5, 1.5, size=(n, k // per)) / (TYPICAL[qtype] * np.sqrt(k))
-    fields = [d, d * MIN_RATIO.get(qtype, 0) * rng.uniform(0.8, 1.2, size=d.shape)]
-    for at, value in zip(FP16_FIELDS[qtype], fields):
-        raw[..., at : at + 2] = value.astype(np.float16)[..., None].view(np.uint8)
-    return raw.reshape(n, -1)
 
 
 @pytest.mark.parametrize("qtype", sorted(BLOCK_TYPES))
