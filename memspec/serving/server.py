@@ -151,19 +151,25 @@ def _handlers(servicer: MemSpecServicer) -> grpc.GenericRpcHandler:
     return grpc.method_handlers_generic_handler(service.full_name, handlers)
 
 
+RPC_BACKLOG = 4  # calls in flight per worker before grpc refuses more (see create_server)
+
+
 def create_server(servicer: MemSpecServicer, address: str, max_workers: int,
                   max_message_bytes: int = Limits().request_bytes()) -> tuple[grpc.Server, int]:
     """A server with MemSpec, health and reflection bound to `address` (not started).
 
     Every queued request holds a worker while it waits, so max_workers should be
-    max_concurrent + max_queue plus a few for status and health calls; grpc
-    refuses calls beyond that with RESOURCE_EXHAUSTED.  A request larger than
+    max_concurrent + max_queue plus a few for status and health calls.  grpc refuses
+    calls beyond RPC_BACKLOG x max_workers in flight with RESOURCE_EXHAUSTED; below that
+    a call waits for a worker.  (A cap of max_workers itself let a flood of streams, each
+    refused by admission within milliseconds but counted while it was, crowd out health
+    and GetStatus.)  A request larger than
     `max_message_bytes` (what [limits] allow: Limits.request_bytes) is refused by
     grpc before it is parsed, with RESOURCE_EXHAUSTED.
     """
     server = grpc.server(
         futures.ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="memspec-rpc"),
-        maximum_concurrent_rpcs=max_workers,
+        maximum_concurrent_rpcs=RPC_BACKLOG * max_workers,
         options=[("grpc.so_reuseport", 0),  # a second daemon must fail to bind, not share the port
                  ("grpc.max_receive_message_length", max_message_bytes)],
     )
