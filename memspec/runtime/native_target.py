@@ -16,7 +16,6 @@ OS commits as positions are written; rollback is a shorter `length`.
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Sequence
 
@@ -28,6 +27,7 @@ from memspec.runtime import kernels
 from memspec.runtime.costs import cost_key, step_costs
 from memspec.runtime.invariance import RowCheck, check
 from memspec.runtime.kvcache import KVCache, kv_cache_nbytes
+from memspec.runtime.target import physical_cores
 
 LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                  "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_norm.weight", "ffn_gate.weight",
@@ -48,15 +48,6 @@ class NativeCache(KVCache):
     @property
     def nbytes(self) -> int:
         return self.data.nbytes
-
-
-def physical_cores() -> int:
-    try:
-        import psutil
-
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except Exception:
-        return os.cpu_count() or 1
 
 
 class NativeTarget:

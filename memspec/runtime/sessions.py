@@ -18,7 +18,6 @@ Two graph layouts are understood, read from the model's own inputs:
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -36,6 +35,7 @@ except ImportError as exc:  # memspec does not depend on one ONNX Runtime build:
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.invariance import UNCHECKED, RowCheck, settle
 from memspec.runtime.kvcache import PAGE, KVCache, kv_cache_nbytes  # noqa: F401 (PAGE: re-exported)
+from memspec.runtime.target import physical_cores
 
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
@@ -71,15 +71,6 @@ def variant_for(variant: str, providers: Sequence[str], available: Iterable[str]
         return "q4f16", None
     return variant, (f"{providers[0]} with the float32 q4 graph: its attention will run on the CPU; "
                      f"build the CUDA variant with `memspec pull --variant q4f16 NAME`")
-
-
-def physical_cores() -> int:
-    try:
-        import psutil
-
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except Exception:
-        return os.cpu_count() or 1
 
 
 KV_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}

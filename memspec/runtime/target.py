@@ -16,6 +16,7 @@ converted for ONNX Runtime; CPU or CUDA).  `[runtime] backend` picks one: "nativ
 from __future__ import annotations
 
 import logging
+import os
 from pathlib import Path
 from typing import Protocol, Sequence
 
@@ -66,6 +67,16 @@ class Target(Protocol):
     def cost_key(self, max_k: int) -> str: ...
 
     def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]: ...
+
+
+def physical_cores() -> int:
+    """The default thread count of a target pass, for either engine."""
+    try:
+        import psutil
+
+        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
+    except Exception:
+        return os.cpu_count() or 1
 
 
 def resolve_backend(backend: str, providers: Sequence[str]) -> str:
