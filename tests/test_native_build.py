@@ -22,7 +22,7 @@ def test_the_kernels_are_built_wherever_a_c_compiler_is():
 
 NATIVE = Path(__file__).resolve().parent.parent / "memspec" / "runtime" / "native"
 SELFTEST = [Path(__file__).resolve().parent / "native" / "selftest.c",
-            *(NATIVE / f"{name}.c" for name in ("quants", "dot", "dot_avx2", "matmul"))]
+            *(NATIVE / f"{name}.c" for name in ("quants", "dot", "dot_avx2", "dot_neon", "matmul"))]
 FLAGS = ["-O2", "-std=c11", "-ffp-contract=off", "-pthread", f"-I{NATIVE}"]
 
 
@@ -38,7 +38,7 @@ def test_every_path_and_architecture_computes_the_same_bits(tmp_path):
     """The kernels without Python (tests/native/selftest.c): on every type, a row's outputs are the
     same in 1..9-row calls and at 1 and 3 threads, within the 8-bit bound of a double reference; and
     the hash of all outputs is the same for the scalar path, this CPU's SIMD path, and aarch64 (the
-    Jetson's architecture) under qemu-aarch64.  CI installs the cross compiler and qemu (.ci/run)."""
+    Jetson's architecture) under qemu-aarch64, scalar and NEON with the dot-product instructions.  CI installs the cross compiler and qemu (.ci/run)."""
     cc = shutil.which("gcc") or shutil.which("cc")
     if cc is None:
         pytest.skip("no C compiler")
@@ -49,4 +49,10 @@ def test_every_path_and_architecture_computes_the_same_bits(tmp_path):
     if not (cross and qemu):
         assert not os.environ.get("CI"), "CI installs gcc-aarch64-linux-gnu and qemu-user (.ci/run)"
         pytest.skip("no aarch64-linux-gnu-gcc and qemu-aarch64 (apt-get install gcc-aarch64-linux-gnu qemu-user)")
-    assert _selftest([cross, "-static"], tmp_path / "selftest.arm", [qemu]) == scalar
+    arm = tmp_path / "selftest.arm"
+    assert _selftest([cross, "-static"], arm, [qemu], "scalar") == scalar
+    # qemu's default CPU has the dot-product instructions (as the Jetson's Cortex-A78AE): the NEON path
+    assert _selftest([cross, "-static"], arm, [qemu], "neon") == scalar
+    assert _selftest([cross, "-static"], arm, [qemu]) == scalar  # the best path there: NEON
+    # and an ARMv8.0 CPU without them falls back to the scalar path instead of dying of SIGILL
+    assert _selftest([cross, "-static"], arm, [qemu, "-cpu", "cortex-a53"]) == scalar

@@ -27,6 +27,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUIL
 
 TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FLOATS = ("F32", "F16", "BF16")
+SIMD = ("avx2", "neon")  # every path besides the scalar reference (neon also runs under qemu: test_native_build)
 # k per type in the random cases: whole 256-weight chunks for K-quants, a partial last chunk otherwise
 K_OF = {**dict.fromkeys(FLOATS, 300), **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q8_0"), 608),
         **dict.fromkeys(("Q4_K", "Q5_K", "Q6_K"), 768)}
@@ -86,7 +87,7 @@ def check_close(raw, name, n, k, x, isa=None):
 
 # -- 1. against gguf's dequantization in float64 -----------------------------------------
 
-@pytest.mark.parametrize("isa", ["scalar", "avx2"])
+@pytest.mark.parametrize("isa", ["scalar", *SIMD])
 @pytest.mark.parametrize("name", TYPES)
 def test_random_blocks_match_the_float64_reference(name, isa):
     if isa not in kernels.isas():
@@ -178,10 +179,11 @@ def test_real_rows_are_bit_identical_alone_and_in_a_batch(smollm):
 
 # -- 3. the paths -------------------------------------------------------------------------
 
+@pytest.mark.parametrize("isa", SIMD)
 @pytest.mark.parametrize("name", TYPES)
-def test_avx2_equals_the_scalar_reference_bit_for_bit(name):
-    if "avx2" not in kernels.isas():
-        pytest.skip(f"this CPU has no AVX2 (paths: {kernels.isas()})")
+def test_each_simd_path_equals_the_scalar_reference_bit_for_bit(name, isa):
+    if isa not in kernels.isas():
+        pytest.skip(f"this CPU has no {isa} (paths: {kernels.isas()})")
     rng = np.random.default_rng(200 + TYPES.index(name))
     n, k = 64, K_OF[name]
     raw, x = random_weights(rng, name, n, k), activations(rng, 6, k)
@@ -191,10 +193,10 @@ def test_avx2_equals_the_scalar_reference_bit_for_bit(name):
         for at in FP16_FIELDS[name]:
             blocks[:, at : at + 2] = np.float16(1e-3).reshape(1).view(np.uint8)
     scalar = kernels.matmul(raw, type_id(name), n, k, x, isa="scalar")
-    avx2 = kernels.matmul(raw, type_id(name), n, k, x, isa="avx2")
-    differ = np.argwhere(scalar != avx2)
-    assert len(differ) == 0, f"{name}: {len(differ)} outputs differ, first {differ[0]}: " \
-                             f"{scalar[tuple(differ[0])]!r} vs {avx2[tuple(differ[0])]!r}"
+    simd = kernels.matmul(raw, type_id(name), n, k, x, isa=isa)
+    differ = np.argwhere(scalar != simd)
+    assert len(differ) == 0, f"{name} on {isa}: {len(differ)} outputs differ, first {differ[0]}: " \
+                             f"{scalar[tuple(differ[0])]!r} vs {simd[tuple(differ[0])]!r}"
 
 
 # Decode-sized calls take their own loops on the AVX2 path (native/dot_avx2.c): K-quants one
@@ -205,20 +207,21 @@ DECODE_K = {**dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q8_0"), 1568),  # 6 chunks
             **dict.fromkeys(("Q4_K", "Q5_K", "Q6_K"), 2304)}          # 9 blocks
 
 
+@pytest.mark.parametrize("isa", SIMD)
 @pytest.mark.parametrize("name", list(DECODE_K))
-def test_one_row_and_every_group_size_equal_the_scalar_path(name):
-    if "avx2" not in kernels.isas():
-        pytest.skip(f"this CPU has no AVX2 (paths: {kernels.isas()})")
+def test_one_row_and_every_group_size_equal_the_scalar_path(name, isa):
+    if isa not in kernels.isas():
+        pytest.skip(f"this CPU has no {isa} (paths: {kernels.isas()})")
     rng = np.random.default_rng(300 + TYPES.index(name))
     n, k = 24, DECODE_K[name]
     raw, x = random_weights(rng, name, n, k), activations(rng, 17, k)
     scalar = kernels.matmul(raw, type_id(name), n, k, x, isa="scalar")
     for m in range(1, 18):  # groups 1..8, then 8 + 1 .. 8 + 8 + 1
-        got = kernels.matmul(raw, type_id(name), n, k, x[:m], isa="avx2", threads=1 + m % 2)
+        got = kernels.matmul(raw, type_id(name), n, k, x[:m], isa=isa, threads=1 + m % 2)
         same = (got == scalar[:m]).all(axis=1)
         assert same.all(), f"{name}: rows {np.flatnonzero(~same).tolist()} of an {m}-row call differ from the scalar path"
     for r in (0, 8, 16):  # each alone: the one-row loop
-        alone = kernels.matmul(raw, type_id(name), n, k, x[r : r + 1], isa="avx2")
+        alone = kernels.matmul(raw, type_id(name), n, k, x[r : r + 1], isa=isa)
         np.testing.assert_array_equal(alone[0], scalar[r], err_msg=f"{name}: row {r} alone vs the scalar path")
 
 

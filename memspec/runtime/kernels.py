@@ -39,7 +39,7 @@ def module():
 
 
 def isa() -> str:
-    """The path matmul uses: "avx2" or "scalar" ($MEMSPEC_NATIVE_ISA=scalar forces scalar)."""
+    """The path matmul uses: "avx2", "neon" or "scalar" ($MEMSPEC_NATIVE_ISA=scalar forces scalar)."""
     return module().isa()
 
 

@@ -62,24 +62,36 @@ static void scalar_rows(const struct type_info *t, const uint8_t *w, int k, cons
 
 const struct dot_isa DOT_SCALAR = {"scalar", scalar_rows};
 
-#if defined(__x86_64__)
-static int has_avx2(void) {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c");
-}
+#if defined(__aarch64__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
 #endif
 
-const struct dot_isa *dot_isa_named(const char *name) {
-    if (strcmp(name, "scalar") == 0) return &DOT_SCALAR;
+int dot_isas(const struct dot_isa *out[4]) {
+    int n = 0;
+    out[n++] = &DOT_SCALAR;
 #if defined(__x86_64__)
-    if (strcmp(name, "avx2") == 0 && has_avx2()) return &DOT_AVX2;
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") && __builtin_cpu_supports("f16c"))
+        out[n++] = &DOT_AVX2;
 #endif
+#if defined(__aarch64__)
+    if (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) out[n++] = &DOT_NEON; /* SDOT/UDOT */
+#endif
+    return n;
+}
+
+const struct dot_isa *dot_isa_named(const char *name) {
+    const struct dot_isa *all[4];
+    int n = dot_isas(all);
+    for (int i = 0; i < n; i++)
+        if (strcmp(name, all[i]->name) == 0) return all[i];
     return NULL;
 }
 
 const struct dot_isa *dot_isa_best(void) {
-#if defined(__x86_64__)
-    if (has_avx2()) return &DOT_AVX2;
-#endif
-    return &DOT_SCALAR;
+    const struct dot_isa *all[4];
+    return all[dot_isas(all) - 1];
 }

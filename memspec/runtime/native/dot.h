@@ -35,11 +35,16 @@ extern const struct dot_isa DOT_SCALAR;
 #if defined(__x86_64__)
 extern const struct dot_isa DOT_AVX2;
 #endif
+#if defined(__aarch64__)
+extern const struct dot_isa DOT_NEON;
+#endif
 
-/* The path called `name` ("scalar", "avx2"), or NULL if unknown or this CPU lacks it. */
+/* The path called `name` ("scalar", "avx2", "neon"), or NULL if unknown or this CPU lacks it. */
 const struct dot_isa *dot_isa_named(const char *name);
 /* The best path this CPU supports. */
 const struct dot_isa *dot_isa_best(void);
+/* Every path this CPU supports, scalar first, the best last; returns how many (at most 4). */
+int dot_isas(const struct dot_isa *out[4]);
 
 /* K-quant block: ia = sum sc*(q.x) - zoff.sum16, ib = mn.sum16 (integers, exact). */
 static inline float k_update(float acc, float d, float dmin, float dx, int32_t ia, int32_t ib) {

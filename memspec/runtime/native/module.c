@@ -71,7 +71,7 @@ PyDoc_STRVAR(matmul_doc,
 "out (M, n) float32 = x (M, k) float32 @ W.T, W the (n, k) matrix of GGUF type ggml_type whose\n"
 "raw blocks `weights` holds (rows of blocks, any contiguous buffer).  Each output row depends\n"
 "only on its row of x and on W, never on M, the other rows or `threads`.  isa forces a path\n"
-"(\"scalar\", \"avx2\"); the default is isa().  Raises ValueError on bad arguments.");
+"(\"scalar\", \"avx2\", \"neon\"); the default is isa().  Raises ValueError on bad arguments.");
 
 static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"weights", "ggml_type", "n", "k", "x", "out", "threads", "isa", NULL};
@@ -122,7 +122,18 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
 static PyObject *py_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(default_isa->name); }
 
 static PyObject *py_isas(PyObject *self, PyObject *unused) {
-    return dot_isa_named("avx2") ? Py_BuildValue("(ss)", "scalar", "avx2") : Py_BuildValue("(s)", "scalar");
+    const struct dot_isa *all[4];
+    int n = dot_isas(all);
+    PyObject *names = PyTuple_New(n);
+    for (int i = 0; names && i < n; i++) {
+        PyObject *name = PyUnicode_FromString(all[i]->name);
+        if (!name) {
+            Py_DECREF(names);
+            return NULL;
+        }
+        PyTuple_SET_ITEM(names, i, name);
+    }
+    return names;
 }
 
 
@@ -425,9 +436,16 @@ static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "memspec.runtime._nat
 PyMODINIT_FUNC PyInit__native(void) {
     const char *env = getenv("MEMSPEC_NATIVE_ISA");
     default_isa = env && *env ? dot_isa_named(env) : dot_isa_best();
-    if (!default_isa)
-        return PyErr_Format(PyExc_ImportError, "MEMSPEC_NATIVE_ISA='%s' is not a path this CPU can run (scalar%s)",
-                            env, dot_isa_named("avx2") ? ", avx2" : "");
+    if (!default_isa) {
+        const struct dot_isa *all[4];
+        char names[64] = "";
+        for (int i = 0, n = dot_isas(all); i < n; i++) {
+            if (i) strcat(names, ", ");
+            strcat(names, all[i]->name);
+        }
+        return PyErr_Format(PyExc_ImportError, "MEMSPEC_NATIVE_ISA='%s' is not a path this CPU can run (%s)", env,
+                            names);
+    }
     if (PyType_Ready(&ModelType) < 0) return NULL;
     PyObject *mod = PyModule_Create(&module);
     if (!mod) return NULL;
