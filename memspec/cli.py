@@ -259,6 +259,8 @@ def cmd_status(args) -> int:
     for m in st["resident"] or [{"name": "(none)", "role": "", "variant": "", "bytes": 0, "device": "", "providers": []}]:
         print(f"resident  {m['name']} {m['role']} {m['variant']} {_mib(m['bytes'])} {m['device']} "
               f"{','.join(m['providers'])}".rstrip())
+    for line in _targets(st):
+        print(f"target    {line}")
     budget = _mib(st["budget_bytes"]) if st["budget_bytes"] else "none"
     print(f"memory    budget {budget}, weights {_mib(st['resident_bytes'])}, KV {_mib(st['kv_bytes'])}; "
           f"system {_mib(mem['available_bytes'])} available of {_mib(mem['total_bytes'])}, "
@@ -272,6 +274,43 @@ def cmd_status(args) -> int:
     for name in ("predictor", "scheduler", "batch"):
         if st.get(name):
             print(f"{name:<9} " + ", ".join(f"{k} {v:g}" for k, v in sorted(st[name].items())))
+    return 0
+
+
+def _until(t: dict) -> str:
+    """When a loaded target is unloaded, in words."""
+    if t["active"]:
+        return f"in use by {t['active']}"
+    if t["expires_in_s"] < 0:
+        return "never (kept)"
+    return f"in {t['expires_in_s']:.0f} s"
+
+
+def _targets(st: dict) -> list[str]:
+    """One line per loaded (or loading) target: name, variant, size, drafts, when it unloads."""
+    out = []
+    for t in st.get("targets", []):
+        if t["state"] != "unloaded":
+            drafts = ", ".join(t["drafts"]) or "none"
+            out.append(f"{t['name']:<24} {t['variant']:<6} {_mib(t['bytes']):>11}  {t['state']:<9} "
+                       f"{_until(t) if t['state'] == 'loaded' else '':<16} drafts: {drafts}")
+    return out
+
+
+def cmd_ps(args) -> int:
+    from memspec.serving.client import Client
+
+    with Client(args.address) as c:
+        st = c.status()
+    rows = [t for t in st.get("targets", []) if t["state"] != "unloaded"]
+    if args.json:
+        print(json.dumps(rows, indent=2))
+        return 0
+    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'STATE':<9} {'UNLOADS':<16} DRAFTS")
+    for line in _targets(st):
+        print(line)
+    budget = _mib(st["budget_bytes"]) if st["budget_bytes"] else "none"
+    print(f"memory budget {budget}; daemon RSS {_mib(st['system_memory']['process_rss_bytes'])}")
     return 0
 
 
@@ -412,6 +451,12 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     st = sub.add_parser("status", parents=[common, address], help="show a running daemon's status")
     st.add_argument("--json", action="store_true")
     st.set_defaults(func=cmd_status)
+
+    ps = sub.add_parser("ps", parents=[common, address], help="list a daemon's loaded targets",
+                        description="Each loaded target: its variant, the memory it is counted at, whether it is "
+                                    "in use or when it unloads (keep_alive), and its resident drafts.")
+    ps.add_argument("--json", action="store_true")
+    ps.set_defaults(func=cmd_ps)
 
     ld = sub.add_parser("load", parents=[common, address], help="make a target resident in the daemon (admin)")
     ld.add_argument("name")

@@ -31,6 +31,9 @@ class ModelConfig:
 
     target: str = "smollm2-135m"  # store name of the target model
     variant: str = "q4"  # "q4" (fast, the GGUF's own 4-bit weights) or "fp32" (exact)
+    # how long a target loaded on demand stays once idle (Ollama's keep_alive: "5m", "90s", "0" = unload
+    # after the answer, "-1" = keep); the target above stays loaded until told otherwise
+    keep_alive: str = "5m"
 
 
 @dataclass(frozen=True)

@@ -50,6 +50,10 @@ class OverloadedError(MemspecError):
     """The daemon's queue is full, or the request's KV cache does not fit in memory now."""
 
 
+class InsufficientMemoryError(OverloadedError):
+    """A target cannot be loaded: it does not fit the memory budget even with every other model gone."""
+
+
 class UnavailableError(MemspecError, ConnectionError):
     """No daemon answers at the address, or it is starting or shutting down."""
 
@@ -75,10 +79,6 @@ class RequestTooLargeError(InvalidRequestError):
     """The request body is larger than the [limits] let any request be."""
 
 
-class WrongModelError(InvalidRequestError):
-    """The request names a target in the store that is not the one loaded."""
-
-
 # -- the one status table -----------------------------------------------------------------------
 @dataclass(frozen=True)
 class Status:
@@ -98,13 +98,14 @@ STATUS: dict[type, Status] = {
     # before TokenizerError: a malformed turn is the request's fault
     ChatTemplateError: Status("INVALID_ARGUMENT", 400, "invalid_request_error", "invalid_messages", "invalid"),
     RequestTooLargeError: Status("RESOURCE_EXHAUSTED", 413, "invalid_request_error", "request_too_large", "invalid"),
-    WrongModelError: Status("FAILED_PRECONDITION", 400, "invalid_request_error", "model_not_loaded", "invalid"),
     InvalidRequestError: Status("INVALID_ARGUMENT", 400, "invalid_request_error", None, "invalid"),
     TokenizerError: Status("FAILED_PRECONDITION", 500, "server_error", "tokenizer_error", "rejected"),
     ConfigError: Status("INVALID_ARGUMENT", 400, "invalid_request_error", None, "invalid"),
     ModelNotFoundError: Status("NOT_FOUND", 404, "invalid_request_error", "model_not_found", "invalid"),
     ModelFormatError: Status("FAILED_PRECONDITION", 500, "server_error", "model_format_error", "rejected"),
     NotLoadedError: Status("FAILED_PRECONDITION", 503, "service_unavailable", "no_model_loaded", "rejected"),
+    # 507 Insufficient Storage: the server cannot hold what the request needs (a target that does not fit)
+    InsufficientMemoryError: Status("RESOURCE_EXHAUSTED", 507, "server_error", "insufficient_memory", "rejected"),
     OverloadedError: Status("RESOURCE_EXHAUSTED", 429, "rate_limit_error", "overloaded", "rejected"),
     UnavailableError: Status("UNAVAILABLE", 503, "service_unavailable", "unavailable", "rejected"),
     DeadlineExceededError: Status("DEADLINE_EXCEEDED", 504, "timeout", "deadline_exceeded", "cancelled"),

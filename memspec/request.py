@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass, field
 
 from memspec.errors import InvalidRequestError
@@ -100,6 +102,42 @@ class GenerationRequest:
     draft: str | None = None  # force one draft (NO_DRAFT = target only)
     policy: PolicyName | None = None  # draft-selection policy override (None: the configured one)
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives
+    model: str | None = None  # the target to answer (a store name); None: the daemon's default target
+    keep_alive: float | None = None  # seconds its target stays loaded once idle; 0: unload now; None: default
+
+
+KEEP_FOREVER = math.inf  # keep_alive of a target that is never unloaded for being idle
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def parse_keep_alive(value: object, field_name: str = "keep_alive") -> float:
+    """Ollama's keep_alive as seconds: a number of seconds, or a Go duration string ("5m", "1h30m",
+    "90s", "-1m"); a bare number as a string counts as seconds.  0: unload after the answer;
+    negative: KEEP_FOREVER.  InvalidRequestError naming the field for anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise _bad(field_name, f"must be a duration like \"5m\" or a number of seconds, got {type(value).__name__}")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            seconds = float(text)
+        except ValueError:
+            sign, body = (-1.0, text[1:]) if text.startswith("-") else (1.0, text.lstrip("+"))
+            parts = _DURATION.findall(body)
+            if not body or "".join(n + u for n, u in parts) != body:
+                raise _bad(field_name, f"{quote(value, 32)} is not a duration; use e.g. \"5m\", \"1h30m\", "
+                                       f"\"90s\", 0 (unload after the answer) or -1 (keep loaded)") from None
+            seconds = sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
+    else:
+        seconds = float(value)
+    if math.isnan(seconds):
+        raise _bad(field_name, "is not a number")
+    return KEEP_FOREVER if seconds < 0 else seconds
+
+
+def format_keep_alive(seconds: float) -> str:
+    """keep_alive as the wire carries it: seconds as text, "-1" for KEEP_FOREVER."""
+    return "-1" if seconds == KEEP_FOREVER else f"{seconds:g}"
 
 
 def _bad(field_name: str, msg: str) -> InvalidRequestError:
@@ -126,7 +164,7 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
             _check_text(f"messages[{i}].content", content, limits, allow_empty=role != "user")
         if req.raw:
             raise _bad("raw", "raw applies to a prompt, not to chat messages")
-    for name, value in (("draft", req.draft), ("policy", req.policy and req.policy.draft)):
+    for name, value in (("draft", req.draft), ("policy", req.policy and req.policy.draft), ("model", req.model)):
         if value and len(value) > limits.max_name_chars:
             raise _bad(name, f"a name of {len(value)} characters; at most {limits.max_name_chars}")
     if not 1 <= req.max_tokens <= limits.max_tokens:

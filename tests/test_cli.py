@@ -76,7 +76,8 @@ def test_help_lists_developer_commands_apart():
     def listed(section: str) -> set[str]:
         return {line.split()[0] for line in section.splitlines() if line.startswith("  ")}
 
-    assert listed(user) == {"COMMAND", "pull", "models", "generate", "chat", "serve", "status", "load", "unload"}
+    assert listed(user) == {"COMMAND", "pull", "models", "generate", "chat", "serve", "status", "ps", "load",
+                            "unload"}
     assert listed(dev) == {"bench", "profile", "train-draft", "train-predictor"}
 
 

@@ -185,9 +185,31 @@ def test_models_list_the_store_targets_and_say_which_is_resident(f):
     rows = {m["id"]: m for m in body["data"]}
     assert set(rows) == {"tiny", "other"}  # the draft is not a model to ask for
     assert rows["tiny"]["memspec"]["resident"] and not rows["other"]["memspec"]["resident"]
+    assert rows["tiny"]["loaded"] is True and rows["other"]["loaded"] is False
     assert f.request("GET", "/v1/models/tiny")[2]["id"] == "tiny"
     status, _, body = f.request("GET", "/v1/models/a-draft")
     assert status == 404 and body["error"]["code"] == "model_not_found"
+
+
+def test_every_listed_model_answers_loaded_on_demand_and_keep_alive_0_unloads_it(f):
+    """The listing-then-asking flow of a chat front end: the model the list offers answers, loaded
+    first; the list puts loaded targets first; keep_alive 0 unloads it after its answer."""
+    listed = [m["id"] for m in f.request("GET", "/v1/models")[2]["data"]]
+    for name in listed:
+        status, _, out = f.post({**GOOD, "model": name})
+        assert status == 200 and out["model"] == name and out["memspec"]["model"] == name
+    f.h.client.unload("tiny")
+    body = f.request("GET", "/v1/models")[2]
+    assert [(m["id"], m["loaded"]) for m in body["data"]] == [("other", True), ("tiny", False)]
+    status, _, out = f.post({**GOOD, "model": "other", "keep_alive": 0})
+    assert status == 200 and out["model"] == "other"
+    wait_for(lambda: not {m["id"]: m for m in f.request("GET", "/v1/models")[2]["data"]}["other"]["loaded"])
+    m = f.metrics()
+    assert m[("memspec_target_loads_total", (("model", "other"),))] == 1
+    assert m[("memspec_target_unloads_total", (("model", "other"),))] == 1
+    assert m[("memspec_target_unloads_total", (("model", "tiny"),))] == 1
+    assert m[("memspec_target_load_seconds_total", (("model", "other"),))] >= 0
+    assert m[("memspec_target_loaded", (("model", "other"),))] == 0
 
 
 def test_health_follows_the_daemon_state(make):
@@ -241,7 +263,8 @@ BAD = [  # (name, path, body or raw text, headers, status, param, code)
     ("top_logprobs over 20", CHAT, chat(logprobs=True, top_logprobs=21), None, 400, "top_logprobs", None),
     ("logprobs not a boolean", CHAT, chat(logprobs="yes"), None, 400, "logprobs", None),
     ("an unknown model", CHAT, {**GOOD, "model": "gpt-4o"}, None, 404, "model", "model_not_found"),
-    ("a target not loaded", CHAT, {**GOOD, "model": "other"}, None, 400, "model", "model_not_loaded"),
+    ("a keep_alive that is no duration", CHAT, {**GOOD, "keep_alive": "soon"}, None, 400, "keep_alive", None),
+    ("a keep_alive of the wrong type", CHAT, {**GOOD, "keep_alive": [5]}, None, 400, "keep_alive", None),
     ("a draft as the model", CHAT, {**GOOD, "model": "a-draft"}, None, 400, "model", None),
     ("an unknown draft", CHAT, {**GOOD, "memspec": {"draft": "nope"}}, None, 400, "draft", None),
     ("an unknown policy", CHAT, {**GOOD, "memspec": {"policy": "fastest"}}, None, 400, "memspec.policy", None),

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from memspec.errors import InvalidRequestError
-from memspec.request import PolicyName, unknown_draft, unknown_policy
+from memspec.request import KEEP_FOREVER, PolicyName, parse_keep_alive, unknown_draft, unknown_policy
 
 
 @pytest.mark.parametrize("text,kind,draft", [
@@ -55,3 +55,18 @@ def test_draft_and_policy_names_have_a_length_limit():
         validate(GenerationRequest(prompt="hi", draft="d" * 129))
     with pytest.raises(InvalidRequestError, match=r"^policy: a name of 20 characters; at most 10$"):
         validate(GenerationRequest(prompt="hi", policy=PolicyName("fixed", "p" * 20)), Limits(max_name_chars=10))
+
+
+@pytest.mark.parametrize("value,seconds", [
+    ("5m", 300.0), ("1h30m", 5400.0), ("90s", 90.0), ("300ms", 0.3), ("1.5h", 5400.0), (0, 0.0), ("0", 0.0),
+    (30, 30.0), (2.5, 2.5), ("45", 45.0), (-1, KEEP_FOREVER), ("-1m", KEEP_FOREVER), ("-1", KEEP_FOREVER),
+])
+def test_keep_alive_reads_as_ollama_reads_it(value, seconds):
+    """A number is seconds, a string a Go duration (a bare number too); negative keeps it loaded."""
+    assert parse_keep_alive(value) == pytest.approx(seconds)
+
+
+@pytest.mark.parametrize("value", ["soon", "5 m", "m", "", "5x", "nan", True, None, [1]])
+def test_a_keep_alive_that_is_no_duration_names_the_field(value):
+    with pytest.raises(InvalidRequestError, match=r"^keep_alive: "):
+        parse_keep_alive(value)

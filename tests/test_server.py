@@ -26,8 +26,8 @@ from memspec.serving.backend import EngineBackend
 from memspec.serving.client import Client
 from memspec.config import Config, ServerConfig
 from memspec.errors import (
-    ContextOverflowError, DeadlineExceededError, InvalidRequestError, ModelNotFoundError, NotLoadedError,
-    OverloadedError, RemoteError, UnavailableError,
+    ContextOverflowError, DeadlineExceededError, InvalidRequestError, ModelNotFoundError, OverloadedError,
+    RemoteError, UnavailableError,
 )
 from memspec.serving.notify import Notifier
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
@@ -456,12 +456,12 @@ def test_load_and_unload(h):
     first = h.engine
     assert h.client.unload("tiny") == 5 * MiB
     assert first.closed == 1  # an unloaded engine stops its loader thread
-    with pytest.raises(NotLoadedError, match="no target is loaded"):
-        list(h.client.generate("hi"))
     assert h.client.status()["resident"] == []
     with pytest.raises(ModelNotFoundError):
         h.client.unload("tiny")
-    with pytest.raises(ModelNotFoundError, match="'nope' is not in the store"):
+    _, done = collect(h.client.generate("hi", max_tokens=1))  # the default target loads again on demand
+    assert done.model == "tiny" and h.engine is not first
+    with pytest.raises(ModelNotFoundError, match="'nope' is not in the store; the pulled targets are tiny, other"):
         h.client.load("nope")
     with pytest.raises(ModelNotFoundError, match="no variant 'fp16'"):
         h.client.load("other", "fp16")
@@ -470,15 +470,13 @@ def test_load_and_unload(h):
     out = h.client.load("other")
     assert out["model"]["name"] == "other" and out["model"]["bytes"] == 5 * MiB
     _, done = collect(h.client.generate("x y", max_tokens=1))
-    assert done.model == "other"
+    assert done.model == "other"  # LoadModel made it the default target
     models = {m["name"]: m for m in h.client.models()}
     assert models["other"]["resident"] and models["other"]["resident_variant"] == "q4"
-    assert not models["tiny"]["resident"] and models["tiny"]["variants"] == {"q4": 5 * MiB}
-    second = h.engine
-    h.client.load("tiny")
-    assert second.closed == 1 and h.engine.closed == 0  # a replaced engine is closed too
+    assert models["tiny"]["resident"] and models["tiny"]["variants"] == {"q4": 5 * MiB}  # no budget: both stay
+    tiny, other = h.engines[-2:]
     h.backend.close()  # daemon shutdown
-    assert h.engine.closed == 1 and h.backend.engine is None
+    assert (tiny.closed, other.closed) == (1, 1) and h.backend.engine is None
 
 
 def test_status_reports_what_exists(h):
@@ -856,3 +854,26 @@ def test_wait_until_serving_stops_for_a_dead_process_and_at_its_timeout(tmp_path
     assert wait_until_serving(sock, lambda: False, 30) is False and time.monotonic() - t0 < 1
     t0 = time.monotonic()
     assert wait_until_serving(sock, lambda: True, 0.5, poll=0.1) is False and 0.4 < time.monotonic() - t0 < 5
+
+
+def test_a_request_names_its_target_and_keep_alive_and_ps_shows_them(h, capsys):
+    """gRPC's model and keep_alive: another pulled target answers, loaded on demand; GetStatus and
+    `memspec ps` show what is loaded, for how long, and what its loads cost."""
+    from memspec.cli import main
+
+    _, done = collect(h.client.generate("a b", max_tokens=1, model="other", keep_alive="10m"))
+    assert done.model == "other"
+    rows = {t["name"]: t for t in h.client.status()["targets"]}
+    assert rows["other"]["keep_alive_s"] == 600 and rows["tiny"]["keep_alive_s"] == -1  # the default is kept
+    assert (rows["other"]["state"], rows["other"]["loads"], rows["other"]["active"]) == ("loaded", 1, 0)
+    assert main(["ps", "--address", str(h.path)]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].split() == ["NAME", "VAR", "SIZE", "STATE", "UNLOADS", "DRAFTS"]
+    assert out[1].split()[0] == "other" and "in 600 s" in out[1] and "drafts: none" in out[1]
+    assert out[2].split()[0] == "tiny" and "never (kept)" in out[2]
+    with pytest.raises(ModelNotFoundError, match="model: 'nope' is not in the store; the pulled targets are "):
+        list(h.client.generate("a", model="nope"))
+    with pytest.raises(InvalidRequestError, match="model: 'a-draft' is a draft; name a target"):
+        list(h.client.generate("a", model="a-draft"))
+    with pytest.raises(InvalidRequestError, match="keep_alive: 'soon' is not a duration"):
+        wire.request_from_pb(wire.pb2.GenerateRequest(prompt="a", keep_alive="soon"))

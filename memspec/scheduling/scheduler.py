@@ -23,7 +23,7 @@ from typing import Callable, Iterator
 
 from memspec.errors import ConfigError, InvalidRequestError
 from memspec.request import NO_DRAFT, GenerationRequest, PolicyName, unknown_draft
-from memspec.runtime.memory import MiB, MemoryProbe, budget_under
+from memspec.runtime.memory import MiB, MemoryProbe, memory_budget
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.features import Detokenize
 from memspec.scheduling.policies import (Bandit, Fixed, Memspec, Oracle, Policy, TargetOnly, load_oracle_table,
@@ -60,9 +60,7 @@ class Scheduler:
         except InvalidRequestError as exc:
             raise ConfigError(str(exc)) from None
         oracle = self.default.kind == "oracle"
-        # no budget configured: what the cgroup's limit (systemd's MemoryHigh= / MemoryMax=) leaves, if any
-        limit = probe.limit_bytes()
-        budget = 0 if oracle else config.budget_mb * MiB or (budget_under(limit) if limit else 0)
+        budget = 0 if oracle else memory_budget(config.budget_mb, probe)
         self.ws = WorkingSet(budget, loader, probe, clock, config.pressure_floor_mb * MiB, sizes=drafts,
                              retry_after_s=config.retry_after_s)
         if target is not None:
@@ -184,6 +182,10 @@ class Scheduler:
         if name not in self.drafts or not self.ws.is_resident(name):
             return None
         return self.ws.unload(name)
+
+    def shrink(self, nbytes: int) -> int:
+        """Give up unleased drafts, lowest value per byte first, until `nbytes` are freed."""
+        return self.ws.shrink(nbytes)
 
     def report(self) -> SourceStatus:
         table = self.ws.status()["drafts"]

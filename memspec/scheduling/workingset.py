@@ -448,6 +448,20 @@ class WorkingSet:
         self._reclaim()
         return e.nbytes
 
+    def shrink(self, nbytes: int) -> int:
+        """Evict unleased drafts, lowest value per byte first, until `nbytes` are freed (room for
+        another target); returns the bytes freed."""
+        freed = 0
+        with self._cond:
+            for c in eviction_order(self._candidates()):
+                if freed >= nbytes:
+                    break
+                self._evict(c.name, why="to make room for another target")
+                freed += c.nbytes
+        if freed:
+            self._reclaim()
+        return freed
+
     def wait_idle(self, timeout: float = 30.0) -> bool:
         """Block until no load is queued or running (tests, benchmarks)."""
         deadline = time.monotonic() + timeout

@@ -17,8 +17,11 @@ from dataclasses import dataclass, field
 from typing import Callable, Iterator, Protocol
 
 from memspec.config import Config
-from memspec.errors import InvalidRequestError, ModelNotFoundError, NotLoadedError, UnavailableError
-from memspec.request import Chunk, Completion, GenerationRequest, Limits, quote
+from memspec.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnavailableError
+from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, parse_keep_alive, quote,
+                             validate)
+from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget, planned_target_footprint
+from memspec.scheduling.targets import TargetLease, TargetSet
 
 log = logging.getLogger("memspec.backend")
 
@@ -57,17 +60,25 @@ class Run:
 @dataclass(frozen=True)
 class Checked:
     """A request that passed check(): the engine that checked it (and runs it, even after a
-    LoadModel), its prompt ids (so it is tokenized once) and its KV bytes."""
+    LoadModel), its prompt ids (so it is tokenized once), its KV bytes, and its hold on the
+    target (released once the request ends, whatever ended it)."""
 
     engine: ServingEngine
     prompt_ids: list[int]
     kv_bytes: int
+    lease: TargetLease | None = None  # None: nothing to hand back
+
+    def release(self) -> None:
+        """The request ended: its target's keep-alive starts once no other request holds it."""
+        if self.lease is not None:
+            self.lease.release()
 
 
 class Backend(Protocol):
     config: Config  # what it runs with; config.limits bound every request
-    def check(self, req: GenerationRequest) -> Checked: ...  # validate fully: prompt ids, KV bytes
-    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked | None = None) -> Run: ...
+    def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = ...,
+              timeout: float | None = None) -> Checked: ...  # load its target if need be; prompt ids, KV bytes
+    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run: ...
     def record(self, completion: Completion) -> None: ...  # count a finished request
     def hint(self, req: GenerationRequest) -> None: ...  # a checked request will wait in the queue
     def resident_bytes(self) -> int: ...
@@ -109,47 +120,96 @@ def draft_used(stats: dict) -> str:
 
 @dataclass
 class EngineBackend:
-    """One engine: its target and the drafts its source holds are the resident set."""
+    """The loaded targets, each an engine with its own drafts: a TargetSet (memspec.scheduling.targets)
+    loads them on demand within the memory budget and unloads them when idle."""
 
     config: Config
     loader: EngineLoader  # builds an engine; tests pass a fake
     store: "memspec.models.store.ModelStore"  # noqa: F821
-    engine: ServingEngine | None = None
+    probe: MemoryProbe | None = None  # the daemon's memory (None: psutil's); tests pass a fake
+    clock: Callable[[], float] = time.monotonic
     started: bool = False  # the first target load has finished
-    _lock: threading.Lock = field(default_factory=threading.Lock)  # one LoadModel at a time
     _config_lock: threading.Lock = field(default_factory=threading.Lock)  # config and engine limits (SIGHUP)
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
     _drafts: dict[str, DraftCounters] = field(default_factory=dict)  # draft name -> counters
 
+    def __post_init__(self):
+        probe = self.probe or PsutilProbe()
+        try:  # the keep-alive of a target loaded on demand, unless its requests say otherwise
+            self.keep_alive = parse_keep_alive(self.config.model.keep_alive, "[model] keep_alive")
+        except InvalidRequestError as exc:
+            raise ConfigError(str(exc)) from None
+        self.targets = TargetSet(self._load_engine, self._plan, probe, memory_budget(self.config.scheduler.budget_mb, probe),
+                                 self.config.server.memory_headroom_mb * MiB, self.clock)
+
     def start(self) -> dict:
-        """Load the configured target (at daemon start)."""
+        """Load the configured target (at daemon start), then let idle targets expire."""
         out = self.load(self.config.model.target, self.config.model.variant)
         self.started = True
+        self.targets.start()
         return out
 
-    def _engine(self) -> ServingEngine:
-        engine = self.engine
-        if engine is None:
-            if not self.started:
-                raise UnavailableError(f"the daemon is starting: loading {self.config.model.target}")
-            raise NotLoadedError("no target is loaded; call LoadModel (memspec load NAME) first")
+    @property
+    def engine(self) -> ServingEngine | None:
+        """The default target's engine (the one a request that names no model gets), if loaded."""
+        return dict(self.targets.engines()).get(self.config.model.target)
+
+    # -- the store: what a name may load as ----------------------------------------------
+    def _plan(self, name: str, variant: str | None) -> tuple[str, int]:
+        """(variant, planned bytes) of target `name`: the variant asked for, else the configured one
+        where it has it, else q4, else its first; named errors for anything that is not a target."""
+        try:
+            manifest = self.store.get(name)
+        except ModelNotFoundError:
+            pulled = ", ".join(m.name for m in self.store.list() if m.role == "target") or "none"
+            raise ModelNotFoundError(f"model: {quote(name)} is not in the store; the pulled targets are {pulled} "
+                                     f"(GET /v1/models or `memspec models` lists them; `memspec pull NAME` adds one)"
+                                     ) from None
+        if manifest.role != "target":
+            raise InvalidRequestError(f"model: {quote(name)} is a {manifest.role}; name a target, and pick a draft "
+                                      f"with \"draft\" (drafts are loaded with their target)")
+        have = sorted(manifest.variants)
+        variant = variant or next(v for v in (self.config.model.variant, "q4", *have) if v in have or v == have[0])
+        manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
+        return variant, planned_target_footprint(manifest.variant_bytes(variant))
+
+    def _load_engine(self, name: str, variant: str) -> ServingEngine:
+        """What the TargetSet's loader thread runs: the engine of `name`, calibrated, with the limits now."""
+        config = dataclasses.replace(self.config, model=dataclasses.replace(self.config.model, target=name,
+                                                                               variant=variant))
+        engine = self.loader(config, variant)
+        engine.calibrate()  # measure verification cost now, not in the first request
+        with self._config_lock:  # a SIGHUP during the load changed the limits: keep its config
+            engine.limits = self.config.limits
         return engine
 
     # -- requests ------------------------------------------------------------------
-    def check(self, req: GenerationRequest) -> Checked:
-        engine = self._engine()
-        prompt = engine.check(req)  # limits, draft, policy, context; raises InvalidRequest / ContextOverflow
-        return Checked(engine, prompt, engine.kv_bytes(req, prompt))
+    def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = lambda: False,
+              timeout: float | None = None) -> Checked:
+        """Hold the request's target (loading it first if need be, waiting at most `timeout` s and
+        not past `cancelled()`), then check the request against it."""
+        if not self.started:
+            raise UnavailableError(f"the daemon is starting: loading {self.config.model.target}")
+        validate(req, self.config.limits)  # a bad field costs no load
+        name = req.model or self.config.model.target
+        default = KEEP_FOREVER if name == self.config.model.target else self.keep_alive
+        lease = self.targets.acquire(name, None, req.keep_alive, default, cancelled, timeout)
+        try:
+            engine = lease.engine
+            prompt = engine.check(req)  # limits, draft, policy, context; raises InvalidRequest / ContextOverflow
+            return Checked(engine, prompt, engine.kv_bytes(req, prompt), lease)
+        except BaseException:
+            lease.release()
+            raise
 
-    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked | None = None) -> Run:
+    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run:
         # The run holds the engine that checked it (and the draft it picks) until it is closed.
-        checked = checked or self.check(req)
         engine = checked.engine
         return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel, checked.prompt_ids))
 
     def hint(self, req: GenerationRequest) -> None:
         """A checked request is about to wait in the queue: let the draft source preload its draft."""
-        engine = self.engine
+        engine = dict(self.targets.engines()).get(req.model or self.config.model.target)
         if engine is not None:
             try:
                 engine.drafts.hint([req])
@@ -164,10 +224,10 @@ class EngineBackend:
 
     # -- models ----------------------------------------------------------------------
     def resident_bytes(self) -> int:
-        return sum(m["bytes"] for m in _resident(self.engine))
+        return sum(m["bytes"] for _, e in self.targets.engines() for m in _resident(e))
 
     def models(self) -> list[dict]:
-        resident = {m["name"]: m["variant"] for m in _resident(self.engine)}
+        resident = {m["name"]: m["variant"] for _, e in self.targets.engines() for m in _resident(e)}
         return [{
             "name": m.name, "role": m.role, "variants": {v: m.variant_bytes(v) for v in m.variants},
             "source": m.provenance.get("source", ""), "resident": m.name in resident,
@@ -175,71 +235,76 @@ class EngineBackend:
         } for m in self.store.list()]
 
     def load(self, name: str, variant: str | None) -> dict:
-        manifest = self.store.get(name)  # ModelNotFoundError
-        if manifest.role != "target":
-            raise InvalidRequestError(f"name: {quote(name)} is a {manifest.role}; drafts are loaded with their target")
-        variant = variant or self.config.model.variant
-        manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
-        config = dataclasses.replace(self.config, model=dataclasses.replace(self.config.model, target=name,
-                                                                               variant=variant))
-        with self._lock:
-            t0 = time.perf_counter()
-            engine = self.loader(config, variant)
-            engine.calibrate()  # measure verification cost now, not in the first request
-            with self._config_lock:  # a SIGHUP during the load changed the limits: keep its config
-                self.config = dataclasses.replace(self.config, model=config.model)
-                engine.limits = self.config.limits
-                old, self.engine = self.engine, engine  # running streams keep theirs
-            if old is not None:
-                old.close()  # its drafts go; a stream still on it keeps the one it holds
-            load_ms = (time.perf_counter() - t0) * 1e3
-            target = _resident(engine)[0]
-        return {"model": target, "load_ms": load_ms}
+        """LoadModel: make `name` resident (kept until told otherwise) and the default target."""
+        t0 = time.perf_counter()
+        variant, _ = self._plan(name, variant or self.config.model.variant)
+        self._drop_other_variant(name, variant)
+        lease = self.targets.acquire(name, variant, KEEP_FOREVER)
+        lease.release()
+        with self._config_lock:
+            old = self.config.model.target
+            self.config = dataclasses.replace(self.config, model=dataclasses.replace(self.config.model, target=name,
+                                                                                        variant=variant))
+        if old != name:  # no longer the default: it expires like any other
+            self.targets.keep(old, self.keep_alive)
+        return {"model": _resident(lease.engine)[0], "load_ms": (time.perf_counter() - t0) * 1e3}
+
+    def _drop_other_variant(self, name: str, variant: str) -> None:
+        row = next((r for r in self.targets.status() if r["name"] == name and r["state"] == "loaded"), None)
+        if row is not None and row["variant"] != variant:
+            if row["active"]:
+                raise InvalidRequestError(f"name: {quote(name)} is loaded as {row['variant']} and in use by "
+                                          f"{row['active']} request(s); load {variant} once they end")
+            self.targets.unload(name)
 
     def unload(self, name: str) -> int:
-        with self._lock:
-            engine = self.engine
-            resident = _resident(engine)
-            if engine is not None and engine.target.name == name:
-                self.engine = None
-                engine.close()
-                return sum(m["bytes"] for m in resident)  # the target takes its drafts with it
-            freed = engine.drafts.unload(name) if engine is not None else None
+        """UnloadModel: a target now (or once its requests end), with its drafts; or one draft.
+        Returns the weight bytes freed (the resident rows' bytes)."""
+        engines = self.targets.engines()
+        target = dict(engines).get(name)
+        if target is not None and self.targets.unload(name) is not None:
+            return sum(m["bytes"] for m in _resident(target))
+        for _, engine in engines:
+            freed = engine.drafts.unload(name)
             if freed is not None:
                 return freed
-        have = ", ".join(m["name"] for m in resident) or "none"
+        have = ", ".join(m["name"] for _, e in engines for m in _resident(e)) or "none"
         raise ModelNotFoundError(f"name: {quote(name)} is not resident (resident: {have})")
 
     # -- status ------------------------------------------------------------------------
     def status(self) -> dict:
-        engine = self.engine
-        if engine is None:
-            return {"resident": [], "drafts": [], "predictor": {}, "scheduler": {}, "batch": {}, "warnings": []}
-        report = engine.drafts.report()
-        with self._count_lock:
-            drafts = [{"name": d.name, "resident": d.resident, "bytes": d.bytes,
-                       **self._drafts.get(d.name, DraftCounters()).to_dict()} for d in report.drafts]
-        out = {"resident": _resident(engine), "drafts": drafts, "predictor": dict(report.predictor),
-               "scheduler": dict(report.scheduler)}
-        if report.budget_bytes is not None:  # the draft source's memory budget is the one that holds
-            out["budget_bytes"] = int(report.budget_bytes)
-        out["batch"] = engine.batch.report() if engine.batch is not None else {}
-        out["warnings"] = [w for w in (engine.target.session.rows.warning(),) if w]
+        engines = self.targets.engines()  # most recently used first
+        out = {"resident": [m for _, e in engines for m in _resident(e)], "drafts": [], "predictor": {},
+               "scheduler": {}, "batch": {}, "targets": self.targets.status(),
+               "warnings": [w for _, e in engines for w in (e.target.session.rows.warning(),) if w]}
+        for _, engine in engines:
+            out["drafts"] += self._draft_rows(engine.drafts.report())
+        main = dict(engines).get(self.config.model.target) or (engines[0][1] if engines else None)
+        if main is not None:  # counters of one engine: the default target's, else the last used
+            report = main.drafts.report()
+            out.update(predictor=dict(report.predictor), scheduler=dict(report.scheduler),
+                       batch=main.batch.report() if main.batch is not None else {})
+            if report.budget_bytes is not None:
+                out["budget_bytes"] = int(report.budget_bytes)
+        if self.targets.budget:
+            out["budget_bytes"] = self.targets.budget
         return out
+
+    def _draft_rows(self, report) -> list[dict]:
+        with self._count_lock:
+            return [{"name": d.name, "resident": d.resident, "bytes": d.bytes,
+                     **self._drafts.get(d.name, DraftCounters()).to_dict()} for d in report.drafts]
 
     def reconfigure(self, config: Config) -> None:
         """Apply what can change at run time: the request limits."""
         with self._config_lock:
             self.config = dataclasses.replace(config, model=self.config.model)
-            if self.engine is not None:
-                self.engine.limits = config.limits
+            for _, engine in self.targets.engines():
+                engine.limits = config.limits
 
     def close(self) -> None:
-        """Drop the engine at shutdown, joining its loader thread (memspec.speculation.engine.Engine.close)."""
-        with self._lock:
-            engine, self.engine = self.engine, None
-        if engine is not None:
-            engine.close()
+        """Unload every target at shutdown, joining their loader threads (Engine.close)."""
+        self.targets.close()
 
 
 def _resident(engine: ServingEngine | None) -> list[dict]:

@@ -20,7 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from memspec.serving import wire
 from memspec.serving.address import client_address
 from memspec.errors import InvalidRequestError
-from memspec.request import Chunk, Completion, GenerationRequest, PolicyName, SamplingParams
+from memspec.request import Chunk, Completion, GenerationRequest, PolicyName, SamplingParams, parse_keep_alive
 
 pb2 = wire.pb2
 Message = tuple[str, str] | Mapping[str, str]  # (role, content) or {"role": ..., "content": ...}
@@ -101,8 +101,8 @@ class Client:
 
     def generate(self, prompt: str, *, raw: bool = False, max_tokens: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-                 draft: str | None = None, policy: str | None = None,
-                 timeout: float | None = None) -> Iterator[Chunk | Completion]:
+                 draft: str | None = None, policy: str | None = None, model: str | None = None,
+                 keep_alive: float | str | None = None, timeout: float | None = None) -> Iterator[Chunk | Completion]:
         """Generate for one prompt (wrapped in the chat template unless raw).
 
         Args:
@@ -110,7 +110,10 @@ class Client:
             max_tokens, temperature, top_p, top_k, seed, stop: sampling (see GenerateRequest);
                 max_tokens None = the daemon's default.
             draft: force a draft ("none" = target only); policy: draft-selection policy.
-            timeout: deadline in seconds for the whole stream.
+            model: the target to answer (None: the daemon's default); loaded first if it is not.
+            keep_alive: how long that target stays loaded once idle: seconds or a duration
+                ("5m"); 0 = unload after the answer; negative = keep (None: the target's own).
+            timeout: deadline in seconds for the whole stream (its target's load included).
         Returns:
             an iterator of Chunk, then one Completion (see `stream`).
         Raises:
@@ -119,12 +122,13 @@ class Client:
         return self.stream(GenerationRequest(
             prompt=prompt, raw=raw, max_tokens=max_tokens or 0,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-            stop=tuple(stop), draft=draft, policy=_policy(policy)), timeout, max_tokens is None)
+            stop=tuple(stop), draft=draft, policy=_policy(policy), model=model,
+            keep_alive=_keep_alive(keep_alive)), timeout, max_tokens is None)
 
     def chat(self, messages: Sequence[Message], *, max_tokens: int | None = None, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
-             draft: str | None = None, policy: str | None = None,
-             timeout: float | None = None) -> Iterator[Chunk | Completion]:
+             draft: str | None = None, policy: str | None = None, model: str | None = None,
+             keep_alive: float | str | None = None, timeout: float | None = None) -> Iterator[Chunk | Completion]:
         """Generate the next assistant turn of a chat.
 
         Args:
@@ -145,7 +149,8 @@ class Client:
         return self.stream(GenerationRequest(
             messages=tuple(turns), max_tokens=max_tokens or 0,
             sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
-            stop=tuple(stop), draft=draft, policy=_policy(policy)), timeout, max_tokens is None)
+            stop=tuple(stop), draft=draft, policy=_policy(policy), model=model,
+            keep_alive=_keep_alive(keep_alive)), timeout, max_tokens is None)
 
     # -- the rest -------------------------------------------------------------------
     def status(self, timeout: float | None = None) -> dict:
@@ -171,7 +176,7 @@ class Client:
         return wire.to_dict(self._unary(self._stub.ListModels, pb2.ListModelsRequest(), timeout))["models"]
 
     def load(self, name: str, variant: str | None = None, timeout: float | None = None) -> dict:
-        """Make a target resident (admin); it replaces the current target.
+        """Make a target resident (admin), kept until told otherwise, and the default target.
 
         Args:
             name: store name; variant: "q4", "fp32", ... (None = the daemon's configured variant).
@@ -224,3 +229,8 @@ def wait_until_serving(address: str, alive: Callable[[], bool], timeout: float, 
 def _policy(text: str | None) -> PolicyName | None:
     """A policy as the caller wrote it, parsed (InvalidRequestError names the field)."""
     return PolicyName.parse(text) if text is not None else None
+
+
+def _keep_alive(value: float | str | None) -> float | None:
+    """keep_alive as the caller wrote it, in seconds (InvalidRequestError names the field)."""
+    return parse_keep_alive(value) if value is not None else None

@@ -39,7 +39,7 @@ from starlette.routing import Route
 from memspec.config import HttpConfig
 from memspec.errors import (
     AuthError, CancelledError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError,
-    ModelNotFoundError, RequestTooLargeError, WrongModelError,
+    ModelNotFoundError, RequestTooLargeError,
 )
 from memspec.request import quote
 from memspec.serving import openai, prometheus
@@ -254,27 +254,12 @@ class Api:
             if api.ignored:
                 log.debug("ignored unknown fields", extra={"fields": {"path": request.url.path,
                                                                       "fields": list(api.ignored)}})
-            self._check_model(api.model)
             parsed.append(api)
             return api.request
 
         parsed: list[openai.ApiRequest] = []
         parse.parsed = parsed
         return parse
-
-    def _check_model(self, name: str | None) -> None:
-        target = self.backend.config.model.target
-        if name is None or name == target:
-            return
-        rows = {r["name"]: r for r in self.backend.models()}
-        if name not in rows:
-            raise ModelNotFoundError(f"model: {quote(name)} is not in the store; GET /v1/models lists the models "
-                                     f"(loaded: {target!r})")
-        if rows[name]["role"] != "target":
-            raise InvalidRequestError(f"model: {quote(name)} is a {rows[name]['role']}; name a target "
-                                      f"(loaded: {target!r}), and pick a draft with \"memspec\": {{\"draft\": ...}}")
-        raise WrongModelError(f"model: {quote(name)} is in the store but not loaded; this daemon serves {target!r} "
-                              f"(load it first: `memspec load {name}`)")
 
     async def _generate(self, request: Request, parser, method: str) -> Response:
         limit = body_limit(self.backend.config.limits)

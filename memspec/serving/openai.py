@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memspec.errors import INTERNAL, InvalidRequestError, status_of
-from memspec.request import MAX_TOP_LOGPROBS, GenerationRequest, PolicyName, SamplingParams, quote
+from memspec.request import MAX_TOP_LOGPROBS, GenerationRequest, PolicyName, SamplingParams, parse_keep_alive, quote
 
 EXTENSION = "memspec"  # the object that carries memspec's own options: draft, policy, top_k
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "stop"}  # memspec -> OpenAI
@@ -42,7 +42,7 @@ class ApiRequest:
     """One /v1/chat/completions or /v1/completions request."""
 
     kind: str  # "chat" or "text"
-    model: str | None  # a store name; None: whatever target is loaded
+    model: str | None  # a pulled target's name; None: the daemon's default target
     request: GenerationRequest
     stream: bool = False
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
@@ -153,7 +153,10 @@ def _sampling_and_options(body: dict, limits_max_tokens: int) -> dict:
     top_k = _int(ext, "top_k", _int(body, "top_k", _SAMPLING.top_k))  # vLLM and llama.cpp take it at the top too
     draft = ext.get("draft")
     policy = ext.get("policy")
+    keep_alive = body.get("keep_alive")  # Ollama's: a duration ("5m") or seconds; 0 unloads, negative keeps
     return dict(
+        model=_model(body),
+        keep_alive=None if keep_alive is None else parse_keep_alive(keep_alive),
         max_tokens=max_tokens,
         sampling=SamplingParams(temperature=_number(body, "temperature", _SAMPLING.temperature),
                                 top_k=top_k,
@@ -165,13 +168,16 @@ def _sampling_and_options(body: dict, limits_max_tokens: int) -> dict:
     )
 
 
+def _model(body: dict) -> str | None:
+    model = body.get("model")
+    return None if model is None else _text(model, "model") or None
+
+
 def _common(body: Any, known: set[str]) -> tuple[str | None, bool, bool, tuple[str, ...]]:
     if not isinstance(body, dict):
         raise _bad("body", f"must be a JSON object, got {_kind(body)}")
     _refuse_unsupported(body)
-    model = body.get("model")
-    if model is not None:
-        model = _text(model, "model")
+    model = _model(body)
     stream = _bool(body, "stream")
     options = _object(body, "stream_options")
     if options and not stream:
@@ -179,7 +185,7 @@ def _common(body: Any, known: set[str]) -> tuple[str | None, bool, bool, tuple[s
     include_usage = _bool(options, "include_usage")
     shared = {"model", "stream", "stream_options", "n", "best_of", "max_tokens", "max_completion_tokens",
               "temperature", "top_p", "top_k", "seed", "stop", "tool_choice", "function_call", "response_format",
-              "echo", "logprobs", "top_logprobs", EXTENSION, *_REFUSED, *_ZERO, *_NEUTRAL, *HARMLESS}
+              "echo", "logprobs", "top_logprobs", "keep_alive", EXTENSION, *_REFUSED, *_ZERO, *_NEUTRAL, *HARMLESS}
     ignored = tuple(sorted(set(body) - shared - known))
     return model, stream, include_usage, ignored
 
@@ -347,11 +353,14 @@ def text_logprobs(entries: list) -> dict:
 
 
 def models(rows: list[dict], created: int) -> dict:
-    """GET /v1/models: the store's targets (drafts are loaded with their target)."""
-    return {"object": "list", "data": [model(r, created) for r in rows if r["role"] == "target"]}
+    """GET /v1/models: every pulled target, loaded ones first (any of them answers: one that is not
+    loaded is loaded on demand); drafts are loaded with their target."""
+    targets = sorted((r for r in rows if r["role"] == "target"), key=lambda r: not r["resident"])
+    return {"object": "list", "data": [model(r, created) for r in targets]}
 
 
 def model(row: dict, created: int) -> dict:
     return {"id": row["name"], "object": "model", "created": created, "owned_by": "memspec",
+            "loaded": row["resident"],  # an extra field, as OpenAI-compatible servers add them
             EXTENSION: {"resident": row["resident"], "variant": row["resident_variant"],
                         "variants": sorted(row["variants"])}}

@@ -47,6 +47,7 @@ class Exporter(Collector):
         yield from self._requests(st["requests"])
         yield from self._drafts(st["drafts"])
         yield from self._working_set(st.get("scheduler", {}))
+        yield from self._targets(st.get("targets", []))
         yield from self._histograms()
         yield from self._gauges(st)
 
@@ -77,6 +78,24 @@ class Exporter(Collector):
             yield CounterMetricFamily(self._name(name), help_, value=counters.get(key, 0.0))
         yield CounterMetricFamily(self._name("draft_stall_seconds"), "time requests waited for draft loads",
                                   value=counters.get("stall_ms", 0.0) / 1e3)
+
+    def _targets(self, targets: list[dict]) -> Iterator:
+        """Per target (memspec.scheduling.targets): loads, unloads, load time, and whether it is loaded."""
+        for key, name, help_ in (("loads", "target_loads", "target loads finished"),
+                                 ("unloads", "target_unloads", "targets unloaded (idle past keep_alive, to make "
+                                                               "room, or asked)"),
+                                 ("load_seconds", "target_load_seconds", "time target loads took"),
+                                 ("refused", "target_loads_refused", "target loads refused: it did not fit the memory"),
+                                 ("failed_loads", "target_load_failures", "target loads that failed")):
+            family = CounterMetricFamily(self._name(name), help_, labels=["model"])
+            for t in targets:
+                family.add_metric([t["name"]], t[key])
+            yield family
+        loaded = GaugeMetricFamily(self._name("target_loaded"), "1 while the target is loaded, else 0",
+                                   labels=["model"])
+        for t in targets:
+            loaded.add_metric([t["name"]], float(t["state"] == "loaded"))
+        yield loaded
 
     def _histograms(self) -> Iterator:
         for attr, name, help_ in HISTOGRAMS:

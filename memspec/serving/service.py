@@ -79,34 +79,20 @@ class Service:
             if self.state == "draining":
                 raise UnavailableError("the daemon is shutting down and takes no new requests")
             req = parse()
-            checked = self.backend.check(req)
-            fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft,
-                          policy=str(req.policy) if req.policy is not None else None)
-            if cancel.is_set():
-                raise CancelledError("cancelled before it started")  # the client left while it was checked
-            if self.admission.would_queue():  # preload what it will want while it waits
-                self.backend.hint(req)
-            with self.admission.enter(checked.kv_bytes, time_remaining(), cancel.is_set) as slot:
-                self.counters.count("started")
-                clock.queued(slot.queued_s)
-                fields["queue_ms"] = round(slot.queued_s * 1e3, 3)
-                run = self.backend.open(req, cancel, checked)
-                fields.update(model=run.model, variant=run.variant)
-                try:
-                    for item in run.items:
-                        if isinstance(item, Completion):
-                            self.backend.record(item)
-                            clock.finished(self.clock())
-                            fields.update(finish_reason=item.finish_reason, **item.timings, stats=item.stats)
-                            # a cancel after this is not a cancelled request
-                            outcome, code = "completed", "OK"
-                            tokens = (len(item.prompt_token_ids), len(item.token_ids))
-                            yield Final(item, run.model, run.variant, slot.queued_s)
-                        else:
-                            clock.tokens(len(item.token_ids), self.clock())
-                            yield item
-                finally:
-                    run.close()  # frees the KV cache and draft state now, also when the client went away
+            if req.model:
+                fields["model"] = req.model
+            # holds its target (loaded first if need be) until the request ends
+            checked = self.backend.check(req, cancel.is_set, time_remaining())
+            try:
+                fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft,
+                              policy=str(req.policy) if req.policy is not None else None)
+                for item in self._run(req, checked, cancel, time_remaining, fields, clock):
+                    if isinstance(item, Final):
+                        outcome, code = "completed", "OK"  # a cancel after this is not a cancelled request
+                        tokens = (len(item.completion.prompt_token_ids), len(item.completion.token_ids))
+                    yield item
+            finally:
+                checked.release()  # its target's keep-alive starts once no request holds it
         except MemspecError as exc:
             if outcome != "completed":
                 outcome, code = status_of(exc).outcome, status_of(exc).grpc
@@ -120,6 +106,32 @@ class Service:
             self.counters.count(outcome, *tokens)
             fields.update(code=code, ms=round((self.clock() - t0) * 1e3, 3))
             log.info("request", extra={"fields": fields})
+
+    def _run(self, req: GenerationRequest, checked, cancel: threading.Event, time_remaining: Callable,
+             fields: dict, clock: RequestClock) -> Iterator[Chunk | Final]:
+        """Admission, then the engine's stream: Chunks, then a Final."""
+        if cancel.is_set():
+            raise CancelledError("cancelled before it started")  # the client left while it was checked
+        if self.admission.would_queue():  # preload what it will want while it waits
+            self.backend.hint(req)
+        with self.admission.enter(checked.kv_bytes, time_remaining(), cancel.is_set) as slot:
+            self.counters.count("started")
+            clock.queued(slot.queued_s)
+            fields["queue_ms"] = round(slot.queued_s * 1e3, 3)
+            run = self.backend.open(req, cancel, checked)
+            fields.update(model=run.model, variant=run.variant)
+            try:
+                for item in run.items:
+                    if isinstance(item, Completion):
+                        self.backend.record(item)
+                        clock.finished(self.clock())
+                        fields.update(finish_reason=item.finish_reason, **item.timings, stats=item.stats)
+                        yield Final(item, run.model, run.variant, slot.queued_s)
+                    else:
+                        clock.tokens(len(item.token_ids), self.clock())
+                        yield item
+            finally:
+                run.close()  # frees the KV cache and draft state now, also when the client went away
 
     def status(self) -> dict:
         """GetStatus as a dict: the backend's models and counters plus the queue and the system."""

@@ -21,7 +21,8 @@ from memspec.errors import (
     CancelledError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelNotFoundError, NotLoadedError,
     OverloadedError, RemoteError, UnavailableError,
 )
-from memspec.request import Chunk, Completion, GenerationRequest, PolicyName, SamplingParams
+from memspec.request import (Chunk, Completion, GenerationRequest, PolicyName, SamplingParams, format_keep_alive,
+                             parse_keep_alive)
 
 pb2, pb2_grpc = proto.load()
 
@@ -167,6 +168,8 @@ def request_from_pb(m, max_tokens_limit: int | None = None) -> GenerationRequest
         stop=tuple(m.stop),
         draft=_opt(m, "draft", None),
         policy=PolicyName.parse(m.policy) if m.HasField("policy") else None,
+        model=_opt(m, "model", None) or None,
+        keep_alive=parse_keep_alive(m.keep_alive) if m.HasField("keep_alive") else None,
     )
 
 
@@ -178,6 +181,7 @@ def _text_fields(req: GenerationRequest) -> Iterable[tuple[str, object]]:
     for i, s in enumerate(req.stop):
         yield f"stop[{i}]", s
     yield "draft", req.draft
+    yield "model", req.model
     yield "policy", str(req.policy) if req.policy is not None else None
 
 
@@ -199,7 +203,9 @@ def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
         max_tokens=req.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(req.stop),
     )
     policy = str(req.policy) if req.policy is not None else None
-    for name, value in (("prompt", req.prompt), ("seed", s.seed), ("draft", req.draft), ("policy", policy)):
+    keep_alive = format_keep_alive(req.keep_alive) if req.keep_alive is not None else None
+    for name, value in (("prompt", req.prompt), ("seed", s.seed), ("draft", req.draft), ("policy", policy),
+                        ("model", req.model), ("keep_alive", keep_alive)):
         if value is not None:
             setattr(m, name, value)
     if default_max_tokens:

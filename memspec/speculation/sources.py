@@ -59,6 +59,8 @@ class DraftSource(Protocol):
 
     def unload(self, name: str) -> int | None: ...  # drop a resident draft: bytes freed; None: not resident
 
+    def shrink(self, nbytes: int) -> int: ...  # evict unleased drafts until nbytes are freed: bytes freed
+
     def report(self) -> SourceStatus: ...
 
     def close(self) -> None: ...  # stop background work and drop the drafts (idempotent)
@@ -129,6 +131,9 @@ class DraftPool(Mapping[str, Proposer]):
         # a new dict, not a pop: status() may be iterating the old one on another thread
         self.proposers = {n: p for n, p in self.proposers.items() if n != name}
         return proposer.nbytes
+
+    def shrink(self, nbytes: int) -> int:
+        return 0  # a fixed pool: its drafts go with the engine
 
     def report(self) -> SourceStatus:
         return SourceStatus([DraftRow(n, True, int(p.nbytes)) for n, p in sorted(self.proposers.items())])
