@@ -20,13 +20,6 @@
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE inline __attribute__((always_inline)) /* the type a constant in each copy */
 
-/* v, opaque to the compiler: keeps a running sum a running sum (GCC would otherwise
- * regroup a long integer sum into a tree whose products all stay live, and spill them). */
-AVX2 static inline __m256i in_register(__m256i v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
-
 /* Lanes 0..3 (per 128-bit half) of the sums of a's and b's lanes 0,2 / 1,3 interleaved:
  * a0+a2, b0+b2, a1+a3, b1+b3 (unpacks, not hadd: that takes twice as long on AMD). */
 AVX2 static inline __m256i fold_pair32(__m256i a, __m256i b) {
@@ -68,27 +61,28 @@ static inline uint16_t u16_at(const uint8_t *p) { /* unaligned-safe */
 /* ---- K-quants: computed from the packed block, in registers ----
  *
  * A block's 256 integers q are unpacked into 8 vectors (weights 32j .. 32j+31, quants.c's
- * decode_k order) as they are needed and multiplied straight into each activation row:
- * _mm256_maddubs_epi16 (q unsigned, x signed: pairs, at most 2*63*127, no saturation), then
- * _mm256_madd_epi16 by the scale of each weight pair.  The int32 sums are the scalar
- * path's ia and ib exactly, and each goes through dot.h's k_update (or its lane-wise
- * vector form), block after block. */
+ * decode_k order) once for all the rows and multiplied straight into each activation row by
+ * _mm256_maddubs_epi16 (q unsigned, x signed: pairs, at most 2*63*127, no saturation); the
+ * products are folded in int16 and then multiplied by their scales with _mm256_madd_epi16
+ * (k_sums).  The int32 sums are the scalar path's ia and ib exactly, and each goes through
+ * dot.h's k_update (or its lane-wise vector form), block after block. */
 
-/* A block's scales: the int16 scale of each weight pair of q vector j, and per 16 weights
+/* A block's scales: those of k_sums's folded vectors (int16, lane by lane), and per 16 weights
  * the min (Q4_K/Q5_K) or the zero offset 32*sc (Q6_K). */
 struct kscales {
-    __m256i sc[8];
+    __m256i sc[4]; /* the scales of k_sums's folded vectors */
     __m256i zm;
     float d, dmin;
 };
 
 AVX2 static INLINE void k_scales(int type, const uint8_t *raw, struct kscales *s) {
-    if (type == TYPE_Q6_K) { /* int8 scale per 16 weights: vector j takes sc[2j] (low half), sc[2j+1] */
+    if (type == TYPE_Q6_K) { /* int8 scale per 16 weights; folded pair f = (2f, 2f+1), half h: sc[4f+h], sc[4f+2+h] */
         const block_q6_K *p = (const block_q6_K *)raw;
         __m128i sc = _mm_loadu_si128((const __m128i *)p->scales);
-        for (int j = 0; j < 8; j++) {
-            __m128i pick = _mm_unpacklo_epi64(_mm_set1_epi8((char)(2 * j)), _mm_set1_epi8((char)(2 * j + 1)));
-            s->sc[j] = _mm256_cvtepi8_epi16(_mm_shuffle_epi8(sc, pick));
+        for (int f = 0; f < 4; f++) {
+            __m128i lo = _mm_set1_epi16((short)((4 * f) | (4 * f + 2) << 8));
+            __m128i hi = _mm_set1_epi16((short)((4 * f + 1) | (4 * f + 3) << 8));
+            s->sc[f] = _mm256_cvtepi8_epi16(_mm_unpacklo_epi64(_mm_shuffle_epi8(sc, lo), _mm_shuffle_epi8(sc, hi)));
         }
         s->zm = _mm256_slli_epi16(_mm256_cvtepi8_epi16(sc), 5);
         s->d = _cvtsh_ss(u16_at(raw + offsetof(block_q6_K, d)));
@@ -97,8 +91,13 @@ AVX2 static INLINE void k_scales(int type, const uint8_t *raw, struct kscales *s
     }
     uint8_t s8[8], m8[8]; /* Q4_K/Q5_K: 6-bit scale and min per 32 weights */
     k_scales_unpack(raw + 4, s8, m8);
-    __m256i sc = _mm256_broadcastsi128_si256(_mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)s8)));
-    for (int j = 0; j < 8; j++) s->sc[j] = _mm256_shuffle_epi8(sc, _mm256_set1_epi16((short)(0x0100 + 0x0202 * j)));
+    __m128i sc = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)s8)); /* sc0 .. sc7 */
+    if (type == TYPE_Q5_K) { /* folded in fours: sc0..3 twice, sc4..7 twice */
+        s->sc[0] = _mm256_broadcastsi128_si256(_mm_unpacklo_epi64(sc, sc));
+        s->sc[1] = _mm256_broadcastsi128_si256(_mm_unpackhi_epi64(sc, sc));
+    } else { /* folded in eights: sc0..7 */
+        s->sc[0] = _mm256_broadcastsi128_si256(sc);
+    }
     __m128i m = _mm_loadl_epi64((const __m128i *)m8);
     s->zm = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(m, m)); /* each min twice */
     s->d = _cvtsh_ss(u16_at(raw));
@@ -128,29 +127,53 @@ AVX2 static INLINE __m256i k_q(int type, const uint8_t *raw, int j) {
     return q;
 }
 
+/* Lanes of a and b, pairwise: per 128-bit half, a0+a4, b0+b4, a1+a5, b1+b5, a2+a6, b2+b6, a3+a7, b3+b7 (int16;
+ * the caller's bounds keep every sum in range). */
+AVX2 static inline __m256i fold16(__m256i a, __m256i b) {
+    return _mm256_add_epi16(_mm256_unpacklo_epi16(a, b), _mm256_unpackhi_epi16(a, b));
+}
+AVX2 static inline __m256i fold32(__m256i a, __m256i b) {
+    return _mm256_add_epi16(_mm256_unpacklo_epi32(a, b), _mm256_unpackhi_epi32(a, b));
+}
+AVX2 static inline __m256i fold64(__m256i a, __m256i b) {
+    return _mm256_add_epi16(_mm256_unpacklo_epi64(a, b), _mm256_unpackhi_epi64(a, b));
+}
+
 /* Block `raw` against G activation rows, row i's 256 q at x + i * stride and its 16 sums at
  * sum16 + i * stride / 16: ia, ib as 8 int32 partial sums each.  Each q vector is unpacked
- * once for the G rows. */
+ * once for the G rows.  A row's 8 products p_j = maddubs(q_j, x_j) (int16 pairs) are folded
+ * lane-wise in int16 as far as the type's bounds allow (Q4_K: |p| <= 2*15*127, sums of 8 lanes
+ * fit; Q5_K: 2*31*127, 4 lanes; Q6_K: 2*63*127, 2 lanes) before one madd per folded vector
+ * multiplies them by their scales: fewer multiplies per row than a madd per p_j, the same
+ * integers. */
 AVX2 static INLINE void k_sums(int type, const uint8_t *raw, const struct kscales *s, const int8_t *x,
                                const int16_t *sum16, size_t stride, const int G, __m256i *ia, __m256i *ib) {
+    __m256i q[8];
 #pragma GCC unroll 8
-    for (int i = 0; i < G; i++) ia[i] = _mm256_setzero_si256();
-#pragma GCC unroll 8
-    for (int j = 0; j < 8; j++) {
-        __m256i q = k_q(type, raw, j);
-#pragma GCC unroll 8
-        for (int i = 0; i < G; i++) {
-            __m256i p = _mm256_maddubs_epi16(q, _mm256_loadu_si256((const __m256i *)(x + i * stride + 32 * j)));
-            ia[i] = in_register(_mm256_add_epi32(ia[i], _mm256_madd_epi16(p, s->sc[j])));
-        }
-    }
+    for (int j = 0; j < 8; j++) q[j] = k_q(type, raw, j);
 #pragma GCC unroll 8
     for (int i = 0; i < G; i++) {
+        __m256i p[8];
+#pragma GCC unroll 8
+        for (int j = 0; j < 8; j++)
+            p[j] = _mm256_maddubs_epi16(q[j], _mm256_loadu_si256((const __m256i *)(x + i * stride + 32 * j)));
+        __m256i f0 = fold16(p[0], p[1]), f1 = fold16(p[2], p[3]), f2 = fold16(p[4], p[5]), f3 = fold16(p[6], p[7]);
+        __m256i sum;
+        if (type == TYPE_Q6_K) {
+            sum = _mm256_add_epi32(_mm256_add_epi32(_mm256_madd_epi16(f0, s->sc[0]), _mm256_madd_epi16(f1, s->sc[1])),
+                                   _mm256_add_epi32(_mm256_madd_epi16(f2, s->sc[2]), _mm256_madd_epi16(f3, s->sc[3])));
+        } else if (type == TYPE_Q5_K) {
+            sum = _mm256_add_epi32(_mm256_madd_epi16(fold32(f0, f1), s->sc[0]),
+                                   _mm256_madd_epi16(fold32(f2, f3), s->sc[1]));
+        } else {
+            sum = _mm256_madd_epi16(fold64(fold32(f0, f1), fold32(f2, f3)), s->sc[0]);
+        }
         __m256i z = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(sum16 + i * (stride / 16))), s->zm);
         if (type == TYPE_Q6_K) { /* ia = sc.dot - zoff.sum16, ib = 0 */
-            ia[i] = _mm256_sub_epi32(ia[i], z);
+            ia[i] = _mm256_sub_epi32(sum, z);
             ib[i] = _mm256_setzero_si256();
         } else { /* ia = sc.dot, ib = mn.sum16 */
+            ia[i] = sum;
             ib[i] = z;
         }
     }
