@@ -5,6 +5,7 @@ on a fake clock, drafts before idle targets before busy ones, a refusal that unl
 from __future__ import annotations
 
 import threading
+import weakref
 
 import pytest
 
@@ -101,8 +102,10 @@ def make(budget_mb: int = 1000, **kw) -> tuple[TargetSet, Loads, FakeClock]:
 def use(ts: TargetSet, name: str, keep_alive: float | None = None, **kw) -> FakeEngine:
     """One request: hold `name`, then hand it back."""
     lease = ts.acquire(name, keep_alive=keep_alive, default_keep_alive=300.0, **kw)
+    engine = lease.engine
     lease.release()
-    return lease.engine
+    assert lease.engine is None  # a lease kept past its request keeps no engine alive
+    return engine
 
 
 # -- the set ---------------------------------------------------------------------------------------
@@ -178,16 +181,16 @@ def test_the_least_recently_used_idle_target_goes_first(caplog):
 def test_a_busy_target_drains_first_and_new_requests_for_it_wait():
     ts, loads, _ = make(budget_mb=500)  # room for one target at a time
     held = ts.acquire("a")
-    got = []
+    a, got = held.engine, []
     t = threading.Thread(target=lambda: got.append(use(ts, "b")))
     t.start()
     wait_for(lambda: {r["name"]: r["state"] for r in ts.status()}.get("a") == "draining")
     with pytest.raises(DeadlineExceededError, match="while waiting for a to load"):
         ts.acquire("a", timeout=0.2)  # it drains: a new request for it waits
-    assert held.engine.closed == 0 and loads.calls == ["a"]  # the running request keeps its target
+    assert a.closed == 0 and loads.calls == ["a"]  # the running request keeps its target
     held.release()
     t.join(5)
-    assert got and got[0].name == "b" and held.engine.closed == 1 and loads.calls == ["a", "b"]
+    assert got and got[0].name == "b" and a.closed == 1 and loads.calls == ["a", "b"]
 
 
 def test_a_target_that_cannot_fit_is_refused_and_unloads_nothing():
@@ -245,3 +248,20 @@ def test_without_a_budget_the_available_memory_less_the_headroom_holds():
     assert a.closed == 1  # b fits only once a is gone
     with pytest.raises(InsufficientMemoryError, match="the system has 200 MiB available and 100 MiB must stay free"):
         use(ts, "huge")
+
+
+def test_an_unloaded_engine_is_dropped_before_the_heap_is_trimmed():
+    """Trimming the heap gives a target's memory back only once nothing references its engine: the
+    set keeps none past the unload (a list of victims holding them kept the RSS up)."""
+    made, alive_at_reclaim = [], []
+
+    def loader(name, variant):
+        made.append(weakref.ref(engine := FakeEngine(name, 0)))
+        return engine
+
+    planner = lambda name, variant: ("q4", SIZES[name])  # noqa: E731
+    ts = TargetSet(loader, planner, FakeProbe(), 500 * MiB, clock=FakeClock(),
+                   reclaim=lambda: alive_at_reclaim.append([r() is not None for r in made]))
+    use(ts, "a")
+    use(ts, "b")  # a goes first
+    assert alive_at_reclaim == [[False]]

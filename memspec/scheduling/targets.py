@@ -158,6 +158,7 @@ class TargetLease:
 
     def release(self) -> None:
         owner, self._owner = self._owner, None
+        self.engine = None  # a lease kept past its request must not keep an unloaded target's memory
         if owner is not None:
             owner._release(self._entry, self.keep_alive)
 
@@ -305,7 +306,7 @@ class TargetSet:
                         return
                     victims = [self._take(self._entries[name]) for name in room.evict]
                 for victim in victims:
-                    self._close(*victim, f"to make room for {e.name}")
+                    self._close(victim, f"to make room for {e.name}")
                 if room.drain and not room.evict:
                     self._wait_drained(room.drain)
         finally:
@@ -357,14 +358,17 @@ class TargetSet:
                 self._cond.wait(POLL_S)
 
     # -- unloading -------------------------------------------------------------------------------
-    def _take(self, e: _Target) -> tuple[_Target, Engine]:
-        """Under the lock: `e`, idle, leaves the loaded set (requests for it wait) with its engine."""
+    def _take(self, e: _Target) -> _Target:
+        """Under the lock: `e`, idle, leaves the loaded set (requests for it wait until it is gone)."""
         assert e.state == "loaded" and not e.refs, f"unloading {e.name} in use: {e}"
-        e.state, engine, e.engine = "unloading", e.engine, None
-        return e, engine
+        e.state = "unloading"
+        return e
 
-    def _close(self, e: _Target, engine: Engine, why: str) -> None:
-        """Close `e`'s engine (its drafts go with it) and give its memory back."""
+    def _close(self, e: _Target, why: str) -> None:
+        """Close `e`'s engine (its drafts go with it) and give its memory back.  The entry held the
+        only reference the set keeps; the heap is trimmed once it is dropped."""
+        with self._cond:
+            engine, e.engine = e.engine, None
         log.info("target unloading", extra={"fields": {"model": e.name, "bytes": e.nbytes, "why": why}})
         try:
             engine.close()
@@ -384,9 +388,9 @@ class TargetSet:
         with self._cond:
             rows = [Idle(x.name, x.refs + x.waiting, x.expires_at) for x in self._loaded() if x.state == "loaded"]
             gone = [self._take(self._entries[n]) for n in expired(rows, self.clock())]
-        for e, engine in gone:
-            self._close(e, engine, f"idle past its keep_alive of {e.keep_alive:g} s")
-        return [e.name for e, _ in gone]
+        for e in gone:
+            self._close(e, f"idle past its keep_alive of {e.keep_alive:g} s")
+        return [e.name for e in gone]
 
     def unload(self, name: str) -> int | None:
         """Unload `name` now, or once its requests end (admin); its bytes; None: not loaded."""
@@ -399,7 +403,7 @@ class TargetSet:
                 e.expires_at = None
                 return nbytes
             taken = self._take(e)
-        self._close(*taken, "on request")
+        self._close(taken, "on request")
         return nbytes
 
     def keep(self, name: str, keep_alive: float) -> None:
@@ -433,14 +437,14 @@ class TargetSet:
         """Stop the reaper and unload every target (daemon shutdown)."""
         with self._cond:
             self._closed = True
-            entries = [(x, x.engine) for x in self._loaded() if x.state == "loaded"]
-            for x, _ in entries:
-                x.state, x.engine = "unloading", None
+            entries = [x for x in self._loaded() if x.state == "loaded"]
+            for x in entries:
+                x.state = "unloading"
             self._cond.notify_all()
         if self._reaper is not None:
             self._reaper.join()
-        for e, engine in entries:
-            self._close(e, engine, "shutdown")
+        for e in entries:
+            self._close(e, "shutdown")
 
     # -- reporting -------------------------------------------------------------------------------
     def engines(self) -> list[tuple[str, Engine]]:

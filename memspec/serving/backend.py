@@ -240,6 +240,7 @@ class EngineBackend:
         variant, _ = self._plan(name, variant or self.config.model.variant)
         self._drop_other_variant(name, variant)
         lease = self.targets.acquire(name, variant, KEEP_FOREVER)
+        engine = lease.engine
         lease.release()
         with self._config_lock:
             old = self.config.model.target
@@ -247,7 +248,7 @@ class EngineBackend:
                                                                                         variant=variant))
         if old != name:  # no longer the default: it expires like any other
             self.targets.keep(old, self.keep_alive)
-        return {"model": _resident(lease.engine)[0], "load_ms": (time.perf_counter() - t0) * 1e3}
+        return {"model": _resident(engine)[0], "load_ms": (time.perf_counter() - t0) * 1e3}
 
     def _drop_other_variant(self, name: str, variant: str) -> None:
         row = next((r for r in self.targets.status() if r["name"] == name and r["state"] == "loaded"), None)
