@@ -4,6 +4,7 @@ chunks, or as rows among other sequences in one pass, at any thread count."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -210,3 +211,11 @@ def test_every_path_of_this_cpu_gives_the_same_logits(gguf_path, native):
     for isa in kernels.isas():
         other = NativeTarget(gguf_path, threads=2, max_context=128, isa=isa)
         assert np.array_equal(whole(other, IDS[:20]), whole(native, IDS[:20])), isa
+
+
+def test_a_cost_curve_is_kept_per_build_of_the_kernels(native):
+    """A curve measured with one build of the extension is not reused after a rebuild (a faster
+    kernel would otherwise keep the old costs for a day)."""
+    key = json.loads(native.cost_key(4))
+    assert kernels.build_id() in key and native.isa in key
+    assert native.cost_key(4) != native.cost_key(5)

@@ -32,6 +32,15 @@ def available() -> bool:
     return _native is not None
 
 
+def build_id() -> str:
+    """Which build of the extension this is (its file's size and time), so that what was measured
+    with one build (a cost curve) is measured again after a rebuild."""
+    import os
+
+    st = os.stat(module().__file__)
+    return f"{st.st_size}:{st.st_mtime_ns}"
+
+
 def module():
     if _native is None:
         raise NativeKernelsUnavailable(NOT_BUILT)

@@ -103,7 +103,7 @@ class NativeTarget:
     # -- costs --------------------------------------------------------------
     def cost_key(self, max_k: int) -> str:
         """What measure_step_costs(max_k) depends on (memspec.runtime.costs keeps curves by it)."""
-        return cost_key(self.path, max_k, ["memspec-native", self.isa], self.threads, 1)
+        return cost_key(self.path, max_k, ["memspec-native", kernels.build_id(), self.isa], self.threads, 1)
 
     def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
         """memspec.runtime.costs.step_costs: seconds of a pass over k = 1..max_k tokens."""
