@@ -32,9 +32,9 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     limits = spec.draft_limits()
     batched = None
     if config.runtime.batching:  # loaded before the scheduler pins the target: its weights count too
-        from memspec.runtime.batch import BatchedTarget
+        from memspec.runtime.target import open_batched
 
-        batched = BatchedTarget(target.session, config.server.max_concurrent)
+        batched = open_batched(target.session, config.server.max_concurrent)
         target.batched_bytes = batched.weight_bytes
     if drafts == "scheduler":
         from memspec.scheduling.scheduler import from_store

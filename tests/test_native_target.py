@@ -157,6 +157,53 @@ def test_speculative_output_is_target_only_output_with_every_draft(native_engine
     assert_every_draft_keeps_target_only_output(native_engine, max_tokens=40)
 
 
+def test_batched_requests_get_their_solo_tokens_greedy_or_sampled(native_engine):
+    """Engine(batch_slots=3) on the native target: requests arriving at random, with different
+    drafts (or none), greedy and seeded sampling, one cancelled mid-batch, share passes of several
+    rows and each gets exactly its solo tokens; the passes hold no copy of the weights."""
+    import threading
+    import time
+
+    from memspec.request import GenerationRequest, SamplingParams
+    from memspec.speculation.config import SpecConfig
+    from memspec.speculation.engine import Engine
+
+    step = SpecConfig(gamma=3, controller="step")  # draft lengths that do not depend on timing
+    solo = Engine(native_engine.target, drafts=native_engine.drafts, spec=step)
+    batched = Engine(native_engine.target, drafts=native_engine.drafts, spec=step, batch_slots=3)
+    prompts = ["Write a Python function that reverses a list.", "What is 12 * 13?", "Name three colors.",
+               "Tell me a joke about cats.", "Summarise: the sky is blue today.", "Convert to JSON: name Bob."]
+    drafts = ["draft-code", "draft-math", "none", "draft-chat", "prompt-lookup", "draft-general"]
+    reqs = [GenerationRequest(prompt=p, max_tokens=20, draft=d,
+                              sampling=SamplingParams(temperature=0.0 if i % 2 else 0.8, seed=7 + i))
+            for i, (p, d) in enumerate(zip(prompts, drafts))]
+    expected = [solo.generate(r).token_ids for r in reqs]
+    got: dict[int, object] = {}
+    cancels = {i: threading.Event() for i in range(len(reqs))}
+    delays = np.random.default_rng(5).uniform(0, 0.3, len(reqs))
+
+    def client(i):
+        time.sleep(delays[i])
+        got[i] = batched.generate(reqs[i], cancels[i])
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    time.sleep(0.4)
+    cancels[3].set()
+    for t in threads:
+        t.join(120)
+    assert len(got) == len(reqs)
+    for i, r in got.items():
+        n = len(r.token_ids) if r.finish_reason == "cancelled" else len(expected[i])
+        assert r.token_ids == expected[i][:n], f"request {i} ({drafts[i]}, {reqs[i].sampling}) changed"
+    rep = batched.batch.report()
+    assert rep["slots_in_use"] == 0 and sum(v for k, v in rep.items() if k.startswith("rows_")) == rep["passes"]
+    assert rep.get("rows_2", 0) + rep.get("rows_3", 0) > 0, rep
+    assert batched.batch.target.weight_bytes == 0 and native_engine.target.batched_bytes == 0
+    batched.batch.close()
+
+
 def test_load_target_takes_a_gguf_path_or_a_store_name(gguf_path, model_store):
     from memspec.runtime import load_target
 
@@ -183,7 +230,7 @@ def test_a_backend_that_cannot_run_is_a_config_error(gguf_path, model_store):
         resolve_backend("native", ("CUDAExecutionProvider",))
     with pytest.raises(ConfigError, match="a GGUF file runs on the native engine only"):
         load_target(gguf_path, backend="onnxruntime")
-    with pytest.raises(ConfigError, match="batching runs a batched ONNX Runtime graph"):
+    with pytest.raises(ConfigError, match="BatchedTarget batches an ONNX Runtime session"):
         BatchedTarget(load_target(gguf_path, backend="native"), rows=2)
 
 

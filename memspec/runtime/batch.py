@@ -225,8 +225,8 @@ class BatchedTarget:
 
     def __init__(self, session: DecoderSession, rows: int):
         if not isinstance(session, DecoderSession):
-            raise ConfigError("[runtime] batching runs a batched ONNX Runtime graph of the target; this target runs "
-                              "on the native engine: set [runtime] backend = \"onnxruntime\" to batch")
+            raise ConfigError("BatchedTarget batches an ONNX Runtime session; the native target batches its own "
+                              "passes (memspec.runtime.target.open_batched)")
         if session.layout != "gqa" or not session.has_keep:
             raise ModelFormatError(f"{session.path.name}: batched passes need a memspec-converted graph "
                                    f"(shared-buffer KV and logits_to_keep)")
@@ -320,25 +320,7 @@ class BatchedTarget:
         return [logits[s: s + k].copy() for s, k in spans]
 
     def measure_pass_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> dict[int, list[float]]:
-        """Seconds of one pass over b rows of k tokens each after `context` cached tokens, for
-        b = 1..rows and k = 1..max_k (timed as memspec.runtime.costs.timed_curve times them):
-        {b: [unused, k=1, ..., k=max_k]}.  The batched cost controller reads it (what a
-        request's k tokens cost inside a pass of b rows)."""
-        from memspec.runtime.costs import timed_curve
+        """{b: [unused, k=1..max_k]} seconds of a pass of b rows x k tokens (costs.pass_costs)."""
+        from memspec.runtime.costs import pass_costs
 
-        vocab = self.target.vocab_size or 1000
-        caches = [self.target.new_cache(context + max_k + 1) for _ in range(self.rows)]
-        ctx = [(17 * i + 3) % vocab for i in range(context)]
-        for c in caches:
-            self.target.forward(c, ctx, keep=1)
-        out: dict[int, list[float]] = {}
-        for b in range(1, self.rows + 1):
-            def run(k: int, b: int = b) -> None:
-                for c in caches[:b]:
-                    c.truncate(context)
-                self.forward(caches[:b], [[(5 * j + 11) % vocab for j in range(k)]] * b, [k] * b)
-
-            out[b] = timed_curve(run, max_k, repeats)
-        for c in caches:
-            self.release(c)
-        return out
+        return pass_costs(self, max_k, context, repeats)

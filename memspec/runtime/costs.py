@@ -107,6 +107,30 @@ def step_costs(target, max_k: int, context: int = 64, repeats: int = 3) -> list[
     return timed_curve(run, max_k, repeats)
 
 
+def pass_costs(batched, max_k: int, context: int = 64, repeats: int = 3) -> dict[int, list[float]]:
+    """Seconds of one pass of `batched` (memspec.runtime.target.BatchedPass) over b rows of k tokens
+    each after `context` cached tokens, b = 1..batched.rows, k = 1..max_k (timed_curve):
+    {b: [unused, k=1, ..., k=max_k]}.  The batched cost controller reads it (what a request's k
+    tokens cost inside a pass of b rows)."""
+    target = batched.target
+    vocab = target.vocab_size or 1000
+    caches = [target.new_cache(context + max_k + 1) for _ in range(batched.rows)]
+    ctx = [(17 * i + 3) % vocab for i in range(context)]
+    for c in caches:
+        target.forward(c, ctx, keep=1)
+    out: dict[int, list[float]] = {}
+    for b in range(1, batched.rows + 1):
+        def run(k: int, b: int = b) -> None:
+            for c in caches[:b]:
+                c.truncate(context)
+            batched.forward(caches[:b], [[(5 * j + 11) % vocab for j in range(k)]] * b, [k] * b)
+
+        out[b] = timed_curve(run, max_k, repeats)
+    for c in caches:
+        batched.release(c)
+    return out
+
+
 class CostCache:
     """`<home>/costs.json`: cost curves by cost_key.  A store that cannot be written just
     measures again next time."""

@@ -147,6 +147,36 @@ class NativeTarget:
         return [logits[s: s + k] for s, k in spans]
 
 
+class NativeBatch:
+    """The batch loop's pass over several requests' rows on the native target
+    (memspec.speculation.batching): NativeTarget.forward_batch itself.  Each row's logits are what
+    it gets alone, at any row count, by construction; the pass reads the one mapped copy of the
+    weights, so batching costs no memory beyond each request's own KV cache."""
+
+    weight_bytes = 0  # no second copy of the weights (ONNX Runtime's batched graph holds one)
+
+    def __init__(self, target: NativeTarget, rows: int):
+        if not 1 <= rows <= 64:
+            raise ValueError(f"rows: {rows} is out of range; allowed 1..64")
+        self.target = target
+        self.rows = rows
+
+    def forward(self, caches: Sequence[NativeCache], feeds: Sequence[Sequence[int]],
+                keep: Sequence[int]) -> list[np.ndarray]:
+        if not 1 <= len(feeds) <= self.rows:
+            raise ValueError(f"a pass takes 1..{self.rows} rows (got {len(feeds)})")
+        return self.target.forward_batch(caches, feeds, keep)
+
+    def release(self, cache: NativeCache) -> None:
+        """Nothing is bound to a row: a cache's memory goes with its last reference."""
+
+    def measure_pass_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> dict[int, list[float]]:
+        """{b: [unused, k=1..max_k]} seconds of a pass of b rows x k tokens (costs.pass_costs)."""
+        from memspec.runtime.costs import pass_costs
+
+        return pass_costs(self, max_k, context, repeats)
+
+
 def _spec(info: TensorInfo) -> tuple[int, int, int, int]:
     """(offset, ggml_type, n, k) as the extension reads a tensor: a matrix is n rows of k."""
     if len(info.shape) == 1:

@@ -69,6 +69,34 @@ class Target(Protocol):
     def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]: ...
 
 
+class BatchedPass(Protocol):
+    """One pass over several requests' rows, for the batch loop (memspec.speculation.batching)."""
+
+    target: Target  # the one-request target (a request alone runs on it directly)
+    rows: int  # most rows (requests) in one pass
+    weight_bytes: int  # memory it holds beyond the target's own: a second copy of the weights, or 0
+
+    def forward(self, caches: Sequence[KVCache], feeds: Sequence[Sequence[int]],
+                keep: Sequence[int]) -> list[np.ndarray]: ...
+
+    def release(self, cache: KVCache) -> None: ...  # the request is gone: keep none of its cache
+
+    def measure_pass_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> dict[int, list[float]]: ...
+
+
+def open_batched(target: Target, rows: int) -> BatchedPass:
+    """Passes of up to `rows` requests on `target`: the native engine batches by itself
+    (NativeBatch); ONNX Runtime needs its ragged batched graph, a second copy of the weights
+    (memspec.runtime.batch.BatchedTarget, CPU only)."""
+    from memspec.runtime.native_target import NativeBatch, NativeTarget
+
+    if isinstance(target, NativeTarget):
+        return NativeBatch(target, rows)
+    from memspec.runtime.batch import BatchedTarget
+
+    return BatchedTarget(target, rows)
+
+
 def physical_cores() -> int:
     """The default thread count of a target pass, for either engine."""
     try:

@@ -90,14 +90,14 @@ class Engine:
                  costs: CostCache | None = None, batch_slots: int = 0, batched=None):
         """batch_slots > 0: concurrent requests share one batched target pass over up to that many
         rows (memspec.speculation.batching); 0: each request runs its own passes.  batched: that
-        graph already loaded (a memspec.runtime.batch.BatchedTarget; memspec.build loads it first,
-        so that the budget counts its copy of the weights), instead of loading it here."""
+        pass already opened (memspec.runtime.target.open_batched; memspec.build opens it first, so
+        that the budget counts any copy of the weights it holds), instead of opening it here."""
         self.target = target
         self.batch = None
         if batched is None and batch_slots > 0:
-            from memspec.runtime.batch import BatchedTarget
+            from memspec.runtime.target import open_batched
 
-            batched = BatchedTarget(target.session, batch_slots)
+            batched = open_batched(target.session, batch_slots)
         if batched is not None:
             from memspec.speculation.batching import BatchLoop
 
