@@ -108,17 +108,23 @@ def use(ts: TargetSet, name: str, keep_alive: float | None = None, **kw) -> Fake
     return engine
 
 
-# -- the set ---------------------------------------------------------------------------------------
-def test_concurrent_requests_for_a_target_trigger_one_load():
-    ts, loads, _ = make()
+def crowd(ts: TargetSet, loads: Loads, n: int, request) -> None:
+    """n requests at once, all waiting for one load before the loader may finish it."""
     loads.gate.clear()
-    got, threads = [], [threading.Thread(target=lambda: got.append(use(ts, "a"))) for _ in range(8)]
+    threads = [threading.Thread(target=request) for _ in range(n)]
     for t in threads:
         t.start()
-    wait_for(lambda: ts.status() and ts.status()[0]["waiting"] == 8)
+    wait_for(lambda: ts.status() and ts.status()[0]["waiting"] == n)
     loads.gate.set()
     for t in threads:
         t.join(5)
+
+
+# -- the set ---------------------------------------------------------------------------------------
+def test_concurrent_requests_for_a_target_trigger_one_load():
+    ts, loads, _ = make()
+    got = []
+    crowd(ts, loads, 8, lambda: got.append(use(ts, "a")))
     assert loads.calls == ["a"] and len(got) == 8 and all(e is got[0] for e in got)
     assert ts.status()[0]["loads"] == 1
 
@@ -207,7 +213,6 @@ def test_a_target_that_cannot_fit_is_refused_and_unloads_nothing():
 
 def test_a_failed_load_reaches_every_waiter_and_the_next_request_tries_again():
     ts, loads, _ = make(fail={"a"})
-    loads.gate.clear()
     errors = []
 
     def ask():
@@ -216,13 +221,7 @@ def test_a_failed_load_reaches_every_waiter_and_the_next_request_tries_again():
         except ModelFormatError as exc:
             errors.append(exc)
 
-    threads = [threading.Thread(target=ask) for _ in range(3)]
-    for t in threads:
-        t.start()
-    wait_for(lambda: ts.status() and ts.status()[0]["waiting"] == 3)
-    loads.gate.set()
-    for t in threads:
-        t.join(5)
+    crowd(ts, loads, 3, ask)
     assert len(errors) == 3 and loads.calls == ["a"]
     loads.fail = set()
     assert use(ts, "a").name == "a" and loads.calls == ["a", "a"]

@@ -21,52 +21,27 @@ import pytest
 from openai import APIStatusError, OpenAI
 
 from test_daemon_e2e import Daemon
+from two_targets import BUDGET_MB, QUESTION, QWEN, SMOL, config, store_of_two
 
 from memspec.errors import InsufficientMemoryError
 from memspec.request import Completion
 
-SMOL, QWEN = "smollm2-135m", "qwen2.5-coder-0.5b"
-QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]
-# Planned at their load's peak (memspec.runtime.memory.planned_target_footprint): SmolLM2 q4 243 MiB,
-# the 0.5B 1175 MiB.  With the daemon itself (about 150 MiB) this budget holds either, never both.
-BUDGET_MB = 1450
 SMALL_BUDGET_MB = 600  # SmolLM2, not the 0.5B: its load is refused
-
-CONFIG = """\
-home = "{home}"
-[model]
-target = "{target}"
-variant = "q4"
-keep_alive = "5m"
-[runtime]
-max_context = 256
-[limits]
-max_tokens = 32
-[server]
-max_concurrent = 2
-[scheduler]
-policy = "target-only"
-budget_mb = {budget}
-"""
 
 
 @pytest.fixture(scope="module")
 def home(model_store):
-    """A store holding exactly the two targets (links to the real store's folders), so that a
-    target someone else pulled (the 1.5B) is not among the listed models."""
+    """The two targets, the 0.5B pulled on first use."""
     from memspec.models.pull import pull
 
     pull(model_store, QWEN)
     with tempfile.TemporaryDirectory(prefix="ms-tg-") as d:
-        (Path(d) / "models").mkdir()
-        for name in (SMOL, QWEN):
-            (Path(d) / "models" / name).symlink_to(model_store.models_dir / name)
-        yield Path(d)
+        yield store_of_two(Path(d), model_store.models_dir)
 
 
 def start(home: Path, folder: Path, name: str, budget: int) -> Daemon:
     dm = Daemon(folder, home, name=name)
-    dm.config.write_text(CONFIG.format(home=home, target=SMOL, budget=budget))
+    dm.config.write_text(config(home, budget))
     dm.args = ["--http", "127.0.0.1:0"]
     return dm.start(timeout=180)
 

@@ -1,10 +1,13 @@
 """What the daemon serves with: the resident models, behind the small interface the server needs.
 
-The server asks a `Backend` to check a request (and say how many KV bytes it
-needs), to stream it, and for its models and status.  `EngineBackend` is the
-implementation over one engine (`ServingEngine`: memspec.speculation.engine.Engine,
-a target and its draft source); the draft source's report is what `status()`
-gives under "drafts", "scheduler" and "predictor".
+The server asks a `Backend` to check a request (holding its target, and saying
+how many KV bytes it needs), to stream it, and for its models and status.
+`EngineBackend` is the implementation over the loaded targets, each an engine
+(`ServingEngine`: memspec.speculation.engine.Engine, a target and its draft
+source), which a TargetSet (memspec.scheduling.targets) alone loads and unloads;
+the backend adds what the store knows (which names are targets, their variants
+and planned footprint).  The draft sources' reports are what `status()` gives
+under "drafts", "scheduler" and "predictor".
 """
 
 from __future__ import annotations
@@ -139,7 +142,8 @@ class EngineBackend:
             self.keep_alive = parse_keep_alive(self.config.model.keep_alive, "[model] keep_alive")
         except InvalidRequestError as exc:
             raise ConfigError(str(exc)) from None
-        self.targets = TargetSet(self._load_engine, self._plan, probe, memory_budget(self.config.scheduler.budget_mb, probe),
+        budget = memory_budget(self.config.scheduler.budget_mb, probe)
+        self.targets = TargetSet(self._load_engine, self._plan, probe, budget,
                                  self.config.server.memory_headroom_mb * MiB, self.clock)
 
     def start(self) -> dict:
@@ -278,8 +282,9 @@ class EngineBackend:
         out = {"resident": [m for _, e in engines for m in _resident(e)], "drafts": [], "predictor": {},
                "scheduler": {}, "batch": {}, "targets": self.targets.status(),
                "warnings": [w for _, e in engines for w in (e.target.session.rows.warning(),) if w]}
-        for _, engine in engines:
-            out["drafts"] += self._draft_rows(engine.drafts.report())
+        for _, engine in engines:  # a draft every target has (prompt lookup) is listed once: counters are by name
+            out["drafts"] += [d for d in self._draft_rows(engine.drafts.report())
+                              if d["name"] not in {x["name"] for x in out["drafts"]}]
         main = dict(engines).get(self.config.model.target) or (engines[0][1] if engines else None)
         if main is not None:  # counters of one engine: the default target's, else the last used
             report = main.drafts.report()
