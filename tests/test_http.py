@@ -203,7 +203,8 @@ def test_every_listed_model_answers_loaded_on_demand_and_keep_alive_0_unloads_it
     assert [(m["id"], m["loaded"]) for m in body["data"]] == [("other", True), ("tiny", False)]
     status, _, out = f.post({**GOOD, "model": "other", "keep_alive": 0})
     assert status == 200 and out["model"] == "other"
-    wait_for(lambda: not {m["id"]: m for m in f.request("GET", "/v1/models")[2]["data"]}["other"]["loaded"])
+    wait_for(lambda: f.metrics()[("memspec_target_unloads_total", (("model", "other"),))] == 1)
+    assert not {m["id"]: m for m in f.request("GET", "/v1/models")[2]["data"]}["other"]["loaded"]
     m = f.metrics()
     assert m[("memspec_target_loads_total", (("model", "other"),))] == 1
     assert m[("memspec_target_unloads_total", (("model", "other"),))] == 1

@@ -461,7 +461,7 @@ def test_load_and_unload(h):
         h.client.unload("tiny")
     _, done = collect(h.client.generate("hi", max_tokens=1))  # the default target loads again on demand
     assert done.model == "tiny" and h.engine is not first
-    with pytest.raises(ModelNotFoundError, match="'nope' is not in the store; the pulled targets are tiny, other"):
+    with pytest.raises(ModelNotFoundError, match="model 'nope' is not in the store"):  # the store's own words
         h.client.load("nope")
     with pytest.raises(ModelNotFoundError, match="no variant 'fp16'"):
         h.client.load("other", "fp16")

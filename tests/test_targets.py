@@ -11,7 +11,7 @@ import pytest
 
 from fakes import FakeClock, FakeProbe, wait_for
 
-from memspec.errors import DeadlineExceededError, InsufficientMemoryError, ModelFormatError
+from memspec.errors import CancelledError, DeadlineExceededError, InsufficientMemoryError, ModelFormatError
 from memspec.request import KEEP_FOREVER
 from memspec.scheduling.targets import Idle, Resident, Room, TargetSet, expired, plan_room
 from memspec.speculation.sources import DraftRow, SourceStatus
@@ -264,3 +264,13 @@ def test_an_unloaded_engine_is_dropped_before_the_heap_is_trimmed():
     use(ts, "a")
     use(ts, "b")  # a goes first
     assert alive_at_reclaim == [[False]]
+
+
+def test_a_request_cancelled_while_its_target_loads_leaves_and_the_load_goes_on():
+    ts, loads, _ = make()
+    loads.gate.clear()
+    with pytest.raises(CancelledError, match="cancelled while waiting for a to load"):
+        ts.acquire("a", cancelled=lambda: True)
+    loads.gate.set()
+    wait_for(lambda: ts.status()[0]["state"] == "loaded")
+    assert use(ts, "a") is loads.engines["a"] and loads.calls == ["a"]  # loaded once, for the next request

@@ -159,21 +159,24 @@ class EngineBackend:
         return dict(self.targets.engines()).get(self.config.model.target)
 
     # -- the store: what a name may load as ----------------------------------------------
-    def _plan(self, name: str, variant: str | None) -> tuple[str, int]:
+    def _plan(self, name: str, variant: str | None, field: str = "model") -> tuple[str, int]:
         """(variant, planned bytes) of target `name`: the variant asked for, else the configured one
-        where it has it, else q4, else its first; named errors for anything that is not a target."""
+        where it has it, else q4, else its first; named errors for anything that is not a target,
+        naming the request's `field` ("model"; LoadModel's "name" keeps the store's own message)."""
         try:
             manifest = self.store.get(name)
         except ModelNotFoundError:
+            if field != "model":
+                raise
             pulled = ", ".join(m.name for m in self.store.list() if m.role == "target") or "none"
             raise ModelNotFoundError(f"model: {quote(name)} is not in the store; the pulled targets are {pulled} "
                                      f"(GET /v1/models or `memspec models` lists them; `memspec pull NAME` adds one)"
                                      ) from None
         if manifest.role != "target":
-            raise InvalidRequestError(f"model: {quote(name)} is a {manifest.role}; name a target, and pick a draft "
+            raise InvalidRequestError(f"{field}: {quote(name)} is a {manifest.role}; name a target, and pick a draft "
                                       f"with \"draft\" (drafts are loaded with their target)")
         have = sorted(manifest.variants)
-        variant = variant or next(v for v in (self.config.model.variant, "q4", *have) if v in have or v == have[0])
+        variant = variant or next(v for v in (self.config.model.variant, "q4", *have) if v in have)
         manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
         return variant, planned_target_footprint(manifest.variant_bytes(variant))
 
@@ -241,7 +244,7 @@ class EngineBackend:
     def load(self, name: str, variant: str | None) -> dict:
         """LoadModel: make `name` resident (kept until told otherwise) and the default target."""
         t0 = time.perf_counter()
-        variant, _ = self._plan(name, variant or self.config.model.variant)
+        variant, _ = self._plan(name, variant or self.config.model.variant, field="name")
         self._drop_other_variant(name, variant)
         lease = self.targets.acquire(name, variant, KEEP_FOREVER)
         engine = lease.engine
