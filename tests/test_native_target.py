@@ -266,3 +266,18 @@ def test_a_cost_curve_is_kept_per_build_of_the_kernels(native):
     key = json.loads(native.cost_key(4))
     assert kernels.build_id() in key and native.isa in key
     assert native.cost_key(4) != native.cost_key(5)
+
+
+def test_loading_on_demand_plans_each_engine_at_its_own_footprint(model_store):
+    """What the target set plans a load with (memspec.serving.backend): the mapped GGUF for the native
+    engine, the graph's session (1.75x its file at the load's peak) for ONNX Runtime."""
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.memory import planned_target_footprint
+    from memspec.runtime.target import NATIVE_FOOTPRINT_PER_FILE_BYTE, planned_footprint
+
+    m = model_store.get("smollm2-135m")
+    gguf = model_store.gguf_of(m).stat().st_size
+    native = planned_footprint(model_store, m, "q4", SessionConfig(backend="native"))
+    assert native == int(gguf * NATIVE_FOOTPRINT_PER_FILE_BYTE)
+    onnx = planned_footprint(model_store, m, "q4", SessionConfig(backend="onnxruntime"))
+    assert onnx == planned_target_footprint(m.variant_bytes("q4")) > native

@@ -97,6 +97,22 @@ def open_batched(target: Target, rows: int) -> BatchedPass:
     return BatchedTarget(target, rows)
 
 
+# RSS a native target adds per byte of its GGUF: the mapped file, read whole by the first pass, and the
+# pass's buffers (the 1.5B: 1069 MiB of process RSS for a 986 MB GGUF, the interpreter included).
+NATIVE_FOOTPRINT_PER_FILE_BYTE = 1.1
+
+
+def planned_footprint(store, manifest, variant: str, config: SessionConfig) -> int:
+    """The RSS loading this store target should add, by the engine `config.backend` picks: what
+    loading on demand plans with (the native engine maps the GGUF; ONNX Runtime builds its
+    session from the variant's graph: memory.planned_target_footprint)."""
+    from memspec.runtime.memory import planned_target_footprint
+
+    if resolve_backend(config.backend, config.providers) == "native":
+        return int(store.gguf_of(manifest).stat().st_size * NATIVE_FOOTPRINT_PER_FILE_BYTE)
+    return planned_target_footprint(manifest.variant_bytes(variant))
+
+
 def physical_cores() -> int:
     """The default thread count of a target pass, for either engine."""
     try:

@@ -23,7 +23,8 @@ from memspec.config import Config
 from memspec.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnavailableError
 from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, parse_keep_alive, quote,
                              validate)
-from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget, planned_target_footprint
+from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget
+from memspec.runtime.target import planned_footprint
 from memspec.scheduling.targets import TargetLease, TargetSet
 
 log = logging.getLogger("memspec.backend")
@@ -178,7 +179,7 @@ class EngineBackend:
         have = sorted(manifest.variants)
         variant = variant or next(v for v in (self.config.model.variant, "q4", *have) if v in have)
         manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
-        return variant, planned_target_footprint(manifest.variant_bytes(variant))
+        return variant, planned_footprint(self.store, manifest, variant, self.config.runtime)
 
     def _load_engine(self, name: str, variant: str) -> ServingEngine:
         """What the TargetSet's loader thread runs: the engine of `name`, calibrated, with the limits now."""
