@@ -44,7 +44,7 @@ class BuildWithProto(build_py):
 NATIVE = Extension(
     "memspec.runtime._native",
     sources=[f"memspec/runtime/native/{name}.c" for name in ("module", "model", "attention", "pool", "matmul", "dot",
-                                                                "dot_avx2", "dot_neon", "quants")],
+                                                                "dot_avx2", "dot_avx512", "dot_neon", "quants")],
     depends=[f"memspec/runtime/native/{name}.h" for name in ("model", "attention", "pool", "matmul", "dot",
                                                               "quants")],
     # -ffp-contract=off: a float op is fused only where the code says fmaf, on every path

@@ -1,6 +1,6 @@
 """What do M activation rows cost against one, in memspec's native Q4_K matmul?
 
-    .venv/bin/python bench/kernels.py [--threads 2] [--repeats 20] [--layers 8] [--type Q4_K]
+    .venv/bin/python bench/kernels.py [--threads 2] [--repeats 20] [--layers 8] [--type Q4_K] [--isa avx2,avx512]
 
 Times memspec.runtime.kernels.matmul on the 1.5B's gate/up shape (K 1536, N 8960, Q4_K; the
 real ffn_gate matrices when the Qwen2.5-Coder-1.5B GGUF is in the store, else random blocks)
@@ -60,17 +60,21 @@ def weights(qtype: str, layers: int) -> tuple[list[np.ndarray], str]:
     return mats, "random blocks"
 
 
-def median_ms(mats: list[np.ndarray], tid: int, n: int, k: int, x: np.ndarray, threads: int, repeats: int) -> float:
-    """Median milliseconds per matrix over `repeats` passes through `mats`."""
-    for raw in mats:  # warm up
-        kernels.matmul(raw, tid, n, k, x, threads=threads)
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
+def median_ms(mats: list[np.ndarray], tid: int, n: int, k: int, x: np.ndarray, threads: int, repeats: int,
+              isas: list[str]) -> dict[str, float]:
+    """Per path, the median milliseconds per matrix over `repeats` passes through `mats`, the
+    paths taking turns within each repeat."""
+    for isa in isas:  # warm up
         for raw in mats:
-            kernels.matmul(raw, tid, n, k, x, threads=threads)
-        times.append((time.perf_counter() - start) / len(mats))
-    return 1e3 * float(np.median(times))
+            kernels.matmul(raw, tid, n, k, x, threads=threads, isa=isa)
+    times: dict[str, list[float]] = {isa: [] for isa in isas}
+    for _ in range(repeats):
+        for isa in isas:
+            start = time.perf_counter()
+            for raw in mats:
+                kernels.matmul(raw, tid, n, k, x, threads=threads, isa=isa)
+            times[isa].append((time.perf_counter() - start) / len(mats))
+    return {isa: 1e3 * float(np.median(t)) for isa, t in times.items()}
 
 
 def main() -> None:
@@ -79,21 +83,26 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=20)
     parser.add_argument("--layers", type=int, default=8, help="matrices the cold case cycles through")
     parser.add_argument("--type", default="Q4_K", choices=sorted(SHAPES), help="which shipped shape")
+    parser.add_argument("--isa", default=None, help=f"comma-separated paths (this CPU: {','.join(kernels.isas())})")
     args = parser.parse_args()
+    isas = args.isa.split(",") if args.isa else [kernels.isa()]
+    unknown = [i for i in isas if i not in kernels.isas()]
+    if unknown:
+        parser.error(f"--isa {','.join(unknown)}: this CPU runs {', '.join(kernels.isas())}")
     tid, k, n = SHAPES[args.type][:3]
     mats, source = weights(args.type, args.layers)
     nbytes = mats[0].nbytes
-    print(f"{args.type} K={k} N={n} ({nbytes / 1e6:.1f} MB each, {source}), isa {kernels.isa()}, threads {args.threads}")
+    print(f"{args.type} K={k} N={n} ({nbytes / 1e6:.1f} MB each, {source}), isa {', '.join(isas)}, threads {args.threads}")
     x = np.random.default_rng(1).standard_normal((max(ROWS), k)).astype(np.float32)
     pools = [("hot", mats[:1])] + ([(f"cold ({len(mats)} matrices)", mats)] if len(mats) > 1 else [])
     for label, pool in pools:
         print(label)
-        base = None
+        base: dict[str, float] = {}
         for m in ROWS:
-            ms = median_ms(pool, tid, n, k, x[:m], args.threads, args.repeats)
-            base = base or ms
-            extra = f"  {nbytes / ms / 1e6:.1f} GB/s of weights" if m == 1 else ""
-            print(f"  M={m:2d}  {ms:7.3f} ms  cost/cost(1) {ms / base:4.2f}{extra}")
+            for isa, ms in median_ms(pool, tid, n, k, x[:m], args.threads, args.repeats, isas).items():
+                base.setdefault(isa, ms)
+                extra = f"  {nbytes / ms / 1e6:.1f} GB/s of weights" if m == 1 else ""
+                print(f"  M={m:2d} {isa:>6}  {ms:7.3f} ms  cost/cost(1) {ms / base[isa]:4.2f}{extra}")
 
 
 if __name__ == "__main__":

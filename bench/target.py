@@ -1,6 +1,7 @@
 """Target-only kernels of each variant, side by side with llama.cpp on the same GGUF.
 
     python bench/target.py [--model NAME] [--variant q4 --variant fp32] [--threads 2] [--json out.json]
+                           [--native-isa avx2,avx512] [--no-llama-cpp]
 
 Per engine (each ONNX variant through ONNX Runtime, and memspec's native engine on the GGUF
 itself, `native`): load time and RSS, prefill tok/s and time to first token, decode
@@ -178,6 +179,8 @@ def main(argv=None) -> int:
     ap.add_argument("--max-k", type=int, default=16)
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--no-native", action="store_true", help="leave out memspec's native engine")
+    ap.add_argument("--native-isa", metavar="PATHS",
+                    help="run the native engine once per dispatch path, e.g. avx2,avx512 (default: the best here)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
     config = load_config(args.config)
@@ -195,7 +198,13 @@ def main(argv=None) -> int:
                                                                            intra_op_threads=args.threads)))
                for v in variants}
     if not args.no_native and kernels.available():  # memspec's native engine on the GGUF itself
-        loaders["native"] = lambda: NativeTarget(gguf, threads=args.threads, max_context=2048)
+        isas = args.native_isa.split(",") if args.native_isa else [None]
+        unknown = [i for i in isas if i is not None and i not in kernels.isas()]
+        if unknown:
+            ap.error(f"--native-isa {','.join(unknown)}: this CPU runs {', '.join(kernels.isas())}")
+        for isa in isas:
+            name = f"native-{isa}" if isa else "native"
+            loaders[name] = lambda isa=isa: NativeTarget(gguf, threads=args.threads, max_context=2048, isa=isa)
     rounds: dict[str, list[dict]] = {name: [] for name in loaders}
     rounds["llama.cpp"] = []
     for r in range(args.rounds):

@@ -27,7 +27,7 @@ pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUIL
 
 TYPES = ("F32", "F16", "BF16", "Q4_0", "Q4_1", "Q5_0", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 FLOATS = ("F32", "F16", "BF16")
-SIMD = ("avx2", "neon")  # every path besides the scalar reference (neon also runs under qemu: test_native_build)
+SIMD = ("avx2", "avx512", "neon")  # every path besides the scalar reference (neon also runs under qemu: test_native_build)
 # k per type in the random cases: whole 256-weight chunks for K-quants, a partial last chunk otherwise
 K_OF = {**dict.fromkeys(FLOATS, 300), **dict.fromkeys(("Q4_0", "Q4_1", "Q5_0", "Q8_0"), 608),
         **dict.fromkeys(("Q4_K", "Q5_K", "Q6_K"), 768)}
@@ -271,7 +271,7 @@ def bad_cases():
         ("strided", lambda: kernels.matmul(raw, q4k, 4, 512, np.repeat(x, 2, axis=1)[:, ::2]), r"x must be a C-contiguous float32 array"),
         ("threads", lambda: kernels.matmul(raw, q4k, 4, 512, x, threads=0), r"threads must be >= 1, got 0"),
         ("n", lambda: kernels.matmul(raw, q4k, 0, 512, x), r"n and k must be positive"),
-        ("isa", lambda: kernels.matmul(raw, q4k, 4, 512, x, isa="avx512"), r"isa='avx512' is not available"),
+        ("isa", lambda: kernels.matmul(raw, q4k, 4, 512, x, isa="avx1024"), r"isa='avx1024' is not available"),
         ("out", lambda: kernels._native.matmul(raw, q4k, 4, 512, x, np.empty((2, 5), np.float32)), r"out must be float32 of shape \(2, 4\), got format 'f' shape \(2, 5\)"),
         ("readonly", lambda: kernels._native.matmul(raw, q4k, 4, 512, x, b"\0" * 32), r"out must be a C-contiguous, writable float32 array"),
     ]

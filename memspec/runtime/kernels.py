@@ -48,7 +48,7 @@ def module():
 
 
 def isa() -> str:
-    """The path matmul uses: "avx2", "neon" or "scalar" ($MEMSPEC_NATIVE_ISA=scalar forces scalar)."""
+    """The path matmul uses: "avx512" (with VNNI), "avx2", "neon" or "scalar" ($MEMSPEC_NATIVE_ISA=scalar forces scalar)."""
     return module().isa()
 
 

@@ -16,7 +16,7 @@ struct attn_isa {
     void (*mix)(const float *w, const uint16_t *vals, int n, int hd, float *out); /* out: hd zeros in */
 };
 
-/* The path for a kernel path's name ("avx2", "scalar"): AVX2+F16C where the CPU has it. */
+/* The path for a kernel path's name ("avx2", "avx512", "scalar"): AVX2+F16C where the CPU has it. */
 const struct attn_isa *attn_isa_for(const char *dot_isa_name);
 
 #endif

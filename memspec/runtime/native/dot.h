@@ -7,7 +7,7 @@
  *   - the float part is fixed here, in the inline helpers both paths call (or their
  *     lane-wise vector equivalents): one fused multiply-add per block into a fixed lane;
  *   - lanes_take() reduces the lanes in a fixed tree at the end.
- * So the scalar and AVX2 paths agree bit for bit, and a row's result does not depend
+ * So the scalar and SIMD paths agree bit for bit, and a row's result does not depend
  * on how many rows share the call.
  */
 #ifndef MEMSPEC_DOT_H
@@ -34,12 +34,13 @@ struct dot_isa {
 extern const struct dot_isa DOT_SCALAR;
 #if defined(__x86_64__)
 extern const struct dot_isa DOT_AVX2;
+extern const struct dot_isa DOT_AVX512; /* AVX-512 F/BW/VL with VNNI */
 #endif
 #if defined(__aarch64__)
 extern const struct dot_isa DOT_NEON;
 #endif
 
-/* The path called `name` ("scalar", "avx2", "neon"), or NULL if unknown or this CPU lacks it. */
+/* The path called `name` ("scalar", "avx2", "avx512", "neon"), or NULL if unknown or this CPU lacks it. */
 const struct dot_isa *dot_isa_named(const char *name);
 /* The best path this CPU supports. */
 const struct dot_isa *dot_isa_best(void);

@@ -71,7 +71,7 @@ PyDoc_STRVAR(matmul_doc,
 "out (M, n) float32 = x (M, k) float32 @ W.T, W the (n, k) matrix of GGUF type ggml_type whose\n"
 "raw blocks `weights` holds (rows of blocks, any contiguous buffer).  Each output row depends\n"
 "only on its row of x and on W, never on M, the other rows or `threads`.  isa forces a path\n"
-"(\"scalar\", \"avx2\", \"neon\"); the default is isa().  Raises ValueError on bad arguments.");
+"(\"scalar\", \"avx2\", \"avx512\", \"neon\"); the default is isa().  Raises ValueError on bad arguments.");
 
 static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"weights", "ggml_type", "n", "k", "x", "out", "threads", "isa", NULL};
@@ -425,7 +425,7 @@ static PyTypeObject ModelType = {
 
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
-    {"isa", py_isa, METH_NOARGS, "isa() -> str: the path matmul uses by default (\"avx2\", \"scalar\")."},
+    {"isa", py_isa, METH_NOARGS, "isa() -> str: the path matmul uses by default (\"avx512\", \"avx2\", \"neon\", \"scalar\")."},
     {"isas", py_isas, METH_NOARGS, "isas() -> tuple of str: every path this CPU can run."},
     {NULL, NULL, 0, NULL},
 };

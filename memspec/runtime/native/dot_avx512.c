@@ -1,0 +1,220 @@
+/* The AVX-512 + VNNI path: K-quants through 512-bit integer dot products, the rest as AVX2.
+ *
+ * Like dot_avx2.c, only these functions use the wider instructions (target attribute) and
+ * dot.c picks this path at run time when the CPU has AVX-512 F/BW/VL and VNNI.  The integer
+ * sums ia, ib of a block equal the scalar path's exactly; the float updates are dot.h's
+ * k_update, lane by lane, so the bits are the scalar path's.
+ *
+ * Why VNNI: with several rows in a pass (a draft being verified, or several sequences) the
+ * work per extra row is integer multiplies.  vpdpbusd multiplies 64 unsigned weights by 64
+ * signed activations and adds them four at a time into 16 int32 lanes in one instruction,
+ * where AVX2 needs maddubs, a fold and a madd for 32.  A block's 256 quants are unpacked once
+ * into four 512-bit vectors (weights 64c .. 64c+63) for all the rows of a group.
+ *
+ * The scales: each int32 lane of vpdpbusd(q_c, x_c) holds 4 products of one sub-block, at
+ * most 4*63*127 = 32004, so two rows' lanes pack into int16 without saturation (packs) and one
+ * vpdpwssd multiplies them by their sub-block scales and adds them in int32.  Rows go in
+ * pairs: row a's lanes and row b's share each pack, so one pack and one vpdpwssd serve two
+ * rows.  Per 128-bit lane of the accumulator: [a, a, b, b] (int32).
+ *
+ * A row alone (decode) takes the AVX2 loop: one row has no partner to share the packs, and
+ * there the 256-bit loop was faster (Q4_K, 512x1536 in L2, one thread: 11.8 against 17.1 ns a
+ * block); decode is bound by reading the weights anyway.  Groups of 2..8 rows: 5.9 against 6.9
+ * ns a block and row (bench/kernels.py --isa avx2,avx512 gives the whole-matrix figures). */
+#if defined(__x86_64__)
+
+#include <immintrin.h>
+#include <stddef.h>
+#include <string.h>
+
+#include "dot.h"
+
+#define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
+#define INLINE inline __attribute__((always_inline))
+
+static inline uint16_t u16_at(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return h;
+}
+
+/* A block's scales in the forms the sums need. */
+struct kscales {
+    __m512i s[4]; /* vector c: the int16 scale of each lane of pack(P_a[c], P_b[c]) */
+    __m512i zm;   /* per 16 weights (each 64-bit unit twice, as the pairs interleave them): the min
+                     (Q4_K/Q5_K) or minus the zero offset 32*sc (Q6_K) */
+    float d, dmin;
+};
+
+/* t: per (c, i) the scale of lanes 4i..4i+3 of P[c] (int16, 16 of them in a 256-bit vector):
+ * Q4_K/Q5_K sub-block 2c + i/2, Q6_K sub-block 4c + i. */
+AVX512 static INLINE void k_scales(int type, const uint8_t *raw, struct kscales *s) {
+    __m256i t, z;
+    if (type == TYPE_Q6_K) {
+        const block_q6_K *p = (const block_q6_K *)raw;
+        t = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)p->scales));
+        z = _mm256_sub_epi16(_mm256_setzero_si256(), _mm256_slli_epi16(t, 5)); /* -32*sc, |.| <= 4096 */
+        s->d = _cvtsh_ss(u16_at(raw + offsetof(block_q6_K, d)));
+        s->dmin = 0.0f;
+    } else {
+        uint8_t s8[8], m8[8];
+        k_scales_unpack(raw + 4, s8, m8);
+        __m128i sc = _mm_loadl_epi64((const __m128i *)s8), mn = _mm_loadl_epi64((const __m128i *)m8);
+        t = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(sc, sc)); /* each scale twice */
+        z = _mm256_cvtepu8_epi16(_mm_unpacklo_epi8(mn, mn)); /* each min twice: per 16 weights */
+        s->d = _cvtsh_ss(u16_at(raw));
+        s->dmin = _cvtsh_ss(u16_at(raw + 2));
+    }
+    __m512i t512 = _mm512_zextsi256_si512(t);
+    for (int c = 0; c < 4; c++) { /* packed int16 lane 8i + m (m < 4: row a, else row b) <- t[4c + i] */
+        const __m512i idx = _mm512_set_epi16(4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3, 4 * c + 3,
+                                             4 * c + 3, 4 * c + 3, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2,
+                                             4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 2, 4 * c + 1, 4 * c + 1,
+                                             4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1, 4 * c + 1,
+                                             4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c, 4 * c);
+        s->s[c] = _mm512_permutexvar_epi16(idx, t512);
+    }
+    __m512i z512 = _mm512_zextsi256_si512(z);
+    s->zm = _mm512_permutexvar_epi64(_mm512_set_epi64(3, 3, 2, 2, 1, 1, 0, 0), z512);
+}
+
+/* Quants of weights 64c .. 64c+63 of a block (quants.c's decode_q45_k and decode_q6_k order). */
+AVX512 static INLINE __m512i k_q(int type, const uint8_t *raw, int c) {
+    const __m512i m4 = _mm512_set1_epi8(0x0F);
+    if (type == TYPE_Q6_K) { /* weight 128h + 32s + l: ql nibble | ((qh[32h + l] >> 2s) & 3) << 4, s = 2(c%2) + half */
+        const block_q6_K *p = (const block_q6_K *)raw;
+        int h = c / 2, odd = c % 2;
+        __m512i l = _mm512_loadu_si512((const void *)(p->ql + 64 * h));
+        __m512i lo = _mm512_and_si512(odd ? _mm512_srli_epi16(l, 4) : l, m4);
+        __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(p->qh + 32 * h)));
+        __m512i shift = _mm512_inserti64x4(_mm512_set1_epi16((short)(4 * odd)), _mm256_set1_epi16((short)(4 * odd + 2)), 1);
+        __m512i hi = _mm512_and_si512(_mm512_srlv_epi16(hb, shift), _mm512_set1_epi8(3));
+        return _mm512_or_si512(lo, _mm512_slli_epi16(hi, 4));
+    }
+    /* Q4_K/Q5_K: 32 bytes of qs hold weights 64c .. +31 (low nibbles) and 64c+32 .. +63 (high) */
+    const uint8_t *qs = raw + (type == TYPE_Q4_K ? 16 : 48);
+    __m512i v = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(qs + 32 * c)));
+    __m512i q = _mm512_and_si512(_mm512_mask_srli_epi16(v, 0xFFFF0000u, v, 4), m4);
+    if (type == TYPE_Q5_K) { /* fifth bit of weight 32j + l: bit j of qh[l], j = 2c (low half), 2c+1 (high) */
+        __m512i hb = _mm512_broadcast_i64x4(_mm256_loadu_si256((const __m256i *)(raw + 16)));
+        __m512i bit = _mm512_inserti64x4(_mm512_set1_epi8((char)(1 << (2 * c))), _mm256_set1_epi8((char)(1 << (2 * c + 1))), 1);
+        q = _mm512_mask_add_epi8(q, _mm512_test_epi8_mask(hb, bit), q, _mm512_set1_epi8(16));
+    }
+    return q;
+}
+
+/* The integer sums of a block for rows a and b (b NULL: none), in pair layout (per 128-bit lane
+ * [a, a, b, b]): *ia = sum sc * (q . x) (Q6_K: minus zoff . sum16), *ib = mn . sum16 (Q6_K: 0). */
+AVX512 static INLINE void k_pair(int type, const __m512i q[4], const struct kscales *s, const int8_t *xa,
+                                 const int8_t *xb, const int16_t *sa, const int16_t *sb, __m512i *ia, __m512i *ib) {
+    __m512i acc = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int c = 0; c < 4; c++) {
+        __m512i pa = _mm512_dpbusd_epi32(_mm512_setzero_si512(), q[c], _mm512_loadu_si512((const void *)(xa + 64 * c)));
+        __m512i pb = _mm512_setzero_si512();
+        if (xb) pb = _mm512_dpbusd_epi32(pb, q[c], _mm512_loadu_si512((const void *)(xb + 64 * c)));
+        acc = _mm512_dpwssd_epi32(acc, _mm512_packs_epi32(pa, pb), s->s[c]);
+    }
+    /* the 16 sums of 16 activations of each row, 64-bit units interleaved a0 b0 a1 b1 .. as s->zm */
+    __m512i za = _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)sa));
+    __m512i zb = xb ? _mm512_zextsi256_si512(_mm256_loadu_si256((const __m256i *)sb)) : _mm512_setzero_si512();
+    __m512i z = _mm512_permutex2var_epi64(za, _mm512_set_epi64(11, 3, 10, 2, 9, 1, 8, 0), zb);
+    __m512i m = _mm512_dpwssd_epi32(_mm512_setzero_si512(), z, s->zm);
+    if (type == TYPE_Q6_K) {
+        *ia = _mm512_add_epi32(acc, m);
+        *ib = _mm512_setzero_si512();
+    } else {
+        *ia = acc;
+        *ib = m;
+    }
+}
+
+/* Four pair-layout vectors (pair p: rows 2p, 2p+1) -> lane i = the sum of row i's lanes. */
+AVX512 static INLINE __m256i reduce_pairs(const __m512i v[4]) {
+    __m256i t[4];
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) /* [a a b b | a a b b] */
+        t[p] = _mm256_add_epi32(_mm512_castsi512_si256(v[p]), _mm512_extracti64x4_epi64(v[p], 1));
+    __m256i u01 = _mm256_add_epi32(_mm256_permute2x128_si256(t[0], t[1], 0x20), _mm256_permute2x128_si256(t[0], t[1], 0x31));
+    __m256i u23 = _mm256_add_epi32(_mm256_permute2x128_si256(t[2], t[3], 0x20), _mm256_permute2x128_si256(t[2], t[3], 0x31));
+    __m256i h = _mm256_hadd_epi32(u01, u23); /* [r0 r1 r4 r5 | r2 r3 r6 r7] */
+    return _mm256_permutevar8x32_epi32(h, _mm256_setr_epi32(0, 1, 4, 5, 2, 3, 6, 7));
+}
+
+/* acc[i][0] += the weight row . activation row r + i, i < G (2..8): each block unpacked once for
+ * the G rows, their float sums in the lanes of one vector, updated as k_update lane by lane. */
+AVX512 static INLINE void k_group(int type, const uint8_t *w, size_t bytes, int k, const struct acts *a, int r,
+                                  const int G, float (*acc)[LANES]) {
+    size_t stride = a->kpad, at = (size_t)r * stride;
+    float lanes[8] = {0};
+#pragma GCC unroll 8
+    for (int i = 0; i < G; i++) lanes[i] = acc[i][0];
+    __m256 sum = _mm256_loadu_ps(lanes);
+    for (int c = 0; c * CHUNK < k; c++, at += CHUNK) {
+        const uint8_t *raw = w + c * bytes;
+        struct kscales s;
+        __m512i q[4], ia[4], ib[4];
+        k_scales(type, raw, &s);
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) q[j] = k_q(type, raw, j);
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) {
+            ia[p] = ib[p] = _mm512_setzero_si512();
+            if (2 * p >= G) continue;
+            size_t ra = at + 2 * p * stride, rb = ra + stride;
+            k_pair(type, q, &s, a->q + ra, 2 * p + 1 < G ? a->q + rb : NULL, a->sum16 + ra / 16,
+                   a->sum16 + rb / 16, &ia[p], &ib[p]);
+        }
+        const float *dxs = a->d + at / QK_K;
+        float dx[8] = {0};
+#pragma GCC unroll 8
+        for (int i = 0; i < G; i++) dx[i] = dxs[i * (stride / QK_K)];
+        __m256 vdx = _mm256_loadu_ps(dx);
+        __m256 nm = _mm256_xor_ps(_mm256_mul_ps(_mm256_set1_ps(s.dmin), vdx), _mm256_set1_ps(-0.0f)); /* -(dmin*dx) */
+        sum = _mm256_fmadd_ps(_mm256_mul_ps(_mm256_set1_ps(s.d), vdx), _mm256_cvtepi32_ps(reduce_pairs(ia)), sum);
+        sum = _mm256_fmadd_ps(nm, _mm256_cvtepi32_ps(reduce_pairs(ib)), sum);
+    }
+    _mm256_storeu_ps(lanes, sum);
+#pragma GCC unroll 8
+    for (int i = 0; i < G; i++) acc[i][0] = lanes[i];
+}
+
+AVX512 static INLINE void k_row_all(const struct type_info *t, int type, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
+                                    float (*acc)[LANES]) {
+    size_t bytes = type == TYPE_Q4_K ? sizeof(block_q4_K) : type == TYPE_Q5_K ? sizeof(block_q5_K) : sizeof(block_q6_K);
+    for (int r = 0; r < nr;) {
+        int g = nr - r < 8 ? nr - r : 8;
+        switch (g) {
+        case 1: DOT_AVX2.rows(t, w, k, a, r0 + r, 1, acc + r); break; /* alone: see the top */
+        case 2: k_group(type, w, bytes, k, a, r0 + r, 2, acc + r); break;
+        case 3: k_group(type, w, bytes, k, a, r0 + r, 3, acc + r); break;
+        case 4: k_group(type, w, bytes, k, a, r0 + r, 4, acc + r); break;
+        case 5: k_group(type, w, bytes, k, a, r0 + r, 5, acc + r); break;
+        case 6: k_group(type, w, bytes, k, a, r0 + r, 6, acc + r); break;
+        case 7: k_group(type, w, bytes, k, a, r0 + r, 7, acc + r); break;
+        default: k_group(type, w, bytes, k, a, r0 + r, 8, acc + r); break;
+        }
+        r += g;
+    }
+}
+
+AVX512 static void k_rows(const struct type_info *t, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
+                          float (*acc)[LANES]) {
+    switch (t->id) {
+    case TYPE_Q4_K: k_row_all(t, TYPE_Q4_K, w, k, a, r0, nr, acc); return;
+    case TYPE_Q5_K: k_row_all(t, TYPE_Q5_K, w, k, a, r0, nr, acc); return;
+    case TYPE_Q6_K: k_row_all(t, TYPE_Q6_K, w, k, a, r0, nr, acc); return;
+    }
+}
+
+/* Not itself compiled for AVX-512, so that a call the AVX2 loops serve (a row alone, small
+ * blocks, floats) runs no 512-bit instruction at all. */
+static void avx512_rows(const struct type_info *t, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
+                        float (*acc)[LANES]) {
+    if (nr > 1 && t->family == FAM_K) k_rows(t, w, k, a, r0, nr, acc);
+    else DOT_AVX2.rows(t, w, k, a, r0, nr, acc);
+}
+
+const struct dot_isa DOT_AVX512 = {"avx512", avx512_rows};
+
+#endif
