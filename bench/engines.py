@@ -10,11 +10,12 @@ tokenized by memspec, whose tokenizer matches llama.cpp's) and decodes greedily 
 --max-tokens, the way a user runs it:
 
   memspec            memspec's engine as the daemon runs it: the configured target (q4 by default)
-                     and the scheduler's drafts, picked per request and step by its policy
+                     on the configured engine ([runtime] backend, "auto": native on a CPU) and the
+                     scheduler's drafts, picked per request and step by its policy
   target-only        the same target, no drafts
-  memspec-native, target-only-native
-                     the same two with [runtime] backend = "native": memspec's own kernels on the
-                     GGUF itself (memspec.runtime.native_target) instead of ONNX Runtime
+  memspec-native, target-only-native, memspec-onnxruntime, target-only-onnxruntime
+                     the same two with [runtime] backend = "native" (memspec's own kernels on the
+                     GGUF itself, memspec.runtime.native_target) or "onnxruntime" (the q4 graph)
   onnxruntime-genai  onnxruntime-genai's Generator on memspec's q4 file: the same ONNX graph and
                      weights, with genai's own decoding loop and KV handling
   llama.cpp          llama-cpp-python on the GGUF the q4 file was converted from
@@ -54,11 +55,12 @@ import tempfile
 import time
 from pathlib import Path
 
-ENGINES = ("memspec", "target-only", "memspec-native", "target-only-native", "onnxruntime-genai", "llama.cpp",
-           "onnxruntime-genai-spec", "llama.cpp-spec")  # -native: memspec with [runtime] backend = "native"
+MEMSPEC = {"memspec": None, "target-only": None, "memspec-native": "native", "target-only-native": "native",
+           "memspec-onnxruntime": "onnxruntime", "target-only-onnxruntime": "onnxruntime"}  # name -> [runtime] backend
+ENGINES = (*MEMSPEC, "onnxruntime-genai", "llama.cpp", "onnxruntime-genai-spec", "llama.cpp-spec")
 BASELINE = "llama.cpp"
 PLAIN = {"onnxruntime-genai-spec": "onnxruntime-genai", "llama.cpp-spec": "llama.cpp",  # what a -spec engine speeds up
-         "memspec-native": "target-only-native"}
+         "memspec-native": "target-only-native", "memspec-onnxruntime": "target-only-onnxruntime"}
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memspec-bench"
 
 
@@ -341,9 +343,8 @@ def worker_main(name: str, setup: dict) -> int:
 
     t = time.perf_counter()
     try:
-        if name in ("memspec", "target-only", "memspec-native", "target-only-native"):
-            w = MemspecWorker(setup, drafts=name.startswith("memspec"),
-                              backend="native" if name.endswith("-native") else None)
+        if name in MEMSPEC:
+            w = MemspecWorker(setup, drafts=name.startswith("memspec"), backend=MEMSPEC[name])
         elif name in ("onnxruntime-genai", "onnxruntime-genai-spec"):
             w = GenaiWorker(setup, speculative=name == "onnxruntime-genai-spec")
         elif name == "llama.cpp-spec":

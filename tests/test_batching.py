@@ -195,7 +195,7 @@ def test_engine_batched_greedy_is_solo_token_for_token(model_store):
     from memspec.speculation.engine import Engine, TargetModel
     from memspec.speculation.sources import DraftPool
 
-    cfg = SessionConfig(max_context=256)
+    cfg = SessionConfig(max_context=256, backend="onnxruntime")  # the batched graph (the native pass: test_native_target)
     target = TargetModel.load(model_store, "smollm2-135m", "q4", cfg)
     pool = DraftPool(load_pool(model_store, "smollm2-135m", target.session.vocab_size, cfg))
     solo = Engine(target, drafts=pool)

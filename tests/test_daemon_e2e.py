@@ -41,6 +41,9 @@ target = "smollm2-135m"
 variant = "q4"
 [runtime]
 max_context = {context}
+# these tests pin ONNX Runtime's session (its padded rows, the q4 graph's bytes); the default engine's
+# daemon is tested end to end by test_http_e2e, test_targets_e2e and test_qwen
+backend = "onnxruntime"
 [limits]
 max_tokens = {max_tokens}
 max_prompt_chars = {max_chars}

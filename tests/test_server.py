@@ -467,6 +467,9 @@ def test_load_and_unload(h):
         h.client.load("other", "fp16")
     with pytest.raises(InvalidRequestError, match="is a draft"):
         h.client.load("a-draft")
+    # "gguf" (what status lists a native target as) where this target has no GGUF for the native engine
+    with pytest.raises(InvalidRequestError, match="'gguf' is the native engine's, which does not run 'other'"):
+        h.client.load("other", "gguf")
     out = h.client.load("other")
     assert out["model"]["name"] == "other" and out["model"]["bytes"] == 5 * MiB
     _, done = collect(h.client.generate("x y", max_tokens=1))

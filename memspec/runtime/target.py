@@ -10,7 +10,9 @@
 Two engines implement `Target`: memspec.runtime.native_target.NativeTarget (the GGUF's blocks as
 they are, memspec's own exact kernels; CPU) and memspec.runtime.sessions.DecoderSession (a graph
 converted for ONNX Runtime; CPU or CUDA).  `[runtime] backend` picks one: "native",
-"onnxruntime", or "auto" (AUTO_NATIVE below says which auto takes on a CPU).
+"onnxruntime", or "auto": native on a CPU where the kernels are built and the target's GGUF is in
+the store (engine_for), ONNX Runtime otherwise (a GPU, no compiler, or a target pulled without
+its GGUF).
 """
 
 from __future__ import annotations
@@ -37,9 +39,9 @@ def profiled_as(variant: str) -> str | None:
     the native engine runs the GGUF the q4 graph holds the very blocks of (the speeds differ; the
     scheduler warns that its costs may not hold).  None: no such stand-in."""
     return "q4" if variant == NATIVE_VARIANT else None
-# What "auto" runs on a CPU when the native kernels are built.  ONNX Runtime until the native engine
-# measures faster there (docs/results.md, issue 29: decode 31 ms against 12 ms a SmolLM2 step today).
-AUTO_NATIVE = False
+# Whether "auto" runs a target natively on a CPU where it can (engine_for): the native engine measures
+# faster there end to end (docs/results.md, issue 29).
+AUTO_NATIVE = True
 
 
 class Target(Protocol):
@@ -108,7 +110,7 @@ def planned_footprint(store, manifest, variant: str, config: SessionConfig) -> i
     session from the variant's graph: memory.planned_target_footprint)."""
     from memspec.runtime.memory import planned_target_footprint
 
-    if resolve_backend(config.backend, config.providers) == "native":
+    if engine_for(store, manifest, variant, config) == "native":
         return int(store.gguf_of(manifest).stat().st_size * NATIVE_FOOTPRINT_PER_FILE_BYTE)
     return planned_target_footprint(manifest.variant_bytes(variant))
 
@@ -142,6 +144,23 @@ def resolve_backend(backend: str, providers: Sequence[str]) -> str:
     return backend
 
 
+def engine_for(store, manifest, variant: str, config: SessionConfig) -> str:
+    """"native" or "onnxruntime": the engine that runs this store target's `variant` under
+    `config.backend`.  "auto" takes the native engine only where resolve_backend allows it, for the
+    q4 variant (the graph of the GGUF's own blocks; a variant asked for by name, fp32 or q4f16, is
+    another model and runs in ONNX Runtime), and where the target's GGUF is in the store (a target
+    pulled by an older memspec has its ONNX graphs alone).  An explicit "native" without the GGUF
+    is an error at open_target, with the command that fetches it."""
+    engine = resolve_backend(config.backend, config.providers)
+    if engine == "native" and config.backend == "auto":
+        if variant != "q4":
+            return "onnxruntime"
+        gguf = manifest.provenance.get("gguf_file")
+        if not gguf or not (Path(store.downloads_dir) / Path(str(gguf)).name).is_file():
+            return "onnxruntime"
+    return engine
+
+
 def load_target(model: str | Path, backend: str = "auto", threads: int = 0, max_context: int = 2048,
                 store=None, variant: str = "q4") -> Target:
     """A target engine for `model`: a store entry's name (the store: `store`, else the default one)
@@ -165,7 +184,7 @@ def load_target(model: str | Path, backend: str = "auto", threads: int = 0, max_
 def open_target(store, manifest, variant: str, config: SessionConfig) -> tuple[Target, str]:
     """The target engine for a store entry, by `config.backend`, and the variant it runs (the ONNX
     variant, or NATIVE_VARIANT).  Files are checked against the manifest before they are parsed."""
-    if resolve_backend(config.backend, config.providers) == "native":
+    if engine_for(store, manifest, variant, config) == "native":
         from memspec.runtime.native_target import NativeTarget
 
         gguf = store.gguf_of(manifest)  # ModelFormatError: missing or not the one pulled

@@ -24,7 +24,7 @@ from memspec.errors import ConfigError, InvalidRequestError, ModelNotFoundError,
 from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, parse_keep_alive, quote,
                              validate)
 from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget
-from memspec.runtime.target import planned_footprint
+from memspec.runtime.target import NATIVE_VARIANT, engine_for, planned_footprint
 from memspec.scheduling.targets import TargetLease, TargetSet
 
 log = logging.getLogger("memspec.backend")
@@ -177,6 +177,12 @@ class EngineBackend:
             raise InvalidRequestError(f"{field}: {quote(name)} is a {manifest.role}; name a target, and pick a draft "
                                       f"with \"draft\" (drafts are loaded with their target)")
         have = sorted(manifest.variants)
+        if variant == NATIVE_VARIANT:  # what status lists a native target as: the q4 blocks, run as they are
+            if engine_for(self.store, manifest, "q4", self.config.runtime) != "native":
+                raise InvalidRequestError(f"variant: {NATIVE_VARIANT!r} is the native engine's, which does not run "
+                                          f"{quote(name)} here ([runtime] backend = "
+                                          f"{quote(self.config.runtime.backend)}); ask for one of {', '.join(have)}")
+            variant = "q4"
         variant = variant or next(v for v in (self.config.model.variant, "q4", *have) if v in have)
         manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
         return variant, planned_footprint(self.store, manifest, variant, self.config.runtime)
