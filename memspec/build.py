@@ -20,6 +20,7 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     names the one it wants (the fixed-policy benchmark); "none": target only.
     """
     from memspec.models.store import ModelStore
+    from memspec.runtime.target import batching_on, open_batched
     from memspec.speculation.drafts import load_pool
     from memspec.speculation.engine import Engine, TargetModel
     from memspec.speculation.sources import DraftPool
@@ -31,9 +32,7 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     spec = config.speculative
     limits = spec.draft_limits()
     batched = None
-    if config.runtime.batching:  # loaded before the scheduler pins the target: its weights count too
-        from memspec.runtime.target import open_batched
-
+    if batching_on(config.runtime.batching, target.variant):  # before the scheduler pins the target: its weights count
         batched = open_batched(target.session, config.server.max_concurrent)
         target.batched_bytes = batched.weight_bytes
     if drafts == "scheduler":

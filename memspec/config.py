@@ -122,7 +122,7 @@ def _section(cls: type, name: str, values: Any) -> Any:
             if not isinstance(val, list) or not all(isinstance(v, str) for v in val):
                 raise ConfigError(f"[{name}] {key} must be a list of strings, got {val!r}")
             val = tuple(val)
-        elif _wrong_type(default, val):
+        elif _wrong_type(default, val) and not (isinstance(val, bool) and "bool" in str(fields[key].type)):
             raise ConfigError(f"[{name}] {key} must be {type(default).__name__}, got {val!r}")
         out[key] = val
     return cls(**out)

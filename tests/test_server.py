@@ -563,6 +563,28 @@ def test_a_fraction_for_a_whole_number_option_is_refused(tmp_path):
     assert load_config(cfg).speculative.draft_limits().lookup_ngram == 3
 
 
+def test_batching_is_auto_by_default_takes_a_bool_and_refuses_anything_else(tmp_path):
+    """[runtime] batching: "auto" (on for the native engine, off for ONNX Runtime's second graph),
+    or true/false as said."""
+    from memspec.config import load_config
+    from memspec.errors import ConfigError
+    from memspec.runtime.target import NATIVE_VARIANT, batching_on
+
+    cfg = tmp_path / "m.toml"
+    assert load_config(None).runtime.batching == "auto"
+    assert batching_on("auto", NATIVE_VARIANT) and not batching_on("auto", "q4")
+    for text, want in (("true", True), ("false", False), ('"auto"', "auto")):
+        cfg.write_text(f"[runtime]\nbatching = {text}\n")
+        assert load_config(cfg).runtime.batching == want
+        assert batching_on(want, "q4") == (want is True) and batching_on(want, NATIVE_VARIANT) == (want is not False)
+    cfg.write_text("[runtime]\nbatching = 2\n")
+    with pytest.raises(ConfigError, match=r"\[runtime\] batching must be str, got 2"):
+        load_config(cfg)
+    cfg.write_text('[runtime]\nbatching = "sometimes"\n')
+    with pytest.raises(ConfigError, match=r"batching: 'sometimes' is not a choice; use true, false or \"auto\""):
+        batching_on(load_config(cfg).runtime.batching, NATIVE_VARIANT)
+
+
 def test_a_provider_list_holds_names(tmp_path):
     """A number in a provider list was let through and failed at load time with a TypeError."""
     from memspec.config import load_config

@@ -26,9 +26,11 @@ class SessionConfig:
     #                         pool would only wait), one per physical core for one of LARGE_DRAFT_BYTES
     #                         or more (a 0.5B sibling's step is memory-bound); draft pools never spin
     max_context: int = 2048  # KV capacity in tokens (prompt + generated)
-    batching: bool = False  # concurrent requests share one batched target pass, [server] max_concurrent
-    #                         rows (memspec.speculation.batching; CPU only): the native engine batches
-    #                         its own passes; ONNX Runtime loads a second, batched graph of the target
+    batching: bool | str = "auto"  # concurrent requests share one batched target pass, [server]
+    #                         max_concurrent rows (memspec.speculation.batching; CPU only): the native
+    #                         engine batches its own passes; ONNX Runtime loads a second, batched graph
+    #                         of the target.  "auto": on for the native engine, off for ONNX Runtime
+    #                         (runtime.target.batching_on)
     batch_invariant: bool = True  # target passes of one token run as two, so that target-only
     #                                decoding and multi-token verification use the same kernels and
     #                                greedy speculative output is target-only output token for token

@@ -115,6 +115,17 @@ def planned_footprint(store, manifest, variant: str, config: SessionConfig) -> i
     return planned_target_footprint(manifest.variant_bytes(variant))
 
 
+def batching_on(batching: bool | str, variant: str) -> bool:
+    """Whether a target running `variant` batches concurrent requests under `[runtime] batching`:
+    true or false as said; "auto" on the native engine only (its pass over several sequences is its
+    own, exact and from one copy of the weights; ONNX Runtime's needs a second, batched graph)."""
+    if isinstance(batching, bool):
+        return batching
+    if batching != "auto":
+        raise ConfigError(f"[runtime] batching: {batching!r} is not a choice; use true, false or \"auto\"")
+    return variant == NATIVE_VARIANT
+
+
 def physical_cores() -> int:
     """The default thread count of a target pass, for either engine."""
     try:
