@@ -302,6 +302,18 @@ def test_shipped_predictor_scores_every_shipped_draft(file, target, variant):
             assert all(np.isfinite(v) and v > 0 for v in scores.values())
 
 
+def test_the_native_targets_stand_in_predictor_says_how_to_fit_its_own(caplog):
+    """The native engine runs the q4 target as "gguf" and takes the q4 predictor; the warning named
+    `memspec profile --variant gguf`, which profile refuses (its choices are fp32 and q4)."""
+    from memspec.scheduling.policies import load_predictor
+
+    with caplog.at_level("WARNING", logger="memspec.scheduling.policies"):
+        pred = load_predictor("", "gguf", "qwen2.5-coder-1.5b")
+    assert pred is not None and pred.info["target"] == "qwen2.5-coder-1.5b:q4"
+    said = " ".join(r.getMessage() for r in caplog.records)
+    assert "runs as gguf" in said and "(memspec profile, then memspec train-predictor)" in said, said
+
+
 def test_prediction_cost_benchmark(synthetic, capsys):
     """A benchmark, not a timing assertion: prints how long predict() and the features take."""
     pred = Predictor.load(DEFAULT_PATH) if DEFAULT_PATH.is_file() else synthetic[1]
