@@ -1,4 +1,4 @@
-/* The AVX-512 + VNNI path: K-quants through 512-bit integer dot products, the rest as AVX2.
+/* The AVX-512 + VNNI path: quantized blocks through 512-bit integer dot products, floats as AVX2.
  *
  * Like dot_avx2.c, only these functions use the wider instructions (target attribute) and
  * dot.c picks this path at run time when the CPU has AVX-512 F/BW/VL and VNNI.  The integer
@@ -16,6 +16,9 @@
  * vpdpwssd multiplies them by their sub-block scales and adds them in int32.  Rows go in
  * pairs: row a's lanes and row b's share each pack, so one pack and one vpdpwssd serve two
  * rows.  Per 128-bit lane of the accumulator: [a, a, b, b] (int32).
+ *
+ * Small blocks (Q4_0, Q4_1, Q5_0, Q8_0): a chunk's eight blocks in four 512-bit vectors, vpdpbusd
+ * per row, the block sums in one reduction (small_sums).
  *
  * A row alone (decode) takes the AVX2 loop: one row has no partner to share the packs, and
  * there the 256-bit loop was faster (Q4_K, 512x1536 in L2, one thread: 11.8 against 17.1 ns a
@@ -198,20 +201,119 @@ AVX512 static INLINE void k_row_all(const struct type_info *t, int type, const u
     }
 }
 
-AVX512 static void k_rows(const struct type_info *t, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
+/* ---- small blocks: a chunk's eight 32-weight blocks in four 512-bit vectors (blocks 2t, 2t+1) ---- */
+
+struct sblock {
+    __m512i q[4];      /* unsigned quants (Q8_0: |q|) */
+    __mmask64 neg[4];  /* Q8_0: where q < 0 (the activation takes its sign) */
+    __m256 d, m;       /* per block: scale, and Q4_1's min (0 otherwise) */
+};
+
+/* The first nb blocks of raw, the rest zero (as quants.c's decode_small). */
+AVX512 static INLINE void small_load(int type, const uint8_t *raw, int nb, struct sblock *s) {
+    const int bytes = type == TYPE_Q4_0 ? 18 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q5_0 ? 22 : 34;
+    uint16_t hd[8] = {0}, hm[8] = {0};
+    for (int t = 0; t < 4; t++) {
+        __m256i half[2];
+        uint64_t high = 0; /* Q5_0: the fifth bits of the two blocks */
+        for (int h = 0; h < 2; h++) {
+            int b = 2 * t + h;
+            const uint8_t *blk = raw + b * bytes;
+            half[h] = _mm256_setzero_si256();
+            if (b >= nb) continue;
+            if (type == TYPE_Q8_0) {
+                half[h] = _mm256_loadu_si256((const __m256i *)(blk + 2));
+            } else { /* low nibbles: weights 0..15, high nibbles: 16..31 */
+                __m128i v = _mm_loadu_si128((const __m128i *)(blk + bytes - 16));
+                half[h] = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(v, 4), v), _mm256_set1_epi8(0x0F));
+            }
+            if (type == TYPE_Q5_0) {
+                uint32_t qh;
+                memcpy(&qh, blk + 2, 4);
+                high |= (uint64_t)qh << (32 * h);
+            }
+            hd[b] = u16_at(blk);
+            if (type == TYPE_Q4_1) hm[b] = u16_at(blk + 2);
+        }
+        __m512i q = _mm512_inserti64x4(_mm512_castsi256_si512(half[0]), half[1], 1);
+        if (type == TYPE_Q5_0) q = _mm512_mask_add_epi8(q, (__mmask64)high, q, _mm512_set1_epi8(16));
+        if (type == TYPE_Q8_0) {
+            s->neg[t] = _mm512_movepi8_mask(q);
+            q = _mm512_abs_epi8(q); /* -128 -> 128 as unsigned: |q| still */
+        }
+        s->q[t] = q;
+    }
+    s->d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hd));
+    s->m = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)hm));
+}
+
+/* Four vectors of 16 int32 (vector t: block 2t in its low half, 2t+1 in its high half) -> lane b
+ * = the sum of block b's 8 lanes. */
+AVX512 static INLINE __m256i small_sums(const __m512i p[4]) {
+    __m512i t0 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[0], p[1]), _mm512_unpackhi_epi32(p[0], p[1]));
+    __m512i t1 = _mm512_add_epi32(_mm512_unpacklo_epi32(p[2], p[3]), _mm512_unpackhi_epi32(p[2], p[3]));
+    /* 128-bit lane j: the sums of lane j of p0, p1, p2, p3 */
+    __m512i u = _mm512_add_epi32(_mm512_unpacklo_epi64(t0, t1), _mm512_unpackhi_epi64(t0, t1));
+    u = _mm512_add_epi32(u, _mm512_shuffle_i64x2(u, u, _MM_SHUFFLE(2, 3, 0, 1))); /* lanes 0+1, 2+3 */
+    __m128i even = _mm512_castsi512_si128(u), odd = _mm512_extracti32x4_epi32(u, 2); /* blocks 0,2,4,6 / 1,3,5,7 */
+    return _mm256_set_m128i(_mm_unpackhi_epi32(even, odd), _mm_unpacklo_epi32(even, odd));
+}
+
+/* acc[r][b] += block b of the chunk . its activation block (scalar small_row), lane by lane. */
+AVX512 static INLINE void small_rows(int type, const struct sblock *s, const struct acts *a, int c, int r0, int nr,
+                                     float (*acc)[LANES]) {
+    const __m256i ones = _mm256_set1_epi16(1);
+    for (int r = 0; r < nr; r++) {
+        size_t at = (size_t)(r0 + r) * a->kpad + (size_t)c * CHUNK;
+        const int8_t *x = a->q + at;
+        __m512i p[4];
+#pragma GCC unroll 4
+        for (int t = 0; t < 4; t++) {
+            __m512i xv = _mm512_loadu_si512((const void *)(x + 64 * t));
+            if (type == TYPE_Q8_0) xv = _mm512_mask_sub_epi8(xv, s->neg[t], _mm512_setzero_si512(), xv); /* |q| * (x * sign q) */
+            p[t] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), s->q[t], xv);
+        }
+        __m256i xsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->sum16 + at / 16)), ones);
+        __m256i isum = small_sums(p); /* isum = q.x - zero * xsum */
+        if (type == TYPE_Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 3));
+        if (type == TYPE_Q5_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 4));
+        __m256 dx = _mm256_loadu_ps(a->d + at / QK);
+        __m256 lanes = _mm256_loadu_ps(acc[r]); /* small_update, lane by lane */
+        lanes = _mm256_fmadd_ps(_mm256_mul_ps(s->d, dx), _mm256_cvtepi32_ps(isum), lanes);
+        lanes = _mm256_fmadd_ps(_mm256_mul_ps(s->m, dx), _mm256_cvtepi32_ps(xsum), lanes);
+        _mm256_storeu_ps(acc[r], lanes);
+    }
+}
+
+AVX512 static INLINE void small_row_all(int type, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
+                                        float (*acc)[LANES]) {
+    const int bytes = type == TYPE_Q4_0 ? 18 : type == TYPE_Q4_1 ? 20 : type == TYPE_Q5_0 ? 22 : 34;
+    struct sblock s;
+    for (int c = 0; c * CHUNK < k; c++) {
+        int nb = k - c * CHUNK < CHUNK ? (k - c * CHUNK) / QK : 8;
+        small_load(type, w + (size_t)c * 8 * bytes, nb, &s);
+        small_rows(type, &s, a, c, r0, nr, acc);
+    }
+}
+
+AVX512 static void quant_rows(const struct type_info *t, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
                           float (*acc)[LANES]) {
     switch (t->id) {
     case TYPE_Q4_K: k_row_all(t, TYPE_Q4_K, w, k, a, r0, nr, acc); return;
     case TYPE_Q5_K: k_row_all(t, TYPE_Q5_K, w, k, a, r0, nr, acc); return;
     case TYPE_Q6_K: k_row_all(t, TYPE_Q6_K, w, k, a, r0, nr, acc); return;
+    case TYPE_Q4_0: small_row_all(TYPE_Q4_0, w, k, a, r0, nr, acc); return;
+    case TYPE_Q4_1: small_row_all(TYPE_Q4_1, w, k, a, r0, nr, acc); return;
+    case TYPE_Q5_0: small_row_all(TYPE_Q5_0, w, k, a, r0, nr, acc); return;
+    case TYPE_Q8_0: small_row_all(TYPE_Q8_0, w, k, a, r0, nr, acc); return;
     }
 }
 
-/* Not itself compiled for AVX-512, so that a call the AVX2 loops serve (a row alone, small
- * blocks, floats) runs no 512-bit instruction at all. */
+/* Not itself compiled for AVX-512, so that a call the AVX2 loops serve (a row alone, floats)
+ * runs no 512-bit instruction at all. */
 static void avx512_rows(const struct type_info *t, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
                         float (*acc)[LANES]) {
-    if (nr > 1 && t->family == FAM_K) k_rows(t, w, k, a, r0, nr, acc);
+    if (nr > 1 && t->family != FAM_FLOAT) quant_rows(t, w, k, a, r0, nr, acc);
     else DOT_AVX2.rows(t, w, k, a, r0, nr, acc);
 }
 
