@@ -16,6 +16,7 @@
 #include <string.h>
 
 #include "dot.h"
+#include "dot_x86.h"
 
 #define AVX2 __attribute__((target("avx2,fma,f16c")))
 #define INLINE inline __attribute__((always_inline)) /* the type a constant in each copy */
@@ -328,15 +329,7 @@ AVX2 static INLINE void small_rows(int type, const struct sblock *s, const struc
             if (type == TYPE_Q8_0) xb = _mm256_sign_epi8(xb, s->s[b]); /* |q| * (x * sign q) */
             v[b] = _mm256_madd_epi16(_mm256_maddubs_epi16(s->q[b], xb), ones);
         }
-        __m256i xsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->sum16 + at / 16)), ones);
-        __m256i isum = hsum_8x8(v); /* isum = q.x - zero * xsum */
-        if (type == TYPE_Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 3));
-        if (type == TYPE_Q5_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 4));
-        __m256 dx = _mm256_loadu_ps(a->d + at / QK);
-        __m256 lanes = _mm256_loadu_ps(acc[r]); /* small_update, lane by lane */
-        lanes = _mm256_fmadd_ps(_mm256_mul_ps(s->d, dx), _mm256_cvtepi32_ps(isum), lanes);
-        lanes = _mm256_fmadd_ps(_mm256_mul_ps(s->m, dx), _mm256_cvtepi32_ps(xsum), lanes);
-        _mm256_storeu_ps(acc[r], lanes);
+        small_update8(type, hsum_8x8(v), a->sum16 + at / 16, a->d + at / QK, s->d, s->m, acc[r]);
     }
 }
 

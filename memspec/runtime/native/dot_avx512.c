@@ -31,6 +31,7 @@
 #include <string.h>
 
 #include "dot.h"
+#include "dot_x86.h"
 
 #define AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512vnni,avx2,fma,f16c")))
 #define INLINE inline __attribute__((always_inline))
@@ -262,7 +263,6 @@ AVX512 static INLINE __m256i small_sums(const __m512i p[4]) {
 /* acc[r][b] += block b of the chunk . its activation block (scalar small_row), lane by lane. */
 AVX512 static INLINE void small_rows(int type, const struct sblock *s, const struct acts *a, int c, int r0, int nr,
                                      float (*acc)[LANES]) {
-    const __m256i ones = _mm256_set1_epi16(1);
     for (int r = 0; r < nr; r++) {
         size_t at = (size_t)(r0 + r) * a->kpad + (size_t)c * CHUNK;
         const int8_t *x = a->q + at;
@@ -273,15 +273,7 @@ AVX512 static INLINE void small_rows(int type, const struct sblock *s, const str
             if (type == TYPE_Q8_0) xv = _mm512_mask_sub_epi8(xv, s->neg[t], _mm512_setzero_si512(), xv); /* |q| * (x * sign q) */
             p[t] = _mm512_dpbusd_epi32(_mm512_setzero_si512(), s->q[t], xv);
         }
-        __m256i xsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)(a->sum16 + at / 16)), ones);
-        __m256i isum = small_sums(p); /* isum = q.x - zero * xsum */
-        if (type == TYPE_Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 3));
-        if (type == TYPE_Q5_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 4));
-        __m256 dx = _mm256_loadu_ps(a->d + at / QK);
-        __m256 lanes = _mm256_loadu_ps(acc[r]); /* small_update, lane by lane */
-        lanes = _mm256_fmadd_ps(_mm256_mul_ps(s->d, dx), _mm256_cvtepi32_ps(isum), lanes);
-        lanes = _mm256_fmadd_ps(_mm256_mul_ps(s->m, dx), _mm256_cvtepi32_ps(xsum), lanes);
-        _mm256_storeu_ps(acc[r], lanes);
+        small_update8(type, small_sums(p), a->sum16 + at / 16, a->d + at / QK, s->d, s->m, acc[r]);
     }
 }
 

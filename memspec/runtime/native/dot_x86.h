@@ -1,0 +1,26 @@
+/* What the two x86 SIMD paths (dot_avx2.c, dot_avx512.c) share: compiled for AVX2 + FMA, which
+ * the AVX-512 path's functions include, so it inlines into both. */
+#ifndef MEMSPEC_DOT_X86_H
+#define MEMSPEC_DOT_X86_H
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#include "dot.h"
+
+/* acc[b] += small block b of a chunk . its activation block, b = 0..7, from isum = the blocks'
+ * q.x: dot.c's small_update lane by lane (the zero offset from the activation sums first). */
+__attribute__((target("avx2,fma"), always_inline)) static inline void
+small_update8(int type, __m256i isum, const int16_t *sum16, const float *dx, __m256 d, __m256 m, float *acc) {
+    __m256i xsum = _mm256_madd_epi16(_mm256_loadu_si256((const __m256i *)sum16), _mm256_set1_epi16(1));
+    if (type == TYPE_Q4_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 3)); /* q.x - zero * xsum */
+    if (type == TYPE_Q5_0) isum = _mm256_sub_epi32(isum, _mm256_slli_epi32(xsum, 4));
+    __m256 vdx = _mm256_loadu_ps(dx);
+    __m256 lanes = _mm256_loadu_ps(acc);
+    lanes = _mm256_fmadd_ps(_mm256_mul_ps(d, vdx), _mm256_cvtepi32_ps(isum), lanes);
+    lanes = _mm256_fmadd_ps(_mm256_mul_ps(m, vdx), _mm256_cvtepi32_ps(xsum), lanes);
+    _mm256_storeu_ps(acc, lanes);
+}
+
+#endif
+#endif
