@@ -129,6 +129,9 @@ class FakeStore:
     def list(self):
         return list(self.manifests.values())
 
+    def gguf_path(self, manifest):
+        return None  # pulled without a GGUF: "auto" runs these fakes as ONNX Runtime targets
+
 
 class Harness:
     def __init__(self, tmp: Path, server_cfg: ServerConfig, step_s: float = 0.0, memory: int = 8 << 30,

@@ -231,15 +231,20 @@ class ModelStore:
         self._remember(known)
         return problems
 
+    def gguf_path(self, manifest: Manifest) -> Path | None:
+        """Where the GGUF a target was pulled from lies in the downloads folder (it may be gone); None
+        when its manifest records none (pulled by an older memspec)."""
+        name, sha = manifest.provenance.get("gguf_file"), manifest.provenance.get("gguf_sha256")
+        return self.downloads_dir / Path(str(name)).name if name and sha else None
+
     def gguf_of(self, manifest: Manifest) -> Path:
         """The GGUF a target was pulled from, in the downloads folder, checked against the sha256 its
         manifest recorded (the native engine runs it as it is).  ModelFormatError when it is gone or
         not that file."""
-        name, sha = manifest.provenance.get("gguf_file"), manifest.provenance.get("gguf_sha256")
-        if not name or not sha:
+        path, sha = self.gguf_path(manifest), manifest.provenance.get("gguf_sha256")
+        if path is None:
             raise ModelFormatError(f"model {manifest.name!r} records no GGUF (pulled by an older memspec?); "
                                    f"pull it again: memspec pull {manifest.name}")
-        path = self.downloads_dir / Path(str(name)).name
         if not path.is_file():
             raise ModelFormatError(f"model {manifest.name!r}: its GGUF {path} is not in the store; the native "
                                    f"engine runs it: memspec pull {manifest.name} fetches it again")

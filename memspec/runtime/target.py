@@ -166,8 +166,8 @@ def engine_for(store, manifest, variant: str, config: SessionConfig) -> str:
     if engine == "native" and config.backend == "auto":
         if variant != "q4":
             return "onnxruntime"
-        gguf = manifest.provenance.get("gguf_file")
-        if not gguf or not (Path(store.downloads_dir) / Path(str(gguf)).name).is_file():
+        gguf = store.gguf_path(manifest)
+        if gguf is None or not gguf.is_file():
             return "onnxruntime"
     return engine
 

@@ -219,8 +219,10 @@ def load_predictor(path: str, variant: str = "", target: str = ""):
     pred = Predictor.load(file)
     fitted = str(pred.info.get("target") or "")  # "name:variant" of the traces it was fitted on
     if variant and ":" in fitted and fitted.rsplit(":", 1)[1] != variant:
-        # the native engine runs "gguf" for the q4 variant: `memspec profile` on the default engine traces it
-        profile = "memspec profile" if variant == "gguf" else f"memspec profile --variant {variant}"
+        from memspec.runtime.target import NATIVE_VARIANT
+
+        # the native engine runs the q4 variant as NATIVE_VARIANT: `memspec profile` on the default engine traces it
+        profile = "memspec profile" if variant == NATIVE_VARIANT else f"memspec profile --variant {variant}"
         log.warning("predictor %s was fitted on traces of %s, but the target runs as %s; its costs and choices "
                     "may not hold (%s, then memspec train-predictor)", file, fitted, variant, profile)
     return pred

@@ -78,7 +78,7 @@ int dot_isas(const struct dot_isa *out[4]) {
         out[n++] = &DOT_AVX2;
     if (n == 2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
         __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512vnni"))
-        out[n++] = &DOT_AVX512; /* calls the AVX2 loops for all but K-quants */
+        out[n++] = &DOT_AVX512; /* calls the AVX2 loops for a lone row and floats */
 #endif
 #if defined(__aarch64__)
     if (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) out[n++] = &DOT_NEON; /* SDOT/UDOT */
