@@ -2,6 +2,7 @@
 
     flock /tmp/memspec-bench.lock python bench/concurrency.py --clients 1,2,4 \\
         --tree old=/tmp/base19 --tree new=.:bench/batching.toml [--prompts 16] [--max-tokens 128] [--rounds 2]
+        [--llama-server qwen2.5-coder-1.5b [--llama-slots 8] [--llama-bin PATH]]
 
 Each --tree LABEL=PATH[:CONFIG] is a memspec source tree (PYTHONPATH) and the config its daemon
 runs with (none: the defaults).  All daemons are started first, each on its own socket; then,
@@ -17,6 +18,11 @@ one, and reports:
 The summary gives the median over rounds of each figure, and the ratios the issue asks for:
 agg at N / agg at 1 on the same tree, each tree's agg over the first tree's, and p10 at N over the
 single-client p50.
+
+--llama-server MODEL adds llama.cpp's own server (bench/build_llama_cpp.sh builds it) on MODEL's GGUF
+as one more tree, "llama-server", with --llama-slots parallel slots and continuous batching, sent
+the same prompts as token ids under the same chat template, greedy, streamed; its per-request speed
+is its own timings' predicted_per_second.
 """
 
 from __future__ import annotations
@@ -33,58 +39,175 @@ import time
 from pathlib import Path
 
 
-def start_daemon(label: str, tree: str, config: str | None, folder: Path) -> tuple[subprocess.Popen, Path]:
-    sock = folder / f"{label}.sock"
-    env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
-    cmd = [sys.executable, "-m", "memspec.cli", *(["--config", config] if config else []),
-           "serve", "--listen", str(sock)]
-    log = open(folder / f"{label}.log", "ab")
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log, env=env)
-    from memspec.serving.client import wait_until_serving
+class Daemon:
+    """A memspec daemon from one source tree, asked over gRPC on its own Unix socket."""
 
-    if wait_until_serving(str(sock), lambda: proc.poll() is None, 300, poll=0.3):
-        return proc, sock
-    if proc.poll() is not None:
-        raise SystemExit(f"the {label} daemon exited with {proc.returncode}; see {folder / (label + '.log')}")
-    proc.kill()
-    raise SystemExit(f"the {label} daemon did not start serving within 300 s")
+    def __init__(self, label: str, tree: str, config: str | None, folder: Path):
+        self.label = label
+        self.sock = folder / f"{label}.sock"
+        env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
+        cmd = [sys.executable, "-m", "memspec.cli", *(["--config", config] if config else []),
+               "serve", "--listen", str(self.sock)]
+        self.log = folder / f"{label}.log"
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env)
+        from memspec.serving.client import wait_until_serving
+
+        if wait_until_serving(str(self.sock), lambda: self.proc.poll() is None, 300, poll=0.3):
+            return
+        if self.proc.poll() is not None:
+            raise SystemExit(f"the {label} daemon exited with {self.proc.returncode}; see {self.log}")
+        self.proc.kill()
+        raise SystemExit(f"the {label} daemon did not start serving within 300 s")
+
+    def client(self):
+        from memspec.serving.client import Client
+
+        return Client(str(self.sock), timeout=600)
+
+    def ask(self, conn, item: dict, max_tokens: int) -> dict:
+        from memspec.request import Completion
+
+        t0 = time.perf_counter()
+        first = None
+        for chunk in conn.generate(item["prompt"], max_tokens=max_tokens, temperature=0.0):
+            if first is None:
+                first = time.perf_counter() - t0
+            if isinstance(chunk, Completion):
+                return {"tokens": len(chunk.token_ids), "tok_s": chunk.timings["tok_per_s"], "ttft_ms": first * 1e3}
+        raise RuntimeError(f"{self.label}: the stream ended without a completion")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        self.proc.wait(60)
 
 
-def prompts(n: int) -> list[str]:
-    """n prompts of the built-in workload, taking each category in turn."""
+class LlamaServer:
+    """llama.cpp's own server on the same GGUF: `slots` parallel slots, continuous batching on (its
+    default), each slot with `ctx` tokens; asked on 127.0.0.1 with the prompt's token ids (the same
+    chat template memspec applies), streaming, greedy, no prompt cache (every round starts cold, as
+    memspec's does)."""
+
+    def __init__(self, label: str, binary: str, gguf: str, slots: int, threads: int, ctx: int, folder: Path):
+        import socket
+
+        if not Path(binary).is_file():
+            raise SystemExit(f"no llama-server at {binary}: build it with `bash bench/build_llama_cpp.sh` "
+                             "and pass --llama-bin PATH")
+        with socket.socket() as s:  # a free port, released for the server to take
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.label = label
+        self.log = folder / f"{label}.log"
+        t = str(threads)
+        self.proc = subprocess.Popen(
+            [binary, "-m", gguf, "-t", t, "-tb", t, "-c", str(slots * ctx), "-np", str(slots), "-cb",
+             "--no-webui", "--host", "127.0.0.1", "--port", str(self.port)],
+            stdout=open(self.log, "ab"), stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + 300
+        while not self._healthy():
+            if self.proc.poll() is not None:
+                raise SystemExit(f"llama-server exited with {self.proc.returncode} while loading; see {self.log}")
+            if time.monotonic() > deadline:
+                self.close()
+                raise SystemExit(f"llama-server did not become ready in 300 s; see {self.log}")
+            time.sleep(0.2)
+
+    def _healthy(self) -> bool:
+        import http.client
+
+        try:
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=2)
+            conn.request("GET", "/health")
+            return conn.getresponse().status == 200
+        except OSError:
+            return False
+
+    def client(self):
+        import contextlib
+
+        return contextlib.nullcontext()  # a connection per request: the server closes one after a stream
+
+    def ask(self, _conn, item: dict, max_tokens: int) -> dict:
+        import http.client
+
+        body = json.dumps({"prompt": item["ids"], "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
+                           "cache_prompt": False, "stream": True})
+        t0 = time.perf_counter()
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
+        try:
+            conn.request("POST", "/completion", body, {"Content-Type": "application/json"})
+            r = conn.getresponse()
+            if r.status != 200:
+                raise RuntimeError(f"{self.label}: HTTP {r.status}: {r.read()[:300]!r}")
+            first = None
+            for line in r:  # server-sent events: "data: {...}" lines
+                if not line.startswith(b"data: "):
+                    continue
+                if first is None:
+                    first = time.perf_counter() - t0
+                event = json.loads(line[6:])
+                if event.get("stop"):
+                    timings = event["timings"]
+                    return {"tokens": int(timings["predicted_n"]), "tok_s": float(timings["predicted_per_second"]),
+                            "ttft_ms": first * 1e3}
+        finally:
+            conn.close()
+        raise RuntimeError(f"{self.label}: the stream ended without its last event")
+
+    def close(self) -> None:
+        self.proc.terminate()
+        try:
+            self.proc.wait(30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+def prompts(n: int, model: str | None) -> list[dict]:
+    """n prompts of the built-in workload, taking each category in turn; with `model`, each with
+    its token ids under that model's chat template (what llama-server is sent)."""
     from memspec.bench.policies import load_workload
 
     by_cat: dict[str, list[str]] = {}
     for item in load_workload(None):
         by_cat.setdefault(item["category"], []).append(item["prompt"])
     cats = sorted(by_cat)
-    return [by_cat[cats[i % len(cats)]][i // len(cats)] for i in range(n)]
+    items = [{"prompt": by_cat[cats[i % len(cats)]][i // len(cats)]} for i in range(n)]
+    if model:
+        from memspec.models.tokenizer import Tokenizer
+
+        m = store().get(model)
+        tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
+        for item in items:
+            item["ids"] = tok.encode(tok.apply_chat_template([{"role": "user", "content": item["prompt"]}]))
+    return items
 
 
-def run(sock: Path, texts: list[str], clients: int, max_tokens: int) -> dict:
-    from memspec.request import Completion
-    from memspec.serving.client import Client
+def store():
+    from memspec.config import load_config
+    from memspec.models.store import ModelStore
 
-    todo = list(enumerate(texts))
+    return ModelStore(load_config(None).store_home)
+
+
+def run(server, items: list[dict], clients: int, max_tokens: int) -> dict:
+    todo = list(items)
     lock = threading.Lock()
     done: list[dict] = []
+    failed: list[BaseException] = []
 
     def client() -> None:
-        with Client(str(sock), timeout=600) as c:
-            while True:
-                with lock:
-                    if not todo:
-                        return
-                    _, text = todo.pop(0)
-                t0 = time.perf_counter()
-                first = None
-                for item in c.generate(text, max_tokens=max_tokens, temperature=0.0):
-                    if first is None:
-                        first = time.perf_counter() - t0
-                    if isinstance(item, Completion):
-                        with lock:
-                            done.append({"tokens": len(item.token_ids), "tok_s": item.timings["tok_per_s"],
-                                         "ttft_ms": first * 1e3})
+        try:
+            with server.client() as conn:
+                while True:
+                    with lock:
+                        if not todo or failed:
+                            return
+                        item = todo.pop(0)
+                    res = server.ask(conn, item, max_tokens)
+                    with lock:
+                        done.append(res)
+        except BaseException as exc:  # noqa: BLE001 - reported by the caller
+            failed.append(exc)
 
     t0 = time.perf_counter()
     threads = [threading.Thread(target=client) for _ in range(clients)]
@@ -93,6 +216,8 @@ def run(sock: Path, texts: list[str], clients: int, max_tokens: int) -> dict:
     for t in threads:
         t.join()
     wall = time.perf_counter() - t0
+    if failed:
+        raise failed[0]
     tps = sorted(d["tok_s"] for d in done)
     ttft = sorted(d["ttft_ms"] for d in done)
     q = lambda xs, p: xs[min(int(p * len(xs)), len(xs) - 1)]  # noqa: E731
@@ -109,6 +234,13 @@ def main() -> None:
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--json", help="write every run and the summary here")
+    ap.add_argument("--llama-server", metavar="MODEL",
+                    help="also run llama.cpp's server on MODEL's GGUF (a pulled target), as the tree llama-server")
+    ap.add_argument("--llama-slots", type=int, default=8, help="llama-server's parallel slots (-np; default 8)")
+    ap.add_argument("--llama-ctx", type=int, default=2048, help="llama-server's context per slot (default 2048)")
+    ap.add_argument("--llama-bin", metavar="PATH", default=os.environ.get("MEMSPEC_LLAMA_SERVER"),
+                    help="the llama-server binary (default: $MEMSPEC_LLAMA_SERVER, else bench/build_llama_cpp.sh's)")
+    ap.add_argument("--threads", type=int, help="llama-server's threads (default: the physical cores)")
     args = ap.parse_args()
     trees = []
     for spec in args.tree:
@@ -118,31 +250,37 @@ def main() -> None:
             raise SystemExit(f"--tree {spec!r}: expected LABEL=PATH[:CONFIG]")
         trees.append((label, path, config or None))
     counts = [int(x) for x in args.clients.split(",")]
-    texts = prompts(args.prompts)
+    items = prompts(args.prompts, args.llama_server)
     folder = Path(tempfile.mkdtemp(prefix="memspec-conc-"))
-    procs = {}
+    servers: dict = {}
     try:
         for label, path, config in trees:
-            procs[label] = start_daemon(label, path, config, folder)
-        for label, _ in procs.items():  # warm-up: the first requests load drafts
-            run(procs[label][1], texts[:4], 2, 16)
+            servers[label] = Daemon(label, path, config, folder)
+        if args.llama_server:
+            from engines import default_llama_server
+            from memspec.runtime.target import physical_cores
+
+            m = store().get(args.llama_server)
+            servers["llama-server"] = LlamaServer(
+                "llama-server", args.llama_bin or str(default_llama_server()), str(store().gguf_path(m)),
+                args.llama_slots, args.threads or physical_cores(), args.llama_ctx, folder)
+        for server in servers.values():  # warm-up: the first requests load drafts
+            run(server, items[:4], 2, 16)
         runs: list[dict] = []
         for r in range(args.rounds):
             for n in counts:
-                for label, _, _ in trees:
-                    res = run(procs[label][1], texts, n, args.max_tokens)
+                for label, server in servers.items():
+                    res = run(server, items, n, args.max_tokens)
                     res.update(tree=label, clients=n, round=r)
                     runs.append(res)
                     print(json.dumps(res), flush=True)
-        summary = summarise(runs, [t[0] for t in trees], counts)
+        summary = summarise(runs, list(servers), counts)
         print(json.dumps(summary, indent=1))
         if args.json:
             Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
     finally:
-        for proc, _ in procs.values():
-            proc.terminate()
-        for proc, _ in procs.values():
-            proc.wait(60)
+        for server in servers.values():
+            server.close()
 
 
 def summarise(runs: list[dict], labels: list[str], counts: list[int]) -> dict:

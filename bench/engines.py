@@ -64,6 +64,13 @@ PLAIN = {"onnxruntime-genai-spec": "onnxruntime-genai", "llama.cpp-spec": "llama
 CACHE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "memspec-bench"
 
 
+def default_llama_server() -> Path:
+    """Where `bash bench/build_llama_cpp.sh` puts llama-server for this CPU's instruction set."""
+    flags = set(Path("/proc/cpuinfo").read_text().split()) if Path("/proc/cpuinfo").exists() else set()
+    isa = "avx512" if {"avx512f", "avx512_vnni"} <= flags else "avx2"
+    return CACHE / "llama.cpp" / f"build-{isa}" / "bin" / "llama-server"
+
+
 # -- workers: one process per engine -------------------------------------------------------
 def _rss_mb() -> float:
     from memspec.runtime.memory import MiB, PsutilProbe
@@ -574,7 +581,7 @@ def main(argv=None) -> int:
         return 2
     setup["threads"] = args.threads or physical_cores()
     setup["draft_max"] = args.draft_max
-    setup["llama_server"] = args.llama_server or str(CACHE / "llama.cpp" / "build" / "bin" / "llama-server")
+    setup["llama_server"] = args.llama_server or str(default_llama_server())
     progress = (lambda m: print(m, file=sys.stderr, flush=True))
     try:
         result = run(names, items, setup, args.max_tokens, args.rounds, progress)

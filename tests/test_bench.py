@@ -394,3 +394,57 @@ def test_target_bench_counts_the_weights_a_decode_step_reads(model_store):
     ours, theirs = bench.weight_bytes_per_token(m.variant_path("q4"), model_store.downloads_dir / m.provenance["gguf_file"])
     # SmolLM2-135M: 134.5M weights; the tied Q8_0 embedding is the head, read every step by both
     assert 90e6 < theirs < 100e6 and theirs < ours < 1.3 * theirs
+
+
+# -- bench/concurrency.py against llama.cpp's server ------------------------------------------------
+def test_concurrency_reads_a_llama_server_stream_and_counts_its_tokens():
+    """The llama-server client of bench/concurrency.py, against a server speaking llama-server's
+    /completion stream (server-sent events, the last one with stop and timings)."""
+    import http.server
+    import json
+    import threading
+
+    conc = _bench_module("concurrency")
+    asked: list[dict] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+            asked.append(body)
+            self.send_response(200)
+            self.send_header("Content-Type", "text/event-stream")
+            self.end_headers()
+            n = body["n_predict"]
+            for i in range(n):
+                self.wfile.write(f"data: {json.dumps({'content': str(i), 'stop': False})}\n\n".encode())
+            last = {"content": "", "stop": True, "timings": {"predicted_n": n, "predicted_per_second": 50.0 + n}}
+            self.wfile.write(f"data: {json.dumps(last)}\n\n".encode())
+
+        def log_message(self, *args):
+            pass
+
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        server = conc.LlamaServer.__new__(conc.LlamaServer)  # the client half, on the fake's port
+        server.label, server.port = "llama-server", httpd.server_address[1]
+        items = [{"prompt": f"p{i}", "ids": [1, 2, i]} for i in range(5)]
+        res = conc.run(server, items, clients=2, max_tokens=7)
+    finally:
+        httpd.shutdown()
+    assert res["requests"] == 5 and res["req_tok_s_p50"] == 57.0 and res["ttft_ms_p50"] > 0
+    assert sorted(b["prompt"][2] for b in asked) == list(range(5))  # token ids, each prompt once
+    assert all(b["stream"] and b["temperature"] == 0.0 and b["cache_prompt"] is False for b in asked)
+
+
+def test_concurrency_says_how_to_build_a_missing_llama_server(tmp_path):
+    conc = _bench_module("concurrency")
+    with pytest.raises(SystemExit, match="build_llama_cpp.sh"):
+        conc.LlamaServer("llama-server", str(tmp_path / "none"), "x.gguf", 2, 1, 512, tmp_path)
+
+
+def test_the_default_llama_server_follows_this_cpus_instruction_set():
+    engines = _bench_module("engines")
+    flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
+    want = "build-avx512" if {"avx512f", "avx512_vnni"} <= flags else "build-avx2"
+    assert engines.default_llama_server().parts[-3] == want
