@@ -477,6 +477,36 @@ def test_a_target_whose_rows_round_apart_is_a_zero_gauge(f):
     assert f.metrics()[("memspec_target_row_invariant", (("model", "tiny"), ("variant", "q4")))] == 0
 
 
+def test_metrics_show_batch_slots_and_histograms_of_rows_and_tokens_per_pass():
+    """GetStatus's batch map as /metrics: slots, slots in use, rows and tokens per pass."""
+    from prometheus_client import generate_latest
+    from prometheus_client.core import CollectorRegistry
+
+    from memspec.serving.prometheus import Exporter
+    from memspec.speculation.batching import BatchStats
+
+    stats = BatchStats()
+    for rows, tokens in ((1, 1), (3, 9), (3, 3), (4, 20)):
+        stats.count(rows, tokens, 0.5)
+
+    class Batch:  # Exporter's batch families alone, over that map
+        def collect(self):
+            return Exporter(None)._batch(stats.to_dict(slots=4, in_use=2))
+
+    reg = CollectorRegistry(auto_describe=False)
+    reg.register(Batch())
+    got = {(s.name, tuple(sorted(s.labels.items()))): s.value
+           for fam in text_string_to_metric_families(generate_latest(reg).decode()) for s in fam.samples}
+    assert got[("memspec_batch_slots", ())] == 4 and got[("memspec_batch_slots_in_use", ())] == 2
+    assert got[("memspec_batch_busy_seconds_total", ())] == 2.0
+    rows = {le: got[("memspec_batch_rows_per_pass_bucket", (("le", le),))] for le in ("1.0", "2.0", "3.0", "4.0", "+Inf")}
+    assert rows == {"1.0": 1, "2.0": 1, "3.0": 3, "4.0": 4, "+Inf": 4}
+    assert got[("memspec_batch_rows_per_pass_count", ())] == 4 and got[("memspec_batch_rows_per_pass_sum", ())] == 11
+    assert got[("memspec_batch_tokens_per_pass_bucket", (("le", "4.0"),))] == 2  # 1 and 3 tokens
+    assert got[("memspec_batch_tokens_per_pass_bucket", (("le", "32.0"),))] == 4
+    assert list(Exporter(None)._batch({})) == []  # batching off: no batch families
+
+
 def test_grpc_status_and_metrics_read_the_same_counters(f):
     f.h.client.generate("a b", max_tokens=3)  # one by gRPC (a generator: run it)
     list(f.h.client.generate("a b", max_tokens=3))

@@ -50,6 +50,7 @@ class Exporter(Collector):
         yield from self._targets(st.get("targets", []))
         yield from self._histograms()
         yield from self._gauges(st)
+        yield from self._batch(st.get("batch") or {})
 
     def _requests(self, req: dict) -> Iterator:
         by = CounterMetricFamily(self._name("requests"), "generation requests that ended, by outcome",
@@ -127,6 +128,31 @@ class Exporter(Collector):
                 exact.add_metric([m["name"], m["variant"]], float(m.get("row_invariant", False)))
         yield resident
         yield exact
+
+    def _batch(self, batch: dict) -> Iterator:
+        """Continuous batching (memspec.speculation.batching.BatchStats, as GetStatus's batch map):
+        slots, slots in use, and histograms of rows and tokens per pass; nothing when it is off."""
+        if not batch:
+            return
+        yield GaugeMetricFamily(self._name("batch_slots"), "rows a batched target pass can hold",
+                                value=batch["slots"])
+        yield GaugeMetricFamily(self._name("batch_slots_in_use"), "requests holding a slot now",
+                                value=batch["slots_in_use"])
+        yield CounterMetricFamily(self._name("batch_busy_seconds"), "time spent in batched target passes",
+                                  value=batch.get("busy_s", 0.0))
+        for prefix, name, help_ in (("rows_", "batch_rows_per_pass", "requests (rows) in each target pass"),
+                                    ("tokens_le_", "batch_tokens_per_pass", "tokens in each target pass")):
+            counts = sorted((int(k[len(prefix):]), v) for k, v in batch.items() if k.startswith(prefix))
+            top = int(batch["slots"]) if prefix == "rows_" else (counts[-1][0] if counts else 1)
+            edges = list(range(1, top + 1)) if prefix == "rows_" else [1 << i for i in range(top.bit_length())]
+            # cumulative, as Prometheus wants: the passes with at most `edge`
+            buckets = [(str(float(edge)), sum(v for n, v in counts if n <= edge)) for edge in edges]
+            buckets.append(("+Inf", sum(v for _, v in counts)))
+            # rows are exact; tokens are known only by bucket, so their sum is the buckets' upper edges
+            total = sum(n * v for n, v in counts)
+            yield HistogramMetricFamily(self._name(name), help_ + ("" if prefix == "rows_" else
+                                                                    " (sum: at most, from the buckets)"),
+                                        buckets=buckets, sum_value=total)
 
 
 def registry(service: Service) -> CollectorRegistry:
