@@ -314,6 +314,18 @@ def test_the_native_targets_stand_in_predictor_says_how_to_fit_its_own(caplog):
     assert "runs as gguf" in said and "(memspec profile, then memspec train-predictor)" in said, said
 
 
+def test_a_target_profiled_on_the_native_engine_takes_its_own_predictor_without_a_warning(caplog):
+    """SmolLM2 ships a predictor fitted on traces of its native engine (memspec profile on the
+    default backend): the native target loads that one, with its own step costs, and says nothing."""
+    from memspec.scheduling.policies import load_predictor
+
+    with caplog.at_level("WARNING", logger="memspec.scheduling.policies"):
+        pred = load_predictor("", "gguf", "smollm2-135m")
+    assert pred is not None and pred.info["target"] == "smollm2-135m:gguf"
+    assert not [r for r in caplog.records if r.levelname == "WARNING"], caplog.text
+    assert {"none", "prompt-lookup", "draft-code", "draft-math"} <= set(pred.drafts)
+
+
 def test_prediction_cost_benchmark(synthetic, capsys):
     """A benchmark, not a timing assertion: prints how long predict() and the features take."""
     pred = Predictor.load(DEFAULT_PATH) if DEFAULT_PATH.is_file() else synthetic[1]
@@ -424,6 +436,7 @@ def test_each_shipped_target_gets_its_own_predictor_naming_its_own_drafts():
     assert predictor_file("", "fp32", "smollm2-135m") == SHIPPED_MODELS / "predictor-fp32.json"
     # the native engine runs the GGUF whose blocks the q4 graph holds: q4's predictor is the nearest
     assert predictor_file("", "gguf", "qwen2.5-coder-1.5b") == qwen
-    assert predictor_file("", "gguf", "smollm2-135m") == SHIPPED_MODELS / "predictor.json"
+    # ... unless the target has one profiled on the native engine itself
+    assert predictor_file("", "gguf", "smollm2-135m") == SHIPPED_MODELS / "predictor-smollm2-135m-gguf.json"
     scores = p.predict("Write a Python function that merges two sorted lists.")
     assert set(scores) == set(p.drafts) and all(v > 0 for v in scores.values())
