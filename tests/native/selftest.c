@@ -109,6 +109,32 @@ static int check_type(const struct dot_isa *isa, int type, int k) {
     return bad;
 }
 
+/* matmul.c takes each output with lanes_take_used: it must give lanes_take's bits (a -0.0 sum
+ * included) and leave every lane cleared, for K-quants (1 lane), small blocks (8) and floats (32). */
+static int check_lanes(void) {
+    static const int used[] = {1, 8, LANES};
+    float a[LANES] __attribute__((aligned(16))), b[LANES] __attribute__((aligned(16)));
+    for (int u = 0; u < 3; u++) {
+        for (int trial = 0; trial < 1000; trial++) {
+            for (int i = 0; i < LANES; i++) {
+                float v = uniform() * (float)(1 << (next() % 20));
+                int kind = next() % 8; /* some lanes exact zeros of either sign */
+                a[i] = i >= used[u] ? 0.0f : kind == 0 ? -0.0f : kind == 1 ? 0.0f : v;
+            }
+            if (trial == 0) /* every used lane -0.0: the sum is +0.0 */
+                for (int i = 0; i < used[u]; i++) a[i] = -0.0f;
+            memcpy(b, a, sizeof(a));
+            float want = lanes_take(b), got = lanes_take_used(a, used[u]);
+            if (memcmp(&want, &got, sizeof(float)) != 0 || memcmp(a, b, sizeof(a)) != 0) {
+                printf("lanes_take_used(%d lanes) gives %a, lanes_take %a, or leaves a lane set\n", used[u],
+                       (double)got, (double)want);
+                return 1;
+            }
+        }
+    }
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const struct dot_isa *isa = argc > 1 ? dot_isa_named(argv[1]) : dot_isa_best();
     if (!isa) {
@@ -120,5 +146,5 @@ int main(int argc, char **argv) {
                                    {TYPE_Q5_K, 768}, {TYPE_Q6_K, 1536}};
     int bad = 0;
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) bad |= check_type(isa, types[i][0], types[i][1]);
-    return bad;
+    return bad | check_lanes(); /* after the types: their random blocks stay what they were */
 }

@@ -77,4 +77,29 @@ static inline float lanes_take(float *acc) {
     return a + b;                                 /* half 1 */
 }
 
+/* How many of a (row, output)'s lanes type t's updates touch (the lane rule above): K-quants 1,
+ * small blocks 8, floats all; the others stay +0.0 from the last lanes_take. */
+static inline int lanes_used(const struct type_info *t) {
+    return t->family == FAM_FLOAT ? LANES : t->block == QK ? 8 : 1;
+}
+
+/* lanes_take(acc) for accumulators whose lanes from `used` (1, 8 or LANES) on are +0.0: the same
+ * bits with only the tree's live additions (x + 0.0 keeps x, but for -0.0, which becomes +0.0, so
+ * each used lane gets that addition once), and only the used lanes cleared.  acc: 16-byte aligned. */
+static inline float lanes_take_used(float *acc, int used) {
+    if (used == 1) {
+        float v = acc[0] + 0.0f;
+        acc[0] = 0.0f;
+        return v;
+    }
+    if (used == 8) { /* the tree's lanes 0..7: half 16 and 8 add zeros, half 4 adds lane i + 4 to lane i */
+        lanes4 *p = (lanes4 *)acc, z = {0.0f, 0.0f, 0.0f, 0.0f};
+        lanes4 v = (p[0] + z) + (p[1] + z);
+        p[0] = z, p[1] = z;
+        float a = v[0] + v[2], b = v[1] + v[3];
+        return a + b;
+    }
+    return lanes_take(acc);
+}
+
 #endif

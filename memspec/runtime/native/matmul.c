@@ -32,6 +32,7 @@ void matmul_outputs(const struct dot_isa *isa, const struct type_info *t, const 
     size_t rb = row_bytes(t, k);
     int m = a->m;
     int wtile = rb < WEIGHT_TILE_BYTES ? (int)(WEIGHT_TILE_BYTES / rb) : 1;
+    int used = lanes_used(t); /* a K-quant output's sum is in lane 0: no 32-lane tree a row and output */
     memset(acc, 0, sizeof(acc));
     for (int j0 = n0; j0 < n1; j0 += wtile) {
         int j1 = j0 + wtile < n1 ? j0 + wtile : n1;
@@ -46,7 +47,7 @@ void matmul_outputs(const struct dot_isa *isa, const struct type_info *t, const 
                     for (size_t b = 0; b < rb; b += 64) __builtin_prefetch(next + b, 0, 1);
                 }
                 isa->rows(t, w + (size_t)j * rb, k, a, r0, nr, acc);
-                for (int r = 0; r < nr; r++) out[(size_t)(r0 + r) * n + j] = lanes_take(acc[r]);
+                for (int r = 0; r < nr; r++) out[(size_t)(r0 + r) * n + j] = lanes_take_used(acc[r], used);
             }
         }
     }
