@@ -140,19 +140,21 @@ class Exporter(Collector):
                                 value=batch["slots_in_use"])
         yield CounterMetricFamily(self._name("batch_busy_seconds"), "time spent in batched target passes",
                                   value=batch.get("busy_s", 0.0))
-        for prefix, name, help_ in (("rows_", "batch_rows_per_pass", "requests (rows) in each target pass"),
-                                    ("tokens_le_", "batch_tokens_per_pass", "tokens in each target pass")):
-            counts = sorted((int(k[len(prefix):]), v) for k, v in batch.items() if k.startswith(prefix))
-            top = int(batch["slots"]) if prefix == "rows_" else (counts[-1][0] if counts else 1)
-            edges = list(range(1, top + 1)) if prefix == "rows_" else [1 << i for i in range(top.bit_length())]
-            # cumulative, as Prometheus wants: the passes with at most `edge`
-            buckets = [(str(float(edge)), sum(v for n, v in counts if n <= edge)) for edge in edges]
-            buckets.append(("+Inf", sum(v for _, v in counts)))
-            # rows are exact; tokens are known only by bucket, so their sum is the buckets' upper edges
-            total = sum(n * v for n, v in counts)
-            yield HistogramMetricFamily(self._name(name), help_ + ("" if prefix == "rows_" else
-                                                                    " (sum: at most, from the buckets)"),
-                                        buckets=buckets, sum_value=total)
+        passes = {int(k[len("rows_"):]): v for k, v in batch.items() if k.startswith("rows_")}
+        yield self._per_pass("batch_rows_per_pass", "requests (rows) in each target pass", passes,
+                             range(1, int(batch["slots"]) + 1))
+        # tokens are counted by power-of-two bucket (BatchStats), so their sum is from the buckets' upper edges
+        passes = {int(k[len("tokens_le_"):]): v for k, v in batch.items() if k.startswith("tokens_le_")}
+        top = max(passes, default=1)
+        yield self._per_pass("batch_tokens_per_pass", "tokens in each target pass (sum: at most, from the buckets)",
+                             passes, [1 << i for i in range(top.bit_length())])
+
+    def _per_pass(self, name: str, help_: str, passes: dict[int, float], edges) -> HistogramMetricFamily:
+        """A histogram of passes by size ({size: passes}), cumulative as Prometheus wants."""
+        buckets = [(str(float(edge)), sum(v for n, v in passes.items() if n <= edge)) for edge in edges]
+        buckets.append(("+Inf", sum(passes.values())))
+        return HistogramMetricFamily(self._name(name), help_, buckets=buckets,
+                                     sum_value=sum(n * v for n, v in passes.items()))
 
 
 def registry(service: Service) -> CollectorRegistry:
