@@ -162,9 +162,9 @@ class LlamaServer:
             self.proc.kill()
 
 
-def prompts(n: int, model: str | None) -> list[dict]:
-    """n prompts of the built-in workload, taking each category in turn; with `model`, each with
-    its token ids under that model's chat template (what llama-server is sent)."""
+def prompts(n: int, target=None) -> list[dict]:
+    """n prompts of the built-in workload, taking each category in turn; with `target` (a store
+    manifest), each with its token ids under that model's chat template (what llama-server is sent)."""
     from memspec.bench.policies import load_workload
 
     by_cat: dict[str, list[str]] = {}
@@ -172,21 +172,13 @@ def prompts(n: int, model: str | None) -> list[dict]:
         by_cat.setdefault(item["category"], []).append(item["prompt"])
     cats = sorted(by_cat)
     items = [{"prompt": by_cat[cats[i % len(cats)]][i // len(cats)]} for i in range(n)]
-    if model:
-        from memspec.models.tokenizer import Tokenizer
+    if target is not None:
+        from engines import chat_ids
 
-        m = store().get(model)
-        tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
+        encode = chat_ids(target)
         for item in items:
-            item["ids"] = tok.encode(tok.apply_chat_template([{"role": "user", "content": item["prompt"]}]))
+            item["ids"] = encode(item["prompt"])
     return items
-
-
-def store():
-    from memspec.config import load_config
-    from memspec.models.store import ModelStore
-
-    return ModelStore(load_config(None).store_home)
 
 
 def run(server, items: list[dict], clients: int, max_tokens: int) -> dict:
@@ -250,19 +242,31 @@ def main() -> None:
             raise SystemExit(f"--tree {spec!r}: expected LABEL=PATH[:CONFIG]")
         trees.append((label, path, config or None))
     counts = [int(x) for x in args.clients.split(",")]
-    items = prompts(args.prompts, args.llama_server)
+    llama_target, llama_gguf = None, None
+    if args.llama_server:
+        from memspec.config import load_config
+        from memspec.models.store import ModelStore
+
+        from memspec.errors import MemspecError
+
+        store = ModelStore(load_config(None).store_home)
+        try:
+            llama_target = store.get(args.llama_server)
+            llama_gguf = store.gguf_of(llama_target)  # there, and the file it was pulled from
+        except MemspecError as exc:
+            raise SystemExit(f"--llama-server: {exc}") from None
+    items = prompts(args.prompts, llama_target)
     folder = Path(tempfile.mkdtemp(prefix="memspec-conc-"))
     servers: dict = {}
     try:
         for label, path, config in trees:
             servers[label] = Daemon(label, path, config, folder)
-        if args.llama_server:
+        if llama_target is not None:
             from engines import default_llama_server
             from memspec.runtime.target import physical_cores
 
-            m = store().get(args.llama_server)
             servers["llama-server"] = LlamaServer(
-                "llama-server", args.llama_bin or str(default_llama_server()), str(store().gguf_path(m)),
+                "llama-server", args.llama_bin or str(default_llama_server()), str(llama_gguf),
                 args.llama_slots, args.threads or physical_cores(), args.llama_ctx, folder)
         for server in servers.values():  # warm-up: the first requests load drafts
             run(server, items[:4], 2, 16)

@@ -415,19 +415,27 @@ def prompts(workload: str | None, limit: int | None, config_path: str | None,
     from memspec.bench.policies import load_workload
     from memspec.config import load_config
     from memspec.models.store import ModelStore
-    from memspec.models.tokenizer import Tokenizer
 
     config = load_config(config_path)
     store = ModelStore(config.store_home)
     m = store.get(model or config.model.target)
-    tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
+    encode = chat_ids(m)
     items = load_workload(workload)[:limit]
     for w in items:
-        w["ids"] = tok.encode(tok.apply_chat_template([{"role": "user", "content": w["prompt"]}]))
+        w["ids"] = encode(w["prompt"])
     setup = {"config": config_path, "target": m.name, "model": str(m.variant_path("q4")), "arch": m.architecture,
              "eos": int(m.extra["eos_token_ids"][0]), "gguf": str(store.downloads_dir / m.provenance["gguf_file"])}
     setup.update(sibling_gguf(store, m.name))
     return items, setup
+
+
+def chat_ids(m):
+    """prompt -> the token ids of one user turn under store target m's chat template (what memspec
+    generates from, and what the other engines are sent)."""
+    from memspec.models.tokenizer import Tokenizer
+
+    tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
+    return lambda prompt: tok.encode(tok.apply_chat_template([{"role": "user", "content": prompt}]))
 
 
 def sibling_gguf(store, target: str) -> dict:
