@@ -225,6 +225,45 @@ def test_one_row_and_every_group_size_equal_the_scalar_path(name, isa):
         np.testing.assert_array_equal(alone[0], scalar[r], err_msg=f"{name}: row {r} alone vs the scalar path")
 
 
+PACKED = {"Q4_K": 1184, "Q6_K": 1680}  # bytes per interleaved block of 8 rows (native/pack.h)
+
+
+@pytest.mark.parametrize("isa", ["scalar", *SIMD])
+@pytest.mark.parametrize("name", list(PACKED))
+def test_the_interleaved_layout_gives_the_row_layouts_bits(name, isa):
+    """A path that multiplies K-quants 8 weight rows at a time (native/pack.h: AVX2) repacks the
+    matrix; the outputs are the row layout's bits at every row count and thread split (threads take
+    whole groups of 8), and a matrix whose rows are not a multiple of 8 keeps its row layout."""
+    if isa not in kernels.isas():
+        pytest.skip(f"this CPU has no {isa} (paths: {kernels.isas()})")
+    rng = np.random.default_rng(400 + TYPES.index(name))
+    tid, k = type_id(name), 1536
+    raw, x = random_weights(rng, name, 40, k), activations(rng, 11, k)
+    blocks = raw[3].reshape(k // 256, -1)  # row 3: extreme integers (all-ones nibbles, scales 63 / -1)
+    blocks[:] = 0xFF
+    for at in FP16_FIELDS[name]:
+        blocks[:, at : at + 2] = np.float16(1e-3).reshape(1).view(np.uint8)
+    packed = kernels.pack(raw, tid, 40, k, isa=isa)
+    assert kernels.pack(raw[:36], tid, 36, k, isa=isa) is None  # 36 rows: not whole groups
+    assert kernels.pack(random_weights(rng, "Q5_K", 8, 256), type_id("Q5_K"), 8, 256, isa=isa) is None
+    if packed is None:
+        pytest.skip(f"{isa} multiplies {name} in its row layout")
+    assert len(packed) == 40 // 8 * k // 256 * PACKED[name]
+    rows = kernels.matmul(raw, tid, 40, k, x, isa=isa, packed=False)
+    np.testing.assert_array_equal(rows, kernels.matmul(raw, tid, 40, k, x, isa="scalar"))
+    for m in (1, 2, 3, 4, 5, 11):
+        for threads in (1, 2, 3, 6):
+            got = kernels.matmul(raw, tid, 40, k, x[:m], isa=isa, threads=threads, packed=packed)
+            np.testing.assert_array_equal(got, rows[:m], err_msg=f"{m} rows, {threads} threads, interleaved")
+    np.testing.assert_array_equal(kernels.matmul(raw[:36], tid, 36, k, x, isa=isa), rows[:, :36])
+    with pytest.raises(ValueError, match=rf"packed holds 10 bytes; path {isa} takes a {name} matrix of n=40"):
+        kernels.matmul(raw, tid, 40, k, x, isa=isa, packed=bytearray(10))
+    with pytest.raises(ValueError, match="in its row layout only"):
+        kernels.matmul(raw, tid, 40, k, x, isa="scalar", packed=packed)
+    with pytest.raises(ValueError, match="packed must be None, False or pack"):
+        kernels.matmul(raw, tid, 40, k, x, isa=isa, packed="yes")
+
+
 @pytest.mark.model  # reaches the 1.5B's GGUF without a model fixture
 def test_qwen_rows_alone_and_in_a_batch_equal_the_scalar_path(qwen):
     """The 1.5B's Q4_K and Q6_K tensors: a row alone, among 9 (a group of 8 and one) and scalar."""

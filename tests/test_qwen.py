@@ -140,3 +140,30 @@ def test_the_daemon_serves_it_over_grpc(qwen_store):
             daemon.stop()
     assert done is not None and done.finish_reason in ("length", "stop") and "".join(ch.text for ch in chunks) == done.text
     assert len(done.token_ids) > 5 and done.text.strip()
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)
+def test_the_repacked_matrices_give_the_scalar_paths_logits_and_are_counted(qwen_store, target):
+    """On a path that multiplies K-quants 8 weight rows at a time (AVX2), the 1.5B's Q4_K and Q6_K
+    matrices are repacked at load (native/pack.h): a pass's logits are still the scalar reference's
+    bits, a row's are the same alone and among draft rows, and the budget counts the repacked copy
+    in place of the file ranges it replaced."""
+    from memspec.runtime.native_target import NativeTarget
+
+    t = target.session
+    if not isinstance(t, NativeTarget):
+        pytest.skip(f"the default engine here is {t.providers}")
+    size = t.path.stat().st_size
+    replaced = sum(nbytes for _, nbytes in t.model.packed_ranges)
+    assert t.file_bytes == size - replaced + t.model.packed_bytes
+    if not t.model.packed_bytes:
+        pytest.skip(f"path {t.isa} keeps every matrix in its row layout")
+    assert 0 < t.file_bytes - size < 0.05 * size  # the Q4_K scales unpacked: a few percent more
+    ids = [151644, 872, 198, 7985, 264, 13027, 729]
+    fast = t.forward(t.new_cache(), ids, keep=len(ids))
+    scalar = NativeTarget(t.path, threads=2, max_context=64, isa="scalar")
+    assert scalar.model.packed_bytes == 0
+    np.testing.assert_array_equal(fast, scalar.forward(scalar.new_cache(), ids, keep=len(ids)))
+    c = t.new_cache()
+    t.forward(c, ids[:3], keep=1)
+    np.testing.assert_array_equal(t.forward(c, ids[3:], keep=4), fast[3:])

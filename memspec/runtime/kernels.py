@@ -58,18 +58,27 @@ def isas() -> tuple[str, ...]:
 
 
 def matmul(raw: np.ndarray, ggml_type: int, n: int, k: int, x: np.ndarray, threads: int = 1,
-           isa: str | None = None) -> np.ndarray:
+           isa: str | None = None, packed: bytearray | bool | None = None) -> np.ndarray:
     """(M, n) float32 = x (M, k) float32 @ W.T.
 
     raw: the (n, k) matrix's GGUF bytes, rows of blocks (uint8, contiguous; a GGUFReader
     tensor's ``data`` works as it is).  threads split the n outputs.  isa forces a path
-    (see :func:`isas`).  Raises ValueError on a bad type, size or shape."""
+    (see :func:`isas`).  packed: None interleaves W for this call where the path multiplies
+    its type 8 rows at a time (as the native target does at load); False keeps the row layout;
+    :func:`pack`'s result skips the repacking.  The result is the same bits every way.  Raises
+    ValueError on a bad type, size, shape or packed buffer."""
     x = np.asarray(x)
     if x.ndim != 2:
         raise ValueError(f"x must be 2-D (M, k={k}), got shape {x.shape}")
     out = np.empty((x.shape[0], n), dtype=np.float32)
-    module().matmul(raw, ggml_type, n, k, x, out, threads, isa=isa)
+    module().matmul(raw, ggml_type, n, k, x, out, threads, isa=isa, packed=packed)
     return out
+
+
+def pack(raw: np.ndarray, ggml_type: int, n: int, k: int, isa: str | None = None) -> bytearray | None:
+    """The (n, k) matrix interleaved 8 rows at a time as path `isa` multiplies it (native/pack.h),
+    for ``matmul(..., packed=)``; None where the path keeps this type (or n) in its row layout."""
+    return module().pack(raw, ggml_type, n, k, isa=isa)
 
 
 def dequantize(raw: np.ndarray, ggml_type: int, n: int, k: int) -> np.ndarray:

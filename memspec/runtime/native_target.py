@@ -7,7 +7,9 @@
     rows = t.forward_batch([c1, c2], [ids1, ids2], keeps=[k1, k2])   # one pass; a list of (k_i, V)
 
 The file is memory-mapped and its blocks are computed on where they lie (memspec/runtime/native/:
-the C extension memspec.runtime._native): no conversion, no second copy.  A row's logits are
+the C extension memspec.runtime._native): no conversion, no second copy.  The matrices the CPU's
+path multiplies 8 rows at a time (Q4_K on AVX2) are repacked at load into that interleaved order,
+losslessly, and their mapped pages dropped: `file_bytes` counts what stays resident.  A row's logits are
 one fixed sequence of operations on that row's sequence and the weights, so they are the same
 bit for bit whether its token is fed alone, among draft tokens, or beside other sequences' rows,
 at any thread count (model.h).  The KV cache is float16, one buffer per sequence whose pages the
@@ -16,6 +18,7 @@ OS commits as positions are written; rollback is a shorter `length`.
 
 from __future__ import annotations
 
+import mmap
 from pathlib import Path
 from typing import Sequence
 
@@ -62,8 +65,8 @@ class NativeTarget:
         self.vocab_size = cfg.vocab
         self.n_layers, self.kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.threads = threads or physical_cores()
-        self.file_bytes = self.path.stat().st_size
-        self._map = np.memmap(self.path, dtype=np.uint8, mode="r")
+        with open(self.path, "rb") as f:
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
 
         def spec(name: str, optional: bool = False):
             info = tensors.get(name)
@@ -79,13 +82,22 @@ class NativeTarget:
                   int(cfg.arch in NEOX_ROPE), cfg.rope_theta, cfg.rms_eps)
         try:
             self.model = native.Model(self._map, config, spec("token_embd.weight"), spec("output_norm.weight"),
-                                      spec(head), layers, self.threads, isa=isa)
+                                      spec(head), layers, self.threads, isa=isa,
+                                      release_packed=True)
         except ValueError as exc:  # an unsupported type, a wrong shape, a truncated file
             raise ModelFormatError(f"{self.path.name}: {exc}") from None
+        self.file_bytes = self._resident_bytes()
         self.isa = isa or native.isa()
         self.device = "cpu"
         self.providers = [f"memspec-native ({self.isa})"]  # what computes it, as GetStatus lists engines
         self.rows: RowCheck = check(self)  # the self-check at load (memspec.runtime.invariance)
+
+    def _resident_bytes(self) -> int:
+        """What the target can hold resident: the file, less the ranges of the matrices the extension
+        repacked at load (Model.packed_ranges: their mapped pages dropped, no pass reads them again;
+        the page cache keeps them, reclaimable), plus the repacked copy."""
+        released = sum(nbytes for _, nbytes in self.model.packed_ranges)
+        return self.path.stat().st_size - released + self.model.packed_bytes
 
     # -- caches -------------------------------------------------------------
     def new_cache(self, capacity: int | None = None) -> NativeCache:

@@ -29,6 +29,13 @@ struct dot_isa {
      * r0 .. r0+nr-1 into acc[0 .. nr-1], decoding each chunk of w once. */
     void (*rows)(const struct type_info *t, const uint8_t *w, int k, const struct acts *a, int r0, int nr,
                  float (*acc)[LANES]);
+    /* Bit t set: rows8 takes type t interleaved (pack.h); 0 where the path has no such kernel. */
+    unsigned packed_types;
+    /* acc[i][o] += output o of an interleaved group of 8 weight rows w8 (k weights each) . activation
+     * row r0 + i, i < nr: for each (row, output), the K-quant rule (one k_update per block, into the
+     * one accumulator that is lane 0 of `rows`), so the same bits as `rows` on the row layout. */
+    void (*rows8)(const struct type_info *t, const uint8_t *w8, int k, const struct acts *a, int r0, int nr,
+                  float (*acc)[8]);
 };
 
 extern const struct dot_isa DOT_SCALAR;

@@ -2,7 +2,8 @@
  *
  * Each weight chunk (256 weights) is decoded once and applied to a tile of up to
  * ROW_TILE activation rows, and a tile of weight rows stays in cache while every row
- * tile passes over it, so M rows cost little more than one when memory-bound.  Threads
+ * tile passes over it, so M rows cost little more than one when memory-bound.  A matrix
+ * the path takes interleaved (pack.h) goes the same way, 8 weight rows at a time.  Threads
  * take contiguous ranges of outputs; the reduction over k is never split. */
 #include "matmul.h"
 
@@ -10,15 +11,13 @@
 #include <stdlib.h>
 #include <string.h>
 
-#define PREFETCH_BYTES 8192 /* how far ahead of the row being multiplied its successors are fetched */
+#define PREFETCH_BYTES 8192 /* how far ahead of the weights being multiplied their successors are fetched */
 #define ROW_TILE 16                   /* activation rows sharing each decoded chunk */
 #define WEIGHT_TILE_BYTES (64 * 1024) /* weight rows kept in cache across row tiles */
 
 struct job {
     const struct dot_isa *isa;
-    const struct type_info *t;
-    const uint8_t *w;
-    int n, k;
+    const struct tensor *w;
     const struct acts *a;
     float *out;
     int n0, n1; /* this job's outputs */
@@ -26,11 +25,22 @@ struct job {
 
 static size_t row_bytes(const struct type_info *t, int k) { return (size_t)(k / t->block) * t->bytes; }
 
-void matmul_outputs(const struct dot_isa *isa, const struct type_info *t, const uint8_t *w, int n, int k,
-                    const struct acts *a, float *out, int n0, int n1) {
+/* Ask for the bytes [at + PREFETCH_BYTES, + len) of a stream that ends at `end` into L2 while
+ * the bytes at `at` compute (locality 1: prefetcht2).  Not the non-temporal hint (0): on a Xeon
+ * that fills L1 alone and the stream stays latency-bound (the 1.5B decoding, 2 threads: 97
+ * against 60 ms a step). */
+static void prefetch_ahead(const uint8_t *at, size_t len, const uint8_t *end) {
+    if (at + PREFETCH_BYTES + len > end) return;
+    for (size_t b = 0; b < len; b += 64) __builtin_prefetch(at + PREFETCH_BYTES + b, 0, 1);
+}
+
+/* The row layout: each weight row applied to tiles of ROW_TILE activation rows. */
+static void outputs_rows(const struct dot_isa *isa, const struct tensor *w, const struct acts *a, float *out, int n0,
+                         int n1) {
     float acc[ROW_TILE][LANES] __attribute__((aligned(32)));
-    size_t rb = row_bytes(t, k);
-    int m = a->m;
+    const struct type_info *t = w->t;
+    size_t rb = row_bytes(t, w->k);
+    int m = a->m, n = w->n;
     int wtile = rb < WEIGHT_TILE_BYTES ? (int)(WEIGHT_TILE_BYTES / rb) : 1;
     int used = lanes_used(t); /* a K-quant output's sum is in lane 0: no 32-lane tree a row and output */
     memset(acc, 0, sizeof(acc));
@@ -39,39 +49,65 @@ void matmul_outputs(const struct dot_isa *isa, const struct type_info *t, const 
         for (int r0 = 0; r0 < m; r0 += ROW_TILE) {
             int nr = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
             for (int j = j0; j < j1; j++) {
-                if (r0 == 0 && (size_t)(j + 1) * rb + PREFETCH_BYTES <= (size_t)n1 * rb) {
-                    /* ask for the weights PREFETCH_BYTES on while this row computes, into L2 (locality 1:
-                     * prefetcht2).  Not the non-temporal hint (0): on a Xeon that fills L1 alone and the
-                     * stream stays latency-bound (the 1.5B decoding, 2 threads: 97 against 60 ms a step) */
-                    const char *next = (const char *)w + (size_t)j * rb + PREFETCH_BYTES;
-                    for (size_t b = 0; b < rb; b += 64) __builtin_prefetch(next + b, 0, 1);
-                }
-                isa->rows(t, w + (size_t)j * rb, k, a, r0, nr, acc);
+                if (r0 == 0) prefetch_ahead(w->data + (size_t)j * rb, rb, w->data + (size_t)n1 * rb);
+                isa->rows(t, w->data + (size_t)j * rb, w->k, a, r0, nr, acc);
                 for (int r = 0; r < nr; r++) out[(size_t)(r0 + r) * n + j] = lanes_take_used(acc[r], used);
             }
         }
     }
 }
 
-static void run_job(const struct job *p) { matmul_outputs(p->isa, p->t, p->w, p->n, p->k, p->a, p->out, p->n0, p->n1); }
+/* The interleaved layout: each group of PACK_ROWS outputs applied to tiles of activation rows;
+ * an output's float sum is its lane-0 accumulator, taken as lanes_take_used(acc, 1) takes it. */
+static void outputs_packed(const struct dot_isa *isa, const struct tensor *w, const struct acts *a, float *out,
+                           int n0, int n1) {
+    float acc[ROW_TILE][PACK_ROWS] __attribute__((aligned(32)));
+    size_t gb = pack_bytes(w->t, PACK_ROWS, w->k); /* one group's bytes */
+    int m = a->m, n = w->n, g0 = n0 / PACK_ROWS, g1 = n1 / PACK_ROWS;
+    int gtile = gb < WEIGHT_TILE_BYTES ? (int)(WEIGHT_TILE_BYTES / gb) : 1;
+    memset(acc, 0, sizeof(acc));
+    for (int h0 = g0; h0 < g1; h0 += gtile) {
+        int h1 = h0 + gtile < g1 ? h0 + gtile : g1;
+        for (int r0 = 0; r0 < m; r0 += ROW_TILE) {
+            int nr = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
+            for (int g = h0; g < h1; g++) {
+                if (r0 == 0) prefetch_ahead(w->packed + (size_t)g * gb, gb, w->packed + (size_t)g1 * gb);
+                isa->rows8(w->t, w->packed + (size_t)g * gb, w->k, a, r0, nr, acc);
+                for (int r = 0; r < nr; r++)
+                    for (int o = 0; o < PACK_ROWS; o++) {
+                        out[(size_t)(r0 + r) * n + (size_t)g * PACK_ROWS + o] = acc[r][o] + 0.0f;
+                        acc[r][o] = 0.0f;
+                    }
+            }
+        }
+    }
+}
+
+void matmul_outputs(const struct dot_isa *isa, const struct tensor *w, const struct acts *a, float *out, int n0,
+                    int n1) {
+    if (w->packed) outputs_packed(isa, w, a, out, n0, n1);
+    else outputs_rows(isa, w, a, out, n0, n1);
+}
+
+static void run_job(const struct job *p) { matmul_outputs(p->isa, p->w, p->a, p->out, p->n0, p->n1); }
 
 static void *job_thread(void *p) {
     run_job(p);
     return NULL;
 }
 
-int matmul(const struct dot_isa *isa, const struct type_info *t, const uint8_t *w, int n, int k,
-           const float *x, int m, float *out, int threads) {
-    if (m == 0 || n == 0) return 0;
-    int nt = threads < n ? threads : n;
+int matmul_tensor(const struct dot_isa *isa, const struct tensor *w, const float *x, int m, float *out, int threads) {
+    if (m == 0 || w->n == 0) return 0;
+    int nt = threads < w->n ? threads : w->n;
     struct acts a;
     struct job *jobs = calloc((size_t)nt, sizeof(*jobs));
     pthread_t *tids = calloc((size_t)nt, sizeof(*tids));
     char *started = calloc((size_t)nt, 1);
     int rc = -1;
-    if (!jobs || !tids || !started || acts_init(&a, t, x, m, k) != 0) goto done;
+    if (!jobs || !tids || !started || acts_init(&a, w->t, x, m, w->k) != 0) goto done;
     for (int i = 0; i < nt; i++) {
-        jobs[i] = (struct job){isa, t, w, n, k, &a, out, (int)((long long)n * i / nt), (int)((long long)n * (i + 1) / nt)};
+        jobs[i] = (struct job){isa, w, &a, out, 0, 0};
+        matmul_range(w, i, nt, &jobs[i].n0, &jobs[i].n1);
         if (i > 0) started[i] = pthread_create(&tids[i], NULL, job_thread, &jobs[i]) == 0;
     }
     run_job(&jobs[0]);
@@ -85,5 +121,19 @@ done:
     free(jobs);
     free(tids);
     free(started);
+    return rc;
+}
+
+int matmul(const struct dot_isa *isa, const struct type_info *t, const uint8_t *w, int n, int k,
+           const float *x, int m, float *out, int threads) {
+    struct tensor tw = {w, t, n, k, NULL};
+    uint8_t *packed = NULL;
+    if (matmul_packs(isa, t, n, k)) {
+        if (!(packed = malloc(pack_bytes(t, n, k)))) return -1;
+        pack_rows(t, w, n, k, packed);
+        tw.packed = packed;
+    }
+    int rc = matmul_tensor(isa, &tw, x, m, out, threads);
+    free(packed);
     return rc;
 }

@@ -84,8 +84,8 @@ static void run_matmuls(void *arg, int i, int n) {
     for (int j = 0; j < p->n_mm; j++) {
         const struct tensor *w = p->mm[j].w;
         int lo, hi;
-        pool_range(w->n, i, n, &lo, &hi);
-        matmul_outputs(p->m->isa, w->t, w->data, w->n, w->k, p->mm[j].a, p->mm[j].out, lo, hi);
+        matmul_range(w, i, n, &lo, &hi);
+        matmul_outputs(p->m->isa, w, p->mm[j].a, p->mm[j].out, lo, hi);
     }
 }
 

@@ -1,7 +1,8 @@
 /* A llama / qwen2 decoder over GGUF tensors as they are, and its forward pass.
  *
  * The weights are pointers into the memory-mapped GGUF (the Python side keeps the mapping
- * alive); nothing is converted.  A pass takes T rows (tokens) from S sequences, each row with
+ * alive); nothing is converted, and matrices the path multiplies interleaved (pack.h) are
+ * repacked once at load, losslessly.  A pass takes T rows (tokens) from S sequences, each row with
  * its sequence and position, writes their keys and values into the sequences' caches and
  * returns the logits of the rows asked for.  A row's logits depend only on its sequence's
  * tokens up to it and on the weights: not on T, S, the other rows or the thread count.
@@ -14,14 +15,8 @@
 
 #include "attention.h"
 #include "dot.h"
+#include "matmul.h"
 #include "pool.h"
-
-/* A GGUF tensor: (n, k) for a matrix (rows of k weights), (n) for a vector (k = 1, F32). */
-struct tensor {
-    const uint8_t *data;
-    const struct type_info *t;
-    int n, k;
-};
 
 struct layer {
     struct tensor attn_norm, wq, wk, wv, wo, bq, bk, bv, ffn_norm, wg, wu, wd; /* biases: data NULL if none */

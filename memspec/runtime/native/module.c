@@ -2,10 +2,13 @@
  * array comes in through the buffer protocol). */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#include <structmember.h>
 
 #include <limits.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <unistd.h>
 
 #include "matmul.h"
 #include "model.h"
@@ -66,21 +69,40 @@ static const struct type_info *check_args(int type, Py_ssize_t n, Py_ssize_t k, 
     return t;
 }
 
+/* The raw blocks of an (n, k) matrix of type t, held in b. */
+static int get_weights(PyObject *obj, Py_buffer *b, const struct type_info *t, Py_ssize_t n, Py_ssize_t k) {
+    if (PyObject_GetBuffer(obj, b, PyBUF_SIMPLE) != 0) {
+        PyErr_Clear();
+        PyErr_Format(PyExc_ValueError, "weights must be a contiguous buffer, got %s", Py_TYPE(obj)->tp_name);
+        return -1;
+    }
+    Py_ssize_t need = (Py_ssize_t)((size_t)n * (size_t)(k / t->block) * (size_t)t->bytes);
+    if (b->len < need) {
+        PyErr_Format(PyExc_ValueError, "weights hold %zd bytes; a %s matrix of n=%zd rows, k=%zd needs %zd", b->len,
+                     t->name, n, k, need);
+        PyBuffer_Release(b);
+        return -1;
+    }
+    return 0;
+}
+
 PyDoc_STRVAR(matmul_doc,
-"matmul(weights, ggml_type, n, k, x, out, threads=1, *, isa=None)\n\n"
+"matmul(weights, ggml_type, n, k, x, out, threads=1, *, isa=None, packed=None)\n\n"
 "out (M, n) float32 = x (M, k) float32 @ W.T, W the (n, k) matrix of GGUF type ggml_type whose\n"
 "raw blocks `weights` holds (rows of blocks, any contiguous buffer).  Each output row depends\n"
-"only on its row of x and on W, never on M, the other rows or `threads`.  isa forces a path\n"
-"(\"scalar\", \"avx2\", \"avx512\", \"neon\"); the default is isa().  Raises ValueError on bad arguments.");
+"only on its row of x and on W, never on M, the other rows, `threads` or the layout.  isa forces a\n"
+"path (\"scalar\", \"avx2\", \"avx512\", \"neon\"); the default is isa().  packed: None interleaves W\n"
+"for this call where the path multiplies its type that way (pack()); False keeps the row layout; a\n"
+"buffer is pack()'s result for the same W and path.  Raises ValueError on bad arguments.");
 
 static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"weights", "ggml_type", "n", "k", "x", "out", "threads", "isa", NULL};
-    PyObject *wobj, *xobj, *oobj;
+    static char *kwlist[] = {"weights", "ggml_type", "n", "k", "x", "out", "threads", "isa", "packed", NULL};
+    PyObject *wobj, *xobj, *oobj, *pobj = Py_None;
     int type, threads = 1;
     Py_ssize_t n, k;
     const char *isa_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OinnOO|i$z", kwlist, &wobj, &type, &n, &k, &xobj, &oobj, &threads,
-                                     &isa_name))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OinnOO|i$zO", kwlist, &wobj, &type, &n, &k, &xobj, &oobj, &threads,
+                                     &isa_name, &pobj))
         return NULL;
     const struct type_info *t = check_args(type, n, k, threads);
     if (!t) return NULL;
@@ -88,17 +110,7 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
     if (!isa) return PyErr_Format(PyExc_ValueError, "isa='%s' is not available on this CPU", isa_name);
 
     Py_buffer wb, xb, ob;
-    if (PyObject_GetBuffer(wobj, &wb, PyBUF_SIMPLE) != 0) {
-        PyErr_Clear();
-        return PyErr_Format(PyExc_ValueError, "weights must be a contiguous buffer, got %s", Py_TYPE(wobj)->tp_name);
-    }
-    Py_ssize_t need = (Py_ssize_t)((size_t)n * (size_t)(k / t->block) * (size_t)t->bytes);
-    if (wb.len < need) {
-        PyErr_Format(PyExc_ValueError, "weights hold %zd bytes; a %s matrix of n=%zd rows, k=%zd needs %zd", wb.len,
-                     t->name, n, k, need);
-        PyBuffer_Release(&wb);
-        return NULL;
-    }
+    if (get_weights(wobj, &wb, t, n, k) != 0) return NULL;
     if (get_matrix(xobj, &xb, 0, "x", -1, k) != 0) {
         PyBuffer_Release(&wb);
         return NULL;
@@ -108,15 +120,68 @@ static PyObject *py_matmul(PyObject *self, PyObject *args, PyObject *kw) {
         PyBuffer_Release(&xb);
         return NULL;
     }
-    int rc;
+    struct tensor w = {wb.buf, t, (int)n, (int)k, NULL};
+    Py_buffer pb;
+    int rc = -2, have_packed = 0;
+    if (pobj != Py_None && pobj != Py_False) { /* pack()'s bytes for this matrix and path */
+        size_t want = matmul_packs(isa, t, (int)n, (int)k) ? pack_bytes(t, (int)n, (int)k) : 0;
+        if (PyObject_GetBuffer(pobj, &pb, PyBUF_SIMPLE) != 0) {
+            PyErr_Clear();
+            PyErr_Format(PyExc_ValueError, "packed must be None, False or pack()'s buffer, got %s",
+                         Py_TYPE(pobj)->tp_name);
+            goto done;
+        }
+        have_packed = 1;
+        if (!want || (size_t)pb.len != want) {
+            PyErr_Format(PyExc_ValueError, "packed holds %zd bytes; path %s takes a %s matrix of n=%zd, k=%zd %s", pb.len,
+                         isa->name, t->name, n, k, want ? "interleaved in pack()'s bytes" : "in its row layout only");
+            goto done;
+        }
+        w.packed = pb.buf;
+    }
     Py_BEGIN_ALLOW_THREADS
-    rc = matmul(isa, t, wb.buf, (int)n, (int)k, xb.buf, (int)xb.shape[0], ob.buf, threads);
+    if (pobj == Py_None)
+        rc = matmul(isa, t, w.data, w.n, w.k, xb.buf, (int)xb.shape[0], ob.buf, threads);
+    else
+        rc = matmul_tensor(isa, &w, xb.buf, (int)xb.shape[0], ob.buf, threads);
     Py_END_ALLOW_THREADS
+    if (rc == -1) PyErr_NoMemory();
+done:
+    if (have_packed) PyBuffer_Release(&pb);
     PyBuffer_Release(&wb);
     PyBuffer_Release(&xb);
     PyBuffer_Release(&ob);
-    if (rc != 0) return PyErr_NoMemory();
+    if (rc != 0) return NULL;
     Py_RETURN_NONE;
+}
+
+PyDoc_STRVAR(pack_doc,
+"pack(weights, ggml_type, n, k, *, isa=None) -> bytearray or None\n\n"
+"The (n, k) matrix `weights` interleaved as path `isa` (default isa()) multiplies it, for\n"
+"matmul(..., packed=); None where that path keeps this type (or this n) in its row layout.");
+
+static PyObject *py_pack(PyObject *self, PyObject *args, PyObject *kw) {
+    static char *kwlist[] = {"weights", "ggml_type", "n", "k", "isa", NULL};
+    PyObject *wobj;
+    int type;
+    Py_ssize_t n, k;
+    const char *isa_name = NULL;
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "Oinn|$z", kwlist, &wobj, &type, &n, &k, &isa_name)) return NULL;
+    const struct type_info *t = check_args(type, n, k, 1);
+    if (!t) return NULL;
+    const struct dot_isa *isa = isa_name ? dot_isa_named(isa_name) : default_isa;
+    if (!isa) return PyErr_Format(PyExc_ValueError, "isa='%s' is not available on this CPU", isa_name);
+    if (!matmul_packs(isa, t, (int)n, (int)k)) Py_RETURN_NONE;
+    Py_buffer wb;
+    if (get_weights(wobj, &wb, t, n, k) != 0) return NULL;
+    PyObject *out = PyByteArray_FromStringAndSize(NULL, (Py_ssize_t)pack_bytes(t, (int)n, (int)k));
+    if (out) {
+        Py_BEGIN_ALLOW_THREADS
+        pack_rows(t, wb.buf, (int)n, (int)k, (uint8_t *)PyByteArray_AS_STRING(out));
+        Py_END_ALLOW_THREADS
+    }
+    PyBuffer_Release(&wb);
+    return out;
 }
 
 static PyObject *py_isa(PyObject *self, PyObject *unused) { return PyUnicode_FromString(default_isa->name); }
@@ -144,6 +209,9 @@ typedef struct {
     Py_buffer file;     /* the mapped GGUF; every tensor points into it */
     int have_file;
     struct model m;
+    uint8_t *packed;          /* the matrices the path multiplies interleaved, repacked at load (pack.h) */
+    Py_ssize_t packed_bytes;
+    PyObject *packed_ranges;  /* ((offset, bytes), ...): the file ranges those matrices no longer read */
     pthread_mutex_t lock; /* one pass at a time: the pool serves one */
 } ModelObject;
 
@@ -216,8 +284,75 @@ static int check_layer(const struct model *m, const struct layer *L, int l) {
     return 0;
 }
 
+/* The matrices a pass multiplies: each layer's seven and the head (unless it is the embedding,
+ * which the lookup reads by rows). */
+static int model_matrices(struct model *m, struct tensor **out) {
+    int n = 0;
+    for (int l = 0; l < m->n_layers; l++) {
+        struct layer *L = &m->layers[l];
+        struct tensor *w[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->wg, &L->wu, &L->wd};
+        for (int j = 0; j < 7; j++) out[n++] = w[j];
+    }
+    if (m->output.data != m->embd.data) out[n++] = &m->output;
+    return n;
+}
+
+/* Repack every matrix the path multiplies interleaved into one buffer; with `release` (the file is
+ * a shared mapping of the GGUF: its pages can be read again), drop each one's mapped pages once
+ * repacked, so that the load never holds both copies.  0, or -1 out of memory. */
+static int model_pack(ModelObject *self, int release) {
+    struct model *m = &self->m;
+    struct tensor **all = malloc(sizeof(*all) * (size_t)(7 * m->n_layers + 1));
+    if (!all) return -1;
+    int count = model_matrices(m, all), packs = 0;
+    size_t total = 0;
+    for (int i = 0; i < count; i++)
+        if (matmul_packs(m->isa, all[i]->t, all[i]->n, all[i]->k)) total += pack_bytes(all[i]->t, all[i]->n, all[i]->k);
+    if (total && posix_memalign((void **)&self->packed, 64, total) != 0) {
+        free(all);
+        return -1;
+    }
+    self->packed_ranges = PyTuple_New(0);
+    Py_BEGIN_ALLOW_THREADS
+    size_t at = 0;
+    for (int i = 0; i < count; i++) {
+        struct tensor *w = all[i];
+        if (!matmul_packs(m->isa, w->t, w->n, w->k)) continue;
+        pack_rows(w->t, w->data, w->n, w->k, self->packed + at);
+        w->packed = self->packed + at;
+        if (release) { /* the whole pages inside the matrix */
+            uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = (uintptr_t)w->data;
+            uintptr_t hi = lo + (uintptr_t)w->n * (uintptr_t)(w->k / w->t->block) * (uintptr_t)w->t->bytes;
+            lo = (lo + page - 1) / page * page, hi = hi / page * page;
+            if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+        }
+        at += pack_bytes(w->t, w->n, w->k);
+        all[packs++] = w;
+    }
+    Py_END_ALLOW_THREADS
+    self->packed_bytes = (Py_ssize_t)total;
+    if (!self->packed_ranges || _PyTuple_Resize(&self->packed_ranges, packs) != 0) {
+        free(all);
+        return -1;
+    }
+    for (int i = 0; i < packs; i++) {
+        Py_ssize_t offset = (const uint8_t *)all[i]->data - (const uint8_t *)self->file.buf;
+        Py_ssize_t bytes = (Py_ssize_t)((size_t)all[i]->n * (size_t)(all[i]->k / all[i]->t->block) * all[i]->t->bytes);
+        PyObject *range = Py_BuildValue("(nn)", offset, bytes);
+        if (!range) {
+            free(all);
+            return -1;
+        }
+        PyTuple_SET_ITEM(self->packed_ranges, i, range);
+    }
+    free(all);
+    return 0;
+}
+
 static void model_dealloc(ModelObject *self) {
     if (self->m.pool) pool_free(self->m.pool);
+    free(self->packed);
+    Py_XDECREF(self->packed_ranges);
     free(self->m.layers);
     if (self->have_file) PyBuffer_Release(&self->file);
     pthread_mutex_destroy(&self->lock);
@@ -229,12 +364,13 @@ static const char *const LAYER_TENSORS[12] = {"attn_norm.weight", "attn_q.weight
                                              "ffn_norm.weight", "ffn_gate.weight", "ffn_up.weight", "ffn_down.weight"};
 
 static int model_init(ModelObject *self, PyObject *args, PyObject *kw) {
-    static char *kwlist[] = {"file", "config", "embd", "out_norm", "output", "layers", "threads", "isa", NULL};
+    static char *kwlist[] = {"file", "config", "embd", "out_norm", "output", "layers", "threads", "isa",
+                             "release_packed", NULL};
     PyObject *file, *config, *embd, *out_norm, *output, *layers;
-    int threads = 1;
+    int threads = 1, release = 0;
     const char *isa_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|i$z", kwlist, &file, &config, &embd, &out_norm, &output,
-                                     &layers, &threads, &isa_name))
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|i$zp", kwlist, &file, &config, &embd, &out_norm, &output,
+                                     &layers, &threads, &isa_name, &release))
         return -1;
     pthread_mutex_init(&self->lock, NULL);
     if (PyObject_GetBuffer(file, &self->file, PyBUF_SIMPLE) != 0) return -1;
@@ -298,8 +434,8 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kw) {
         if (check_layer(m, &m->layers[l], l) != 0) return -1;
     }
     m->pool = pool_new(threads);
-    if (!m->pool) {
-        PyErr_NoMemory();
+    if (!m->pool || model_pack(self, release) != 0) {
+        if (!PyErr_Occurred()) PyErr_NoMemory();
         return -1;
     }
     return 0;
@@ -411,20 +547,31 @@ static PyMethodDef model_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyMemberDef model_members[] = {
+    {"packed_bytes", T_PYSSIZET, offsetof(ModelObject, packed_bytes), READONLY,
+     "bytes of the matrices repacked at load for the path's interleaved kernels (pack.h), 0 if none"},
+    {"packed_ranges", T_OBJECT, offsetof(ModelObject, packed_ranges), READONLY,
+     "((offset, bytes), ...): the file ranges of the repacked matrices, which passes no longer read"},
+    {NULL, 0, 0, 0, NULL},
+};
+
 static PyTypeObject ModelType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "memspec.runtime._native.Model",
     .tp_basicsize = sizeof(ModelObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Model(file, config, embd, out_norm, output, layers, threads=1, *, isa=None): a llama/qwen2 decoder "
-              "over a mapped GGUF (memspec.runtime.native_target builds it).",
+    .tp_doc = "Model(file, config, embd, out_norm, output, layers, threads=1, *, isa=None, release_packed=False): a "
+              "llama/qwen2 decoder over a mapped GGUF (memspec.runtime.native_target builds it).  release_packed: "
+              "file is a shared mapping of the GGUF, whose pages under the matrices repacked at load may be dropped.",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)model_init,
     .tp_dealloc = (destructor)model_dealloc,
     .tp_methods = model_methods,
+    .tp_members = model_members,
 };
 
 static PyMethodDef methods[] = {
     {"matmul", (PyCFunction)(void (*)(void))py_matmul, METH_VARARGS | METH_KEYWORDS, matmul_doc},
+    {"pack", (PyCFunction)(void (*)(void))py_pack, METH_VARARGS | METH_KEYWORDS, pack_doc},
     {"isa", py_isa, METH_NOARGS, "isa() -> str: the path matmul uses by default (\"avx512\", \"avx2\", \"neon\", \"scalar\")."},
     {"isas", py_isas, METH_NOARGS, "isas() -> tuple of str: every path this CPU can run."},
     {NULL, NULL, 0, NULL},

@@ -1,0 +1,51 @@
+/* Interleaved layouts: the blocks of 8 weight rows side by side, repacked once at load.
+ *
+ * A kernel that computes 8 outputs at once then reads one contiguous run of bytes per block
+ * column and keeps the 8 outputs in the lanes of one vector: no horizontal sum per row and
+ * block, and each weight vector serves every activation row of the pass.  Repacking is
+ * lossless (the same integers, the same fp16 scales, only moved), and a row's float updates
+ * are dot.h's k_update, block after block, exactly as on the row layout: the outputs are the
+ * same bits.  Which types a path takes interleaved is its struct dot_isa's packed_types. */
+#ifndef MEMSPEC_PACK_H
+#define MEMSPEC_PACK_H
+
+#include <stddef.h>
+
+#include "quants.h"
+
+#define PACK_ROWS 8 /* weight rows interleaved */
+
+/* Block column c of Q4_K rows 8g .. 8g+7 (1184 bytes against 8 x 144: 2.8% more, for the
+ * scales and mins unpacked to bytes). */
+typedef struct {
+    uint16_t d[8], dmin[8]; /* row o's d and dmin, fp16 as stored */
+    uint8_t sc[8][8];       /* [sub-block j][row o]: the 6-bit scale */
+    uint8_t mn[8][8];       /* [j][o]: the 6-bit min */
+    /* sub-block j (weights 32j .. 32j+31): 4 vectors of 32 bytes; in vector v, byte 4o + t holds
+     * row o's weight 32j + 4v + t in its low nibble and weight 32j + 16 + 4v + t in its high one */
+    uint8_t qs[8][128];
+} block_q4_Kx8;
+
+/* Block column c of Q6_K rows 8g .. 8g+7 (1680 bytes: 8 x 210, the same bits moved).  Pair f of
+ * 16-weight sub-blocks (weights 32f .. 32f+31) is laid out as Q4_K's sub-block: in vector v of
+ * pair[f].ql, byte 4o + t holds the low 4 bits of row o's weight 32f + 4v + t (low nibble) and of
+ * 32f + 16 + 4v + t (high); so vector p = 0..7 of the pair (low nibbles, then high) holds weights
+ * 32f + 4p + t, and bits 2s, 2s+1 of byte 4o + t in pair[f].qh[32u ..] are that weight's top 2 bits
+ * for p = 4u + s. */
+typedef struct {
+    uint16_t d[8];     /* row o's d, fp16 as stored */
+    int8_t sc[16][8];  /* [sub-block j][row o]: the int8 scale */
+    struct {
+        uint8_t ql[128];
+        uint8_t qh[64];
+    } pair[8];         /* pairs in the order they are read */
+} block_q6_Kx8;
+
+/* Bytes of the interleaved form of an (n, k) matrix of type t, or 0 when t has none or n is
+ * not a multiple of PACK_ROWS. */
+size_t pack_bytes(const struct type_info *t, int n, int k);
+
+/* Interleave the (n, k) matrix w of type t (pack_bytes > 0) into out (pack_bytes of them). */
+void pack_rows(const struct type_info *t, const uint8_t *w, int n, int k, uint8_t *out);
+
+#endif
