@@ -297,9 +297,36 @@ static int model_matrices(struct model *m, struct tensor **out) {
     return n;
 }
 
-/* Repack every matrix the path multiplies interleaved into one buffer; with `release` (the file is
- * a shared mapping of the GGUF: its pages can be read again), drop each one's mapped pages once
- * repacked, so that the load never holds both copies.  0, or -1 out of memory. */
+/* One matrix to repack (pack_share): its rows, where the copy goes, whether to drop the rows' pages. */
+struct pack_job {
+    struct tensor *w;
+    uint8_t *out;
+    int release;
+};
+
+/* Drop the whole pages inside [p, p + bytes) of a shared file mapping (read again if touched). */
+static void release_pages(const uint8_t *p, size_t bytes) {
+    uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = (uintptr_t)p, hi = lo + bytes;
+    lo = (lo + page - 1) / page * page, hi = hi / page * page;
+    if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
+}
+
+/* Thread i of n repacks its share of the matrix's groups of PACK_ROWS rows (pool_fn). */
+static void pack_share(void *arg, int i, int n) {
+    const struct pack_job *job = arg;
+    const struct tensor *w = job->w;
+    int lo, hi;
+    pool_range(w->n / PACK_ROWS, i, n, &lo, &hi);
+    size_t row = (size_t)(w->k / w->t->block) * w->t->bytes, group = pack_bytes(w->t, PACK_ROWS, w->k);
+    const uint8_t *rows = w->data + (size_t)lo * PACK_ROWS * row;
+    pack_rows(w->t, rows, (hi - lo) * PACK_ROWS, w->k, job->out + (size_t)lo * group);
+    if (job->release) release_pages(rows, (size_t)(hi - lo) * PACK_ROWS * row);
+}
+
+/* Repack every matrix the path multiplies interleaved into one buffer, the pool's threads sharing
+ * each; with `release` (the file is a shared mapping of the GGUF: its pages can be read again),
+ * drop each share's mapped pages once repacked, so that the load never holds both copies.  0, or
+ * -1 out of memory. */
 static int model_pack(ModelObject *self, int release) {
     struct model *m = &self->m;
     struct tensor **all = malloc(sizeof(*all) * (size_t)(7 * m->n_layers + 1));
@@ -318,14 +345,11 @@ static int model_pack(ModelObject *self, int release) {
     for (int i = 0; i < count; i++) {
         struct tensor *w = all[i];
         if (!matmul_packs(m->isa, w->t, w->n, w->k)) continue;
-        pack_rows(w->t, w->data, w->n, w->k, self->packed + at);
+        struct pack_job job = {w, self->packed + at, release};
+        pool_run(m->pool, pack_share, &job);
+        if (release) /* the pages the shares straddle */
+            release_pages(w->data, (size_t)w->n * (size_t)(w->k / w->t->block) * w->t->bytes);
         w->packed = self->packed + at;
-        if (release) { /* the whole pages inside the matrix */
-            uintptr_t page = (uintptr_t)sysconf(_SC_PAGESIZE), lo = (uintptr_t)w->data;
-            uintptr_t hi = lo + (uintptr_t)w->n * (uintptr_t)(w->k / w->t->block) * (uintptr_t)w->t->bytes;
-            lo = (lo + page - 1) / page * page, hi = hi / page * page;
-            if (hi > lo) madvise((void *)lo, hi - lo, MADV_DONTNEED);
-        }
         at += pack_bytes(w->t, w->n, w->k);
         all[packs++] = w;
     }
