@@ -63,16 +63,21 @@ def weights(qtype: str, layers: int) -> tuple[list[np.ndarray], str]:
 def median_ms(mats: list[np.ndarray], tid: int, n: int, k: int, x: np.ndarray, threads: int, repeats: int,
               isas: list[str]) -> dict[str, float]:
     """Per path, the median milliseconds per matrix over `repeats` passes through `mats`, the
-    paths taking turns within each repeat."""
+    paths taking turns within each repeat.  Each path multiplies the layout the native target
+    gives it (interleaved at load where the path packs the type: packed once here, not timed)."""
+    layouts = {isa: [kernels.pack(raw, tid, n, k, isa=isa) for raw in mats] for isa in isas}
+
+    def run(isa: str) -> None:
+        for raw, packed in zip(mats, layouts[isa]):
+            kernels.matmul(raw, tid, n, k, x, threads=threads, isa=isa, packed=False if packed is None else packed)
+
     for isa in isas:  # warm up
-        for raw in mats:
-            kernels.matmul(raw, tid, n, k, x, threads=threads, isa=isa)
+        run(isa)
     times: dict[str, list[float]] = {isa: [] for isa in isas}
     for _ in range(repeats):
         for isa in isas:
             start = time.perf_counter()
-            for raw in mats:
-                kernels.matmul(raw, tid, n, k, x, threads=threads, isa=isa)
+            run(isa)
             times[isa].append((time.perf_counter() - start) / len(mats))
     return {isa: 1e3 * float(np.median(t)) for isa, t in times.items()}
 

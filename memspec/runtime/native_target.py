@@ -162,8 +162,9 @@ class NativeTarget:
 class NativeBatch:
     """The batch loop's pass over several requests' rows on the native target
     (memspec.speculation.batching): NativeTarget.forward_batch itself.  Each row's logits are what
-    it gets alone, at any row count, by construction; the pass reads the one mapped copy of the
-    weights, so batching costs no memory beyond each request's own KV cache."""
+    it gets alone, at any row count, by construction; the pass reads the target's one copy of the
+    weights (mapped, or repacked at load), so batching costs no memory beyond each request's own KV
+    cache."""
 
     weight_bytes = 0  # no second copy of the weights (ONNX Runtime's batched graph holds one)
 
