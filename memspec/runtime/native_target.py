@@ -8,8 +8,8 @@
 
 The file is memory-mapped and its blocks are computed on where they lie (memspec/runtime/native/:
 the C extension memspec.runtime._native): no conversion, no second copy.  The matrices the CPU's
-path multiplies 8 rows at a time (Q4_K on AVX2) are repacked at load into that interleaved order,
-losslessly, and their mapped pages dropped: `file_bytes` counts what stays resident.  A row's logits are
+path multiplies 8 rows at a time (Q4_K and Q6_K on AVX2) are repacked at load into that interleaved
+order, losslessly, and their mapped pages dropped: `file_bytes` counts what stays resident.  A row's logits are
 one fixed sequence of operations on that row's sequence and the weights, so they are the same
 bit for bit whether its token is fed alone, among draft tokens, or beside other sequences' rows,
 at any thread count (model.h).  The KV cache is float16, one buffer per sequence whose pages the

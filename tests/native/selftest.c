@@ -34,7 +34,7 @@ static void scale_fields(int type, int *at, int *count) {
 }
 
 static void random_weights(const struct type_info *t, uint8_t *w, int n, int k) {
-    size_t bytes = (size_t)n * (k / t->block) * t->bytes;
+    size_t bytes = (size_t)n * row_bytes(t, k);
     for (size_t i = 0; i < bytes; i++) w[i] = (uint8_t)next();
     if (t->family == FAM_FLOAT) {
         for (size_t i = 0; i < (size_t)n * k; i++) {
@@ -65,7 +65,7 @@ static uint64_t fnv(uint64_t h, const void *p, size_t n) {
 
 static int check_type(const struct dot_isa *isa, int type, int k) {
     const struct type_info *t = type_info(type);
-    size_t row = (size_t)(k / t->block) * t->bytes;
+    size_t row = row_bytes(t, k);
     uint8_t *w = malloc(N * row);
     float *x = malloc(sizeof(float) * M * k), *full = malloc(sizeof(float) * M * N), *part = malloc(sizeof(float) * M * N);
     float *deq = malloc(sizeof(float) * k);

@@ -118,8 +118,8 @@ AVX2 static INLINE void q6k_x8(const block_q6_Kx8 *w, int k, const struct acts *
                 __m256i top = p == 0 ? _mm256_slli_epi16(h, 4) : p == 1 ? _mm256_slli_epi16(h, 2) : p == 2 ? h : _mm256_srli_epi16(h, 2);
                 q[p] = _mm256_or_si256(lo, _mm256_and_si256(top, m2));
             }
-            __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)b->sc[j]),
-                                                                _mm_loadl_epi64((const __m128i *)b->sc[j])));
+            __m128i s8 = _mm_loadl_epi64((const __m128i *)b->sc[j]);
+            __m256i sc = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(s8, s8)); /* pairs16, signed */
 #pragma GCC unroll 4
             for (int i = 0; i < G; i++) {
                 const int8_t *x = a->q + at + i * stride + 16 * j;

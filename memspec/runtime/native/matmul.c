@@ -23,8 +23,6 @@ struct job {
     int n0, n1; /* this job's outputs */
 };
 
-static size_t row_bytes(const struct type_info *t, int k) { return (size_t)(k / t->block) * t->bytes; }
-
 /* Ask for the bytes [at + PREFETCH_BYTES, + len) of a stream that ends at `end` into L2 while
  * the bytes at `at` compute (locality 1: prefetcht2).  Not the non-temporal hint (0): on a Xeon
  * that fills L1 alone and the stream stays latency-bound (the 1.5B decoding, 2 threads: 97

@@ -210,8 +210,7 @@ static int check_batch(const struct model *m, const struct batch *b) {
 
 /* Row `id` of a (V, H) matrix of any supported type, as float32. */
 static void embed_row(const struct tensor *e, int id, float *out) {
-    size_t row = (size_t)(e->k / e->t->block) * e->t->bytes;
-    dequantize_row(e->t, e->data + (size_t)id * row, e->k, out);
+    dequantize_row(e->t, e->data + (size_t)id * row_bytes(e->t, e->k), e->k, out);
 }
 
 int model_forward(const struct model *m, const struct batch *b) {

@@ -76,7 +76,7 @@ static int get_weights(PyObject *obj, Py_buffer *b, const struct type_info *t, P
         PyErr_Format(PyExc_ValueError, "weights must be a contiguous buffer, got %s", Py_TYPE(obj)->tp_name);
         return -1;
     }
-    Py_ssize_t need = (Py_ssize_t)((size_t)n * (size_t)(k / t->block) * (size_t)t->bytes);
+    Py_ssize_t need = (Py_ssize_t)((size_t)n * row_bytes(t, (int)k));
     if (b->len < need) {
         PyErr_Format(PyExc_ValueError, "weights hold %zd bytes; a %s matrix of n=%zd rows, k=%zd needs %zd", b->len,
                      t->name, n, k, need);
@@ -236,7 +236,7 @@ static int parse_tensor(ModelObject *self, PyObject *spec, struct tensor *out, c
                      t->block);
         return -1;
     }
-    size_t bytes = (size_t)n * (size_t)(k / t->block) * (size_t)t->bytes;
+    size_t bytes = (size_t)n * row_bytes(t, (int)k);
     if (offset < 0 || (size_t)offset + bytes > (size_t)self->file.len) {
         PyErr_Format(PyExc_ValueError, "tensor %s: %zu bytes at offset %zd run past the file's %zd bytes (truncated?)",
                      what, bytes, offset, self->file.len);
@@ -317,7 +317,7 @@ static void pack_share(void *arg, int i, int n) {
     const struct tensor *w = job->w;
     int lo, hi;
     pool_range(w->n / PACK_ROWS, i, n, &lo, &hi);
-    size_t row = (size_t)(w->k / w->t->block) * w->t->bytes, group = pack_bytes(w->t, PACK_ROWS, w->k);
+    size_t row = row_bytes(w->t, w->k), group = pack_bytes(w->t, PACK_ROWS, w->k);
     const uint8_t *rows = w->data + (size_t)lo * PACK_ROWS * row;
     pack_rows(w->t, rows, (hi - lo) * PACK_ROWS, w->k, job->out + (size_t)lo * group);
     if (job->release) release_pages(rows, (size_t)(hi - lo) * PACK_ROWS * row);
@@ -333,36 +333,31 @@ static int model_pack(ModelObject *self, int release) {
     if (!all) return -1;
     int count = model_matrices(m, all), packs = 0;
     size_t total = 0;
-    for (int i = 0; i < count; i++)
-        if (matmul_packs(m->isa, all[i]->t, all[i]->n, all[i]->k)) total += pack_bytes(all[i]->t, all[i]->n, all[i]->k);
-    if (total && posix_memalign((void **)&self->packed, 64, total) != 0) {
+    for (int i = 0; i < count; i++) /* keep the matrices the path packs, in order */
+        if (matmul_packs(m->isa, all[i]->t, all[i]->n, all[i]->k)) {
+            total += pack_bytes(all[i]->t, all[i]->n, all[i]->k);
+            all[packs++] = all[i];
+        }
+    if ((total && posix_memalign((void **)&self->packed, 64, total) != 0) ||
+        !(self->packed_ranges = PyTuple_New(packs))) {
         free(all);
         return -1;
     }
-    self->packed_ranges = PyTuple_New(0);
     Py_BEGIN_ALLOW_THREADS
-    size_t at = 0;
-    for (int i = 0; i < count; i++) {
+    uint8_t *at = self->packed;
+    for (int i = 0; i < packs; i++) {
         struct tensor *w = all[i];
-        if (!matmul_packs(m->isa, w->t, w->n, w->k)) continue;
-        struct pack_job job = {w, self->packed + at, release};
+        struct pack_job job = {w, at, release};
         pool_run(m->pool, pack_share, &job);
-        if (release) /* the pages the shares straddle */
-            release_pages(w->data, (size_t)w->n * (size_t)(w->k / w->t->block) * w->t->bytes);
-        w->packed = self->packed + at;
+        if (release) release_pages(w->data, (size_t)w->n * row_bytes(w->t, w->k)); /* the pages shares straddle */
+        w->packed = at;
         at += pack_bytes(w->t, w->n, w->k);
-        all[packs++] = w;
     }
     Py_END_ALLOW_THREADS
     self->packed_bytes = (Py_ssize_t)total;
-    if (!self->packed_ranges || _PyTuple_Resize(&self->packed_ranges, packs) != 0) {
-        free(all);
-        return -1;
-    }
     for (int i = 0; i < packs; i++) {
         Py_ssize_t offset = (const uint8_t *)all[i]->data - (const uint8_t *)self->file.buf;
-        Py_ssize_t bytes = (Py_ssize_t)((size_t)all[i]->n * (size_t)(all[i]->k / all[i]->t->block) * all[i]->t->bytes);
-        PyObject *range = Py_BuildValue("(nn)", offset, bytes);
+        PyObject *range = Py_BuildValue("(nn)", offset, (Py_ssize_t)((size_t)all[i]->n * row_bytes(all[i]->t, all[i]->k)));
         if (!range) {
             free(all);
             return -1;

@@ -47,6 +47,9 @@ struct type_info {
 };
 
 const struct type_info *type_info(int id); /* NULL when the type is not supported */
+
+/* Bytes of one row of k weights of type t (k a multiple of its block), as the file stores it. */
+static inline size_t row_bytes(const struct type_info *t, int k) { return (size_t)(k / t->block) * (size_t)t->bytes; }
 const char *ggml_type_name(int id);        /* any ggml type id, for messages ("?" if unknown) */
 extern const char SUPPORTED_TYPES[];       /* "F32, F16, ..." for messages */
 
