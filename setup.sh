@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One command from a fresh clone to a working memspec:
-#   creates .venv, installs memspec with its test tools, pulls SmolLM2-135M into the
-#   model store (converted to ONNX: fp32 and q4), then answers one prompt.
+#   creates .venv, installs memspec with its test tools (building its native kernels), pulls
+#   SmolLM2-135M's GGUF into the model store (the native engine runs it as it is; where ONNX
+#   Runtime runs targets, a GPU or no compiler, its fp32 and q4 graphs too), then answers one prompt.
 set -euo pipefail
 cd "$(dirname "$0")"
 PY=${PYTHON:-python3}

@@ -38,14 +38,16 @@ def cmd_pull(args) -> int:
     from memspec.models.pull import import_gguf, pull
 
     store = _store(args)
-    variants = tuple(args.variant) if args.variant else None  # None: the model's defaults
+    # None: the model's defaults where ONNX Runtime runs targets here, else the GGUF alone (pull.onnx_wanted)
+    variants = tuple(args.variant) if args.variant else None
     if args.gguf:
         name = args.name or Path(args.gguf).stem.lower().replace(" ", "-")
-        import_gguf(store, Path(args.gguf), name, variants, progress=_progress, force=args.force)
+        import_gguf(store, Path(args.gguf), name, variants, progress=_progress, force=args.force,
+                    runtime=args.config.runtime)
     else:
         if not args.model:
             raise CLIError("give a model name (e.g. `memspec pull smollm2-135m`) or --gguf PATH")
-        pull(store, args.model, variants, progress=_progress, force=args.force)
+        pull(store, args.model, variants, progress=_progress, force=args.force, runtime=args.config.runtime)
     return 0
 
 
@@ -62,8 +64,9 @@ def cmd_models(args) -> int:
         return 0
     print(f"{'NAME':<24} {'ROLE':<7} {'VARIANTS':<12} {'SIZE':>9}  SOURCE")
     for m in models:
-        print(f"{m.name:<24} {m.role:<7} {','.join(sorted(m.variants)):<12} "
-              f"{m.total_bytes / 1e6:>7.1f}MB  {m.provenance.get('source', '?')}")
+        have = store.runnable(m)  # its graphs, and its GGUF where the store has it
+        print(f"{m.name:<24} {m.role:<7} {','.join(have) or '-':<12} "
+              f"{(m.total_bytes + have.get('gguf', 0)) / 1e6:>7.1f}MB  {m.provenance.get('source', '?')}")
     return 0
 
 

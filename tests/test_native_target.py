@@ -234,6 +234,27 @@ def test_a_backend_that_cannot_run_is_a_config_error(gguf_path, model_store):
         BatchedTarget(load_target(gguf_path, backend="native"), rows=2)
 
 
+def test_auto_runs_the_target_on_a_gpu_that_onnx_runtime_reports(monkeypatch):
+    """providers = "auto" on a Jetson with onnxruntime-gpu: ONNX Runtime on CUDA (the README's engine
+    table), not the native engine on the CPU; backend = "native" there still runs on the CPU."""
+    import onnxruntime as ort
+
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.target import needs_onnx, on_gpu, resolve_backend
+
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    cpu_only = ["CPUExecutionProvider"]
+    monkeypatch.setattr(ort, "get_available_providers", lambda: cpu_only)
+    assert not on_gpu(("auto",)) and resolve_backend("auto", ("auto",)) == "native"
+    assert not needs_onnx(SessionConfig())
+    monkeypatch.setattr(ort, "get_available_providers", lambda: ["CUDAExecutionProvider", *cpu_only])
+    assert on_gpu(("auto",)) and resolve_backend("auto", ("auto",)) == "onnxruntime"
+    assert needs_onnx(SessionConfig())
+    assert not on_gpu(("CPUExecutionProvider",)) and resolve_backend("auto", ("CPUExecutionProvider",)) == "native"
+    assert resolve_backend("native", ("auto",)) == "native"
+    assert needs_onnx(SessionConfig(backend="native", providers=("CUDAExecutionProvider",)))  # a config error
+
+
 def test_a_gguf_that_is_not_the_one_pulled_is_refused(model_store, tmp_path):
     """The store checks the GGUF against the sha256 its manifest recorded before the engine maps it."""
     from memspec.models.store import ModelStore

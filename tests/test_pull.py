@@ -40,7 +40,7 @@ def test_manifest_describes_the_pulled_model(model_store):
 
 def test_second_pull_is_a_no_op(model_store):
     said = []
-    pull(model_store, "smollm2-135m", progress=said.append)
+    pull(model_store, "smollm2-135m", progress=said.append)  # no --variant: the graphs it has are kept
     assert any("up to date" in s for s in said), said
     assert not any("converting" in s for s in said)
 
@@ -290,14 +290,25 @@ def test_bad_parts_leave_nothing_in_the_store(tmp_path, known, damage, message):
     assert not store.model_dir("fake-model").exists()
 
 
-def test_pull_builds_the_sources_default_variants(tmp_path, known, monkeypatch):
+def test_pull_builds_the_sources_default_variants_where_onnx_runtime_runs_the_target(tmp_path, known, monkeypatch):
+    """No --variant: the source's graphs where ONNX Runtime runs targets here (a GPU, no native kernels,
+    backend = "onnxruntime"), none where the native engine runs the GGUF; a --variant is built anyway."""
+    from memspec.runtime import kernels
+    from memspec.runtime.config import SessionConfig
+
     asked = []
     monkeypatch.setattr(pull_module, "import_gguf", lambda store, gguf, name, variants, *a: asked.append(variants))
     source, parts = split(DATA, 2, variants=("q4",))
     known("fake-model", source, parts)
-    pull(ModelStore(tmp_path, shipped=None), "fake-model")
-    pull(ModelStore(tmp_path, shipped=None), "fake-model", ("fp32",))
-    assert asked == [("q4",), ("fp32",)]
+    store = ModelStore(tmp_path, shipped=None)
+    pull(store, "fake-model", runtime=SessionConfig(backend="onnxruntime"))
+    pull(store, "fake-model", ("fp32",), runtime=SessionConfig(backend="native"))
+    monkeypatch.setattr(kernels, "available", lambda: True)
+    pull(store, "fake-model", runtime=SessionConfig(backend="auto"))
+    pull(store, "fake-model", runtime=SessionConfig(backend="auto", providers=("CUDAExecutionProvider",)))
+    monkeypatch.setattr(kernels, "available", lambda: False)  # no compiler at install: ONNX Runtime runs it
+    pull(store, "fake-model", runtime=SessionConfig(backend="auto"))
+    assert asked == [("q4",), ("fp32",), (), ("q4",), ("q4",)]
 
 
 def test_unsupported_architecture_exits_cleanly(tmp_path, known, monkeypatch, capsys):
@@ -405,6 +416,7 @@ def test_a_big_gguf_gets_q4_only_by_default(tmp_path, monkeypatch, failing_conve
     assert pull_module.default_variants(gguf) == ("q4",)
     store = ModelStore(tmp_path / "small", shipped=None)
     monkeypatch.setattr(pull_module, "FP32_DEFAULT_LIMIT", 2 * 1024**3)
+    monkeypatch.setattr(pull_module, "onnx_wanted", lambda runtime=None: True)  # where ONNX Runtime runs it
     with pytest.raises(ModelFormatError, match="cannot build the q4 variant"):  # fp32 first, then q4
         import_gguf(store, gguf, "m")
     assert set(store.get("m").variants) == {"fp32"}
@@ -429,3 +441,65 @@ def test_a_model_converted_by_an_older_graph_is_converted_again(tmp_path, failin
     import_gguf(store, gguf, "m", ("fp32",), progress=lines.append)
     assert not any("up to date" in line or "already converted" in line for line in lines), lines
     assert store.get("m").provenance["graph"] == pull_module.GRAPH_VERSION
+
+
+@pytest.mark.model
+def test_a_gguf_alone_is_a_target_the_native_engine_runs(tmp_path, gguf_path, monkeypatch, capsys):
+    """Where the native engine runs targets, an import (or pull) with no --variant converts nothing:
+    the GGUF is kept in the store (a hard link, no second copy), checked by sha256 when it is
+    opened, listed as "gguf", and runs; ONNX Runtime's error names the pull that builds a graph."""
+    import os
+
+    from memspec.cli import main
+    from memspec.runtime import kernels
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.target import load_target, open_target
+
+    if not kernels.available():
+        pytest.skip(kernels.NOT_BUILT)
+    store = ModelStore(tmp_path / "store", shipped=None)
+    local = tmp_path / "mine.gguf"
+    os.link(gguf_path, local) if os.stat(gguf_path).st_dev == os.stat(tmp_path).st_dev else shutil.copy(gguf_path,
+                                                                                                             local)
+    said = []
+    m = import_gguf(store, local, "mine", progress=said.append)
+    assert m.variants == {} and not any("converting" in x for x in said), said
+    assert any("the native engine runs" in x and "--variant q4" in x for x in said), said
+    kept = store.gguf_of(m)  # in downloads/, named by its sha256, the same bytes
+    assert kept.parent == store.downloads_dir and kept.name == f"mine-{m.provenance['gguf_sha256'][:16]}.gguf"
+    assert os.stat(kept).st_ino == os.stat(local).st_ino  # linked, not copied
+    assert m.provenance["source"] == f"local file {local}" and set(store.runnable(m)) == {"gguf"}
+    t = load_target("mine", backend="auto", threads=1, max_context=64, store=store)
+    assert t.providers[0].startswith("memspec-native") and t.forward(t.new_cache(), [1, 2, 3]).shape[0] == 1
+    with pytest.raises(ModelNotFoundError, match=r"has no variant 'q4' \(has: none: it was pulled with its GGUF "
+                                                 r"alone.*memspec pull mine --variant q4"):
+        open_target(store, m, "q4", SessionConfig(backend="onnxruntime", max_context=64))
+    said.clear()  # up to date: nothing converted, nothing copied
+    assert import_gguf(store, local, "mine", progress=said.append).variants == {}
+    assert said == ["mine: up to date (gguf)"]
+    monkeypatch.setenv("MEMSPEC_HOME", str(store.home))
+    assert main(["models"]) == 0
+    row = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("mine "))
+    assert row.split()[2] == "gguf" and f"{(m.total_bytes + kept.stat().st_size) / 1e6:.1f}MB" in row
+
+
+@pytest.mark.model
+def test_a_gguf_on_another_file_system_is_copied_and_a_replaced_one_removed(tmp_path, gguf_path, monkeypatch):
+    import os
+
+    store = ModelStore(tmp_path / "store", shipped=None)
+    local = tmp_path / "mine.gguf"
+    shutil.copy(gguf_path, local)
+
+    def no_links(src, dst):
+        raise OSError(18, "Invalid cross-device link")
+
+    monkeypatch.setattr(os, "link", no_links)
+    first = store.gguf_of(import_gguf(store, local, "mine", ()))
+    assert os.stat(first).st_ino != os.stat(local).st_ino and first.read_bytes() == local.read_bytes()
+    other = store.downloads_dir / f"mine2-{'0' * 16}.gguf"  # another model's kept GGUF: not this one's
+    other.write_bytes(b"GGUF")
+    with open(local, "ab") as f:  # a different file (bytes past the tensors) under the same name replaces it
+        f.write(b"\0" * 32)
+    second = store.gguf_of(import_gguf(store, local, "mine", (), force=True))
+    assert second != first and not first.exists() and other.exists()

@@ -130,7 +130,14 @@ class FakeStore:
         return list(self.manifests.values())
 
     def gguf_path(self, manifest):
-        return None  # pulled without a GGUF: "auto" runs these fakes as ONNX Runtime targets
+        return getattr(manifest, "gguf", None)  # None: pulled without a GGUF, "auto" runs it in ONNX Runtime
+
+    def gguf_of(self, manifest):
+        return manifest.gguf
+
+    def runnable(self, manifest):
+        gguf = self.gguf_path(manifest)
+        return {**{v: 5 * MiB for v in manifest.variants}, **({"gguf": gguf.stat().st_size} if gguf else {})}
 
 
 class Harness:
@@ -483,6 +490,28 @@ def test_load_and_unload(h):
     tiny, other = h.engines[-2:]
     h.backend.close()  # daemon shutdown
     assert (tiny.closed, other.closed) == (1, 1) and h.backend.engine is None
+
+
+def test_a_target_pulled_with_its_gguf_alone_loads_on_the_native_engine(h, tmp_path):
+    """No ONNX graph, only the GGUF (a pull where the native engine runs targets): it loads as q4, planned
+    at the mapped file's footprint, and is listed with its GGUF."""
+    from memspec.runtime import kernels
+    from memspec.runtime.target import NATIVE_FOOTPRINT_PER_FILE_BYTE
+
+    if not kernels.available():
+        pytest.skip(kernels.NOT_BUILT)
+    gguf = tmp_path / "bare.gguf"
+    gguf.write_bytes(b"GGUF" + bytes(4 * MiB))
+    bare = SimpleNamespace(name="bare", role="target", variants={}, provenance={"source": "test"}, gguf=gguf,
+                           variant_path=FakeStore._variant("bare"))
+    h.backend.store.manifests["bare"] = bare
+    assert h.backend._plan("bare", None) == ("q4", int(gguf.stat().st_size * NATIVE_FOOTPRINT_PER_FILE_BYTE))
+    assert h.backend._plan("bare", "gguf")[0] == "q4"
+    with pytest.raises(ModelNotFoundError, match="no variant 'fp32'"):
+        h.backend._plan("bare", "fp32")
+    out = h.client.load("bare")
+    assert out["model"]["name"] == "bare" and h.engine.target.variant == "q4"
+    assert {m["name"]: m for m in h.client.models()}["bare"]["variants"] == {"gguf": gguf.stat().st_size}
 
 
 def test_status_reports_what_exists(h):

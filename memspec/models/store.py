@@ -126,9 +126,10 @@ class Manifest:
 
     def variant_path(self, variant: str) -> Path:
         if variant not in self.variants:
-            raise ModelNotFoundError(
-                f"model {self.name!r} has no variant {quote(variant)} (has: {', '.join(sorted(self.variants))})"
-            )
+            has = ", ".join(sorted(self.variants)) or (
+                "none: it was pulled with its GGUF alone, which the native engine runs; "
+                f"`memspec pull {self.name} --variant {variant}` builds this one for ONNX Runtime")
+            raise ModelNotFoundError(f"model {self.name!r} has no variant {quote(variant)} (has: {has})")
         return self.path_of(self.variants[variant])
 
     @property
@@ -236,6 +237,15 @@ class ModelStore:
         when its manifest records none (pulled by an older memspec)."""
         name, sha = manifest.provenance.get("gguf_file"), manifest.provenance.get("gguf_sha256")
         return self.downloads_dir / Path(str(name)).name if name and sha else None
+
+    def runnable(self, manifest: Manifest) -> dict[str, int]:
+        """{variant: bytes on disk} of what a model can run as: its ONNX graphs, then "gguf" where a
+        target's GGUF is in the store (what the native engine runs: runtime.target.NATIVE_VARIANT)."""
+        out = {v: manifest.variant_bytes(v) for v in sorted(manifest.variants)}
+        gguf = self.gguf_path(manifest) if manifest.role == "target" else None
+        if gguf is not None and gguf.is_file():
+            out["gguf"] = gguf.stat().st_size
+        return out
 
     def gguf_of(self, manifest: Manifest) -> Path:
         """The GGUF a target was pulled from, in the downloads folder, checked against the sha256 its

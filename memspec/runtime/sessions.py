@@ -32,7 +32,7 @@ except ImportError as exc:  # memspec does not depend on one ONNX Runtime build:
         f"ONNX Runtime is not installed ({exc}): pip install 'memspec[cpu]' (the onnxruntime package), or on a "
         f"Jetson the JetPack build of onnxruntime-gpu from NVIDIA's index (not both: they replace each other)"
     ) from None
-from memspec.runtime.config import SessionConfig
+from memspec.runtime.config import GPU_PROVIDERS, SessionConfig
 from memspec.runtime.invariance import UNCHECKED, RowCheck, settle
 from memspec.runtime.kvcache import PAGE, KVCache, kv_cache_nbytes  # noqa: F401 (PAGE: re-exported)
 from memspec.runtime.target import physical_cores
@@ -53,9 +53,6 @@ def resolve_providers(wanted: Sequence[str]) -> list[str]:
             f"(available: {', '.join(available)})"
         )
     return list(wanted)
-
-
-GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")
 
 
 def variant_for(variant: str, providers: Sequence[str], available: Iterable[str]) -> tuple[str, str | None]:

@@ -25,7 +25,7 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from memspec.errors import ConfigError
-from memspec.runtime.config import SessionConfig
+from memspec.runtime.config import GPU_PROVIDERS, SessionConfig
 from memspec.runtime.invariance import RowCheck
 from memspec.runtime.kvcache import KVCache
 
@@ -136,23 +136,44 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
+def on_gpu(providers: Sequence[str]) -> bool:
+    """Whether `[runtime] providers` put the target on a GPU: a provider other than the CPU's named,
+    or "auto" where this onnxruntime build has CUDA or TensorRT (a Jetson with onnxruntime-gpu)."""
+    if tuple(providers) in ((), ("auto",)):
+        try:
+            import onnxruntime as ort
+        except ImportError:  # no ONNX Runtime at all: no GPU provider either
+            return False
+        return any(p in GPU_PROVIDERS for p in ort.get_available_providers())
+    return any(p not in ("auto", "CPUExecutionProvider") for p in providers)
+
+
 def resolve_backend(backend: str, providers: Sequence[str]) -> str:
     """"native" or "onnxruntime" for `[runtime] backend` on these providers (config names)."""
     from memspec.runtime import kernels
 
     if backend not in BACKENDS:
         raise ConfigError(f"[runtime] backend: {backend!r} is not an engine; choose one of {', '.join(BACKENDS)}")
-    gpu = any(p not in ("auto", "CPUExecutionProvider") for p in providers)
-    if backend == "native":
-        if gpu:
+    if backend == "native":  # "auto" providers then mean the CPU's: the native engine runs there
+        if any(p not in ("auto", "CPUExecutionProvider") for p in providers):
             raise ConfigError(f"[runtime] backend = \"native\" runs on the CPU; providers {', '.join(providers)} ask "
                               f"for a GPU: set backend = \"onnxruntime\" (or \"auto\") for it")
         if not kernels.available():
             raise ConfigError(f"[runtime] backend = \"native\": {kernels.NOT_BUILT}")
         return "native"
     if backend == "auto":
-        return "native" if AUTO_NATIVE and not gpu and kernels.available() else "onnxruntime"
+        return "native" if AUTO_NATIVE and not on_gpu(providers) and kernels.available() else "onnxruntime"
     return backend
+
+
+def needs_onnx(config: SessionConfig) -> bool:
+    """Whether a target pulled here needs its ONNX graphs: the engine `config` picks on this machine
+    is ONNX Runtime (a GPU, no native kernels, or backend = "onnxruntime"), or the config cannot run
+    natively at all.  Where it is the native engine, the GGUF alone runs the target."""
+    try:
+        return resolve_backend(config.backend, config.providers) == "onnxruntime"
+    except ConfigError:  # a config that runs no native target (native asked on a GPU, no kernels)
+        return True
 
 
 def engine_for(store, manifest, variant: str, config: SessionConfig) -> str:

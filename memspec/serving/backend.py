@@ -177,14 +177,19 @@ class EngineBackend:
             raise InvalidRequestError(f"{field}: {quote(name)} is a {manifest.role}; name a target, and pick a draft "
                                       f"with \"draft\" (drafts are loaded with their target)")
         have = sorted(manifest.variants)
+        native = engine_for(self.store, manifest, "q4", self.config.runtime) == "native"
         if variant == NATIVE_VARIANT:  # what status lists a native target as: the q4 blocks, run as they are
-            if engine_for(self.store, manifest, "q4", self.config.runtime) != "native":
+            if not native:
                 raise InvalidRequestError(f"variant: {NATIVE_VARIANT!r} is the native engine's, which does not run "
                                           f"{quote(name)} here ([runtime] backend = "
-                                          f"{quote(self.config.runtime.backend)}); ask for one of {', '.join(have)}")
+                                          f"{quote(self.config.runtime.backend)}); ask for one of "
+                                          f"{', '.join(have) or 'its ONNX variants, once pulled'}")
             variant = "q4"
-        variant = variant or next(v for v in (self.config.model.variant, "q4", *have) if v in have)
-        manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
+        # the configured variant where it has it, else q4 (a target pulled with its GGUF alone runs as
+        # q4 on the native engine), else its first graph
+        variant = variant or next((v for v in (self.config.model.variant, "q4", *have) if v in have), "q4")
+        if not (native and variant == "q4"):
+            manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
         return variant, planned_footprint(self.store, manifest, variant, self.config.runtime)
 
     def _load_engine(self, name: str, variant: str) -> ServingEngine:
@@ -243,7 +248,7 @@ class EngineBackend:
     def models(self) -> list[dict]:
         resident = {m["name"]: m["variant"] for _, e in self.targets.engines() for m in _resident(e)}
         return [{
-            "name": m.name, "role": m.role, "variants": {v: m.variant_bytes(v) for v in m.variants},
+            "name": m.name, "role": m.role, "variants": self.store.runnable(m),
             "source": m.provenance.get("source", ""), "resident": m.name in resident,
             "resident_variant": resident.get(m.name, ""),
         } for m in self.store.list()]
