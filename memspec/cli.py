@@ -38,7 +38,7 @@ def cmd_pull(args) -> int:
     from memspec.models.pull import import_gguf, pull
 
     store = _store(args)
-    # None: the model's defaults where ONNX Runtime runs targets here, else the GGUF alone (pull.onnx_wanted)
+    # None: the model's defaults where ONNX Runtime runs targets here, else the GGUF alone (pull.graphs_here)
     variants = tuple(args.variant) if args.variant else None
     if args.gguf:
         name = args.name or Path(args.gguf).stem.lower().replace(" ", "-")

@@ -308,7 +308,7 @@ def test_pull_builds_the_sources_default_variants_where_onnx_runtime_runs_the_ta
     pull(store, "fake-model", runtime=SessionConfig(backend="auto", providers=("CUDAExecutionProvider",)))
     monkeypatch.setattr(kernels, "available", lambda: False)  # no compiler at install: ONNX Runtime runs it
     pull(store, "fake-model", runtime=SessionConfig(backend="auto"))
-    assert asked == [("q4",), ("fp32",), (), ("q4",), ("q4",)]
+    assert asked == [("q4",), ("fp32",), (), ("q4", "q4f16"), ("q4",)]  # on CUDA, q4 runs from q4f16
 
 
 def test_unsupported_architecture_exits_cleanly(tmp_path, known, monkeypatch, capsys):
@@ -416,7 +416,7 @@ def test_a_big_gguf_gets_q4_only_by_default(tmp_path, monkeypatch, failing_conve
     assert pull_module.default_variants(gguf) == ("q4",)
     store = ModelStore(tmp_path / "small", shipped=None)
     monkeypatch.setattr(pull_module, "FP32_DEFAULT_LIMIT", 2 * 1024**3)
-    monkeypatch.setattr(pull_module, "onnx_wanted", lambda runtime=None: True)  # where ONNX Runtime runs it
+    monkeypatch.setattr(pull_module, "graphs_here", lambda defaults, runtime=None: defaults)  # ONNX Runtime's
     with pytest.raises(ModelFormatError, match="cannot build the q4 variant"):  # fp32 first, then q4
         import_gguf(store, gguf, "m")
     assert set(store.get("m").variants) == {"fp32"}

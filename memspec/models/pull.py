@@ -288,13 +288,19 @@ def _provenance(gguf: Path, source: Source | None, gguf_sha: str, local: Path | 
     }
 
 
-def onnx_wanted(runtime: SessionConfig | None = None) -> bool:
-    """Whether a pull with no --variant builds ONNX graphs: where ONNX Runtime runs targets under
-    `runtime` on this machine (a GPU provider, no native kernels, or backend = "onnxruntime").
-    Elsewhere the native engine runs the GGUF as it is, and the GGUF is all a target needs."""
-    from memspec.runtime.target import needs_onnx
+def graphs_here(defaults: tuple[str, ...], runtime: SessionConfig | None = None) -> tuple[str, ...]:
+    """The ONNX graphs a pull with no --variant builds: `defaults` where ONNX Runtime runs targets
+    under `runtime` on this machine (no native kernels, or backend = "onnxruntime"), with q4f16 beside
+    q4 where that is on a GPU (the graph CUDA runs q4 from: sessions.variant_for); none where the
+    native engine runs the GGUF as it is, which is then all a target needs."""
+    from memspec.runtime.target import needs_onnx, on_gpu
 
-    return needs_onnx(runtime or SessionConfig())
+    runtime = runtime or SessionConfig()
+    if not needs_onnx(runtime):
+        return ()
+    if on_gpu(runtime.providers) and "q4" in defaults and "q4f16" not in defaults:
+        return (*defaults, "q4f16")
+    return defaults
 
 
 KEPT_GGUF = re.compile(r"-[0-9a-f]{16}\.gguf")  # a --gguf import's file in downloads/: NAME + this
@@ -360,16 +366,16 @@ def default_variants(gguf: Path) -> tuple[str, ...]:
 def import_gguf(store: ModelStore, gguf: Path, name: str, variants: tuple[str, ...] | None = None,
                 source: Source | None = None, progress: Progress | None = None,
                 force: bool = False, runtime: SessionConfig | None = None) -> Manifest:
-    """Add a GGUF to the store as target `name`, with the ONNX graphs `variants` (None: where
-    onnx_wanted(runtime), default_variants(); else none, the native engine running the GGUF as it
-    is).  A local file (no `source`) is kept in the store's downloads/ (_keep_gguf).
+    """Add a GGUF to the store as target `name`, with the ONNX graphs `variants` (None:
+    graphs_here(default_variants())).  A local file (no `source`) is kept in the store's
+    downloads/ (_keep_gguf).
 
     On any failure the model folder keeps only what its manifest lists (variants finished
     before, so a later pull resumes there); a folder with no finished variant is removed."""
     check_name(name)
     model = GGUFModel(gguf)  # refuses unsupported or unreadable files before any work
     if variants is None:
-        variants = default_variants(gguf) if onnx_wanted(runtime) else ()
+        variants = graphs_here(default_variants(gguf), runtime)
     bad = [v for v in variants if v not in (*VARIANTS, *ON_REQUEST)]
     if bad:
         raise ModelNotFoundError(f"unknown variant(s) {', '.join(bad)}; choose from "
@@ -497,8 +503,8 @@ def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
          progress: Progress | None = None, force: bool = False, download: Downloader | None = None,
          runtime: SessionConfig | None = None) -> Manifest:
     """Fetch a known model by name, checked by sha256, with the ONNX graphs `variants` (None: the
-    model's own defaults where onnx_wanted(runtime), e.g. q4 only for the Qwen models, whose fp32
-    is gigabytes; else none: the native engine runs the GGUF); or build a known draft (KNOWN_DRAFTS)."""
+    model's own defaults where ONNX Runtime runs it, e.g. q4 only for the Qwen models, whose fp32 is
+    gigabytes; none where the native engine does: graphs_here); or build a known draft (KNOWN_DRAFTS)."""
     if name in KNOWN_DRAFTS:
         if variants and tuple(variants) != ("q4",):
             raise ModelNotFoundError(f"{name} is a draft built as one variant, q4; drop --variant")
@@ -512,7 +518,7 @@ def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
     _say(progress, f"pulling {name}")
     gguf = _fetch(store, source, progress, download)
     if variants is None:
-        variants = source.variants if onnx_wanted(runtime) else ()
+        variants = graphs_here(source.variants, runtime)
     return import_gguf(store, gguf, name, variants, source, progress, force)
 
 
