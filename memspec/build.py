@@ -12,12 +12,15 @@ from memspec.config import Config
 DRAFT_SOURCES = ("scheduler", "pool", "none")
 
 
-def build_engine(config: Config, variant: str | None = None, drafts: str = "scheduler"):
+def build_engine(config: Config, variant: str | None = None, drafts: str = "scheduler", serving: bool = False):
     """The target from the store named by the config, with its drafts.
 
     drafts="scheduler": a Scheduler ([scheduler] in the config) owns the drafts and picks each
     request's draft; "pool": every draft made for the target is loaded up front and a request
-    names the one it wants (the fixed-policy benchmark); "none": target only.
+    names the one it wants (the fixed-policy benchmark); "none": target only.  serving: the
+    daemon's engine, whose concurrent requests share batched passes under [runtime] batching; a
+    local command runs one request at a time and has no batch loop (nor its pass-cost table to
+    measure on first use: 30 s for SmolLM2 on 2 cores, minutes for the 1.5B).
     """
     from memspec.models.store import ModelStore
     from memspec.runtime.target import batching_on, open_batched
@@ -32,7 +35,7 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     spec = config.speculative
     limits = spec.draft_limits()
     batched = None
-    if batching_on(config.runtime.batching, target.variant):  # before the scheduler pins the target: its weights count
+    if serving and batching_on(config.runtime.batching, target.variant):  # before the scheduler pins the target
         batched = open_batched(target.session, config.server.max_concurrent)
         target.batched_bytes = batched.weight_bytes
     if drafts == "scheduler":

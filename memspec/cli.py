@@ -104,11 +104,17 @@ def _request(args, messages=None):
     )
 
 
-def load_engine(config, variant: str | None = None):
-    """Build the local engine from the config: the target and its draft pool from the store."""
+def load_engine(config, variant: str | None = None, serving: bool = False):
+    """Build the engine from the config: the target and its drafts from the store (serving: the
+    daemon's, which batches concurrent requests; memspec.build.build_engine)."""
     from memspec.build import build_engine
 
-    return build_engine(config, variant)
+    return build_engine(config, variant, serving=serving)
+
+
+def serving_engine(config, variant: str | None = None):
+    """The daemon's engine loader (memspec.serving.backend.EngineLoader)."""
+    return load_engine(config, variant, serving=True)
 
 
 # -- daemon or local ---------------------------------------------------------------------
@@ -239,7 +245,7 @@ def _stdin_turns():
 def cmd_serve(args) -> int:
     from memspec.serving.daemon import serve
 
-    return serve(args.config, args.config_path, args.listen, load_engine, http=args.http)
+    return serve(args.config, args.config_path, args.listen, serving_engine, http=args.http)
 
 
 def _mib(n: int) -> str:

@@ -204,6 +204,27 @@ def test_batched_requests_get_their_solo_tokens_greedy_or_sampled(native_engine)
     batched.batch.close()
 
 
+def test_only_the_daemons_engine_batches(model_store):
+    """A local command (generate, chat, profile, the end-to-end bench) runs one request at a time: no
+    batch loop, so no batched pass-cost table measured on its first use (30 s for SmolLM2 on 2
+    cores); the daemon's engine batches its concurrent requests on the native engine."""
+    from memspec.build import build_engine
+    from memspec.cli import serving_engine
+    from memspec.config import Config
+
+    config = Config()
+    local = build_engine(config, drafts="none")
+    try:
+        assert local.target.variant == "gguf" and local.batch is None
+    finally:
+        local.close()
+    daemon = serving_engine(config)
+    try:
+        assert daemon.batch is not None and daemon.batch.slots == config.server.max_concurrent
+    finally:
+        daemon.close()
+
+
 def test_load_target_takes_a_gguf_path_or_a_store_name(gguf_path, model_store):
     from memspec.runtime import load_target
 

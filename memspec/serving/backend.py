@@ -46,7 +46,7 @@ class ServingEngine(Protocol):
     def close(self) -> None: ...
 
 
-EngineLoader = Callable[[Config, str], ServingEngine]  # (config, variant) -> engine (memspec.cli.load_engine)
+EngineLoader = Callable[[Config, str], ServingEngine]  # (config, variant) -> engine (memspec.cli.serving_engine)
 
 
 @dataclass
