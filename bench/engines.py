@@ -199,6 +199,9 @@ class GenaiWorker:
             if not setup.get("draft_gguf"):
                 raise LeftOut(setup.get("no_draft") or "no same-family draft GGUF")
             draft = whole_draft(setup["draft_gguf"])
+        if not setup["model"]:
+            raise LeftOut(f"{setup['target']} has no q4 graph in the store (pulled with its GGUF alone): "
+                          f"memspec pull {setup['target']} --variant q4")
         self.tmp = tempfile.TemporaryDirectory(prefix="memspec-genai-")
         folder = genai_folder(Path(setup["model"]), Path(self.tmp.name), setup["arch"], setup["eos"],
                               setup["threads"], draft, setup.get("draft_max", 4))
@@ -423,7 +426,8 @@ def prompts(workload: str | None, limit: int | None, config_path: str | None,
     items = load_workload(workload)[:limit]
     for w in items:
         w["ids"] = encode(w["prompt"])
-    setup = {"config": config_path, "target": m.name, "model": str(m.variant_path("q4")), "arch": m.architecture,
+    graph = str(m.variant_path("q4")) if "q4" in m.variants else None  # onnxruntime-genai runs it
+    setup = {"config": config_path, "target": m.name, "model": graph, "arch": m.architecture,
              "eos": int(m.extra["eos_token_ids"][0]), "gguf": str(store.downloads_dir / m.provenance["gguf_file"])}
     setup.update(sibling_gguf(store, m.name))
     return items, setup
