@@ -285,7 +285,9 @@ def test_profile_tallies_and_mismatch():
 # -- the shipped predictor -------------------------------------------------------------------------------------
 @pytest.mark.parametrize("file,target,variant", [("predictor.json", "smollm2-135m", "q4"),
                                                 ("predictor-fp32.json", "smollm2-135m", "fp32"),
-                                                ("predictor-qwen2.5-coder-1.5b-q4.json", "qwen2.5-coder-1.5b", "q4")])
+                                                ("predictor-qwen2.5-coder-1.5b-q4.json", "qwen2.5-coder-1.5b", "q4"),
+                                                ("predictor-smollm2-135m-gguf.json", "smollm2-135m", "gguf"),
+                                                ("predictor-qwen2.5-coder-1.5b-gguf.json", "qwen2.5-coder-1.5b", "gguf")])
 def test_shipped_predictor_scores_every_shipped_draft(file, target, variant):
     """One predictor per target and variant ships, each fitted on traces of that target's pool."""
     pred = Predictor.load(SHIPPED_MODELS / file)
@@ -302,11 +304,16 @@ def test_shipped_predictor_scores_every_shipped_draft(file, target, variant):
             assert all(np.isfinite(v) and v > 0 for v in scores.values())
 
 
-def test_the_native_targets_stand_in_predictor_says_how_to_fit_its_own(caplog):
-    """The native engine runs the q4 target as "gguf" and takes the q4 predictor; the warning named
-    `memspec profile --variant gguf`, which profile refuses (its choices are fp32 and q4)."""
+def test_the_native_targets_stand_in_predictor_says_how_to_fit_its_own(caplog, monkeypatch, tmp_path):
+    """A target with only a q4 predictor: the native engine runs it as "gguf" and takes the q4 one, the
+    nearest; the warning names `memspec profile` (it once named `--variant gguf`, which profile refuses)."""
+    import shutil
+
+    from memspec.models import store
     from memspec.scheduling.policies import load_predictor
 
+    shutil.copy(SHIPPED_MODELS / "predictor-qwen2.5-coder-1.5b-q4.json", tmp_path)
+    monkeypatch.setattr(store, "SHIPPED_MODELS", tmp_path)  # as shipped before the 1.5B's own gguf one
     with caplog.at_level("WARNING", logger="memspec.scheduling.policies"):
         pred = load_predictor("", "gguf", "qwen2.5-coder-1.5b")
     assert pred is not None and pred.info["target"] == "qwen2.5-coder-1.5b:q4"
@@ -434,9 +441,10 @@ def test_each_shipped_target_gets_its_own_predictor_naming_its_own_drafts():
             "prompt-lookup"} <= set(p.drafts)
     assert predictor_file("", "q4", "smollm2-135m") == SHIPPED_MODELS / "predictor.json"
     assert predictor_file("", "fp32", "smollm2-135m") == SHIPPED_MODELS / "predictor-fp32.json"
-    # the native engine runs the GGUF whose blocks the q4 graph holds: q4's predictor is the nearest
-    assert predictor_file("", "gguf", "qwen2.5-coder-1.5b") == qwen
-    # ... unless the target has one profiled on the native engine itself
+    # the native engine runs the targets as "gguf": each ships a predictor profiled on it (a target with
+    # only a q4 one takes that, the nearest: test_the_native_targets_stand_in_predictor_says_how_to_fit_its_own)
+    own = SHIPPED_MODELS / "predictor-qwen2.5-coder-1.5b-gguf.json"
+    assert predictor_file("", "gguf", "qwen2.5-coder-1.5b") == own
     assert predictor_file("", "gguf", "smollm2-135m") == SHIPPED_MODELS / "predictor-smollm2-135m-gguf.json"
     scores = p.predict("Write a Python function that merges two sorted lists.")
     assert set(scores) == set(p.drafts) and all(v > 0 for v in scores.values())
