@@ -52,6 +52,8 @@ def cmd_pull(args) -> int:
 
 
 def cmd_models(args) -> int:
+    from memspec.runtime.config import NATIVE_VARIANT  # light: no NumPy, no ONNX Runtime
+
     if args.address:
         return _daemon_models(args)
     store = _store(args)
@@ -65,8 +67,9 @@ def cmd_models(args) -> int:
     print(f"{'NAME':<24} {'ROLE':<7} {'VARIANTS':<12} {'SIZE':>9}  SOURCE")
     for m in models:
         have = store.runnable(m)  # its graphs, and its GGUF where the store has it
+        size = m.total_bytes + have.get(NATIVE_VARIANT, 0)
         print(f"{m.name:<24} {m.role:<7} {','.join(have) or '-':<12} "
-              f"{(m.total_bytes + have.get('gguf', 0)) / 1e6:>7.1f}MB  {m.provenance.get('source', '?')}")
+              f"{size / 1e6:>7.1f}MB  {m.provenance.get('source', '?')}")
     return 0
 
 

@@ -239,12 +239,14 @@ class ModelStore:
         return self.downloads_dir / Path(str(name)).name if name and sha else None
 
     def runnable(self, manifest: Manifest) -> dict[str, int]:
-        """{variant: bytes on disk} of what a model can run as: its ONNX graphs, then "gguf" where a
-        target's GGUF is in the store (what the native engine runs: runtime.target.NATIVE_VARIANT)."""
+        """{variant: bytes on disk} of what a model can run as: its ONNX graphs, then NATIVE_VARIANT
+        where a target's GGUF is in the store (what the native engine runs)."""
+        from memspec.runtime.config import NATIVE_VARIANT
+
         out = {v: manifest.variant_bytes(v) for v in sorted(manifest.variants)}
         gguf = self.gguf_path(manifest) if manifest.role == "target" else None
         if gguf is not None and gguf.is_file():
-            out["gguf"] = gguf.stat().st_size
+            out[NATIVE_VARIANT] = gguf.stat().st_size
         return out
 
     def gguf_of(self, manifest: Manifest) -> Path:

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 LARGE_DRAFT_BYTES = 64 * 2**20  # a draft this large runs on every core when draft_threads = 0
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")  # ONNX Runtime's, in `providers`
+NATIVE_VARIANT = "gguf"  # what status and the store call a native target's variant: the GGUF file itself
 
 
 @dataclass(frozen=True)

@@ -25,13 +25,12 @@ from typing import Protocol, Sequence
 import numpy as np
 
 from memspec.errors import ConfigError
-from memspec.runtime.config import GPU_PROVIDERS, SessionConfig
+from memspec.runtime.config import GPU_PROVIDERS, NATIVE_VARIANT, SessionConfig  # noqa: F401 (NATIVE_VARIANT: re-exported)
 from memspec.runtime.invariance import RowCheck
 from memspec.runtime.kvcache import KVCache
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "native", "onnxruntime")
-NATIVE_VARIANT = "gguf"  # what status calls a native target's variant: the GGUF file itself
 
 
 def profiled_as(variant: str) -> str | None:
@@ -136,16 +135,21 @@ def physical_cores() -> int:
         return os.cpu_count() or 1
 
 
+def names_gpu(providers: Sequence[str]) -> bool:
+    """Whether `[runtime] providers` name a provider other than the CPU's ("auto" names none)."""
+    return any(p not in ("auto", "CPUExecutionProvider") for p in providers)
+
+
 def on_gpu(providers: Sequence[str]) -> bool:
-    """Whether `[runtime] providers` put the target on a GPU: a provider other than the CPU's named,
-    or "auto" where this onnxruntime build has CUDA or TensorRT (a Jetson with onnxruntime-gpu)."""
+    """Whether `[runtime] providers` put the target on a GPU: one named (names_gpu), or "auto" where
+    this onnxruntime build has CUDA or TensorRT (a Jetson with onnxruntime-gpu)."""
     if tuple(providers) in ((), ("auto",)):
         try:
             import onnxruntime as ort
         except ImportError:  # no ONNX Runtime at all: no GPU provider either
             return False
         return any(p in GPU_PROVIDERS for p in ort.get_available_providers())
-    return any(p not in ("auto", "CPUExecutionProvider") for p in providers)
+    return names_gpu(providers)
 
 
 def resolve_backend(backend: str, providers: Sequence[str]) -> str:
@@ -155,7 +159,7 @@ def resolve_backend(backend: str, providers: Sequence[str]) -> str:
     if backend not in BACKENDS:
         raise ConfigError(f"[runtime] backend: {backend!r} is not an engine; choose one of {', '.join(BACKENDS)}")
     if backend == "native":  # "auto" providers then mean the CPU's: the native engine runs there
-        if any(p not in ("auto", "CPUExecutionProvider") for p in providers):
+        if names_gpu(providers):
             raise ConfigError(f"[runtime] backend = \"native\" runs on the CPU; providers {', '.join(providers)} ask "
                               f"for a GPU: set backend = \"onnxruntime\" (or \"auto\") for it")
         if not kernels.available():
