@@ -62,44 +62,126 @@ static void rope(float *v, int heads, int hd, const float *cs, int neox) {
 
 /* ---- the pass ---- */
 
+/* A pass of ROWS_SHARED rows or more runs its row steps (norms, rotations, activation
+ * quantization) on the pool, a contiguous range of rows per thread; fewer run them on the caller,
+ * where a pool run would cost more than the step.  A row's step is the same arithmetic whoever
+ * runs it. */
+#define ROWS_SHARED 2
+
+/* The activations of x (rows x k) quantized for each weight family that reads them. */
+struct quantized {
+    const float *x;
+    int rows, k;
+    struct acts a[3]; /* floats, 32-blocks, 256-blocks */
+    int ready[3];
+};
+
 struct pass {
     const struct model *m;
     const struct batch *b;
+    const struct layer *L;
     int layer;
     float *x, *h, *q, *k, *v, *att, *o, *g, *u; /* (T, H), (T, H), (T, nh hd), (T, kvh hd) x2, (T, nh hd), (T, H), (T, F) x2 */
     float *rot;                                 /* (T, hd): each row's cosines and sines */
     float *scores;                              /* (threads, longest context): attention weights */
     int longest;
+    /* the stage in flight (stage()): a row step, the matrices its output feeds, an epilogue */
+    void (*row)(struct pass *p, int t);           /* row t's step before its activations are quantized */
+    struct quantized z;
     struct mm { const struct tensor *w; const struct acts *a; float *out; } mm[3];
     int n_mm;
+    void (*after)(struct pass *p, int lo, int hi); /* on a thread's outputs [lo, hi) of mm[0], all rows */
 };
 
 static size_t kv_at(const struct model *m, const struct kv *c, int layer, int which, int head, int pos) {
     return ((((size_t)layer * 2 + which) * m->n_kv_heads + head) * c->capacity + pos) * m->head_dim;
 }
 
-/* Threads split each matrix's outputs. */
+static void run_rows(struct pass *p, int rows, pool_fn fn) {
+    if (rows >= ROWS_SHARED) pool_run(p->m->pool, fn, p);
+    else fn(p, 0, 1);
+}
+
+/* Threads split each matrix's outputs; the epilogue runs on the thread's own outputs. */
 static void run_matmuls(void *arg, int i, int n) {
     struct pass *p = arg;
+    int lo0 = 0, hi0 = 0;
     for (int j = 0; j < p->n_mm; j++) {
         const struct tensor *w = p->mm[j].w;
         int lo, hi;
         matmul_range(w, i, n, &lo, &hi);
         matmul_outputs(p->m->isa, w, p->mm[j].a, p->mm[j].out, lo, hi);
+        if (j == 0) lo0 = lo, hi0 = hi;
+    }
+    if (p->after) p->after(p, lo0, hi0);
+}
+
+/* The epilogue alone, threads splitting mm[0]'s outputs. */
+static void run_after(void *arg, int i, int n) {
+    struct pass *p = arg;
+    int lo, hi;
+    pool_range(p->mm[0].w->n, i, n, &lo, &hi);
+    p->after(p, lo, hi);
+}
+
+/* Threads split the rows of the stage: each row's step, then its quantized activations. */
+static void run_stage_rows(void *arg, int i, int n) {
+    struct pass *p = arg;
+    struct quantized *z = &p->z;
+    int lo, hi;
+    pool_range(z->rows, i, n, &lo, &hi);
+    for (int t = lo; t < hi; t++) {
+        if (p->row) p->row(p, t);
+        for (int kind = 0; kind < 3; kind++)
+            if (z->ready[kind]) acts_fill(&z->a[kind], z->x, z->k, t, t + 1);
     }
 }
 
-/* Threads split the (row, query head) pairs; each pair is one fixed computation over its
- * sequence's cache, positions 0..pos in order. */
+/* out_j = x @ w_j^T for up to three matrices that read x (rows x k), after `row` has made each
+ * row of x, and `after` on each thread's outputs: one row run, then one matmul run. */
+static int stage(struct pass *p, void (*row)(struct pass *, int), const float *x, int rows, int k,
+                 const struct tensor *const *w, float *const *out, int count,
+                 void (*after)(struct pass *, int, int)) {
+    struct quantized *z = &p->z;
+    *z = (struct quantized){x, rows, k, {{0}}, {0}};
+    int failed = 0;
+    for (int j = 0; j < count && !failed; j++) {
+        const struct type_info *t = w[j]->t;
+        int kind = t->family == FAM_FLOAT ? 0 : t->block == QK ? 1 : 2;
+        if (!z->ready[kind]) {
+            failed = acts_alloc(&z->a[kind], t, rows, k) != 0;
+            z->ready[kind] = !failed;
+        }
+        p->mm[j] = (struct mm){w[j], &z->a[kind], out[j]};
+    }
+    if (!failed) {
+        /* the epilogue rides on the matmul run only where every matrix splits its outputs alike */
+        int alike = 1;
+        for (int j = 1; j < count; j++)
+            alike &= w[j]->n == w[0]->n && !w[j]->packed == !w[0]->packed;
+        p->row = row, p->n_mm = count, p->after = alike ? after : NULL;
+        run_rows(p, rows, run_stage_rows);
+        pool_run(p->m->pool, run_matmuls, p);
+        if (after && !alike) {
+            p->after = after;
+            pool_run(p->m->pool, run_after, p);
+        }
+    }
+    for (int kind = 0; kind < 3; kind++)
+        if (z->ready[kind]) acts_free(&z->a[kind]);
+    return failed ? -1 : 0;
+}
+
+/* Threads split the (row, query head) pairs, dealt round-robin so that each thread gets early
+ * and late rows alike (a prefill's late rows attend over more positions); each pair is one fixed
+ * computation over its sequence's cache, positions 0..pos in order. */
 static void run_attention(void *arg, int i, int n) {
     struct pass *p = arg;
     const struct model *m = p->m;
     const struct batch *b = p->b;
     int nh = m->n_heads, hd = m->head_dim, group = nh / m->n_kv_heads;
     float scale = 1.0f / sqrtf((float)hd), *w = p->scores + (size_t)i * p->longest;
-    int lo, hi;
-    pool_range(b->t * nh, i, n, &lo, &hi);
-    for (int task = lo; task < hi; task++) {
+    for (int task = i; task < b->t * nh; task += n) {
         int t = task / nh, h = task % nh, pos = b->pos[t];
         const struct kv *c = &b->caches[b->seq[t]];
         const float *q = p->q + (size_t)t * nh * hd + (size_t)h * hd;
@@ -120,51 +202,26 @@ static void run_attention(void *arg, int i, int n) {
     }
 }
 
-/* The activations of x (rows x k) quantized for each weight family that reads them, made once. */
-struct quantized {
-    const float *x;
-    int rows, k, failed;
-    struct acts a[3]; /* floats, 32-blocks, 256-blocks */
-    int ready[3];
-};
+/* ---- the row steps ---- */
 
-static const struct acts *quantized_for(struct quantized *z, const struct type_info *t) {
-    int kind = t->family == FAM_FLOAT ? 0 : t->block == QK ? 1 : 2;
-    if (!z->ready[kind]) {
-        if (acts_init(&z->a[kind], t, z->x, z->rows, z->k) != 0) {
-            z->failed = 1;
-            return NULL;
-        }
-        z->ready[kind] = 1;
-    }
-    return &z->a[kind];
+/* Row t enters a layer: the last layer's MLP output added (none before the first), then normed. */
+static void attn_in(struct pass *p, int t) {
+    int H = p->m->hidden;
+    float *x = p->x + (size_t)t * H, *o = p->o + (size_t)t * H;
+    if (p->layer > 0)
+        for (int i = 0; i < H; i++) x[i] += o[i];
+    rms_norm(x, &p->L->attn_norm, H, p->m->rms_eps, p->h + (size_t)t * H);
 }
 
-static void quantized_free(struct quantized *z) {
-    for (int i = 0; i < 3; i++)
-        if (z->ready[i]) acts_free(&z->a[i]);
-}
-
-/* out_j = x @ w_j^T for up to three matrices that read the same x (rows x k), in one pool run. */
-static int project(struct pass *p, const float *x, int rows, int k, const struct tensor *const *w, float *const *out,
-                   int count) {
-    struct quantized z = {x, rows, k, 0, {{0}}, {0}};
-    for (int j = 0; j < count; j++) p->mm[j] = (struct mm){w[j], quantized_for(&z, w[j]->t), out[j]};
-    p->n_mm = count;
-    if (!z.failed) pool_run(p->m->pool, run_matmuls, p);
-    quantized_free(&z);
-    return z.failed ? -1 : 0;
-}
-
-static int layer_forward(struct pass *p, const struct layer *L) {
+/* Row t's query, key and value: biases, rotation, and its key and value into its cache. */
+static void qkv_out(void *arg, int i, int n) {
+    struct pass *p = arg;
     const struct model *m = p->m;
     const struct batch *b = p->b;
-    int T = b->t, H = m->hidden, hd = m->head_dim, nh = m->n_heads, kvh = m->n_kv_heads, F = m->ffn;
-    for (int t = 0; t < T; t++) rms_norm(p->x + (size_t)t * H, &L->attn_norm, H, m->rms_eps, p->h + (size_t)t * H);
-    const struct tensor *qkv[3] = {&L->wq, &L->wk, &L->wv};
-    float *qkv_out[3] = {p->q, p->k, p->v};
-    if (project(p, p->h, T, H, qkv, qkv_out, 3) != 0) return -1;
-    for (int t = 0; t < T; t++) {
+    const struct layer *L = p->L;
+    int hd = m->head_dim, nh = m->n_heads, kvh = m->n_kv_heads, lo, hi;
+    pool_range(b->t, i, n, &lo, &hi);
+    for (int t = lo; t < hi; t++) {
         float *q = p->q + (size_t)t * nh * hd, *k = p->k + (size_t)t * kvh * hd, *v = p->v + (size_t)t * kvh * hd;
         add_bias(q, &L->bq, nh * hd);
         add_bias(k, &L->bk, kvh * hd);
@@ -181,24 +238,56 @@ static int layer_forward(struct pass *p, const struct layer *L) {
             }
         }
     }
+}
+
+/* Row t after attention: the attention output projected and added, then normed for the MLP. */
+static void ffn_in(struct pass *p, int t) {
+    int H = p->m->hidden;
+    float *x = p->x + (size_t)t * H, *o = p->o + (size_t)t * H;
+    for (int i = 0; i < H; i++) x[i] += o[i];
+    rms_norm(x, &p->L->ffn_norm, H, p->m->rms_eps, p->h + (size_t)t * H);
+}
+
+/* The gate's outputs [lo, hi) of every row: silu(gate) * up, on the thread that computed them. */
+static void swiglu(struct pass *p, int lo, int hi) {
+    int F = p->m->ffn;
+    for (int t = 0; t < p->b->t; t++) {
+        float *g = p->g + (size_t)t * F, *u = p->u + (size_t)t * F;
+        for (int i = lo; i < hi; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
+    }
+}
+
+/* Row t leaves the last layer: its MLP output added. */
+static void last_out(void *arg, int i, int n) {
+    struct pass *p = arg;
+    int H = p->m->hidden, lo, hi;
+    pool_range(p->b->t, i, n, &lo, &hi);
+    for (size_t e = (size_t)lo * H; e < (size_t)hi * H; e++) p->x[e] += p->o[e];
+}
+
+/* Kept row j (batch row keep[j]), normed for the head. */
+static void head_in(struct pass *p, int j) {
+    int H = p->m->hidden;
+    rms_norm(p->x + (size_t)p->b->keep[j] * H, &p->m->out_norm, H, p->m->rms_eps, p->h + (size_t)j * H);
+}
+
+static int layer_forward(struct pass *p) {
+    const struct model *m = p->m;
+    const struct layer *L = p->L;
+    int T = p->b->t, H = m->hidden, F = m->ffn;
+    const struct tensor *qkv[3] = {&L->wq, &L->wk, &L->wv}, *wo[1] = {&L->wo}, *gu[2] = {&L->wg, &L->wu},
+                        *wd[1] = {&L->wd};
+    float *qkv_outs[3] = {p->q, p->k, p->v}, *o_out[1] = {p->o}, *gu_out[2] = {p->g, p->u};
+    if (stage(p, attn_in, p->h, T, H, qkv, qkv_outs, 3, NULL) != 0) return -1;
+    run_rows(p, T, qkv_out);
     pool_run(m->pool, run_attention, p);
-    const struct tensor *wo[1] = {&L->wo};
-    float *o_out[1] = {p->o};
-    if (project(p, p->att, T, nh * hd, wo, o_out, 1) != 0) return -1;
-    for (size_t i = 0; i < (size_t)T * H; i++) p->x[i] += p->o[i];
-    for (int t = 0; t < T; t++) rms_norm(p->x + (size_t)t * H, &L->ffn_norm, H, m->rms_eps, p->h + (size_t)t * H);
-    const struct tensor *gu[2] = {&L->wg, &L->wu};
-    float *gu_out[2] = {p->g, p->u};
-    if (project(p, p->h, T, H, gu, gu_out, 2) != 0) return -1;
-    for (size_t i = 0; i < (size_t)T * F; i++) p->g[i] = p->g[i] / (1.0f + expf(-p->g[i])) * p->u[i];
-    const struct tensor *wd[1] = {&L->wd};
-    if (project(p, p->g, T, F, wd, o_out, 1) != 0) return -1;
-    for (size_t i = 0; i < (size_t)T * H; i++) p->x[i] += p->o[i];
-    return 0;
+    if (stage(p, NULL, p->att, T, m->n_heads * m->head_dim, wo, o_out, 1, NULL) != 0) return -1;
+    if (stage(p, ffn_in, p->h, T, H, gu, gu_out, 2, swiglu) != 0) return -1;
+    return stage(p, NULL, p->g, T, F, wd, o_out, 1, NULL); /* added at the next layer's attn_in */
 }
 
 static int check_batch(const struct model *m, const struct batch *b) {
-    if (b->t < 1 || b->s < 1 || b->n_keep < 0) return -2;
+    if (b->t < 1 || b->s < 1 || b->n_keep < 0 || b->n_keep > b->t) return -2;
     for (int t = 0; t < b->t; t++) {
         if (b->ids[t] < 0 || b->ids[t] >= m->vocab || b->seq[t] < 0 || b->seq[t] >= b->s) return -2;
         if (b->pos[t] < 0 || b->pos[t] >= b->caches[b->seq[t]].capacity) return -2;
@@ -244,15 +333,14 @@ int model_forward(const struct model *m, const struct batch *b) {
         }
     }
     for (int l = 0; l < m->n_layers && rc == 0; l++) {
-        p.layer = l;
-        rc = layer_forward(&p, &m->layers[l]);
+        p.layer = l, p.L = &m->layers[l];
+        rc = layer_forward(&p);
     }
-    if (rc == 0 && b->n_keep > 0) { /* the final norm and the head, for the kept rows only */
-        for (int j = 0; j < b->n_keep; j++)
-            rms_norm(p.x + (size_t)b->keep[j] * H, &m->out_norm, H, m->rms_eps, p.h + (size_t)j * H);
+    if (rc == 0 && b->n_keep > 0) { /* the last MLP output added, the final norm and the head, for the kept rows */
+        run_rows(&p, T, last_out);
         const struct tensor *head[1] = {&m->output};
         float *out[1] = {b->logits};
-        rc = project(&p, p.h, b->n_keep, H, head, out, 1);
+        rc = stage(&p, head_in, p.h, b->n_keep, H, head, out, 1, NULL);
     }
     free(arena);
     return rc;

@@ -214,16 +214,14 @@ void dequantize_row(const struct type_info *t, const uint8_t *raw, int k, float 
     }
 }
 
-int acts_init(struct acts *a, const struct type_info *t, const float *x, int m, int k) {
+int acts_alloc(struct acts *a, const struct type_info *t, int m, int k) {
     memset(a, 0, sizeof(*a));
     a->m = m;
     a->kpad = (k + CHUNK - 1) / CHUNK * CHUNK;
     size_t n = (size_t)(m > 0 ? m : 1) * a->kpad;
     if (t->family == FAM_FLOAT) {
         a->f = calloc(n, sizeof(float));
-        if (!a->f) return -1;
-        for (int r = 0; r < m; r++) memcpy(a->f + (size_t)r * a->kpad, x + (size_t)r * k, (size_t)k * sizeof(float));
-        return 0;
+        return a->f ? 0 : -1;
     }
     a->block = t->block == QK ? QK : QK_K;
     a->q = calloc(n, 1);
@@ -233,10 +231,20 @@ int acts_init(struct acts *a, const struct type_info *t, const float *x, int m, 
         acts_free(a);
         return -1;
     }
-    for (int r = 0; r < m; r++) {
+    return 0;
+}
+
+void acts_fill(struct acts *a, const float *x, int k, int r0, int r1) {
+    for (int r = r0; r < r1; r++) {
         size_t at = (size_t)r * a->kpad;
-        quantize_row(x + (size_t)r * k, k, a->block, a->q + at, a->d + at / a->block, a->sum16 + at / 16);
+        if (a->f) memcpy(a->f + at, x + (size_t)r * k, (size_t)k * sizeof(float));
+        else quantize_row(x + (size_t)r * k, k, a->block, a->q + at, a->d + at / a->block, a->sum16 + at / 16);
     }
+}
+
+int acts_init(struct acts *a, const struct type_info *t, const float *x, int m, int k) {
+    if (acts_alloc(a, t, m, k) != 0) return -1;
+    acts_fill(a, x, k, 0, m);
     return 0;
 }
 

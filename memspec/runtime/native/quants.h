@@ -144,6 +144,10 @@ struct acts {
 /* Allocate and fill `a` from x (m, k) float32 for weights of type `t`; 0 on success,
  * -1 when out of memory.  acts_free releases it. */
 int acts_init(struct acts *a, const struct type_info *t, const float *x, int m, int k);
+/* acts_init in two steps: allocate for m rows of k (zeroed), then fill rows [r0, r1) from x (m, k);
+ * rows are independent, so threads may fill disjoint ranges. */
+int acts_alloc(struct acts *a, const struct type_info *t, int m, int k);
+void acts_fill(struct acts *a, const float *x, int k, int r0, int r1);
 void acts_free(struct acts *a);
 
 /* One row of k floats to 8-bit blocks of `block` (k a multiple of block). */
