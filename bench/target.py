@@ -1,7 +1,7 @@
 """Target-only kernels of each variant, side by side with llama.cpp on the same GGUF.
 
     python bench/target.py [--model NAME] [--variant q4 --variant fp32] [--threads 2] [--json out.json]
-                           [--native-isa avx2,avx512] [--no-llama-cpp]
+                           [--native-isa avx2,avx512] [--no-llama-cpp] [--no-onnx]
 
 Per engine (each ONNX variant through ONNX Runtime, and memspec's native engine on the GGUF
 itself, `native`): load time and RSS, prefill tok/s and time to first token, decode
@@ -179,6 +179,7 @@ def main(argv=None) -> int:
     ap.add_argument("--max-k", type=int, default=16)
     ap.add_argument("--no-llama-cpp", action="store_true")
     ap.add_argument("--no-native", action="store_true", help="leave out memspec's native engine")
+    ap.add_argument("--no-onnx", action="store_true", help="leave out the ONNX variants (native and llama.cpp only)")
     ap.add_argument("--native-isa", metavar="PATHS",
                     help="run the native engine once per dispatch path, e.g. avx2,avx512 (default: the best here)")
     ap.add_argument("--json", metavar="FILE")
@@ -190,7 +191,7 @@ def main(argv=None) -> int:
     except ModelNotFoundError as exc:
         print(f"target: {exc}", file=sys.stderr)
         return 2
-    variants = args.variant or [v for v in ("q4", "fp32") if v in m.variants]  # the 1.5B has no fp32 by default
+    variants = [] if args.no_onnx else args.variant or [v for v in ("q4", "fp32") if v in m.variants]
     tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
     prompt = tok.encode(TEXT)[: args.prompt_tokens]
     gguf = store.downloads_dir / m.provenance["gguf_file"]
