@@ -5,7 +5,8 @@
  * each row's partial dot product in its own lanes.  Summed over the sub-block's 8 vectors in int16
  * (|q.x| <= 15*127 per product: at most 16 products, 30480, fit) and multiplied by the rows'
  * scales with one _mm256_madd_epi16, they leave row o's sub-block sum in int32 lane o; the mins
- * go the same way against the activation's sums of 16.  So lane o holds dot.c's ia and ib for
+ * go two sub-blocks to a madd, row o's pair of mins against the activation's two sums of 32
+ * (each the sum of dot.c's two sums of 16: the same integers).  So lane o holds dot.c's ia and ib for
  * row o, exactly, and the float update is k_update's, lane by lane.  Q6_K likewise (q6k_x8).
  *
  * The packed vectors of a sub-block are unpacked once and applied to up to 8 activation rows.
@@ -70,11 +71,11 @@ AVX2 static INLINE void q4k_x8(const block_q4_Kx8 *w, int k, const struct acts *
             }
         }
 #pragma GCC unroll 1
-        for (int j = 0; j < 8; j++) { /* ib = sum over 16s of min * the activation's sum of 16 */
-            __m256i mn = pairs16(b->mn[j]);
+        for (int f = 0; f < 4; f++) { /* ib = sum over sub-blocks of min * the activation's sum of 32, two at a time */
+            __m256i mn = _mm256_cvtepu8_epi16(_mm_loadu_si128((const __m128i *)b->mn[f]));
 #pragma GCC unroll 8
             for (int i = 0; i < G; i++)
-                ib[i] = _mm256_add_epi32(ib[i], _mm256_madd_epi16(mn, splat32(a->sum16 + (at + i * stride) / 16 + 2 * j)));
+                ib[i] = _mm256_add_epi32(ib[i], _mm256_madd_epi16(mn, splat32(a->sum32 + (at + i * stride) / 32 + 2 * f)));
         }
         __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->d));
         __m256 dmin = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)b->dmin));

@@ -30,7 +30,7 @@ static void pack_q4_k(const struct kchunk *wc, const uint8_t *raw, int o, block_
     memcpy(&dst->dmin[o], raw + 2, 2);
     for (int j = 0; j < 8; j++) { /* per 16 weights: sc[2j] and mn[2j] are sub-block j's */
         dst->sc[j][o] = (uint8_t)wc->sc[2 * j];
-        dst->mn[j][o] = (uint8_t)wc->mn[2 * j];
+        dst->mn[j / 2][2 * o + j % 2] = (uint8_t)wc->mn[2 * j];
         pack_nibbles(wc->q + 32 * j, o, dst->qs[j]);
     }
 }

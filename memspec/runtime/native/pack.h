@@ -20,7 +20,8 @@
 typedef struct {
     uint16_t d[8], dmin[8]; /* row o's d and dmin, fp16 as stored */
     uint8_t sc[8][8];       /* [sub-block j][row o]: the 6-bit scale */
-    uint8_t mn[8][8];       /* [j][o]: the 6-bit min */
+    uint8_t mn[4][16];      /* [f][2o + h]: the 6-bit min of sub-block 2f + h (pairs of a row's mins, for one
+                             * madd against the activation's two sums of 32) */
     /* sub-block j (weights 32j .. 32j+31): 4 vectors of 32 bytes; in vector v, byte 4o + t holds
      * row o's weight 32j + 4v + t in its low nibble and weight 32j + 16 + 4v + t in its high one */
     uint8_t qs[8][128];

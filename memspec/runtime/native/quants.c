@@ -227,7 +227,8 @@ int acts_alloc(struct acts *a, const struct type_info *t, int m, int k) {
     a->q = calloc(n, 1);
     a->d = calloc(n / a->block, sizeof(float));
     a->sum16 = calloc(n / 16, sizeof(int16_t));
-    if (!a->q || !a->d || !a->sum16) {
+    a->sum32 = calloc(n / 32, sizeof(int16_t));
+    if (!a->q || !a->d || !a->sum16 || !a->sum32) {
         acts_free(a);
         return -1;
     }
@@ -238,7 +239,11 @@ void acts_fill(struct acts *a, const float *x, int k, int r0, int r1) {
     for (int r = r0; r < r1; r++) {
         size_t at = (size_t)r * a->kpad;
         if (a->f) memcpy(a->f + at, x + (size_t)r * k, (size_t)k * sizeof(float));
-        else quantize_row(x + (size_t)r * k, k, a->block, a->q + at, a->d + at / a->block, a->sum16 + at / 16);
+        else {
+            quantize_row(x + (size_t)r * k, k, a->block, a->q + at, a->d + at / a->block, a->sum16 + at / 16);
+            for (size_t j = at / 32; j < (at + (size_t)a->kpad) / 32; j++) /* |sum| <= 32 * 127 */
+                a->sum32[j] = (int16_t)(a->sum16[2 * j] + a->sum16[2 * j + 1]);
+        }
     }
 }
 
@@ -252,6 +257,7 @@ void acts_free(struct acts *a) {
     free(a->q);
     free(a->d);
     free(a->sum16);
+    free(a->sum32);
     free(a->f);
     memset(a, 0, sizeof(*a));
 }

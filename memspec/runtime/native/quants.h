@@ -138,6 +138,7 @@ struct acts {
     int8_t *q;      /* (m, kpad): x ~= d * q, q in [-127, 127] */
     float *d;       /* (m, kpad / block) */
     int16_t *sum16; /* (m, kpad / 16): sum of q over each 16 */
+    int16_t *sum32; /* (m, kpad / 32): sum of q over each 32 (two sum16s) */
     float *f;       /* (m, kpad): float types: x as given */
 };
 
