@@ -97,6 +97,17 @@ def test_bad_input_is_a_clear_error_and_the_target_keeps_working(native):
     assert c.length == 0 and native.forward(c, IDS[:3]).shape == (1, 49152)
 
 
+def test_the_extension_refuses_more_kept_rows_than_the_pass_has(native):
+    """Model.forward is callable from Python directly; keeping more rows than the pass feeds
+    (a kept row listed twice) once wrote the head's inputs past a T-row buffer."""
+    c = native.new_cache(capacity=8)
+    i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+    logits = np.empty((3, native.vocab_size), dtype=np.float32)
+    with pytest.raises(ValueError, match="kept row out of range"):
+        native.model.forward([c.data], [c.capacity], i32([1, 2]), i32([0, 1]), i32([0, 0]), i32([1, 1, 1]), logits)
+    assert native.forward(c, IDS[:3]).shape == (1, 49152)
+
+
 def test_a_truncated_gguf_is_refused_naming_the_tensor(gguf_path, tmp_path):
     from memspec.runtime.native_target import NativeTarget
 

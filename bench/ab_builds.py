@@ -1,0 +1,107 @@
+"""Two builds of the native extension side by side in one process, taking turns step by step.
+
+    python bench/ab_builds.py OLD.so NEW.so [--model NAME | --gguf PATH] [--rows 1,2,4,8]
+                              [--steps 30] [--prefill 256] [--threads 2] [--context 256]
+
+Copy `memspec/runtime/_native*.so` aside before a change and after it, then run this: each build
+loads the same GGUF, caches `--context` tokens, then runs passes of each row count (every row's
+logits kept, as verification keeps them) in alternating order, and a prefill.  It prints both
+builds' median and minimum step and their ratio NEW/OLD, and whether their logits were the same
+bits (they must be: a kernel change may move speed, never a row's result).  Taking turns in one
+process is what makes a few percent visible on a machine whose speed wanders.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+from memspec.config import load_config
+from memspec.models.store import ModelStore
+from memspec.runtime import kernels
+from memspec.runtime.native_target import NativeTarget
+
+
+def load_build(so: Path, tag: str):
+    spec = importlib.util.spec_from_file_location(f"memspec_ab_{tag}._native", so)
+    if spec is None or spec.loader is None:
+        raise SystemExit(f"{so}: not a loadable extension module")
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("old", type=Path)
+    ap.add_argument("new", type=Path)
+    ap.add_argument("--model", metavar="NAME", default="qwen2.5-coder-1.5b", help="a target in the store")
+    ap.add_argument("--gguf", type=Path, help="a GGUF file instead of --model")
+    ap.add_argument("--rows", default="1,2,4,8")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of a prefill pass (0: none)")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--context", type=int, default=256)
+    args = ap.parse_args(argv)
+    for so in (args.old, args.new):
+        if not so.is_file():
+            ap.error(f"{so}: no such file (copy memspec/runtime/_native*.so aside before and after the change)")
+    if args.gguf:
+        gguf = args.gguf
+    else:
+        store = ModelStore(load_config(None).store_home)
+        m = store.get(args.model)
+        gguf = store.downloads_dir / m.provenance["gguf_file"]
+    rows_list = [int(r) for r in args.rows.split(",")]
+    builds = []
+    for tag, so in (("old", args.old), ("new", args.new)):
+        kernels._native = load_build(so, tag)  # NativeTarget binds the module current at load
+        t = NativeTarget(gguf, threads=args.threads)
+        c = t.new_cache()
+        t.forward(c, [100 + i % 1000 for i in range(args.context)], keep=1)
+        builds.append((t, c))
+    same = True
+
+    def report(name: str, times: list[list[float]]) -> None:
+        med = [statistics.median(v) * 1e3 for v in times]
+        low = [min(v) * 1e3 for v in times]
+        print(f"{name:>12}: old {med[0]:8.1f} new {med[1]:8.1f} ms median (new/old {med[1] / med[0]:.3f}); "
+              f"min {low[0]:.1f} / {low[1]:.1f} ({low[1] / low[0]:.3f})", flush=True)
+
+    for rows in rows_list:
+        times: list[list[float]] = [[], []]
+        for s in range(args.steps):
+            outs = [None, None]
+            for i in ((0, 1) if s % 2 == 0 else (1, 0)):
+                t, c = builds[i]
+                t0 = time.perf_counter()
+                outs[i] = t.forward(c, [5 + (s + j) % 7 for j in range(rows)], keep=rows)
+                times[i].append(time.perf_counter() - t0)
+                c.truncate(args.context)
+            same &= bool(np.array_equal(outs[0], outs[1]))
+        report(f"{rows} rows", times)
+    if args.prefill:
+        ids = [(7 * j) % 5000 + 100 for j in range(args.prefill)]
+        times = [[], []]
+        for s in range(4):
+            outs = [None, None]
+            for i in ((0, 1) if s % 2 == 0 else (1, 0)):
+                t, c = builds[i]
+                c.truncate(0)
+                t0 = time.perf_counter()
+                outs[i] = t.forward(c, ids, keep=1)
+                times[i].append(time.perf_counter() - t0)
+            same &= bool(np.array_equal(outs[0], outs[1]))
+        report(f"prefill {args.prefill}", times)
+    print(f"logits the same bits in both builds: {same}")
+    return 0 if same else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
