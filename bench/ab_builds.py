@@ -23,6 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from memspec.config import load_config
+from memspec.errors import ModelNotFoundError
 from memspec.models.store import ModelStore
 from memspec.runtime import kernels
 from memspec.runtime.native_target import NativeTarget
@@ -56,8 +57,12 @@ def main(argv=None) -> int:
         gguf = args.gguf
     else:
         store = ModelStore(load_config(None).store_home)
-        m = store.get(args.model)
-        gguf = store.downloads_dir / m.provenance["gguf_file"]
+        try:
+            gguf = store.gguf_path(store.get(args.model))
+        except ModelNotFoundError as exc:
+            ap.error(str(exc))
+    if gguf is None or not gguf.is_file():
+        ap.error(f"no GGUF for {args.gguf or args.model} ({gguf}); memspec pull {args.model} fetches it")
     rows_list = [int(r) for r in args.rows.split(",")]
     builds = []
     for tag, so in (("old", args.old), ("new", args.new)):

@@ -184,6 +184,8 @@ def main(argv=None) -> int:
                     help="run the native engine once per dispatch path, e.g. avx2,avx512 (default: the best here)")
     ap.add_argument("--json", metavar="FILE")
     args = ap.parse_args(argv)
+    if args.prompt_tokens < 256 + args.max_k:  # cost(k) feeds prompt[256:256 + k] after 256 cached tokens
+        ap.error(f"--prompt-tokens {args.prompt_tokens}: cost(k) needs at least 256 + --max-k ({256 + args.max_k})")
     config = load_config(args.config)
     store = ModelStore(config.store_home)
     try:
@@ -194,7 +196,10 @@ def main(argv=None) -> int:
     variants = [] if args.no_onnx else args.variant or [v for v in ("q4", "fp32") if v in m.variants]
     tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
     prompt = tok.encode(TEXT)[: args.prompt_tokens]
-    gguf = store.downloads_dir / m.provenance["gguf_file"]
+    gguf = store.gguf_path(m)
+    if gguf is None or not gguf.is_file():
+        print(f"target: no GGUF for {m.name} in the store ({gguf}); memspec pull {m.name} fetches it", file=sys.stderr)
+        return 2
     loaders = {v: (lambda v=v: DecoderSession(m.variant_path(v), SessionConfig(max_context=2048,
                                                                            intra_op_threads=args.threads)))
                for v in variants}
