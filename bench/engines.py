@@ -427,8 +427,12 @@ def prompts(workload: str | None, limit: int | None, config_path: str | None,
     for w in items:
         w["ids"] = encode(w["prompt"])
     graph = str(m.variant_path("q4")) if "q4" in m.variants else None  # onnxruntime-genai runs it
+    gguf = store.gguf_path(m)
+    if gguf is None:
+        raise SystemExit(f"{m.name}: the store records no GGUF for it (pulled by an older memspec): "
+                         f"memspec pull {m.name} again")
     setup = {"config": config_path, "target": m.name, "model": graph, "arch": m.architecture,
-             "eos": int(m.extra["eos_token_ids"][0]), "gguf": str(store.downloads_dir / m.provenance["gguf_file"])}
+             "eos": int(m.extra["eos_token_ids"][0]), "gguf": str(gguf)}
     setup.update(sibling_gguf(store, m.name))
     return items, setup
 
@@ -451,8 +455,8 @@ def sibling_gguf(store, target: str) -> dict:
     have = {m.name: m for m in store.list()}
     for name in names:
         if name in have:
-            path = store.downloads_dir / have[name].provenance["gguf_file"]
-            if path.is_file():
+            path = store.gguf_path(have[name])
+            if path is not None and path.is_file():
                 return {"draft_gguf": str(path)}
     if not names:
         return {"no_draft": f"{target} has no same-family draft in the catalog"}

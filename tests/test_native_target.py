@@ -248,6 +248,20 @@ def test_load_target_takes_a_gguf_path_or_a_store_name(gguf_path, model_store):
     assert np.array_equal(rows[0], logits) and rows[1].shape == (1, 49152)
     named = load_target("smollm2-135m", backend="native", threads=2, store=model_store)
     assert named.path == t.path
+    entry = model_store.get("smollm2-135m")  # the store entry itself, as ModelStore.get and list give it
+    for target in (load_target(entry, backend="native", threads=2),
+                   load_target(entry, backend="native", threads=2, store=model_store)):
+        assert target.path == t.path
+        assert np.array_equal(target.forward(target.new_cache(), IDS[:5], keep=2), logits)
+
+
+def test_load_target_refuses_a_store_entry_that_is_not_a_target(model_store):
+    from memspec.errors import ConfigError
+    from memspec.runtime import load_target
+
+    drafts = [m for m in model_store.list() if m.role == "draft"]  # the shipped drafts at least
+    with pytest.raises(ConfigError, match=f"{drafts[0].name} is a draft, not a target"):
+        load_target(drafts[0], backend="native")
 
 
 def test_a_backend_that_cannot_run_is_a_config_error(gguf_path, model_store):

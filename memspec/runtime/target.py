@@ -197,11 +197,23 @@ def engine_for(store, manifest, variant: str, config: SessionConfig) -> str:
     return engine
 
 
-def load_target(model: str | Path, backend: str = "auto", threads: int = 0, max_context: int = 2048,
+def load_target(model, backend: str = "auto", threads: int = 0, max_context: int = 2048,
                 store=None, variant: str = "q4") -> Target:
-    """A target engine for `model`: a store entry's name (the store: `store`, else the default one)
-    or a GGUF file's path (native only: ONNX Runtime needs `memspec pull --gguf PATH --name NAME`)."""
+    """A target engine for `model`: a store entry (its Manifest, as ModelStore.get and list give
+    it, or its name; the store: `store`, else the one the entry was read from, else the default
+    one) or a GGUF file's path (native only: ONNX Runtime needs `memspec pull --gguf PATH --name
+    NAME`)."""
+    from memspec.models.store import Manifest, ModelStore, default_home
+
     config = SessionConfig(intra_op_threads=threads, max_context=max_context, backend=backend)
+    if isinstance(model, Manifest):
+        if model.role != "target":
+            raise ConfigError(f"{model.name} is a {model.role}, not a target")
+        if store is None:  # the store it was read from: its entries lie in HOME/models/NAME
+            folder = model.folder
+            store = ModelStore(folder.parent.parent if folder is not None and folder.parent.name == "models"
+                               else default_home())
+        return open_target(store, model, variant, config)[0]
     path = Path(model)
     if str(model).endswith(".gguf") or path.is_file():
         if resolve_backend(backend, config.providers) != "native":
@@ -211,8 +223,6 @@ def load_target(model: str | Path, backend: str = "auto", threads: int = 0, max_
 
         return NativeTarget(path, threads=threads, max_context=max_context)
     if store is None:
-        from memspec.models.store import ModelStore, default_home
-
         store = ModelStore(default_home())
     return open_target(store, store.get(str(model)), variant, config)[0]
 
