@@ -190,10 +190,8 @@ static void run_attention(void *arg, int i, int n) {
         m->attn->scores(q, keys, pos + 1, hd, scale, w);
         float top = -INFINITY, sum = 0.0f;
         for (int j = 0; j <= pos; j++) top = w[j] > top ? w[j] : top;
-        for (int j = 0; j <= pos; j++) {
-            w[j] = expf(w[j] - top);
-            sum += w[j];
-        }
+        m->fops->exp_shifted(w, pos + 1, top);
+        for (int j = 0; j <= pos; j++) sum += w[j];
         float *out = p->att + (size_t)t * nh * hd + (size_t)h * hd;
         memset(out, 0, sizeof(float) * hd);
         m->attn->mix(w, vals, pos + 1, hd, out);
@@ -251,10 +249,7 @@ static void ffn_in(struct pass *p, int t) {
 /* The gate's outputs [lo, hi) of every row: silu(gate) * up, on the thread that computed them. */
 static void swiglu(struct pass *p, int lo, int hi) {
     int F = p->m->ffn;
-    for (int t = 0; t < p->b->t; t++) {
-        float *g = p->g + (size_t)t * F, *u = p->u + (size_t)t * F;
-        for (int i = lo; i < hi; i++) g[i] = g[i] / (1.0f + expf(-g[i])) * u[i];
-    }
+    for (int t = 0; t < p->b->t; t++) p->m->fops->silu_mul(p->g + (size_t)t * F + lo, p->u + (size_t)t * F + lo, hi - lo);
 }
 
 /* Row t leaves the last layer: its MLP output added. */

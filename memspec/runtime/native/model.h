@@ -15,6 +15,7 @@
 
 #include "attention.h"
 #include "dot.h"
+#include "floatops.h"
 #include "matmul.h"
 #include "pool.h"
 
@@ -30,6 +31,7 @@ struct model {
     struct layer *layers;
     const struct dot_isa *isa;
     const struct attn_isa *attn; /* attention's loops on the same path as isa */
+    const struct float_isa *fops; /* the softmax's and SiLU's exponentials on the same path */
     struct pool *pool;
 };
 

@@ -417,6 +417,7 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     m->attn = attn_isa_for(m->isa->name);
+    m->fops = float_isa_for(m->isa->name);
     if (parse_tensor(self, embd, &m->embd, "token_embd.weight", 0) || parse_tensor(self, out_norm, &m->out_norm,
         "output_norm.weight", 0) || parse_tensor(self, output, &m->output, "output.weight", 0))
         return -1;

@@ -1,0 +1,103 @@
+/* floatops.h: the scalar path (the reference) and the AVX2 + FMA path. */
+#include "floatops.h"
+
+#include <math.h>
+#include <stdint.h>
+#include <string.h>
+
+#define EXP_LO -87.0f           /* e^x for x below: 2^-126 is the smallest normal scale */
+#define EXP_HI 88.0f            /* and above: 2^127 is the largest */
+#define LOG2E 1.44269504088896341f
+#define ROUND 12582912.0f       /* 1.5 * 2^23: adding and subtracting it rounds to an integer (|v| < 2^22) */
+#define LN2_HI 0.693359375f     /* ln 2 = LN2_HI + LN2_LO; LN2_HI has 9 significant bits, so n * LN2_HI is exact */
+#define LN2_LO -2.12194440e-4f
+/* Cephes' expf: e^r ~ 1 + r + r^2 (P0 r^5 + ... + P5) on |r| <= ln2 / 2 */
+#define P0 1.9875691500e-4f
+#define P1 1.3981999507e-3f
+#define P2 8.3334519073e-3f
+#define P3 4.1665795894e-2f
+#define P4 1.6666665459e-1f
+#define P5 5.0000001201e-1f
+
+float exp_fixed(float x) {
+    x = x > EXP_LO ? x : EXP_LO; /* maxps(x, lo): lo when x is NaN */
+    x = x < EXP_HI ? x : EXP_HI; /* minps(x, hi) */
+    float n = (x * LOG2E + ROUND) - ROUND;
+    float r = fmaf(-n, LN2_HI, x);
+    r = fmaf(-n, LN2_LO, r);
+    float p = fmaf(P0, r, P1);
+    p = fmaf(p, r, P2);
+    p = fmaf(p, r, P3);
+    p = fmaf(p, r, P4);
+    p = fmaf(p, r, P5);
+    float y = fmaf(p, r * r, r) + 1.0f;
+    uint32_t bits = (uint32_t)((int32_t)n + 127) << 23;
+    float scale;
+    memcpy(&scale, &bits, 4);
+    return y * scale;
+}
+
+static void exp_shifted_scalar(float *w, int n, float top) {
+    for (int j = 0; j < n; j++) w[j] = exp_fixed(w[j] - top);
+}
+
+static void silu_mul_scalar(float *g, const float *u, int n) {
+    for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
+}
+
+static const struct float_isa FLOAT_SCALAR = {"scalar", exp_shifted_scalar, silu_mul_scalar};
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+#define AVX2 __attribute__((target("avx2,fma")))
+
+/* exp_fixed, lane by lane: the same operations in the same order. */
+AVX2 static inline __m256 exp8(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(EXP_LO));
+    x = _mm256_min_ps(x, _mm256_set1_ps(EXP_HI));
+    __m256 round = _mm256_set1_ps(ROUND);
+    __m256 n = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(x, _mm256_set1_ps(LOG2E)), round), round);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_HI), x); /* -(n hi) + x: fmaf(-n, hi, x) */
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(LN2_LO), r);
+    __m256 p = _mm256_fmadd_ps(_mm256_set1_ps(P0), r, _mm256_set1_ps(P1));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(P5));
+    __m256 y = _mm256_add_ps(_mm256_fmadd_ps(p, _mm256_mul_ps(r, r), r), _mm256_set1_ps(1.0f));
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(y, _mm256_castsi256_ps(e));
+}
+
+AVX2 static void exp_shifted_avx2(float *w, int n, float top) {
+    __m256 t = _mm256_set1_ps(top);
+    int j = 0;
+    for (; j + 8 <= n; j += 8) _mm256_storeu_ps(w + j, exp8(_mm256_sub_ps(_mm256_loadu_ps(w + j), t)));
+    for (; j < n; j++) w[j] = exp_fixed(w[j] - top);
+}
+
+AVX2 static void silu_mul_avx2(float *g, const float *u, int n) {
+    __m256 one = _mm256_set1_ps(1.0f), neg = _mm256_set1_ps(-0.0f);
+    int i = 0;
+    for (; i + 8 <= n; i += 8) {
+        __m256 x = _mm256_loadu_ps(g + i);
+        __m256 d = _mm256_add_ps(one, exp8(_mm256_xor_ps(x, neg)));
+        _mm256_storeu_ps(g + i, _mm256_mul_ps(_mm256_div_ps(x, d), _mm256_loadu_ps(u + i)));
+    }
+    for (; i < n; i++) g[i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
+}
+
+static const struct float_isa FLOAT_AVX2 = {"avx2", exp_shifted_avx2, silu_mul_avx2};
+#endif
+
+const struct float_isa *float_isa_for(const char *dot_isa_name) {
+#if defined(__x86_64__)
+    __builtin_cpu_init();
+    if (strcmp(dot_isa_name, "scalar") != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+        return &FLOAT_AVX2;
+#else
+    (void)dot_isa_name; /* one path: fmaf is one instruction on aarch64 */
+#endif
+    return &FLOAT_SCALAR;
+}
