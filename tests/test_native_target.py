@@ -28,8 +28,10 @@ def whole(t, ids):
     return t.forward(t.new_cache(), ids, keep=len(ids))
 
 
-@pytest.mark.parametrize("threads", [1, 2, 3])
+@pytest.mark.parametrize("threads", [1, 2, 3, 7])
 def test_a_row_is_the_same_fed_alone_in_chunks_or_among_other_sequences(gguf_path, native, threads):
+    """7 threads on a machine with fewer cores: threads are descheduled mid-matmul, and the others take
+    their chunks (model.c's deal), which must change no output."""
     from memspec.runtime.native_target import NativeTarget
 
     t = native if threads == 2 else NativeTarget(gguf_path, threads=threads, max_context=128)

@@ -3,6 +3,7 @@
 #include "model.h"
 
 #include <math.h>
+#include <stdatomic.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -68,6 +69,46 @@ static void rope(float *v, int heads, int hd, const float *cs, int neox) {
  * runs it. */
 #define ROWS_SHARED 2
 
+/* A matmul run deals each matrix's outputs in chunks of CHUNK_OUTPUTS (a multiple of PACK_ROWS):
+ * thread i takes the chunks of its own contiguous share from the front, then, with its share done,
+ * the last chunks of another's share from the back.  A thread that started late or was slowed (a
+ * vCPU taken by the host, a busier core) is helped instead of waited for, and each thread still
+ * streams a contiguous run of weights while the shares last.  Who computes a chunk changes nothing
+ * in it. */
+#define CHUNK_OUTPUTS 64
+#define DEAL_THREADS 64 /* threads a deal has room for; a larger pool splits statically */
+
+struct deal {
+    int chunks, n;                          /* chunks in all, threads */
+    _Atomic uint64_t share[DEAL_THREADS];   /* thread i's share: next chunk (low 32 bits), end (high) */
+};
+
+static void deal_init(struct deal *d, int outputs, int threads) {
+    d->chunks = (outputs + CHUNK_OUTPUTS - 1) / CHUNK_OUTPUTS;
+    d->n = threads;
+    for (int i = 0; i < threads; i++) {
+        int lo, hi;
+        pool_range(d->chunks, i, threads, &lo, &hi);
+        atomic_store_explicit(&d->share[i], (uint64_t)lo | (uint64_t)hi << 32, memory_order_relaxed);
+    }
+}
+
+/* The next chunk for thread i, or -1 when every share is taken. */
+static int deal_next(struct deal *d, int i) {
+    for (int step = 0; step < d->n; step++) {
+        _Atomic uint64_t *s = &d->share[(i + step) % d->n];
+        uint64_t v = atomic_load_explicit(s, memory_order_relaxed);
+        for (;;) {
+            uint32_t next = (uint32_t)v, end = (uint32_t)(v >> 32);
+            if (next >= end) break;
+            uint64_t taken = step == 0 ? v + 1 : (uint64_t)next | (uint64_t)(end - 1) << 32;
+            if (atomic_compare_exchange_weak_explicit(s, &v, taken, memory_order_relaxed, memory_order_relaxed))
+                return (int)(step == 0 ? next : end - 1);
+        }
+    }
+    return -1;
+}
+
 /* The activations of x (rows x k) quantized for each weight family that reads them. */
 struct quantized {
     const float *x;
@@ -91,6 +132,8 @@ struct pass {
     struct mm { const struct tensor *w; const struct acts *a; float *out; } mm[3];
     int n_mm;
     void (*after)(struct pass *p, int lo, int hi); /* on a thread's outputs [lo, hi) of mm[0], all rows */
+    int joint;                                     /* the matrices share one deal (the same outputs) */
+    struct deal deals[3];                          /* mm[j]'s chunks, or all of them in deals[0] when joint */
 };
 
 static size_t kv_at(const struct model *m, const struct kv *c, int layer, int which, int head, int pos) {
@@ -102,18 +145,31 @@ static void run_rows(struct pass *p, int rows, pool_fn fn) {
     else fn(p, 0, 1);
 }
 
-/* Threads split each matrix's outputs; the epilogue runs on the thread's own outputs. */
+/* Threads take each matrix's outputs chunk by chunk (struct deal); where the matrices have the
+ * same outputs (gate and up) a chunk is those outputs of every matrix, then the epilogue on them. */
 static void run_matmuls(void *arg, int i, int n) {
     struct pass *p = arg;
-    int lo0 = 0, hi0 = 0;
-    for (int j = 0; j < p->n_mm; j++) {
-        const struct tensor *w = p->mm[j].w;
-        int lo, hi;
-        matmul_range(w, i, n, &lo, &hi);
-        matmul_outputs(p->m->isa, w, p->mm[j].a, p->mm[j].out, lo, hi);
-        if (j == 0) lo0 = lo, hi0 = hi;
+    if (n > DEAL_THREADS) { /* static shares */
+        int lo0 = 0, hi0 = 0;
+        for (int j = 0; j < p->n_mm; j++) {
+            const struct tensor *w = p->mm[j].w;
+            int lo, hi;
+            matmul_range(w, i, n, &lo, &hi);
+            matmul_outputs(p->m->isa, w, p->mm[j].a, p->mm[j].out, lo, hi);
+            if (j == 0) lo0 = lo, hi0 = hi;
+        }
+        if (p->after) p->after(p, lo0, hi0);
+        return;
     }
-    if (p->after) p->after(p, lo0, hi0);
+    for (int j = 0; j < (p->joint ? 1 : p->n_mm); j++) {
+        int c, outputs = p->mm[j].w->n;
+        while ((c = deal_next(&p->deals[j], i)) >= 0) {
+            int lo = c * CHUNK_OUTPUTS, hi = lo + CHUNK_OUTPUTS < outputs ? lo + CHUNK_OUTPUTS : outputs;
+            for (int jj = j; jj < (p->joint ? p->n_mm : j + 1); jj++)
+                matmul_outputs(p->m->isa, p->mm[jj].w, p->mm[jj].a, p->mm[jj].out, lo, hi);
+            if (p->joint && p->after) p->after(p, lo, hi);
+        }
+    }
 }
 
 /* The epilogue alone, threads splitting mm[0]'s outputs. */
@@ -159,7 +215,10 @@ static int stage(struct pass *p, void (*row)(struct pass *, int), const float *x
         int alike = 1;
         for (int j = 1; j < count; j++)
             alike &= w[j]->n == w[0]->n && !w[j]->packed == !w[0]->packed;
-        p->row = row, p->n_mm = count, p->after = alike ? after : NULL;
+        p->row = row, p->n_mm = count, p->after = alike ? after : NULL, p->joint = alike;
+        int threads = pool_threads(p->m->pool);
+        for (int j = 0; j < (alike ? 1 : count) && threads <= DEAL_THREADS; j++)
+            deal_init(&p->deals[j], w[j]->n, threads);
         run_rows(p, rows, run_stage_rows);
         pool_run(p->m->pool, run_matmuls, p);
         if (after && !alike) {
