@@ -76,7 +76,7 @@ static void rope(float *v, int heads, int hd, const float *cs, int neox) {
  * streams a contiguous run of weights while the shares last.  Who computes a chunk changes nothing
  * in it. */
 #define CHUNK_OUTPUTS 64
-#define DEAL_THREADS 64 /* threads a deal has room for; a larger pool splits statically */
+#define DEAL_THREADS 64 /* shares a deal has room for; in a larger pool, threads past it share them */
 
 struct deal {
     int chunks, n;                          /* chunks in all, threads */
@@ -85,15 +85,16 @@ struct deal {
 
 static void deal_init(struct deal *d, int outputs, int threads) {
     d->chunks = (outputs + CHUNK_OUTPUTS - 1) / CHUNK_OUTPUTS;
-    d->n = threads;
-    for (int i = 0; i < threads; i++) {
+    d->n = threads < DEAL_THREADS ? threads : DEAL_THREADS;
+    for (int i = 0; i < d->n; i++) {
         int lo, hi;
-        pool_range(d->chunks, i, threads, &lo, &hi);
+        pool_range(d->chunks, i, d->n, &lo, &hi);
         atomic_store_explicit(&d->share[i], (uint64_t)lo | (uint64_t)hi << 32, memory_order_relaxed);
     }
 }
 
-/* The next chunk for thread i, or -1 when every share is taken. */
+/* The next chunk for thread i, or -1 when every share is taken (every take is one CAS, so any number
+ * of threads may take from one share). */
 static int deal_next(struct deal *d, int i) {
     for (int step = 0; step < d->n; step++) {
         _Atomic uint64_t *s = &d->share[(i + step) % d->n];
@@ -149,18 +150,7 @@ static void run_rows(struct pass *p, int rows, pool_fn fn) {
  * same outputs (gate and up) a chunk is those outputs of every matrix, then the epilogue on them. */
 static void run_matmuls(void *arg, int i, int n) {
     struct pass *p = arg;
-    if (n > DEAL_THREADS) { /* static shares */
-        int lo0 = 0, hi0 = 0;
-        for (int j = 0; j < p->n_mm; j++) {
-            const struct tensor *w = p->mm[j].w;
-            int lo, hi;
-            matmul_range(w, i, n, &lo, &hi);
-            matmul_outputs(p->m->isa, w, p->mm[j].a, p->mm[j].out, lo, hi);
-            if (j == 0) lo0 = lo, hi0 = hi;
-        }
-        if (p->after) p->after(p, lo0, hi0);
-        return;
-    }
+    (void)n;
     for (int j = 0; j < (p->joint ? 1 : p->n_mm); j++) {
         int c, outputs = p->mm[j].w->n;
         while ((c = deal_next(&p->deals[j], i)) >= 0) {
@@ -216,9 +206,7 @@ static int stage(struct pass *p, void (*row)(struct pass *, int), const float *x
         for (int j = 1; j < count; j++)
             alike &= w[j]->n == w[0]->n && !w[j]->packed == !w[0]->packed;
         p->row = row, p->n_mm = count, p->after = alike ? after : NULL, p->joint = alike;
-        int threads = pool_threads(p->m->pool);
-        for (int j = 0; j < (alike ? 1 : count) && threads <= DEAL_THREADS; j++)
-            deal_init(&p->deals[j], w[j]->n, threads);
+        for (int j = 0; j < (alike ? 1 : count); j++) deal_init(&p->deals[j], w[j]->n, pool_threads(p->m->pool));
         run_rows(p, rows, run_stage_rows);
         pool_run(p->m->pool, run_matmuls, p);
         if (after && !alike) {
