@@ -49,4 +49,4 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     from memspec.runtime.costs import COSTS, CostCache
 
     return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS),
-                  batched=batched)
+                  batched=batched, prefix_cache_bytes=config.runtime.prefix_cache_mb << 20)

@@ -283,9 +283,9 @@ def cmd_status(args) -> int:
     for d in st["drafts"]:
         print(f"draft     {d['name']} {_mib(d['bytes'])}: {d['requests']} requests, {d['num_drafts']} drafts, "
               f"acceptance {d['acceptance_rate']:.2f}, mean length {d['mean_acceptance_length']:.2f}")
-    for name in ("predictor", "scheduler", "batch"):
+    for name in ("predictor", "scheduler", "batch", "prefix_cache"):
         if st.get(name):
-            print(f"{name:<9} " + ", ".join(f"{k} {v:g}" for k, v in sorted(st[name].items())))
+            print(f"{name.replace('_cache', 'es'):<9} " + ", ".join(f"{k} {v:g}" for k, v in sorted(st[name].items())))
     return 0
 
 

@@ -125,7 +125,8 @@ def test_chat_answers_in_openai_shape_with_usage_and_memspec_stats(f):
     assert body["object"] == "chat.completion" and body["id"].startswith("chatcmpl-") and body["model"] == "tiny"
     assert body["choices"] == [{"index": 0, "message": {"role": "assistant", "content": "three two one three "},
                                 "logprobs": None, "finish_reason": "length"}]
-    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7}
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 4, "total_tokens": 7,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
     ms = body["memspec"]
     assert ms["model"] == "tiny" and ms["variant"] == "q4" and ms["draft"] == ""
     assert {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "mean_acceptance_length", "ttft_ms"} <= set(ms)
@@ -505,6 +506,18 @@ def test_metrics_show_batch_slots_and_histograms_of_rows_and_tokens_per_pass():
     assert got[("memspec_batch_tokens_per_pass_bucket", (("le", "4.0"),))] == 2  # 1 and 3 tokens
     assert got[("memspec_batch_tokens_per_pass_bucket", (("le", "32.0"),))] == 4
     assert list(Exporter(None)._batch({})) == []  # batching off: no batch families
+
+
+def test_metrics_show_the_prompt_prefix_cache():
+    from memspec.serving.prometheus import Exporter
+
+    fams = {f.name: f for f in Exporter(None)._prefixes(
+        {"lookups": 5.0, "hits": 4.0, "reused_tokens": 96.0, "entries": 2.0, "bytes": 4096.0})}
+    value = {name: f.samples[0].value for name, f in fams.items()}
+    assert value == {"memspec_prefix_cache_lookups": 5, "memspec_prefix_cache_hits": 4,
+                     "memspec_prefix_cache_reused_tokens": 96, "memspec_prefix_cache_entries": 2,
+                     "memspec_prefix_cache_bytes": 4096}
+    assert list(Exporter(None)._prefixes({})) == []  # none kept: no families
 
 
 def test_grpc_status_and_metrics_read_the_same_counters(f):

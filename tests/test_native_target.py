@@ -217,6 +217,72 @@ def test_batched_requests_get_their_solo_tokens_greedy_or_sampled(native_engine)
     batched.batch.close()
 
 
+def test_a_prefix_loaded_from_another_cache_gives_the_logits_of_the_whole_prompt(native):
+    """The prefix cache's premise on the native target: the K/V of a prompt's first n tokens, copied
+    from another sequence's cache, and the rest fed on top, give every logit of feeding it whole."""
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 31581, 28, 3570, 16185, 198, 1, 4093, 198, 504, 314, 28, 216]
+    whole_cache = native.new_cache()
+    want = native.forward(whole_cache, ids, keep=3)
+    other = native.new_cache()
+    native.forward(other, ids[:12] + [42, 43], keep=1)  # another prompt that starts the same way
+    c = native.new_cache()
+    c.load_prefix(other.prefix(12), 12)
+    got = native.forward(c, ids[12:], keep=3)
+    assert np.array_equal(got, want) and c.length == whole_cache.length
+    with pytest.raises(ValueError, match="does not fit"):
+        native.new_cache().load_prefix(other.prefix(12)[:, :1], 12)
+
+
+def test_a_prompt_that_starts_like_an_earlier_one_reuses_it_and_no_token_changes(native_engine):
+    """Engine(prefix_cache_bytes): every chat prompt shares SmolLM2's template and system prompt, and a
+    conversation's next turn resends the last; their K/V are taken from the cache, and every answer,
+    greedy or sampled, with a draft or none, alone or batched, is token for token the one computed
+    from scratch."""
+    import threading
+
+    from memspec.request import GenerationRequest, SamplingParams
+    from memspec.speculation.config import SpecConfig
+    from memspec.speculation.engine import Engine
+
+    step = SpecConfig(gamma=3, controller="step")
+    plain = Engine(native_engine.target, drafts=native_engine.drafts, spec=step)
+    reuse = Engine(native_engine.target, drafts=native_engine.drafts, spec=step, prefix_cache_bytes=16 << 20)
+    assert plain.prefixes is None and reuse.prefixes is not None
+    first = GenerationRequest(prompt="Name three colors.", max_tokens=16)
+    answer = plain.generate(first)
+    turn2 = GenerationRequest(messages=(("user", "Name three colors."), ("assistant", answer.text),
+                                        ("user", "And three animals?")), max_tokens=16, draft="draft-chat")
+    reqs = [first, turn2,
+            GenerationRequest(prompt="What is 12 * 13?", max_tokens=16, draft="draft-math",
+                              sampling=SamplingParams(temperature=0.8, seed=3)),
+            GenerationRequest(prompt="Write a haiku about rain.", max_tokens=16, draft="none", logprobs=3)]
+    expected = [plain.generate(r) for r in reqs]
+    got = [reuse.generate(r) for r in reqs]
+    for r, want, have in zip(reqs, expected, got):
+        assert have.token_ids == want.token_ids, r
+    assert [g.timings["cached_prompt_tokens"] for g in got][0] == 0  # nothing stored yet
+    system = native_engine.prompt_ids(reqs[2])  # the template's system part: what every chat prompt shares
+    assert all(g.timings["cached_prompt_tokens"] >= 10 for g in got[1:]), [g.timings for g in got]
+    # the second turn starts from the first turn's prompt and the answer it got
+    assert got[1].timings["cached_prompt_tokens"] >= len(answer.prompt_token_ids), (got[1].timings, len(system))
+    rep = reuse.prefixes.report()
+    assert rep["hits"] == 3 and rep["entries"] >= 1 and 0 < rep["bytes"] <= 16 << 20
+
+    batched = Engine(native_engine.target, drafts=native_engine.drafts, spec=step, batch_slots=3,
+                     prefix_cache_bytes=16 << 20)
+    out: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, batched.generate(reqs[i])))
+               for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    try:
+        assert [out[i].token_ids for i in range(len(reqs))] == [e.token_ids for e in expected]
+    finally:
+        batched.close()
+
+
 def test_only_the_daemons_engine_batches(model_store):
     """A local command (generate, chat, profile, the end-to-end bench) runs one request at a time: no
     batch loop, so no batched pass-cost table measured on its first use (30 s for SmolLM2 on 2
@@ -234,6 +300,7 @@ def test_only_the_daemons_engine_batches(model_store):
     daemon = serving_engine(config)
     try:
         assert daemon.batch is not None and daemon.batch.slots == config.server.max_concurrent
+        assert daemon.prefixes is not None and daemon.prefixes.max_bytes == config.runtime.prefix_cache_mb << 20
     finally:
         daemon.close()
 

@@ -56,6 +56,7 @@ class FakeEngine:
         self.step_s = step_s
         self.drafts = DraftPool()  # no drafts: "none" or nothing
         self.batch = None  # no batched passes
+        self.prefixes = None  # no prompt prefixes kept
         self.open = 0  # streams whose "KV cache" is allocated
         self.checks = 0  # requests validated and tokenized
         self.fail = False
@@ -555,6 +556,16 @@ def test_status_takes_scheduler_and_predictor_counters_from_their_objects(h):
     (d,) = st["drafts"]
     assert (d["name"], d["bytes"], d["requests"], d["num_draft_tokens"]) == ("d", 7, 1, 12)
     assert d["acceptance_rate"] == 0.75 and d["mean_acceptance_length"] == 4.0
+
+
+def test_status_shows_the_prompt_prefix_cache_where_the_engine_keeps_one(h):
+    from memspec.runtime.prefixes import PrefixCache
+
+    assert h.client.status()["prefix_cache"] == {}  # none kept: an empty map
+    h.engine.prefixes = PrefixCache(1 << 20)
+    h.engine.prefixes.stats.lookups, h.engine.prefixes.stats.hits, h.engine.prefixes.stats.reused_tokens = 4, 3, 60
+    st = h.client.status()["prefix_cache"]
+    assert (st["lookups"], st["hits"], st["reused_tokens"], st["entries"], st["bytes"]) == (4, 3, 60, 0, 0)
 
 
 def test_no_daemon_is_unavailable(tmp_path):

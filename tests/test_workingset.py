@@ -173,6 +173,26 @@ def test_pressure_evicts_unleased_drafts_then_signals_target_only():
     ws.close()
 
 
+def test_under_pressure_spare_caches_go_before_any_draft():
+    ws, loader, _, probe = make(budget_mb=200, floor_mb=100)
+    for n in ("b", "c"):
+        ws.lease(n).release()
+    spare = {"bytes": 45 * MiB, "calls": 0}
+
+    def release():
+        spare["calls"] += 1
+        freed, spare["bytes"] = spare["bytes"], 0
+        return freed
+
+    ws.add_spare(release)
+    probe.available = 60 * MiB  # 40 short: the spare cache's 45 is enough, no draft goes
+    assert not ws.check_pressure()
+    assert set(ws.resident()) == {"b", "c"} and ws.counters.pressure_evictions == 0 and spare["calls"] == 1
+    probe.available = 60 * MiB  # still short (the probe says so): the empty cache frees nothing, drafts go
+    assert not ws.check_pressure() and ws.counters.pressure_evictions == 2
+    ws.close()
+
+
 def test_a_failure_around_the_load_wakes_the_waiters_and_the_loader_keeps_serving():
     """Not the loader itself: what runs beside it (the RSS probe, reclaiming) raises."""
     ws, loader, clock, probe = make()

@@ -28,6 +28,8 @@ class SessionConfig:
     #                         pool would only wait), one per physical core for one of LARGE_DRAFT_BYTES
     #                         or more (a 0.5B sibling's step is memory-bound); draft pools never spin
     max_context: int = 2048  # KV capacity in tokens (prompt + generated)
+    prefix_cache_mb: int = 64  # K/V of recent prompts kept for the next prompt that starts the same way
+    #                            (memspec.runtime.prefixes; targets exact at any row count only); 0 = off
     batching: bool | str = "auto"  # concurrent requests share one batched target pass, [server]
     #                         max_concurrent rows (memspec.speculation.batching; CPU only): the native
     #                         engine batches its own passes; ONNX Runtime loads a second, batched graph

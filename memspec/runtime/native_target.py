@@ -52,9 +52,27 @@ class NativeCache(KVCache):
     def nbytes(self) -> int:
         return self.data.nbytes
 
+    def prefix(self, n: int) -> np.ndarray:
+        """A copy of the first n committed positions' K/V (memspec.runtime.prefixes)."""
+        if not 0 < n <= self.length:
+            raise ValueError(f"a prefix of {n} tokens from a cache of {self.length}")
+        return self.data[:, :, :, :n, :].copy()
+
+    def load_prefix(self, kv: np.ndarray, n: int) -> None:
+        """Commit the first n positions of `kv` (another cache's `prefix`) as this cache's start."""
+        if kv.shape[:3] + kv.shape[4:] != self.data.shape[:3] + self.data.shape[4:] or not 0 < n <= kv.shape[3]:
+            raise ValueError(f"a prefix of shape {kv.shape} (n={n}) does not fit a cache of shape {self.data.shape}")
+        self.check_room(n)
+        self.data[:, :, :, :n, :] = kv[:, :, :, :n, :]
+        self.length = n
+
 
 class NativeTarget:
     """A decoder over one memory-mapped GGUF, run by memspec's own kernels."""
+
+    # a position's K/V and logits are the same whatever shared its pass, so a prompt may start from
+    # another request's stored prefix (memspec.runtime.prefixes)
+    prefix_reuse = True
 
     def __init__(self, path: str | Path, threads: int = 0, max_context: int = 2048, isa: str | None = None):
         self.path = Path(path)

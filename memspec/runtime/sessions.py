@@ -113,6 +113,10 @@ class GrowingCache(KVCache):
 class DecoderSession:
     """One decoder model in ONNX Runtime, shapes read from the model itself."""
 
+    # exact reuse needs a row's K/V to be the same at any row count, which ONNX Runtime's kernels
+    # are not everywhere (memspec.runtime.invariance); its caches offer no prefix copy either
+    prefix_reuse = False
+
     def __init__(self, path: str | Path, config: SessionConfig = SessionConfig(), arena: bool = False,
                  threads: int | None = None, min_rows: int = 1, spinning: bool = True, check_rows: bool = False):
         """arena=True keeps ORT's CPU memory arena: faster steps, but freed memory stays in the

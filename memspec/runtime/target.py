@@ -53,6 +53,7 @@ class Target(Protocol):
     max_context: int  # a new cache's capacity in tokens
     threads: int  # CPU threads a pass runs on
     rows: RowCheck  # the self-check at load: is a row's result the same at any row count?
+    prefix_reuse: bool  # may a prompt start from another's stored K/V (memspec.runtime.prefixes)?
 
     def new_cache(self, capacity: int | None = None) -> KVCache: ...
 

@@ -187,6 +187,10 @@ class Scheduler:
         """Give up unleased drafts, lowest value per byte first, until `nbytes` are freed."""
         return self.ws.shrink(nbytes)
 
+    def add_spare(self, release: Callable[[], int]) -> None:
+        """A cache emptied before any draft is evicted under memory pressure (WorkingSet.add_spare)."""
+        self.ws.add_spare(release)
+
     def report(self) -> SourceStatus:
         table = self.ws.status()["drafts"]
         rows = [DraftRow(n, table.get(n, {}).get("state") == "resident", int(table.get(n, {}).get("bytes", size)))

@@ -169,6 +169,7 @@ class WorkingSet:
         self._entries: dict[str, _Entry] = {}
         self._values: dict[str, float] = {}
         self._unavailable: dict[str, float] = {}  # draft -> clock time it may be tried again
+        self._spares: list[Callable[[], int]] = []  # caches given up first under pressure: each returns bytes freed
         self._load_rate = 100 * MiB  # bytes per second, updated from real loads
         self._cond = threading.Condition()
         self._jobs: queue.Queue[_Job | None] = queue.Queue()
@@ -474,9 +475,16 @@ class WorkingSet:
             return True
 
     # -- pressure --------------------------------------------------------------------------
+    def add_spare(self, release: Callable[[], int]) -> None:
+        """A cache that only saves time (the engine's prompt prefixes): under pressure it is
+        emptied before any draft is evicted.  release() drops it and returns the bytes freed."""
+        with self._cond:
+            self._spares.append(release)
+
     def check_pressure(self) -> bool:
-        """Evict unleased drafts while available memory is below the floor; if that is not
-        enough, raise `target_only` (lowered again once memory is back).  Returns target_only."""
+        """Under the floor of available memory, empty the spare caches, then evict unleased drafts;
+        if that is not enough, raise `target_only` (lowered again once memory is back).  Returns
+        target_only."""
         if not self.pressure_floor:
             return False
         avail = self.probe.available_bytes()
@@ -488,6 +496,13 @@ class WorkingSet:
                 self.target_only = False
                 return False
             freed = 0
+            for release in self._spares:
+                got = release()
+                if got:
+                    log.info("memory pressure: %d MiB available; dropped %d MiB of cached prompt prefixes",
+                             avail // MiB, got // MiB)
+                    freed += got
+                    evicted = True
             for c in eviction_order(self._candidates()):
                 if avail + freed >= self.pressure_floor:
                     break

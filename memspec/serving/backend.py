@@ -37,6 +37,7 @@ class ServingEngine(Protocol):
     limits: Limits  # bounds every request; reconfigure() replaces them
     drafts: "memspec.speculation.sources.DraftSource"  # noqa: F821
     batch: "memspec.speculation.batching.BatchLoop | None"  # noqa: F821  (None: requests run their own passes)
+    prefixes: "memspec.runtime.prefixes.PrefixCache | None"  # noqa: F821  (None: no prompt prefixes kept)
 
     def check(self, req: GenerationRequest) -> list[int]: ...  # validate fully; the prompt ids
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int: ...  # memory.request_kv_bytes
@@ -295,7 +296,7 @@ class EngineBackend:
     def status(self) -> dict:
         engines = self.targets.engines()  # most recently used first
         out = {"resident": [m for _, e in engines for m in _resident(e)], "drafts": [], "predictor": {},
-               "scheduler": {}, "batch": {}, "targets": self.targets.status(),
+               "scheduler": {}, "batch": {}, "prefix_cache": {}, "targets": self.targets.status(),
                "warnings": [w for _, e in engines for w in (e.target.session.rows.warning(),) if w]}
         for _, engine in engines:  # a draft every target has (prompt lookup) is listed once: counters are by name
             out["drafts"] += [d for d in self._draft_rows(engine.drafts.report())
@@ -304,7 +305,8 @@ class EngineBackend:
         if main is not None:  # counters of one engine: the default target's, else the last used
             report = main.drafts.report()
             out.update(predictor=dict(report.predictor), scheduler=dict(report.scheduler),
-                       batch=main.batch.report() if main.batch is not None else {})
+                       batch=main.batch.report() if main.batch is not None else {},
+                       prefix_cache=main.prefixes.report() if main.prefixes is not None else {})
             if report.budget_bytes is not None:
                 out["budget_bytes"] = int(report.budget_bytes)
         if self.targets.budget:

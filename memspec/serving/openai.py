@@ -285,8 +285,12 @@ def logprob_entries(logprobs) -> list[dict]:
 
 
 def usage(completion) -> dict:
+    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens taken from a
+    stored prefix (memspec.runtime.prefixes) rather than computed."""
+    cached = int((completion.timings or {}).get("cached_prompt_tokens", 0))
     return {"prompt_tokens": len(completion.prompt_token_ids), "completion_tokens": len(completion.token_ids),
-            "total_tokens": len(completion.prompt_token_ids) + len(completion.token_ids)}
+            "total_tokens": len(completion.prompt_token_ids) + len(completion.token_ids),
+            "prompt_tokens_details": {"cached_tokens": cached}}
 
 
 def memspec_stats(final) -> dict:

@@ -51,6 +51,7 @@ class Exporter(Collector):
         yield from self._histograms()
         yield from self._gauges(st)
         yield from self._batch(st.get("batch") or {})
+        yield from self._prefixes(st.get("prefix_cache") or {})
 
     def _requests(self, req: dict) -> Iterator:
         by = CounterMetricFamily(self._name("requests"), "generation requests that ended, by outcome",
@@ -148,6 +149,19 @@ class Exporter(Collector):
         top = max(passes, default=1)
         yield self._per_pass("batch_tokens_per_pass", "tokens in each target pass (sum: at most, from the buckets)",
                              passes, [1 << i for i in range(top.bit_length())])
+
+    def _prefixes(self, prefixes: dict) -> Iterator:
+        """Prompt prefixes reused (memspec.runtime.prefixes, as GetStatus's prefix_cache map)."""
+        if not prefixes:
+            return
+        for key, help_ in (("lookups", "requests that looked for a stored prompt prefix"),
+                           ("hits", "requests that started from a stored prompt prefix"),
+                           ("reused_tokens", "prompt tokens taken from stored prefixes, not computed")):
+            yield CounterMetricFamily(self._name(f"prefix_cache_{key}"), help_, value=prefixes.get(key, 0.0))
+        yield GaugeMetricFamily(self._name("prefix_cache_entries"), "prompt prefixes stored",
+                                value=prefixes.get("entries", 0.0))
+        yield GaugeMetricFamily(self._name("prefix_cache_bytes"), "bytes of K/V the stored prefixes hold",
+                                value=prefixes.get("bytes", 0.0))
 
     def _per_pass(self, name: str, help_: str, passes: dict[int, float], edges) -> HistogramMetricFamily:
         """A histogram of passes by size ({size: passes}), cumulative as Prometheus wants."""

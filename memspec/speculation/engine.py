@@ -27,6 +27,7 @@ from memspec.runtime.config import SessionConfig
 from memspec.runtime.costs import CostCache
 from memspec.runtime.memory import release_heap, request_kv_bytes
 from memspec.runtime.kvcache import KVCache
+from memspec.runtime.prefixes import PrefixCache
 from memspec.runtime.target import Target, open_target
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
@@ -87,11 +88,13 @@ class Engine:
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
                  drafts: DraftSource | None = None, spec: SpecConfig = SpecConfig(),
-                 costs: CostCache | None = None, batch_slots: int = 0, batched=None):
+                 costs: CostCache | None = None, batch_slots: int = 0, batched=None, prefix_cache_bytes: int = 0):
         """batch_slots > 0: concurrent requests share one batched target pass over up to that many
         rows (memspec.speculation.batching); 0: each request runs its own passes.  batched: that
         pass already opened (memspec.runtime.target.open_batched; memspec.build opens it first, so
-        that the budget counts any copy of the weights it holds), instead of opening it here."""
+        that the budget counts any copy of the weights it holds), instead of opening it here.
+        prefix_cache_bytes > 0: keep recent prompts' K/V up to that many bytes, for prompts that
+        start the same way (memspec.runtime.prefixes), where the target's rows allow it."""
         self.target = target
         self.batch = None
         if batched is None and batch_slots > 0:
@@ -111,6 +114,10 @@ class Engine:
         self.verify_cost_s: list[float] | None = None  # [k] = seconds of a k-token target pass (measured once)
         self.costs = costs  # where measured curves outlive the process (the store's costs.json), or None
         self._calibrate_lock = threading.Lock()
+        self.prefixes: PrefixCache | None = None  # recent prompts' K/V (None: off, or the target is not exact)
+        if prefix_cache_bytes > 0 and getattr(target.session, "prefix_reuse", False):
+            self.prefixes = PrefixCache(prefix_cache_bytes)
+            self.drafts.add_spare(self.prefixes.clear)  # given up before any draft under memory pressure
 
     def calibrate(self) -> list[float] | None:
         """Measure what a target pass over 1..gamma_max+1 tokens costs (once; the cost controller uses it)."""
@@ -192,14 +199,30 @@ class Engine:
         costs = self._verify_costs() if select is not None else None
         select = select or NoDraft()
         slot = self.batch.join() if self.batch is not None else None
+        context = list(prompt)  # what the cache holds at each yield: context[:cache.length]
+        steps = speculative_steps(slot or self.target.session, cache, prompt, select, req.sampling, rng,
+                                  self.spec, metrics, self.clock, costs, on_rows)
         try:
-            yield from speculative_steps(slot or self.target.session, cache, prompt, select, req.sampling, rng,
-                                         self.spec, metrics, self.clock, costs, on_rows)
+            for committed in steps:
+                if self.prefixes is not None and len(context) == len(prompt):
+                    self.prefixes.store(prompt, cache)  # the prompt's K/V, for the requests after this one
+                context.extend(committed)
+                yield committed
+            self._keep(context, cache)
+        except GeneratorExit:  # the caller stopped at a yield (finished, stopped, cancelled): the cache is whole
+            self._keep(context, cache)
+            raise
         finally:
+            steps.close()
             select.close()
             if slot is not None:  # the slot is free for the next pass, and the cache for the OS
                 slot.leave()
                 self.batch.release(cache)
+
+    def _keep(self, context: list[int], cache: KVCache) -> None:
+        """The finished request's prompt and answer, for the next turn of its conversation."""
+        if self.prefixes is not None:
+            self.prefixes.store(context, cache)
 
     # -- streaming ---------------------------------------------------------------
     def check(self, req: GenerationRequest) -> list[int]:
@@ -228,6 +251,7 @@ class Engine:
     def _stream(self, req: GenerationRequest, cancel: threading.Event | None, t0: float,
                 prompt: list[int]) -> Iterator[Chunk | Completion]:
         cache = self.target.session.new_cache()
+        cached = self.prefixes.fill(cache, prompt) if self.prefixes is not None else 0  # only the rest is computed
         rng = np.random.default_rng(req.sampling.seed)
         detok = self.target.tokenizer.detokenizer()
         stops = StopMatcher(req.stop)
@@ -266,7 +290,7 @@ class Engine:
         t_end = self.clock()
         yield Completion(
             prompt_token_ids=prompt, token_ids=out, text="".join(text), finish_reason=finish,
-            timings=self._timings(t0, t_first, t_end, len(prompt), len(out)), stats=metrics.to_dict(),
+            timings=self._timings(t0, t_first, t_end, len(prompt), len(out), cached), stats=metrics.to_dict(),
         )
 
     def _logprobs(self, rows: np.ndarray, tokens: list[int], k: int) -> list[TokenLogprob]:
@@ -291,11 +315,13 @@ class Engine:
                 return new, "length"
         return new, None
 
-    def _timings(self, t0: float, t_first: float | None, t_end: float, n_prompt: int, n_out: int) -> dict:
+    def _timings(self, t0: float, t_first: float | None, t_end: float, n_prompt: int, n_out: int,
+                 cached: int = 0) -> dict:
         t_first = t_first if t_first is not None else t_end
         decode_s = max(t_end - t_first, 1e-9)
         return {
             "prompt_tokens": n_prompt,
+            "cached_prompt_tokens": cached,  # of them, taken from a stored prefix rather than computed
             "completion_tokens": n_out,
             "ttft_ms": (t_first - t0) * 1e3,
             "prefill_tok_per_s": n_prompt / max(t_first - t0, 1e-9),

@@ -61,6 +61,8 @@ class DraftSource(Protocol):
 
     def shrink(self, nbytes: int) -> int: ...  # evict unleased drafts until nbytes are freed: bytes freed
 
+    def add_spare(self, release: Callable[[], int]) -> None: ...  # a cache to empty first under memory pressure
+
     def report(self) -> SourceStatus: ...
 
     def close(self) -> None: ...  # stop background work and drop the drafts (idempotent)
@@ -134,6 +136,9 @@ class DraftPool(Mapping[str, Proposer]):
 
     def shrink(self, nbytes: int) -> int:
         return 0  # a fixed pool: its drafts go with the engine
+
+    def add_spare(self, release: Callable[[], int]) -> None:
+        pass  # no budget and no pressure check: nothing would ever call it
 
     def report(self) -> SourceStatus:
         return SourceStatus([DraftRow(n, True, int(p.nbytes)) for n, p in sorted(self.proposers.items())])

@@ -177,13 +177,14 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     (under batching the cost of a pass depends on how many requests share it).  on_rows: called
     before each yield with the target's logits rows that predicted the committed tokens,
     (n_committed, V); the rows are the session's buffer, valid only during the call (logprobs).
+    `cache` may hold the prompt's first tokens already (memspec.runtime.prefixes): only the rest is fed.
     """
     live = verify_cost_s if callable(verify_cost_s) else None
     if live is not None:
         verify_cost_s = live()
     verify_cost = [c / verify_cost_s[1] for c in verify_cost_s] if verify_cost_s else None
     verify_cost_s1 = verify_cost_s[1] if verify_cost_s else 0.0
-    logits = target.forward(cache, prompt, keep=1)[-1]
+    logits = target.forward(cache, prompt[cache.length:], keep=1)[-1]  # a cache may start with a reused prefix
     context = list(prompt)
     first = sampling.pick(logits, params.temperature, params.top_k, params.top_p, rng)
     context.append(first)
