@@ -45,9 +45,10 @@ NATIVE = Extension(
     "memspec.runtime._native",
     sources=[f"memspec/runtime/native/{name}.c" for name in ("module", "model", "attention", "floatops", "pool",
                                                                 "matmul", "pack", "dot", "dot_avx2", "dot_avx2_x8",
-                                                                "dot_avx512", "dot_neon", "quants")],
-    depends=[f"memspec/runtime/native/{name}.h" for name in ("model", "attention", "floatops", "pool", "matmul",
-                                                              "pack", "dot", "dot_x86", "quants")],
+                                                                "dot_avx512", "dot_avx512_x8", "dot_neon", "quants")],
+    depends=[*(f"memspec/runtime/native/{name}.h" for name in ("model", "attention", "floatops", "pool", "matmul",
+                                                                "pack", "dot", "dot_x86", "quants")),
+             "memspec/runtime/native/dot_x8.inc"],
     # -ffp-contract=off: a float op is fused only where the code says fmaf, on every path
     extra_compile_args=["-O3", "-std=c11", "-fPIC", "-pthread", "-ffp-contract=off"],
     extra_link_args=["-pthread"],

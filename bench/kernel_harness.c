@@ -2,7 +2,7 @@
  * block of 8 weight rows x 256 weights), the figure the kernels' op counts are checked against.
  *
  *   gcc -O3 -std=c11 -ffp-contract=off -Imemspec/runtime/native bench/kernel_harness.c \
- *       memspec/runtime/native/{dot_avx2_x8,pack,quants,dot,dot_avx2,dot_avx512,dot_neon}.c -lm -o /tmp/kh
+ *       memspec/runtime/native/{dot_avx2_x8,dot_avx512_x8,pack,quants,dot,dot_avx2,dot_avx512,dot_neon}.c -lm -o /tmp/kh
  *   /tmp/kh [q4_k|q6_k] [weight rows, default 64] [k, default 1536]
  *
  * Random blocks with small fp16 scales; one thread; for each activation row count, the best of 7

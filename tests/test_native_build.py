@@ -22,7 +22,7 @@ def test_the_kernels_are_built_wherever_a_c_compiler_is():
 
 NATIVE = Path(__file__).resolve().parent.parent / "memspec" / "runtime" / "native"
 SELFTEST = [Path(__file__).resolve().parent / "native" / "selftest.c",
-            *(NATIVE / f"{name}.c" for name in ("quants", "pack", "dot", "dot_avx2", "dot_avx2_x8", "dot_avx512",
+            *(NATIVE / f"{name}.c" for name in ("quants", "pack", "dot", "dot_avx2", "dot_avx2_x8", "dot_avx512", "dot_avx512_x8",
                                                     "dot_neon", "matmul", "floatops"))]
 FLAGS = ["-O2", "-std=c11", "-ffp-contract=off", "-pthread", f"-I{NATIVE}"]
 

@@ -25,6 +25,8 @@ small_update8(int type, __m256i isum, const int16_t *sum16, const float *dx, __m
 /* dot_avx2_x8.c: the AVX2 path's rows8 (interleaved Q4_K and Q6_K). */
 void avx2_rows8(const struct type_info *t, const uint8_t *w8, int k, const struct acts *a, int r0, int nr,
                 float (*acc)[8]);
+void avx512_rows8(const struct type_info *t, const uint8_t *w8, int k, const struct acts *a, int r0, int nr,
+                  float (*acc)[8]);
 
 #endif
 #endif
