@@ -9,7 +9,10 @@ runs with (none: the defaults).  All daemons are started first, each on its own 
 round after round, every client count runs on every tree in turn (interleaved, so that the
 machine's drift falls on all alike).  A run sends the same prompts (the built-in workload, one of
 each category in turn, greedy) from N client threads that take the next prompt as they finish
-one, and reports:
+one, each as a chat of a system prompt and the prompt.  Every run has a system prompt of its own
+("Session R.N: ...", SYSTEM), the same for all its requests and servers, as one deployment has
+one: the servers' prompt caches (memspec's prefix cache, llama-server's cache_prompt) reuse it
+within the run, and no run finds the prompts of an earlier one.  It reports:
 
   agg_tok_s     completion tokens of all requests / wall time of the run
   req_tok_s     per-request decode speed (the daemon's tok_per_s): p50 and p10
@@ -65,11 +68,11 @@ class Daemon:
         return Client(str(self.sock), timeout=600)
 
     def ask(self, conn, item: dict, max_tokens: int) -> dict:
-        from memspec.request import Completion
+        from memspec.request import Completion, GenerationRequest
 
         t0 = time.perf_counter()
         first = None
-        for chunk in conn.generate(item["prompt"], max_tokens=max_tokens, temperature=0.0):
+        for chunk in conn.stream(GenerationRequest(messages=item["messages"], max_tokens=max_tokens)):
             if first is None:
                 first = time.perf_counter() - t0
             if isinstance(chunk, Completion):
@@ -84,8 +87,8 @@ class Daemon:
 class LlamaServer:
     """llama.cpp's own server on the same GGUF: `slots` parallel slots, continuous batching on (its
     default), each slot with `ctx` tokens; asked on 127.0.0.1 with the prompt's token ids (the same
-    chat template memspec applies), streaming, greedy, no prompt cache (every round starts cold, as
-    memspec's does)."""
+    chat template memspec applies), streaming, greedy, its prompt cache on (cache_prompt: a slot
+    reuses what its last prompt shares with the next, as memspec's prefix cache does)."""
 
     def __init__(self, label: str, binary: str, gguf: str, slots: int, threads: int, ctx: int, folder: Path):
         import socket
@@ -131,7 +134,7 @@ class LlamaServer:
         import http.client
 
         body = json.dumps({"prompt": item["ids"], "n_predict": max_tokens, "temperature": 0.0, "top_k": 1,
-                           "cache_prompt": False, "stream": True})
+                           "cache_prompt": True, "stream": True})
         t0 = time.perf_counter()
         conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=600)
         try:
@@ -162,22 +165,29 @@ class LlamaServer:
             self.proc.kill()
 
 
-def prompts(n: int, target=None) -> list[dict]:
-    """n prompts of the built-in workload, taking each category in turn; with `target` (a store
-    manifest), each with its token ids under that model's chat template (what llama-server is sent)."""
+SYSTEM = "Session {}: you are a helpful assistant."  # a run's own system prompt (its tag first: no
+#                                                     two runs' prompts agree past the template's start)
+
+
+def prompts(n: int, target=None, session: str = "0") -> list[dict]:
+    """n prompts of the built-in workload, taking each category in turn, each the chat (system
+    prompt of `session`, prompt); with `target` (a store manifest), each with its token ids under
+    that model's chat template (what llama-server is sent)."""
     from memspec.bench.policies import load_workload
 
     by_cat: dict[str, list[str]] = {}
     for item in load_workload(None):
         by_cat.setdefault(item["category"], []).append(item["prompt"])
     cats = sorted(by_cat)
-    items = [{"prompt": by_cat[cats[i % len(cats)]][i // len(cats)]} for i in range(n)]
+    system = SYSTEM.format(session)
+    items = [{"messages": (("system", system), ("user", by_cat[cats[i % len(cats)]][i // len(cats)]))}
+             for i in range(n)]
     if target is not None:
-        from engines import chat_ids
+        from memspec.models.tokenizer import Tokenizer
 
-        encode = chat_ids(target)
+        tok = Tokenizer.from_file(target.folder / "tokenizer.json", target.folder / "tokenizer_config.json")
         for item in items:
-            item["ids"] = encode(item["prompt"])
+            item["ids"] = tok.encode(tok.apply_chat_template([{"role": r, "content": c} for r, c in item["messages"]]))
     return items
 
 
@@ -255,7 +265,6 @@ def main() -> None:
             llama_gguf = store.gguf_of(llama_target)  # there, and the file it was pulled from
         except MemspecError as exc:
             raise SystemExit(f"--llama-server: {exc}") from None
-    items = prompts(args.prompts, llama_target)
     folder = Path(tempfile.mkdtemp(prefix="memspec-conc-"))
     servers: dict = {}
     try:
@@ -268,11 +277,13 @@ def main() -> None:
             servers["llama-server"] = LlamaServer(
                 "llama-server", args.llama_bin or str(default_llama_server()), str(llama_gguf),
                 args.llama_slots, args.threads or physical_cores(), args.llama_ctx, folder)
+        warm = prompts(4, llama_target, "warm-up")
         for server in servers.values():  # warm-up: the first requests load drafts
-            run(server, items[:4], 2, 16)
+            run(server, warm, 2, 16)
         runs: list[dict] = []
         for r in range(args.rounds):
             for n in counts:
+                items = prompts(args.prompts, llama_target, f"{r}.{n}")  # cold: this run's own system prompt
                 for label, server in servers.items():
                     res = run(server, items, n, args.max_tokens)
                     res.update(tree=label, clients=n, round=r)

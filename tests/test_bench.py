@@ -434,7 +434,7 @@ def test_concurrency_reads_a_llama_server_stream_and_counts_its_tokens():
         httpd.shutdown()
     assert res["requests"] == 5 and res["req_tok_s_p50"] == 57.0 and res["ttft_ms_p50"] > 0
     assert sorted(b["prompt"][2] for b in asked) == list(range(5))  # token ids, each prompt once
-    assert all(b["stream"] and b["temperature"] == 0.0 and b["cache_prompt"] is False for b in asked)
+    assert all(b["stream"] and b["temperature"] == 0.0 and b["cache_prompt"] is True for b in asked)
 
 
 def test_concurrency_says_how_to_build_a_missing_llama_server(tmp_path):
