@@ -9,10 +9,13 @@ runs with (none: the defaults).  All daemons are started first, each on its own 
 round after round, every client count runs on every tree in turn (interleaved, so that the
 machine's drift falls on all alike).  A run sends the same prompts (the built-in workload, one of
 each category in turn, greedy) from N client threads that take the next prompt as they finish
-one, each as a chat of a system prompt and the prompt.  Every run has a system prompt of its own
-("Session R.N: ...", SYSTEM), the same for all its requests and servers, as one deployment has
-one: the servers' prompt caches (memspec's prefix cache, llama-server's cache_prompt) reuse it
-within the run, and no run finds the prompts of an earlier one.  It reports:
+one, each as a chat turn under the model's own template and system prompt.  Each run's prompts
+start with a tag of its own ("(Session R.N) ", SESSION), the same on every server: the servers'
+prompt caches (memspec's prefix cache, llama-server's cache_prompt) reuse the template and system
+prompt, as a long-running server does, and no run finds the prompts of an earlier one.  (The tag
+goes in the user turn, not in a system prompt of the run's own: the 1.5B's drafts were distilled
+under Qwen's default system prompt, and another one lowers their acceptance, 0.66 to 0.21 on 8
+prompts, where the tag leaves 0.60.)  It reports:
 
   agg_tok_s     completion tokens of all requests / wall time of the run
   req_tok_s     per-request decode speed (the daemon's tok_per_s): p50 and p10
@@ -165,23 +168,21 @@ class LlamaServer:
             self.proc.kill()
 
 
-SYSTEM = "Session {}: you are a helpful assistant."  # a run's own system prompt (its tag first: no
-#                                                     two runs' prompts agree past the template's start)
+SESSION = "(Session {}) "  # starts each prompt of a run: no two runs' prompts agree past the system prompt
 
 
 def prompts(n: int, target=None, session: str = "0") -> list[dict]:
-    """n prompts of the built-in workload, taking each category in turn, each the chat (system
-    prompt of `session`, prompt); with `target` (a store manifest), each with its token ids under
-    that model's chat template (what llama-server is sent)."""
+    """n prompts of the built-in workload, taking each category in turn, each a user turn tagged
+    with `session`; with `target` (a store manifest), each with its token ids under that model's
+    chat template (what llama-server is sent)."""
     from memspec.bench.policies import load_workload
 
     by_cat: dict[str, list[str]] = {}
     for item in load_workload(None):
         by_cat.setdefault(item["category"], []).append(item["prompt"])
     cats = sorted(by_cat)
-    system = SYSTEM.format(session)
-    items = [{"messages": (("system", system), ("user", by_cat[cats[i % len(cats)]][i // len(cats)]))}
-             for i in range(n)]
+    tag = SESSION.format(session)
+    items = [{"messages": (("user", tag + by_cat[cats[i % len(cats)]][i // len(cats)]),)} for i in range(n)]
     if target is not None:
         from memspec.models.tokenizer import Tokenizer
 
@@ -283,7 +284,7 @@ def main() -> None:
         runs: list[dict] = []
         for r in range(args.rounds):
             for n in counts:
-                items = prompts(args.prompts, llama_target, f"{r}.{n}")  # cold: this run's own system prompt
+                items = prompts(args.prompts, llama_target, f"{r}.{n}")  # cold: this run's own tag
                 for label, server in servers.items():
                     res = run(server, items, n, args.max_tokens)
                     res.update(tree=label, clients=n, round=r)
