@@ -8,14 +8,11 @@ Each --tree LABEL=PATH[:CONFIG] is a memspec source tree (PYTHONPATH) and the co
 runs with (none: the defaults).  All daemons are started first, each on its own socket; then,
 round after round, every client count runs on every tree in turn (interleaved, so that the
 machine's drift falls on all alike).  A run sends the same prompts (the built-in workload, one of
-each category in turn, greedy) from N client threads that take the next prompt as they finish
-one, each as a chat turn under the model's own template and system prompt.  Each run's prompts
-start with a tag of its own ("(Session R.N) ", SESSION), the same on every server: the servers'
-prompt caches (memspec's prefix cache, llama-server's cache_prompt) reuse the template and system
-prompt, as a long-running server does, and no run finds the prompts of an earlier one.  (The tag
-goes in the user turn, not in a system prompt of the run's own: the 1.5B's drafts were distilled
-under Qwen's default system prompt, and another one lowers their acceptance, 0.66 to 0.21 on 8
-prompts, where the tag leaves 0.60.)  It reports:
+each category in turn, greedy, under the model's chat template) from N client threads that take
+the next prompt as they finish one.  Every run starts cold: each server is started anew before it
+and warmed on 4 other prompts of the workload (drafts loaded, the template and system prompt in
+the prompt caches, as in a server that has been running), so that no run finds the prompts of an
+earlier one in a cache (memspec's prefix cache, llama-server's cache_prompt).  It reports:
 
   agg_tok_s     completion tokens of all requests / wall time of the run
   req_tok_s     per-request decode speed (the daemon's tok_per_s): p50 and p10
@@ -71,11 +68,11 @@ class Daemon:
         return Client(str(self.sock), timeout=600)
 
     def ask(self, conn, item: dict, max_tokens: int) -> dict:
-        from memspec.request import Completion, GenerationRequest
+        from memspec.request import Completion
 
         t0 = time.perf_counter()
         first = None
-        for chunk in conn.stream(GenerationRequest(messages=item["messages"], max_tokens=max_tokens)):
+        for chunk in conn.generate(item["prompt"], max_tokens=max_tokens, temperature=0.0):
             if first is None:
                 first = time.perf_counter() - t0
             if isinstance(chunk, Completion):
@@ -168,27 +165,26 @@ class LlamaServer:
             self.proc.kill()
 
 
-SESSION = "(Session {}) "  # starts each prompt of a run: no two runs' prompts agree past the system prompt
+WORKLOAD = 48  # prompts in the built-in workload
+WARM = 4  # of them, kept apart to warm each server on before a run
 
 
-def prompts(n: int, target=None, session: str = "0") -> list[dict]:
-    """n prompts of the built-in workload, taking each category in turn, each a user turn tagged
-    with `session`; with `target` (a store manifest), each with its token ids under that model's
-    chat template (what llama-server is sent)."""
+def prompts(n: int, target=None) -> list[dict]:
+    """n prompts of the built-in workload, taking each category in turn; with `target` (a store
+    manifest), each with its token ids under that model's chat template (what llama-server is sent)."""
     from memspec.bench.policies import load_workload
 
     by_cat: dict[str, list[str]] = {}
     for item in load_workload(None):
         by_cat.setdefault(item["category"], []).append(item["prompt"])
     cats = sorted(by_cat)
-    tag = SESSION.format(session)
-    items = [{"messages": (("user", tag + by_cat[cats[i % len(cats)]][i // len(cats)]),)} for i in range(n)]
+    items = [{"prompt": by_cat[cats[i % len(cats)]][i // len(cats)]} for i in range(n)]
     if target is not None:
-        from memspec.models.tokenizer import Tokenizer
+        from engines import chat_ids
 
-        tok = Tokenizer.from_file(target.folder / "tokenizer.json", target.folder / "tokenizer_config.json")
+        encode = chat_ids(target)
         for item in items:
-            item["ids"] = tok.encode(tok.apply_chat_template([{"role": r, "content": c} for r, c in item["messages"]]))
+            item["ids"] = encode(item["prompt"])
     return items
 
 
@@ -266,37 +262,38 @@ def main() -> None:
             llama_gguf = store.gguf_of(llama_target)  # there, and the file it was pulled from
         except MemspecError as exc:
             raise SystemExit(f"--llama-server: {exc}") from None
+    if args.prompts + WARM > WORKLOAD:
+        raise SystemExit(f"--prompts: at most {WORKLOAD - WARM} (the workload's {WORKLOAD} prompts, less {WARM} "
+                         f"to warm each server on)")
+    items = prompts(args.prompts + WARM, llama_target)
+    items, warm = items[:args.prompts], items[args.prompts:]
     folder = Path(tempfile.mkdtemp(prefix="memspec-conc-"))
-    servers: dict = {}
-    try:
-        for label, path, config in trees:
-            servers[label] = Daemon(label, path, config, folder)
-        if llama_target is not None:
-            from engines import default_llama_server
-            from memspec.runtime.target import physical_cores
+    starts = {label: (lambda label=label, path=path, config=config: Daemon(label, path, config, folder))
+              for label, path, config in trees}
+    if llama_target is not None:
+        from engines import default_llama_server
+        from memspec.runtime.target import physical_cores
 
-            servers["llama-server"] = LlamaServer(
-                "llama-server", args.llama_bin or str(default_llama_server()), str(llama_gguf),
-                args.llama_slots, args.threads or physical_cores(), args.llama_ctx, folder)
-        warm = prompts(4, llama_target, "warm-up")
-        for server in servers.values():  # warm-up: the first requests load drafts
-            run(server, warm, 2, 16)
-        runs: list[dict] = []
-        for r in range(args.rounds):
-            for n in counts:
-                items = prompts(args.prompts, llama_target, f"{r}.{n}")  # cold: this run's own tag
-                for label, server in servers.items():
+        starts["llama-server"] = lambda: LlamaServer(
+            "llama-server", args.llama_bin or str(default_llama_server()), str(llama_gguf),
+            args.llama_slots, args.threads or physical_cores(), args.llama_ctx, folder)
+    runs: list[dict] = []
+    for r in range(args.rounds):
+        for n in counts:
+            for label, start in starts.items():
+                server = start()  # cold: started anew for each run
+                try:
+                    run(server, warm, 2, 16)  # drafts loaded, the chat template cached; not this run's prompts
                     res = run(server, items, n, args.max_tokens)
-                    res.update(tree=label, clients=n, round=r)
-                    runs.append(res)
-                    print(json.dumps(res), flush=True)
-        summary = summarise(runs, list(servers), counts)
-        print(json.dumps(summary, indent=1))
-        if args.json:
-            Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
-    finally:
-        for server in servers.values():
-            server.close()
+                finally:
+                    server.close()
+                res.update(tree=label, clients=n, round=r)
+                runs.append(res)
+                print(json.dumps(res), flush=True)
+    summary = summarise(runs, list(starts), counts)
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"runs": runs, "summary": summary}, indent=1))
 
 
 def summarise(runs: list[dict], labels: list[str], counts: list[int]) -> dict:
