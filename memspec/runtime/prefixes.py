@@ -41,16 +41,11 @@ class PrefixKV(Protocol):
 
 @dataclass
 class PrefixStats:
-    """What GetStatus and /metrics show of the cache."""
+    """The cache's counters (report() adds what it holds: entries and bytes)."""
 
     lookups: int = 0  # requests that asked
     hits: int = 0  # ... and started from a stored prefix
     reused_tokens: int = 0  # prompt tokens not computed again
-    entries: int = 0
-    bytes: int = 0
-
-    def to_dict(self) -> dict:
-        return {k: float(getattr(self, k)) for k in ("lookups", "hits", "reused_tokens", "entries", "bytes")}
 
 
 def _agree(a: np.ndarray, b: np.ndarray) -> int:
@@ -117,23 +112,25 @@ class PrefixCache:
                 del self._entries[key]  # starts of this one: the longer entry serves them too
             self._entries[self._next_id] = (tokens, kv)
             self._next_id += 1
-            while sum(e[1].nbytes for e in self._entries.values()) > self.max_bytes:
-                self._entries.popitem(last=False)
-            self._count()
+            held = self._held()
+            while held > self.max_bytes:  # least recently used out
+                held -= self._entries.popitem(last=False)[1][1].nbytes
         return True
 
     def clear(self) -> int:
         """Drop every entry (memory pressure); the bytes freed."""
         with self._lock:
-            freed = sum(e[1].nbytes for e in self._entries.values())
+            freed = self._held()
             self._entries.clear()
-            self._count()
         return freed
 
-    def _count(self) -> None:
-        self.stats.entries = len(self._entries)
-        self.stats.bytes = sum(e[1].nbytes for e in self._entries.values())
+    def _held(self) -> int:
+        """Bytes of K/V the entries hold (under the lock)."""
+        return sum(kv.nbytes for _, kv in self._entries.values())
 
     def report(self) -> dict:
+        """What GetStatus and /metrics show: the counters, entries and bytes held."""
         with self._lock:
-            return self.stats.to_dict()
+            out = {k: float(v) for k, v in vars(self.stats).items()}
+            out.update(entries=float(len(self._entries)), bytes=float(self._held()))
+        return out
