@@ -225,30 +225,35 @@ def test_one_row_and_every_group_size_equal_the_scalar_path(name, isa):
         np.testing.assert_array_equal(alone[0], scalar[r], err_msg=f"{name}: row {r} alone vs the scalar path")
 
 
-PACKED = {"Q4_K": 1184, "Q6_K": 1680}  # bytes per interleaved block of 8 rows (native/pack.h)
+# bytes per interleaved block column of 8 rows (native/pack.h), and the k each case runs at: small
+# blocks a partial last 256-weight chunk (their float lanes go by block % 8 across chunks)
+PACKED = {"Q4_K": (1184, 1536), "Q6_K": (1680, 1536), "Q4_0": (144, 608), "Q4_1": (160, 608),
+          "Q5_0": (176, 608), "Q8_0": (272, 608)}
 
 
 @pytest.mark.parametrize("isa", ["scalar", *SIMD])
 @pytest.mark.parametrize("name", list(PACKED))
 def test_the_interleaved_layout_gives_the_row_layouts_bits(name, isa):
-    """A path that multiplies K-quants 8 weight rows at a time (native/pack.h: AVX2) repacks the
-    matrix; the outputs are the row layout's bits at every row count and thread split (threads take
-    whole groups of 8), and a matrix whose rows are not a multiple of 8 keeps its row layout."""
+    """A path that multiplies a type 8 weight rows at a time (native/pack.h: the x86 paths) repacks
+    the matrix; the outputs are the row layout's bits at every row count and thread split (threads
+    take whole groups of 8), and a matrix whose rows are not a multiple of 8 keeps its row layout."""
     if isa not in kernels.isas():
         pytest.skip(f"this CPU has no {isa} (paths: {kernels.isas()})")
     rng = np.random.default_rng(400 + TYPES.index(name))
-    tid, k = type_id(name), 1536
+    tid, (column, k) = type_id(name), PACKED[name]
+    per = 256 if name.endswith("_K") else 32
     raw, x = random_weights(rng, name, 40, k), activations(rng, 11, k)
-    blocks = raw[3].reshape(k // 256, -1)  # row 3: extreme integers (all-ones nibbles, scales 63 / -1)
-    blocks[:] = 0xFF
-    for at in FP16_FIELDS[name]:
-        blocks[:, at : at + 2] = np.float16(1e-3).reshape(1).view(np.uint8)
+    for row, byte in ((3, 0xFF), (4, 0x80), (5, 0x7F)):  # extreme integers: all-ones nibbles, scales 63 / -1; Q8_0 -128, 127
+        blocks = raw[row].reshape(k // per, -1)
+        blocks[:] = byte
+        for at in FP16_FIELDS[name]:
+            blocks[:, at : at + 2] = np.float16(1e-3).reshape(1).view(np.uint8)
     packed = kernels.pack(raw, tid, 40, k, isa=isa)
     assert kernels.pack(raw[:36], tid, 36, k, isa=isa) is None  # 36 rows: not whole groups
     assert kernels.pack(random_weights(rng, "Q5_K", 8, 256), type_id("Q5_K"), 8, 256, isa=isa) is None
     if packed is None:
         pytest.skip(f"{isa} multiplies {name} in its row layout")
-    assert len(packed) == 40 // 8 * k // 256 * PACKED[name]
+    assert len(packed) == 40 // 8 * k // per * column
     rows = kernels.matmul(raw, tid, 40, k, x, isa=isa, packed=False)
     np.testing.assert_array_equal(rows, kernels.matmul(raw, tid, 40, k, x, isa="scalar"))
     for m in (1, 2, 3, 4, 5, 11):

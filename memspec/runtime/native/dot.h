@@ -32,8 +32,10 @@ struct dot_isa {
     /* Bit t set: rows8 takes type t interleaved (pack.h); 0 where the path has no such kernel. */
     unsigned packed_types;
     /* acc[i][o] += output o of an interleaved group of 8 weight rows w8 (k weights each) . activation
-     * row r0 + i, i < nr: for each (row, output), the K-quant rule (one k_update per block, into the
-     * one accumulator that is lane 0 of `rows`), so the same bits as `rows` on the row layout. */
+     * row r0 + i, i < nr: for each (row, output), the float updates of `rows` on the row layout in
+     * the same order and lanes (K-quants: one k_update per block into lane 0; small blocks: one
+     * small_update per block into lane block % 8, the 8 lanes then reduced as lanes_take_used
+     * reduces them), so the same bits. */
     void (*rows8)(const struct type_info *t, const uint8_t *w8, int k, const struct acts *a, int r0, int nr,
                   float (*acc)[8]);
 };

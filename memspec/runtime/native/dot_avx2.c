@@ -399,6 +399,6 @@ AVX2 static void avx2_rows(const struct type_info *t, const uint8_t *w, int k, c
     }
 }
 
-const struct dot_isa DOT_AVX2 = {"avx2", avx2_rows, 1u << TYPE_Q4_K | 1u << TYPE_Q6_K, avx2_rows8};
+const struct dot_isa DOT_AVX2 = {"avx2", avx2_rows, X86_PACKED_TYPES, avx2_rows8};
 
 #endif

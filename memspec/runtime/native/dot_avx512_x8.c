@@ -1,4 +1,4 @@
-/* The AVX-512 path's kernels for interleaved Q4_K and Q6_K (pack.h): dot_avx2_x8.c's, with each
+/* The AVX-512 path's kernels for the interleaved types (pack.h): dot_avx2_x8.c's, with each
  * sub-block's products formed by vpdpbusd on 256-bit vectors (AVX-512 VL + VNNI) instead of
  * maddubs, add and madd.
  *

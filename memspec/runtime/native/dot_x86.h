@@ -22,7 +22,11 @@ small_update8(int type, __m256i isum, const int16_t *sum16, const float *dx, __m
     _mm256_storeu_ps(acc, lanes);
 }
 
-/* dot_avx2_x8.c: the AVX2 path's rows8 (interleaved Q4_K and Q6_K). */
+/* The types both x86 paths multiply interleaved (pack.h), through rows8. */
+#define X86_PACKED_TYPES \
+    (1u << TYPE_Q4_K | 1u << TYPE_Q6_K | 1u << TYPE_Q4_0 | 1u << TYPE_Q4_1 | 1u << TYPE_Q5_0 | 1u << TYPE_Q8_0)
+
+/* dot_avx2_x8.c, dot_avx512_x8.c: each path's rows8 (dot_x8.inc). */
 void avx2_rows8(const struct type_info *t, const uint8_t *w8, int k, const struct acts *a, int r0, int nr,
                 float (*acc)[8]);
 void avx512_rows8(const struct type_info *t, const uint8_t *w8, int k, const struct acts *a, int r0, int nr,

@@ -339,9 +339,18 @@ static int check_batch(const struct model *m, const struct batch *b) {
     return 0;
 }
 
-/* Row `id` of a (V, H) matrix of any supported type, as float32. */
+/* Row `id` of a (V, H) matrix of any supported type, as float32: from the file's rows, or block by
+ * block from the interleaved copy where the matrix is also the (packed) head, with the same bits. */
 static void embed_row(const struct tensor *e, int id, float *out) {
-    dequantize_row(e->t, e->data + (size_t)id * row_bytes(e->t, e->k), e->k, out);
+    if (!e->packed) {
+        dequantize_row(e->t, e->data + (size_t)id * row_bytes(e->t, e->k), e->k, out);
+        return;
+    }
+    uint8_t raw[64]; /* one small block (pack_unpacks) */
+    for (int p = 0; p < e->k / e->t->block; p++) {
+        unpack_block(e->t, e->packed, e->k, id, p, raw);
+        dequantize_row(e->t, raw, e->t->block, out + (size_t)p * e->t->block);
+    }
 }
 
 int model_forward(const struct model *m, const struct batch *b) {

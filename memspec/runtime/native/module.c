@@ -284,8 +284,9 @@ static int check_layer(const struct model *m, const struct layer *L, int l) {
     return 0;
 }
 
-/* The matrices a pass multiplies: each layer's seven and the head (unless it is the embedding,
- * which the lookup reads by rows). */
+/* The matrices a pass multiplies: each layer's seven and the head.  A head that is also the
+ * embedding only where the lookup can read its rows back from the interleaved copy (pack_unpacks),
+ * so that the file's pages are not read again. */
 static int model_matrices(struct model *m, struct tensor **out) {
     int n = 0;
     for (int l = 0; l < m->n_layers; l++) {
@@ -293,7 +294,7 @@ static int model_matrices(struct model *m, struct tensor **out) {
         struct tensor *w[7] = {&L->wq, &L->wk, &L->wv, &L->wo, &L->wg, &L->wu, &L->wd};
         for (int j = 0; j < 7; j++) out[n++] = w[j];
     }
-    if (m->output.data != m->embd.data) out[n++] = &m->output;
+    if (m->output.data != m->embd.data || pack_unpacks(m->output.t)) out[n++] = &m->output;
     return n;
 }
 
@@ -351,6 +352,7 @@ static int model_pack(ModelObject *self, int release) {
         pool_run(m->pool, pack_share, &job);
         if (release) release_pages(w->data, (size_t)w->n * row_bytes(w->t, w->k)); /* the pages shares straddle */
         w->packed = at;
+        if (w == &m->output && m->embd.data == w->data) m->embd.packed = at; /* a tied head: the lookup's rows */
         at += pack_bytes(w->t, w->n, w->k);
     }
     Py_END_ALLOW_THREADS

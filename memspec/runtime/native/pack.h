@@ -4,8 +4,8 @@
  * column and keeps the 8 outputs in the lanes of one vector: no horizontal sum per row and
  * block, and each weight vector serves every activation row of the pass.  Repacking is
  * lossless (the same integers, the same fp16 scales, only moved), and a row's float updates
- * are dot.h's k_update, block after block, exactly as on the row layout: the outputs are the
- * same bits.  Which types a path takes interleaved is its struct dot_isa's packed_types. */
+ * are dot.h's k_update or small_update, block after block, exactly as on the row layout: the
+ * outputs are the same bits.  Which types a path takes interleaved is its struct dot_isa's packed_types. */
 #ifndef MEMSPEC_PACK_H
 #define MEMSPEC_PACK_H
 
@@ -42,11 +42,48 @@ typedef struct {
     } pair[8];         /* pairs in the order they are read */
 } block_q6_Kx8;
 
+/* Block column p (weights 32p .. 32p+31) of small-block rows 8g .. 8g+7: the same bytes as the 8
+ * blocks, moved (144, 160, 176, 272 bytes against 8 x 18, 20, 22, 34).  The quants of 4 consecutive
+ * weights of every row make one 32-byte vector, so vector p' = 0..7 holds weights 32p + 4p' + t of
+ * row o in byte 4o + t:
+ *   Q4_0, Q4_1: vector v of qs holds p' = v in its low nibbles and p' = v + 4 in its high ones
+ *               (weights 4v + t and 16 + 4v + t of the block);
+ *   Q5_0: as Q4_0, and bit p' of qh[4o + t] is the fifth bit of row o's weight 4p' + t;
+ *   Q8_0: vector p' of qs, as stored (int8). */
+typedef struct {
+    uint16_t d[8];      /* row o's d, fp16 as stored */
+    uint8_t qs[4][32];
+} block_q4_0x8;
+typedef struct {
+    uint16_t d[8], m[8]; /* row o's d and m, fp16 as stored */
+    uint8_t qs[4][32];
+} block_q4_1x8;
+typedef struct {
+    uint16_t d[8];
+    uint8_t qs[4][32];
+    uint8_t qh[32];
+} block_q5_0x8;
+typedef struct {
+    uint16_t d[8];
+    int8_t qs[8][32];
+} block_q8_0x8;
+
+/* Bytes of one interleaved block column of type t (8 rows), or 0 when t has no interleaved form. */
+size_t pack_block_bytes(int type);
+
 /* Bytes of the interleaved form of an (n, k) matrix of type t, or 0 when t has none or n is
  * not a multiple of PACK_ROWS. */
 size_t pack_bytes(const struct type_info *t, int n, int k);
 
 /* Interleave the (n, k) matrix w of type t (pack_bytes > 0) into out (pack_bytes of them). */
 void pack_rows(const struct type_info *t, const uint8_t *w, int n, int k, uint8_t *out);
+
+/* Whether unpack_block takes type t: the small blocks, whose rows a lookup can read back from the
+ * interleaved copy (a tied head's embedding rows). */
+static inline int pack_unpacks(const struct type_info *t) { return t->family == FAM_SMALL; }
+
+/* Block p of row `row` of the interleaved (n, k) matrix `packed` of type t (pack_unpacks), as the
+ * file stored it, into raw (t->bytes of them): pack_rows's exact inverse. */
+void unpack_block(const struct type_info *t, const uint8_t *packed, int k, int row, int p, uint8_t *raw);
 
 #endif
