@@ -23,7 +23,7 @@ def test_the_kernels_are_built_wherever_a_c_compiler_is():
 NATIVE = Path(__file__).resolve().parent.parent / "memspec" / "runtime" / "native"
 SELFTEST = [Path(__file__).resolve().parent / "native" / "selftest.c",
             *(NATIVE / f"{name}.c" for name in ("quants", "pack", "dot", "dot_avx2", "dot_avx2_x8", "dot_avx512", "dot_avx512_x8",
-                                                    "dot_neon", "matmul", "floatops"))]
+                                                    "dot_neon", "matmul", "floatops", "attention"))]
 FLAGS = ["-O2", "-std=c11", "-ffp-contract=off", "-pthread", f"-I{NATIVE}"]
 
 
@@ -44,7 +44,7 @@ def test_every_path_and_architecture_computes_the_same_bits(tmp_path):
     if cc is None:
         pytest.skip("no C compiler")
     scalar = _selftest([cc], tmp_path / "selftest", [], "scalar")
-    assert len(scalar.splitlines()) == 11, scalar  # 10 types, then floatops
+    assert len(scalar.splitlines()) == 12, scalar  # 10 types, then floatops and attention
     assert _selftest([cc], tmp_path / "selftest", []) == scalar  # the best path here (AVX2 where present)
     cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
     if not (cross and qemu):

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "attention.h"
 #include "floatops.h"
 #include "matmul.h"
 
@@ -176,6 +177,29 @@ static int check_floatops(const struct dot_isa *isa) {
     return 0;
 }
 
+/* attention.h on this path: scores and mix over float16 keys and values at head sizes that are and are
+ * not a multiple of 64 (the AVX2 mix keeps 64 dimensions in registers) and position counts around its
+ * groups of 4 keys; one line with a hash of all the bits, which the test compares across paths. */
+static int check_attention(const struct dot_isa *isa) {
+    const struct attn_isa *at = attn_isa_for(isa->name);
+    static const int dims[] = {8, 64, 80, 128}, counts[] = {1, 3, 4, 5, 37};
+    static uint16_t kv[2][37 * 128];
+    static float q[128], w[37], out[128];
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t d = 0; d < sizeof(dims) / sizeof(dims[0]); d++)
+        for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++) {
+            int hd = dims[d], n = counts[c];
+            for (int i = 0; i < n * hd; i++) /* normal float16s of either sign, about 2^-3 .. 2^1 */
+                kv[0][i] = (uint16_t)(0x3000 | (next() & 0x93FF)), kv[1][i] = (uint16_t)(0x3000 | (next() & 0x93FF));
+            for (int i = 0; i < hd; i++) q[i] = uniform(), out[i] = 0.0f;
+            at->scores(q, kv[0], n, hd, 0.125f, w);
+            at->mix(w, kv[1], n, hd, out);
+            h = fnv(fnv(h, w, sizeof(float) * n), out, sizeof(float) * hd);
+        }
+    printf("attention %016llx\n", (unsigned long long)h);
+    return 0;
+}
+
 int main(int argc, char **argv) {
     const struct dot_isa *isa = argc > 1 ? dot_isa_named(argv[1]) : dot_isa_best();
     if (!isa) {
@@ -188,5 +212,6 @@ int main(int argc, char **argv) {
     int bad = 0;
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) bad |= check_type(isa, types[i][0], types[i][1]);
     bad |= check_lanes(); /* after the types: their random blocks stay what they were */
-    return bad | check_floatops(isa);
+    bad |= check_floatops(isa);
+    return bad | check_attention(isa);
 }
