@@ -15,6 +15,7 @@ from memspec.request import GenerationRequest, PolicyName
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.policies import expected_seconds, load_oracle_table, request_reward, ucb_pick
 from memspec.scheduling.scheduler import Scheduler
+from memspec.scheduling.workingset import PRESSURE_PERIOD_S
 
 SIZES = {"draft-chat": 10 * MiB, "draft-code": 10 * MiB, "draft-math": 10 * MiB, "prompt-lookup": 0}
 FENCE = 7  # token id the fake decoder turns into ``` (every other id is "x")
@@ -324,6 +325,7 @@ def test_pressure_mid_request_drops_the_draft_and_goes_target_only():
     m = SpecMetrics()
     assert sel([1, 2], m)[0] == "draft-chat"
     probe.available = 10 * MiB
+    clock.advance(PRESSURE_PERIOD_S)  # memory is read again (memspec.scheduling.workingset)
     assert sel([1, 2, 3], m) == (None, None)
     assert sched.ws.check_pressure() and sched.ws.resident() == {}  # released, then evicted
     assert sched.counters()["degraded"] == 1

@@ -8,7 +8,7 @@ import pytest
 
 from fakes import FakeClock, FakeLoader, FakeProbe, MiB
 from memspec.errors import ConfigError, InvalidRequestError
-from memspec.scheduling.workingset import Candidate, WorkingSet, admit, eviction_order
+from memspec.scheduling.workingset import PRESSURE_PERIOD_S, Candidate, WorkingSet, admit, eviction_order
 
 
 # -- pure functions ----------------------------------------------------------------------
@@ -153,13 +153,14 @@ def test_random_sequences_never_exceed_budget_nor_evict_leased():
 
 
 def test_pressure_evicts_unleased_drafts_then_signals_target_only():
-    ws, loader, _, probe = make(budget_mb=200, floor_mb=100)
+    ws, loader, clock, probe = make(budget_mb=200, floor_mb=100)
     held = ws.lease("a")
     for n in ("b", "c"):
         ws.lease(n).release()
     probe.available = 500 * MiB
     assert not ws.check_pressure() and set(ws.resident()) == {"a", "b", "c"}
     probe.available = 60 * MiB  # 40 short: evicting c (30) is not enough, b too (50) is
+    clock.advance(PRESSURE_PERIOD_S)  # the last reading (above the floor) no longer stands
     assert not ws.check_pressure()
     assert set(ws.resident()) == {"a"} and ws.counters.pressure_evictions == 2
     probe.available = 10 * MiB  # nothing unleased left: target-only
@@ -171,6 +172,23 @@ def test_pressure_evicts_unleased_drafts_then_signals_target_only():
     assert not ws.check_pressure() and not ws.target_only
     assert ws.lease("a") is not None
     ws.close()
+
+
+def test_a_reading_above_the_floor_stands_a_moment_and_one_under_it_never_does():
+    """Every request asks at every step: memory is read at most once a period while it is plentiful,
+    and on every call once it is short (so eviction and recovery are seen at once)."""
+    ws, _, clock, probe = make(budget_mb=200, floor_mb=100)
+    probe.available = 500 * MiB
+    assert not ws.check_pressure() and probe.calls == 1
+    probe.available = 10 * MiB
+    clock.advance(PRESSURE_PERIOD_S / 2)
+    assert not ws.check_pressure() and probe.calls == 1  # the reading of a moment ago stands
+    clock.advance(PRESSURE_PERIOD_S / 2)
+    assert ws.check_pressure() and probe.calls == 2
+    assert ws.check_pressure() and probe.calls == 3  # under the floor: read on every call
+    probe.available = 500 * MiB
+    assert not ws.check_pressure() and probe.calls == 4 and not ws.target_only  # back at once
+    assert not ws.check_pressure() and probe.calls == 4
 
 
 def test_under_pressure_spare_caches_go_before_any_draft():
