@@ -157,3 +157,26 @@ def test_the_probe_and_the_budget_keep_to_the_cgroup_limit(tmp_path):
     sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=300), FakeLoader(sizes), sizes, fake)
     assert sched.ws.budget == 300 * MiB  # a configured budget wins
     sched.close()
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/self/statm")
+def test_a_preallocated_cache_holds_only_the_pages_its_positions_were_written_in():
+    """A native KV cache (64 MiB here) is committed as its positions are written, as kv_cache_nbytes
+    plans (regression: numpy's np.empty asked for transparent huge pages, and writing 30 positions
+    committed and zeroed the whole array)."""
+    from memspec.runtime.kvcache import committed_as_written, kv_cache_nbytes
+
+    shape = (16, 2, 4, 4096, 64)  # (layers, K/V, kv heads, capacity, head_dim) float16
+    before = _rss()
+    kv = committed_as_written(shape, np.uint16)
+    assert kv.shape == shape and kv.flags.writeable and not kv[:, :, :, :30].any()
+    kv[:, :, :, :30, :] = 1
+    grown = _rss() - before
+    planned = kv_cache_nbytes(16 * 2 * 4, 64, 30, 4096, itemsize=2)
+    assert grown <= planned + 2 * MiB, f"writing 30 positions committed {grown / MiB:.1f} MiB, planned {planned / MiB:.1f}"
+    assert kv.nbytes == 64 * MiB

@@ -7,6 +7,10 @@ bytes, and each engine (memspec.runtime.sessions, memspec.runtime.native_target)
 
 from __future__ import annotations
 
+import mmap
+
+import numpy as np
+
 from memspec.errors import ContextOverflowError
 
 PAGE = 4096  # bytes the OS commits at a time (Linux, x86-64 and aarch64 defaults)
@@ -20,6 +24,22 @@ def kv_cache_nbytes(rows: int, head_dim: int, tokens: int, capacity: int, itemsi
     tokens = max(0, min(tokens, capacity))
     pages = -(-tokens * head_dim * itemsize // PAGE) + (tokens > 0)
     return min(rows * pages * PAGE, rows * capacity * head_dim * itemsize)
+
+
+def committed_as_written(shape: tuple[int, ...], dtype) -> np.ndarray:
+    """An array over its own anonymous mapping, in base pages: the OS commits a page when a slot in it
+    is first written, so a preallocated cache holds what kv_cache_nbytes says.  Not np.empty: numpy
+    asks for transparent huge pages on arrays of 4 MiB and more, and the kernel then zeroes and commits
+    2 MiB for the first slot written in each; a new SmolLM2 cache (47 MB at 2,048 positions) took
+    8 ms to touch its first 30 positions and held all 47 MB, against 0.8 ms and under 1 MB."""
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape)) * dtype.itemsize
+    if nbytes == 0:
+        return np.empty(shape, dtype)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)  # anonymous (fd -1), zero-filled on first touch
+    if hasattr(buf, "madvise") and hasattr(mmap, "MADV_NOHUGEPAGE"):
+        buf.madvise(mmap.MADV_NOHUGEPAGE)
+    return np.frombuffer(buf, dtype=dtype).reshape(shape)  # the array keeps the mapping alive
 
 
 class KVCache:

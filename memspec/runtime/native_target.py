@@ -29,7 +29,7 @@ from memspec.models.gguf import TensorInfo, decoder_config, read_layout
 from memspec.runtime import kernels
 from memspec.runtime.costs import cost_key, step_costs
 from memspec.runtime.invariance import RowCheck, check
-from memspec.runtime.kvcache import KVCache, kv_cache_nbytes
+from memspec.runtime.kvcache import KVCache, committed_as_written, kv_cache_nbytes
 from memspec.runtime.target import physical_cores
 
 LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
@@ -45,8 +45,8 @@ class NativeCache(KVCache):
 
     def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int):
         super().__init__(capacity)  # no slack: a native pass is never padded
-        # np.empty of this size is an anonymous mapping: the OS commits pages as positions are written
-        self.data = np.empty((n_layers, 2, kv_heads, capacity, head_dim), dtype=np.uint16)
+        # the OS commits pages as positions are written (kvcache.committed_as_written)
+        self.data = committed_as_written((n_layers, 2, kv_heads, capacity, head_dim), np.uint16)
 
     @property
     def nbytes(self) -> int:
