@@ -48,11 +48,15 @@ class Daemon:
     def __init__(self, label: str, tree: str, config: str | None, folder: Path):
         self.label = label
         self.sock = folder / f"{label}.sock"
-        env = dict(os.environ, PYTHONPATH=str(Path(tree).resolve()))
+        root = Path(tree).resolve()
+        env = dict(os.environ, PYTHONPATH=str(root))
+        config = str(Path(config).resolve()) if config else None  # as given, from here
+        # started in the tree itself: `python -m` puts its working directory before PYTHONPATH, so a
+        # daemon started here would import this checkout's memspec whatever its tree
         cmd = [sys.executable, "-m", "memspec.cli", *(["--config", config] if config else []),
                "serve", "--listen", str(self.sock)]
         self.log = folder / f"{label}.log"
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env)
+        self.proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(self.log, "ab"), env=env, cwd=root)
         from memspec.serving.client import wait_until_serving
 
         if wait_until_serving(str(self.sock), lambda: self.proc.poll() is None, 300, poll=0.3):
