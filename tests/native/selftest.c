@@ -106,6 +106,19 @@ static int check_type(const struct dot_isa *isa, int type, int k) {
             }
         }
     }
+    if (!bad && pack_unpacks(t) && pack_bytes(t, N, k)) { /* a tied head's lookup reads rows back from the packed copy */
+        uint8_t *packed = malloc(pack_bytes(t, N, k)), raw[64];
+        pack_rows(t, w, N, k, packed);
+        for (int j = 0; j < N && !bad; j++)
+            for (int p = 0; p < k / t->block && !bad; p++) {
+                unpack_block(t, packed, k, j, p, raw);
+                if (memcmp(raw, w + j * row + (size_t)p * t->bytes, (size_t)t->bytes)) {
+                    printf("%s: block %d of row %d read back from the interleaved copy differs\n", t->name, p, j);
+                    bad = 1;
+                }
+            }
+        free(packed);
+    }
     if (!bad) printf("%s %016llx\n", t->name, (unsigned long long)fnv(0xcbf29ce484222325ull, full, sizeof(float) * M * N));
     free(w), free(x), free(full), free(part), free(deq);
     return bad;
