@@ -228,7 +228,8 @@ int acts_alloc(struct acts *a, const struct type_info *t, int m, int k) {
     a->d = calloc(n / a->block, sizeof(float));
     a->sum16 = calloc(n / 16, sizeof(int16_t));
     a->sum32 = calloc(n / 32, sizeof(int16_t));
-    if (!a->q || !a->d || !a->sum16 || !a->sum32) {
+    a->fsum32 = calloc(n / 32, sizeof(float));
+    if (!a->q || !a->d || !a->sum16 || !a->sum32 || !a->fsum32) {
         acts_free(a);
         return -1;
     }
@@ -241,8 +242,10 @@ void acts_fill(struct acts *a, const float *x, int k, int r0, int r1) {
         if (a->f) memcpy(a->f + at, x + (size_t)r * k, (size_t)k * sizeof(float));
         else {
             quantize_row(x + (size_t)r * k, k, a->block, a->q + at, a->d + at / a->block, a->sum16 + at / 16);
-            for (size_t j = at / 32; j < (at + (size_t)a->kpad) / 32; j++) /* |sum| <= 32 * 127 */
+            for (size_t j = at / 32; j < (at + (size_t)a->kpad) / 32; j++) { /* |sum| <= 32 * 127 */
                 a->sum32[j] = (int16_t)(a->sum16[2 * j] + a->sum16[2 * j + 1]);
+                a->fsum32[j] = (float)a->sum32[j];
+            }
         }
     }
 }
@@ -258,6 +261,7 @@ void acts_free(struct acts *a) {
     free(a->d);
     free(a->sum16);
     free(a->sum32);
+    free(a->fsum32);
     free(a->f);
     memset(a, 0, sizeof(*a));
 }
