@@ -14,18 +14,6 @@ _Static_assert(sizeof(block_q4_1x8) == 8 * sizeof(block_q4_1), "block_q4_1x8 lay
 _Static_assert(sizeof(block_q5_0x8) == 8 * sizeof(block_q5_0), "block_q5_0x8 layout");
 _Static_assert(sizeof(block_q8_0x8) == 8 * sizeof(block_q8_0), "block_q8_0x8 layout");
 
-size_t pack_block_bytes(int type) {
-    switch (type) {
-    case TYPE_Q4_K: return sizeof(block_q4_Kx8);
-    case TYPE_Q6_K: return sizeof(block_q6_Kx8);
-    case TYPE_Q4_0: return sizeof(block_q4_0x8);
-    case TYPE_Q4_1: return sizeof(block_q4_1x8);
-    case TYPE_Q5_0: return sizeof(block_q5_0x8);
-    case TYPE_Q8_0: return sizeof(block_q8_0x8);
-    default: return 0;
-    }
-}
-
 size_t pack_bytes(const struct type_info *t, int n, int k) {
     if (n % PACK_ROWS) return 0;
     return (size_t)(n / PACK_ROWS) * (size_t)(k / t->block) * pack_block_bytes(t->id);

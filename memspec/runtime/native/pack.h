@@ -68,8 +68,19 @@ typedef struct {
     int8_t qs[8][32];
 } block_q8_0x8;
 
-/* Bytes of one interleaved block column of type t (8 rows), or 0 when t has no interleaved form. */
-size_t pack_block_bytes(int type);
+/* Bytes of one interleaved block column of `type` (8 rows), or 0 when it has no interleaved form
+ * (inline: a constant in each kernel). */
+static inline size_t pack_block_bytes(int type) {
+    switch (type) {
+    case TYPE_Q4_K: return sizeof(block_q4_Kx8);
+    case TYPE_Q6_K: return sizeof(block_q6_Kx8);
+    case TYPE_Q4_0: return sizeof(block_q4_0x8);
+    case TYPE_Q4_1: return sizeof(block_q4_1x8);
+    case TYPE_Q5_0: return sizeof(block_q5_0x8);
+    case TYPE_Q8_0: return sizeof(block_q8_0x8);
+    default: return 0;
+    }
+}
 
 /* Bytes of the interleaved form of an (n, k) matrix of type t, or 0 when t has none or n is
  * not a multiple of PACK_ROWS. */
