@@ -52,31 +52,27 @@ AVX2 static void scores_avx2(const float *q, const uint16_t *keys, int n, int hd
     for (; j < n; j++) w[j] = score_avx2(q, keys + (size_t)j * hd, hd, scale);
 }
 
-/* Positions outer, up to 64 dimensions (8 vectors) in registers: eight independent chains of adds,
- * each output still summed over j in order. */
-AVX2 static void mix_avx2(const float *w, const uint16_t *vals, int n, int hd, float *out) {
-    for (int d0 = 0; d0 < hd; d0 += 64) {
-        int nv = hd - d0 < 64 ? (hd - d0) / 8 : 8;
-        __m256 o[8];
-        for (int u = 0; u < nv; u++) o[u] = _mm256_loadu_ps(out + d0 + 8 * u);
-        if (nv == 8) {
-            for (int j = 0; j < n; j++) {
-                const uint16_t *v = vals + (size_t)j * hd + d0;
-                __m256 wj = _mm256_set1_ps(w[j]);
+/* out[d0 .. d0 + 8nv) += sum_j w[j] * v_j[..], positions outer, the nv vectors in registers: nv
+ * independent chains of adds, each output still summed over j in order (nv a constant when inlined). */
+AVX2 static inline __attribute__((always_inline)) void mix_block(const float *w, const uint16_t *vals, int n, int hd,
+                                                                 int d0, const int nv, float *out) {
+    __m256 o[8];
+    for (int u = 0; u < nv; u++) o[u] = _mm256_loadu_ps(out + d0 + 8 * u);
+    for (int j = 0; j < n; j++) {
+        const uint16_t *v = vals + (size_t)j * hd + d0;
+        __m256 wj = _mm256_set1_ps(w[j]);
 #pragma GCC unroll 8
-                for (int u = 0; u < 8; u++)
-                    o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(wj, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8 * u)))));
-            }
-        } else {
-            for (int j = 0; j < n; j++) {
-                const uint16_t *v = vals + (size_t)j * hd + d0;
-                __m256 wj = _mm256_set1_ps(w[j]);
-                for (int u = 0; u < nv; u++)
-                    o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(wj, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8 * u)))));
-            }
-        }
-        for (int u = 0; u < nv; u++) _mm256_storeu_ps(out + d0 + 8 * u, o[u]);
+        for (int u = 0; u < nv; u++)
+            o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(wj, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8 * u)))));
     }
+    for (int u = 0; u < nv; u++) _mm256_storeu_ps(out + d0 + 8 * u, o[u]);
+}
+
+/* 64 dimensions at a time (8 vectors), then the rest. */
+AVX2 static void mix_avx2(const float *w, const uint16_t *vals, int n, int hd, float *out) {
+    int d0 = 0;
+    for (; d0 + 64 <= hd; d0 += 64) mix_block(w, vals, n, hd, d0, 8, out);
+    if (d0 < hd) mix_block(w, vals, n, hd, d0, (hd - d0) / 8, out);
 }
 
 static const struct attn_isa ATTN_AVX2 = {"avx2", scores_avx2, mix_avx2};
