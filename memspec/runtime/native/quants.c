@@ -228,8 +228,8 @@ int acts_alloc(struct acts *a, const struct type_info *t, int m, int k) {
     a->d = calloc(n / a->block, sizeof(float));
     a->sum16 = calloc(n / 16, sizeof(int16_t));
     a->sum32 = calloc(n / 32, sizeof(int16_t));
-    a->fsum32 = calloc(n / 32, sizeof(float));
-    if (!a->q || !a->d || !a->sum16 || !a->sum32 || !a->fsum32) {
+    if (a->block == QK) a->fsum32 = calloc(n / 32, sizeof(float)); /* only small blocks' updates read it */
+    if (!a->q || !a->d || !a->sum16 || !a->sum32 || (a->block == QK && !a->fsum32)) {
         acts_free(a);
         return -1;
     }
@@ -244,7 +244,7 @@ void acts_fill(struct acts *a, const float *x, int k, int r0, int r1) {
             quantize_row(x + (size_t)r * k, k, a->block, a->q + at, a->d + at / a->block, a->sum16 + at / 16);
             for (size_t j = at / 32; j < (at + (size_t)a->kpad) / 32; j++) { /* |sum| <= 32 * 127 */
                 a->sum32[j] = (int16_t)(a->sum16[2 * j] + a->sum16[2 * j + 1]);
-                a->fsum32[j] = (float)a->sum32[j];
+                if (a->fsum32) a->fsum32[j] = (float)a->sum32[j];
             }
         }
     }

@@ -139,7 +139,8 @@ struct acts {
     float *d;       /* (m, kpad / block) */
     int16_t *sum16; /* (m, kpad / 16): sum of q over each 16 */
     int16_t *sum32; /* (m, kpad / 32): sum of q over each 32 (two sum16s) */
-    float *fsum32;  /* (m, kpad / 32): the same sums as float (exact), for small blocks' float updates */
+    float *fsum32;  /* (m, kpad / 32): the same sums as float (exact), for small blocks' float updates;
+                     * NULL for K-quants */
     float *f;       /* (m, kpad): float types: x as given */
 };
 
