@@ -190,6 +190,35 @@ static int check_floatops(const struct dot_isa *isa) {
     return 0;
 }
 
+/* floatops.h's quantize on this path against quants.c's quantize_row, the reference: the same bytes,
+ * scales and sums of 16 for blocks of 32 and 256, over rows of every magnitude with zeros, -0, tiny
+ * values, infinities and NaNs among them; one line with a hash of all of it, compared across paths. */
+static int check_quantize(const struct dot_isa *isa) {
+    enum { K = 1024 };
+    const struct float_isa *f = float_isa_for(isa->name);
+    static float x[K], dw[K / 32], dr[K / 32];
+    static int8_t qw[K], qr[K];
+    static int16_t sw[K / 16], sr[K / 16];
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (int round = 0; round < 24; round++) {
+        for (int i = 0; i < K; i++) x[i] = uniform() * (float)(1 << (next() % 12)) / (float)(1 << (round % 8));
+        if (round % 3 == 1) /* a few odd values in some blocks; block 1 of 32 all zeros */
+            for (int i = 0; i < 8; i++) x[next() % K] = (float[]){0.0f, -0.0f, 1e-40f, -1e-38f, INFINITY, -INFINITY, NAN, 127.5f}[i];
+        if (round % 3 == 2) memset(x + 32, 0, 32 * sizeof(float));
+        for (int block = 32; block <= 256; block *= 8) {
+            quantize_row(x, K, block, qr, dr, sr);
+            f->quantize(x, K, block, qw, dw, sw);
+            if (memcmp(qr, qw, K) || memcmp(dr, dw, sizeof(float) * (K / block)) || memcmp(sr, sw, sizeof(sr))) {
+                printf("%s: quantize (round %d, blocks of %d) differs from quantize_row\n", f->name, round, block);
+                return 1;
+            }
+            h = fnv(fnv(fnv(h, qw, K), dw, sizeof(float) * (K / block)), sw, sizeof(sw));
+        }
+    }
+    printf("quantize %016llx\n", (unsigned long long)h);
+    return 0;
+}
+
 /* attention.h on this path: scores and mix over float16 keys and values at head sizes that are and are
  * not a multiple of 64 (the AVX2 mix keeps 64 dimensions in registers) and position counts around its
  * groups of 4 keys; one line with a hash of all the bits, which the test compares across paths. */
@@ -226,5 +255,6 @@ int main(int argc, char **argv) {
     for (size_t i = 0; i < sizeof(types) / sizeof(types[0]); i++) bad |= check_type(isa, types[i][0], types[i][1]);
     bad |= check_lanes(); /* after the types: their random blocks stay what they were */
     bad |= check_floatops(isa);
+    bad |= check_quantize(isa);
     return bad | check_attention(isa);
 }

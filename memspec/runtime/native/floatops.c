@@ -45,7 +45,7 @@ static void silu_mul_scalar(float *g, const float *u, int n) {
     for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
 }
 
-static const struct float_isa FLOAT_SCALAR = {"scalar", exp_shifted_scalar, silu_mul_scalar};
+static const struct float_isa FLOAT_SCALAR = {"scalar", exp_shifted_scalar, silu_mul_scalar, quantize_row};
 
 #if defined(__x86_64__)
 #include <immintrin.h>
@@ -88,7 +88,42 @@ AVX2 static void silu_mul_avx2(float *g, const float *u, int n) {
     for (; i < n; i++) g[i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
 }
 
-static const struct float_isa FLOAT_AVX2 = {"avx2", exp_shifted_avx2, silu_mul_avx2};
+/* quantize_row, 8 floats at a time (block a multiple of 32: 32 or 256). */
+AVX2 static void quantize_avx2(const float *x, int k, int block, int8_t *q, float *d, int16_t *sum16) {
+    const __m256 sign = _mm256_set1_ps(-0.0f), round = _mm256_set1_ps(ROUND), lo = _mm256_set1_ps(-127.0f),
+                 hi = _mm256_set1_ps(127.0f);
+    const __m256i order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7); /* packs' lane interleave undone */
+    for (int b = 0; b < k / block; b++) {
+        const float *xb = x + (size_t)b * block;
+        __m256 m = _mm256_setzero_ps();
+        for (int i = 0; i < block; i += 8) m = _mm256_max_ps(_mm256_andnot_ps(sign, _mm256_loadu_ps(xb + i)), m);
+        __m128 h = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        h = _mm_max_ps(h, _mm_movehl_ps(h, h));
+        float amax = _mm_cvtss_f32(_mm_max_ss(h, _mm_shuffle_ps(h, h, 1)));
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        __m256 vid = _mm256_set1_ps(id);
+        for (int i = 0; i < block; i += 32) {
+            __m256i n[4];
+            for (int u = 0; u < 4; u++) {
+                __m256 v = _mm256_sub_ps(_mm256_add_ps(_mm256_mul_ps(_mm256_loadu_ps(xb + i + 8 * u), vid), round), round);
+                __m256 ok = _mm256_and_ps(_mm256_cmp_ps(v, lo, _CMP_GE_OQ), _mm256_cmp_ps(v, hi, _CMP_LE_OQ));
+                n[u] = _mm256_cvttps_epi32(_mm256_and_ps(v, ok)); /* NaN or out of range: 0 */
+            }
+            __m256i w = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
+            _mm256_storeu_si256((__m256i *)(q + (size_t)b * block + i), _mm256_permutevar8x32_epi32(w, order));
+        }
+    }
+    for (int j = 0; j < k / 16; j++) { /* int16 sums of 16: pairs by maddubs, then madd, then the two halves */
+        __m128i v = _mm_loadu_si128((const __m128i *)(q + 16 * j));
+        __m128i s = _mm_madd_epi16(_mm_maddubs_epi16(_mm_set1_epi8(1), v), _mm_set1_epi16(1));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4E));
+        s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xB1));
+        sum16[j] = (int16_t)_mm_cvtsi128_si32(s);
+    }
+}
+
+static const struct float_isa FLOAT_AVX2 = {"avx2", exp_shifted_avx2, silu_mul_avx2, quantize_avx2};
 #endif
 
 const struct float_isa *float_isa_for(const char *dot_isa_name) {

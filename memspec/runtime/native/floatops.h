@@ -9,14 +9,22 @@
  * these operations, in this order: the scalar path with fmaf (correctly rounded on every CPU, in
  * hardware or in glibc), the AVX2 path 8 lanes at a time with FMA.  So the same bits on every path
  * and architecture, within 2 ulp of e^x (tests/native/selftest.c checks both).  Vectorized, it
- * takes the softmax's and SiLU's exponentials from 4% of a compute-bound pass to under 1%. */
+ * takes the softmax's and SiLU's exponentials from 4% of a compute-bound pass to under 1%.
+ *
+ * quantize is quants.c's quantize_row (the activations' 8-bit blocks for the integer kernels): the
+ * block's largest |x| (maxps skips a NaN as the scalar comparison does; the order of a max does
+ * not matter), then each x * id rounded by the same add and subtract of 1.5*2^23, so the same
+ * bytes and scales on every path. */
 #ifndef MEMSPEC_FLOATOPS_H
 #define MEMSPEC_FLOATOPS_H
+
+#include "quants.h"
 
 struct float_isa {
     const char *name;
     void (*exp_shifted)(float *w, int n, float top);       /* w[j] = e^(w[j] - top), j < n */
     void (*silu_mul)(float *g, const float *u, int n);     /* g[i] = g[i] / (1 + e^-g[i]) * u[i], i < n */
+    quantize_fn quantize;                                  /* quants.h's quantize_row */
 };
 
 /* The path for a kernel path's name ("avx2", "avx512", "neon", "scalar"): AVX2 + FMA where the CPU

@@ -179,7 +179,7 @@ static void run_stage_rows(void *arg, int i, int n) {
     for (int t = lo; t < hi; t++) {
         if (p->row) p->row(p, t);
         for (int kind = 0; kind < 3; kind++)
-            if (z->ready[kind]) acts_fill(&z->a[kind], z->x, z->k, t, t + 1);
+            if (z->ready[kind]) acts_fill(&z->a[kind], z->x, z->k, t, t + 1, p->m->fops->quantize);
     }
 }
 

@@ -236,12 +236,13 @@ int acts_alloc(struct acts *a, const struct type_info *t, int m, int k) {
     return 0;
 }
 
-void acts_fill(struct acts *a, const float *x, int k, int r0, int r1) {
+void acts_fill(struct acts *a, const float *x, int k, int r0, int r1, quantize_fn quantize) {
+    if (!quantize) quantize = quantize_row;
     for (int r = r0; r < r1; r++) {
         size_t at = (size_t)r * a->kpad;
         if (a->f) memcpy(a->f + at, x + (size_t)r * k, (size_t)k * sizeof(float));
         else {
-            quantize_row(x + (size_t)r * k, k, a->block, a->q + at, a->d + at / a->block, a->sum16 + at / 16);
+            quantize(x + (size_t)r * k, k, a->block, a->q + at, a->d + at / a->block, a->sum16 + at / 16);
             for (size_t j = at / 32; j < (at + (size_t)a->kpad) / 32; j++) { /* |sum| <= 32 * 127 */
                 a->sum32[j] = (int16_t)(a->sum16[2 * j] + a->sum16[2 * j + 1]);
                 if (a->fsum32) a->fsum32[j] = (float)a->sum32[j];
@@ -252,7 +253,7 @@ void acts_fill(struct acts *a, const float *x, int k, int r0, int r1) {
 
 int acts_init(struct acts *a, const struct type_info *t, const float *x, int m, int k) {
     if (acts_alloc(a, t, m, k) != 0) return -1;
-    acts_fill(a, x, k, 0, m);
+    acts_fill(a, x, k, 0, m, NULL);
     return 0;
 }
 

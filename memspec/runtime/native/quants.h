@@ -150,10 +150,12 @@ int acts_init(struct acts *a, const struct type_info *t, const float *x, int m, 
 /* acts_init in two steps: allocate for m rows of k (zeroed), then fill rows [r0, r1) from x (m, k);
  * rows are independent, so threads may fill disjoint ranges. */
 int acts_alloc(struct acts *a, const struct type_info *t, int m, int k);
-void acts_fill(struct acts *a, const float *x, int k, int r0, int r1);
+typedef void (*quantize_fn)(const float *x, int k, int block, int8_t *q, float *d, int16_t *sum16);
+void acts_fill(struct acts *a, const float *x, int k, int r0, int r1, quantize_fn quantize); /* NULL: quantize_row */
 void acts_free(struct acts *a);
 
-/* One row of k floats to 8-bit blocks of `block` (k a multiple of block). */
+/* One row of k floats to 8-bit blocks of `block` (k a multiple of block): the reference, which
+ * floatops.h's vector path matches bit for bit. */
 void quantize_row(const float *x, int k, int block, int8_t *q, float *d, int16_t *sum16);
 
 #endif
