@@ -1,7 +1,7 @@
 """Two builds of the native extension side by side in one process, taking turns step by step.
 
     python bench/ab_builds.py OLD.so NEW.so [--model NAME | --gguf PATH] [--rows 1,2,4,8]
-                              [--steps 30] [--prefill 256] [--threads 2] [--context 256]
+                              [--steps 30] [--prefill 256] [--threads 2] [--context 256] [--isa avx2]
 
 Copy `memspec/runtime/_native*.so` aside before a change and after it, then run this: each build
 loads the same GGUF, caches `--context` tokens, then runs passes of each row count (every row's
@@ -49,6 +49,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of a prefill pass (0: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--isa", help="a kernel path both builds run (avx2 on an AVX-512 host, scalar); default: the best")
     args = ap.parse_args(argv)
     for so in (args.old, args.new):
         if not so.is_file():
@@ -67,7 +68,7 @@ def main(argv=None) -> int:
     builds = []
     for tag, so in (("old", args.old), ("new", args.new)):
         kernels._native = load_build(so, tag)  # NativeTarget binds the module current at load
-        t = NativeTarget(gguf, threads=args.threads)
+        t = NativeTarget(gguf, threads=args.threads, isa=args.isa)
         c = t.new_cache()
         t.forward(c, [100 + i % 1000 for i in range(args.context)], keep=1)
         builds.append((t, c))
