@@ -828,6 +828,43 @@ def test_sighup_with_the_socket_gone_keeps_the_daemon(tmp_path):
     assert d.config.server.socket_mode == 0o600
 
 
+def test_sigterm_while_the_target_loads_stops_the_daemon_at_once(tmp_path, model_store):
+    """A first start measures the pass costs during the load (a minute or more on a small board):
+    `systemctl stop` then must not wait for it.  The main thread keeps answering signals while the
+    load runs on its own thread; SIGTERM stops listening, removes the socket and returns 0."""
+    import os
+    import signal
+
+    from memspec.serving.daemon import Daemon
+
+    entered, release, killed = threading.Event(), threading.Event(), []
+
+    def stuck_loader(cfg, variant):  # a load that takes as long as the test wants
+        entered.set()
+        release.wait(30)
+        raise RuntimeError("released after the test")
+
+    sock = tmp_path / "d.sock"
+    d = Daemon(Config(home=str(model_store.home)), None, f"unix://{sock}", loader=stuck_loader)
+
+    def stop_once_loading():
+        assert entered.wait(30)
+        killed.append(time.monotonic())
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    killer = threading.Thread(target=stop_once_loading)
+    killer.start()
+    try:
+        assert d.run() == 0  # in the main thread, where signals arrive
+        took = time.monotonic() - killed[0]
+    finally:
+        release.set()
+        killer.join(5)
+    assert entered.is_set() and d.load_abandoned
+    assert not sock.exists()
+    assert took < 10, f"stopping took {took:.1f} s: it waited for the load"
+
+
 def test_admission_counts_what_running_requests_reserved_but_have_not_written():
     """Free memory does not yet show a running request's KV pages: a second request that would
     fit only if the first never wrote its cache waits for it."""

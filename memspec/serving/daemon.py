@@ -6,7 +6,8 @@
              applied (limits, queue sizes, budget, grace, log level, socket mode),
              the rest is logged as needing a restart
     SIGTERM  health NOT_SERVING, new requests UNAVAILABLE, streams already
-    SIGINT   running or queued get grace_seconds to finish, then exit 0
+    SIGINT   running or queued get grace_seconds to finish, then exit 0; while
+             the target is still loading: stop listening and exit 0 at once
 
 Logs are JSON lines on stderr (journald keeps them): one per request, with its stats.
 """
@@ -22,6 +23,7 @@ import signal
 import socket
 import stat
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -38,6 +40,7 @@ from memspec.models.store import ModelStore
 
 log = logging.getLogger("memspec.daemon")
 SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+LOAD_POLL_S = 0.1  # how often the main thread looks at the load while it waits for signals
 SPARE_WORKERS = 8  # threads beyond max_concurrent + max_queue, for status, health and admin calls
 RESTART_ONLY = ("home", "model", "runtime", "speculative", "scheduler", "http")  # read only at start (or LoadModel)
 
@@ -152,6 +155,7 @@ class Daemon:
         self.max_workers = config.server.max_concurrent + config.server.max_queue + SPARE_WORKERS
         self.http_listen = http or config.http.listen  # "" = no HTTP API
         self.http = None  # memspec.serving.http.HttpServer, once listening
+        self.load_abandoned = False  # a SIGTERM came while the target was loading: its thread is still in it
         if self.http_listen:
             from memspec.serving.http import check_exposure, parse_listen  # uvicorn: only when asked for
             self.http_address = parse_listen(self.http_listen)
@@ -167,9 +171,11 @@ class Daemon:
 
     def _run(self, signals: Signals) -> int:
         server = self._listen()
-        self._load(server)
+        pending = self._load(server, signals)
+        if pending is None:
+            return 0  # stopped while loading: nothing was served
         while True:
-            for signum in signals.wait(self._ping_interval()):
+            for signum in pending or signals.wait(self._ping_interval()):
                 if signum == signal.SIGHUP:
                     try:
                         self.reload()
@@ -177,6 +183,7 @@ class Daemon:
                         log.exception("reload failed; keeping the running config")
                 elif signum in (signal.SIGTERM, signal.SIGINT):
                     return self.drain(server, signal.Signals(signum).name)
+            pending = []
             self._ping()
 
     def _listen(self):
@@ -210,19 +217,42 @@ class Daemon:
         self.servicer.service.listen["http"] = str(self.http.address)
         log.info("http listening", extra={"fields": {"http": str(self.http.address), "api_key": bool(api.key)}})
 
-    def _load(self, server) -> None:
-        """Load the target, then serve: health SERVING, READY=1."""
+    def _load(self, server, signals: Signals) -> list[int] | None:
+        """Load the target, then serve: health SERVING, READY=1.  The load (minutes on a first start:
+        the pass costs are measured then) runs on its own thread while this one keeps answering
+        signals: SIGTERM or SIGINT stops the daemon at once (None; `load_abandoned`).  Returns the
+        signals that came too late to stop the load (a SIGHUP, or a SIGTERM as it finished), which
+        the serving loop then handles."""
         target = f"{self.config.model.target} ({self.config.model.variant})"
         self.notifier.status(f"loading {target}")
         log.info("starting", extra={"fields": {"listen": str(self.address), "target": target, "pid": os.getpid()}})
-        try:
-            with self.notifier.busy(watchdog=self.config.server.watchdog):  # the load may take minutes
-                loaded = self.backend.start()
-        except MemspecError:
-            server.stop(0)
-            self._stop_http()
-            self._remove_socket()
-            raise
+        done, box = threading.Event(), {}
+
+        def load():
+            try:
+                box["loaded"] = self.backend.start()
+            except BaseException as exc:  # handed to the main thread, which raises it
+                box["error"] = exc
+            finally:
+                done.set()
+
+        pending: list[int] = []
+        with self.notifier.busy(watchdog=self.config.server.watchdog):  # the load may take minutes
+            threading.Thread(target=load, name="memspec-load", daemon=True).start()
+            while not done.is_set():
+                for signum in signals.wait(LOAD_POLL_S):
+                    if signum in (signal.SIGTERM, signal.SIGINT) and not done.is_set():
+                        self.notifier.stopping(f"stopped while loading {target}")
+                        log.info("stopped while loading", extra={"fields": {"signal": signal.Signals(signum).name,
+                                                                          "target": target}})
+                        self._stop_serving(server)
+                        self.load_abandoned = True
+                        return None
+                    pending.append(signum)
+        if "error" in box:
+            self._stop_serving(server)
+            raise box["error"]
+        loaded = box["loaded"]
         self.servicer.set_state("serving")
         if is_jetson() and loaded["model"]["device"] == "cpu":
             log.warning("this is a Jetson, but the target runs on the CPU: install the JetPack build of "
@@ -232,6 +262,13 @@ class Daemon:
                                                                       if self.http else ""))
         log.info("serving", extra={"fields": {"listen": str(self.address), **loaded["model"],
                                               "load_ms": round(loaded["load_ms"], 1)}})
+        return pending
+
+    def _stop_serving(self, server) -> None:
+        """Stop listening (gRPC, HTTP) and remove the socket file."""
+        server.stop(0)
+        self._stop_http()
+        self._remove_socket()
 
     def _ping_interval(self) -> float | None:
         return self.notifier.watchdog_interval if self.config.server.watchdog else None
@@ -319,4 +356,9 @@ def serve(config: Config, config_path: str | None, listen: str | None, loader: C
           http: str | None = None) -> int:
     """Run the daemon until SIGTERM/SIGINT; returns the exit status.  http: the HTTP API's
     HOST:PORT (None: [http] listen)."""
-    return Daemon(config, config_path, listen, loader, http=http).run()
+    daemon = Daemon(config, config_path, listen, loader, http=http)
+    status = daemon.run()
+    if daemon.load_abandoned:  # the loader thread may be inside ONNX Runtime or the native engine, which
+        logging.shutdown()    # abort at interpreter shutdown: leave without it, the logs flushed
+        os._exit(status)
+    return status
