@@ -172,7 +172,7 @@ class Daemon:
     def _run(self, signals: Signals) -> int:
         server = self._listen()
         pending = self._load(server, signals)
-        if pending is None:
+        if self.load_abandoned:
             return 0  # stopped while loading: nothing was served
         while True:
             for signum in pending or signals.wait(self._ping_interval()):
@@ -203,8 +203,7 @@ class Daemon:
             try:
                 self._listen_http()
             except MemspecError:
-                server.stop(0)
-                self._remove_socket()
+                self._stop_serving(server)
                 raise
         return server
 
@@ -217,10 +216,10 @@ class Daemon:
         self.servicer.service.listen["http"] = str(self.http.address)
         log.info("http listening", extra={"fields": {"http": str(self.http.address), "api_key": bool(api.key)}})
 
-    def _load(self, server, signals: Signals) -> list[int] | None:
+    def _load(self, server, signals: Signals) -> list[int]:
         """Load the target, then serve: health SERVING, READY=1.  The load (minutes on a first start:
         the pass costs are measured then) runs on its own thread while this one keeps answering
-        signals: SIGTERM or SIGINT stops the daemon at once (None; `load_abandoned`).  Returns the
+        signals: SIGTERM or SIGINT stops the daemon at once (`load_abandoned`).  Returns the
         signals that came too late to stop the load (a SIGHUP, or a SIGTERM as it finished), which
         the serving loop then handles."""
         target = f"{self.config.model.target} ({self.config.model.variant})"
@@ -247,7 +246,7 @@ class Daemon:
                                                                           "target": target}})
                         self._stop_serving(server)
                         self.load_abandoned = True
-                        return None
+                        return []
                     pending.append(signum)
         if "error" in box:
             self._stop_serving(server)
