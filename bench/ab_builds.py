@@ -2,11 +2,13 @@
 
     python bench/ab_builds.py OLD.so NEW.so [--model NAME | --gguf PATH] [--rows 1,2,4,8]
                               [--steps 30] [--prefill 256] [--threads 2] [--context 256] [--isa avx2]
+                              [--seqs 1]
 
 Copy `memspec/runtime/_native*.so` aside before a change and after it, then run this: each build
 loads the same GGUF, caches `--context` tokens, then runs passes of each row count (every row's
 logits kept, as verification keeps them) in alternating order, and a prefill.  It prints both
-builds' median and minimum step and their ratio NEW/OLD, and whether their logits were the same
+builds' median and minimum step and their ratio NEW/OLD (with `--seqs S`, a pass's rows are spread
+over S sequences, each with its own cache, as a batch of S requests is), and whether their logits were the same
 bits (they must be: a kernel change may move speed, never a row's result).  Taking turns in one
 process is what makes a few percent visible on a machine whose speed wanders.
 """
@@ -49,6 +51,7 @@ def main(argv=None) -> int:
     ap.add_argument("--prefill", type=int, default=256, help="prompt tokens of a prefill pass (0: none)")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--context", type=int, default=256)
+    ap.add_argument("--seqs", type=int, default=1, help="sequences a pass's rows are spread over (a batch of requests)")
     ap.add_argument("--isa", help="a kernel path both builds run (avx2 on an AVX-512 host, scalar); default: the best")
     args = ap.parse_args(argv)
     for so in (args.old, args.new):
@@ -69,9 +72,12 @@ def main(argv=None) -> int:
     for tag, so in (("old", args.old), ("new", args.new)):
         kernels._native = load_build(so, tag)  # NativeTarget binds the module current at load
         t = NativeTarget(gguf, threads=args.threads, isa=args.isa)
-        c = t.new_cache()
-        t.forward(c, [100 + i % 1000 for i in range(args.context)], keep=1)
-        builds.append((t, c))
+        caches = []
+        for q in range(max(args.seqs, 1)):
+            c = t.new_cache()
+            t.forward(c, [100 + (i + 13 * q) % 1000 for i in range(args.context)], keep=1)
+            caches.append(c)
+        builds.append((t, caches))
     same = True
 
     def report(name: str, times: list[list[float]]) -> None:
@@ -85,11 +91,15 @@ def main(argv=None) -> int:
         for s in range(args.steps):
             outs = [None, None]
             for i in ((0, 1) if s % 2 == 0 else (1, 0)):
-                t, c = builds[i]
+                t, caches = builds[i]
+                used = caches[:rows]  # each sequence one row at least
+                feeds = [[5 + (s + q + j) % 7 for j in range(rows // len(used) + (q < rows % len(used)))]
+                         for q in range(len(used))]
                 t0 = time.perf_counter()
-                outs[i] = t.forward(c, [5 + (s + j) % 7 for j in range(rows)], keep=rows)
+                outs[i] = np.concatenate(t.forward_batch(used, feeds, [len(f) for f in feeds]))
                 times[i].append(time.perf_counter() - t0)
-                c.truncate(args.context)
+                for c in used:
+                    c.truncate(args.context)
             same &= bool(np.array_equal(outs[0], outs[1]))
         report(f"{rows} rows", times)
     if args.prefill:
@@ -98,7 +108,7 @@ def main(argv=None) -> int:
         for s in range(4):
             outs = [None, None]
             for i in ((0, 1) if s % 2 == 0 else (1, 0)):
-                t, c = builds[i]
+                t, (c, *_) = builds[i]
                 c.truncate(0)
                 t0 = time.perf_counter()
                 outs[i] = t.forward(c, ids, keep=1)

@@ -1,25 +1,39 @@
-/* attention.h: the scalar path (the reference) and the AVX2 + F16C path. */
+/* attention.h: the scalar path (the reference), the AVX2 + F16C path and the NEON path.
+ *
+ * The SIMD paths convert a tile of keys or values to float32 once (TILE_FLOATS, in L1), then run
+ * every query over it; a query's arithmetic is the reference's whatever the tile and the others. */
 #include "attention.h"
 
 #include <string.h>
 
 #include "quants.h"
 
-static void scores_scalar(const float *q, const uint16_t *keys, int n, int hd, float scale, float *w) {
-    for (int j = 0; j < n; j++) {
-        const uint16_t *k = keys + (size_t)j * hd;
-        float a[8] = {0};
-        for (int d = 0; d < hd; d += 8)
-            for (int l = 0; l < 8; l++) a[l] += q[d + l] * fp16_to_f32(k[d + l]);
-        w[j] = (((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))) * scale;
-    }
+#define TILE_FLOATS 4096 /* a tile of converted keys or values: 16 KB */
+
+static int longest(const struct attn_query *qs, int nq) {
+    int n = 0;
+    for (int i = 0; i < nq; i++) n = qs[i].n > n ? qs[i].n : n;
+    return n;
 }
 
-static void mix_scalar(const float *w, const uint16_t *vals, int n, int hd, float *out) {
-    for (int j = 0; j < n; j++) {
-        const uint16_t *v = vals + (size_t)j * hd;
-        for (int d = 0; d < hd; d++) out[d] += w[j] * fp16_to_f32(v[d]);
-    }
+static void scores_scalar(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
+    for (int i = 0; i < nq; i++)
+        for (int j = 0; j < qs[i].n; j++) {
+            const uint16_t *k = keys + (size_t)j * hd;
+            const float *q = qs[i].q;
+            float a[8] = {0};
+            for (int d = 0; d < hd; d += 8)
+                for (int l = 0; l < 8; l++) a[l] += q[d + l] * fp16_to_f32(k[d + l]);
+            qs[i].w[j] = (((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))) * scale;
+        }
+}
+
+static void mix_scalar(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
+    for (int i = 0; i < nq; i++)
+        for (int j = 0; j < qs[i].n; j++) {
+            const uint16_t *v = vals + (size_t)j * hd;
+            for (int d = 0; d < hd; d++) qs[i].out[d] += qs[i].w[j] * fp16_to_f32(v[d]);
+        }
 }
 
 static const struct attn_isa ATTN_SCALAR = {"scalar", scores_scalar, mix_scalar};
@@ -29,53 +43,191 @@ static const struct attn_isa ATTN_SCALAR = {"scalar", scores_scalar, mix_scalar}
 
 #define AVX2 __attribute__((target("avx2,f16c")))
 
-/* One key's score, as scores_scalar computes it: 8 lanes, products added in d order, the fixed tree. */
-AVX2 static inline __attribute__((always_inline)) float score_avx2(const float *q, const uint16_t *k, int hd,
-                                                                   float scale) {
-    __m256 a = _mm256_setzero_ps();
+/* count float16s (a multiple of 8) to float32. */
+AVX2 static void to_f32_avx2(const uint16_t *h, int count, float *f) {
+    for (int i = 0; i < count; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+}
+
+/* Eight keys' scores from their 8-lane sums a[u], each as the reference adds its lanes:
+ * ((0+4)+(2+6))+((1+5)+(3+7)) for every key at once, then into key order. */
+AVX2 static inline __attribute__((always_inline)) __m256 lanes_tree8(const __m256 a[8]) {
+    __m256 s[4]; /* s[p]: keys 2p (low half) and 2p+1 (high half) as (0+4, 1+5, 2+6, 3+7) */
+    for (int p = 0; p < 4; p++)
+        s[p] = _mm256_add_ps(_mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x20),
+                             _mm256_permute2f128_ps(a[2 * p], a[2 * p + 1], 0x31));
+    /* keys (0, 2 | 1, 3) and (4, 6 | 5, 7), each as ((0+4)+(2+6), (1+5)+(3+7)) */
+    __m256 t0 = _mm256_add_ps(_mm256_shuffle_ps(s[0], s[1], 0x44), _mm256_shuffle_ps(s[0], s[1], 0xEE));
+    __m256 t1 = _mm256_add_ps(_mm256_shuffle_ps(s[2], s[3], 0x44), _mm256_shuffle_ps(s[2], s[3], 0xEE));
+    /* keys (0, 2, 4, 6 | 1, 3, 5, 7) */
+    __m256 r = _mm256_add_ps(_mm256_shuffle_ps(t0, t1, 0x88), _mm256_shuffle_ps(t0, t1, 0xDD));
+    return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+/* w[0..8) for the 8 float32 keys at kf (rows of hd): eight independent chains of adds. */
+AVX2 static inline __attribute__((always_inline)) void scores8(const float *q, const float *kf, int hd, __m256 scale,
+                                                               float *w) {
+    __m256 a[8];
+    for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
     for (int d = 0; d < hd; d += 8) {
-        __m256 kv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + d)));
-        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + d), kv)); /* no FMA: the scalar rounds twice */
+        __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+        for (int u = 0; u < 8; u++) /* no FMA: the reference rounds twice */
+            a[u] = _mm256_add_ps(a[u], _mm256_mul_ps(qv, _mm256_loadu_ps(kf + (size_t)u * hd + d)));
     }
+    _mm256_storeu_ps(w, _mm256_mul_ps(lanes_tree8(a), scale));
+}
+
+/* One key's score straight from float16 (heads too wide for a tile of 8). */
+AVX2 static float score1_avx2(const float *q, const uint16_t *k, int hd, float scale) {
+    __m256 a = _mm256_setzero_ps();
+    for (int d = 0; d < hd; d += 8)
+        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + d)))));
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* (0+4, 1+5, 2+6, 3+7) */
     __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                /* (0+4)+(2+6), (1+5)+(3+7) */
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1))) * scale;
 }
 
-/* Four keys at a time: four independent chains of adds instead of one waiting on the last (each
- * key's arithmetic unchanged). */
-AVX2 static void scores_avx2(const float *q, const uint16_t *keys, int n, int hd, float scale, float *w) {
-    int j = 0;
-    for (; j + 4 <= n; j += 4)
-#pragma GCC unroll 4
-        for (int u = 0; u < 4; u++) w[j + u] = score_avx2(q, keys + (size_t)(j + u) * hd, hd, scale);
-    for (; j < n; j++) w[j] = score_avx2(q, keys + (size_t)j * hd, hd, scale);
+AVX2 static void scores_avx2(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
+    float kf[TILE_FLOATS] __attribute__((aligned(32)));
+    int rows = (TILE_FLOATS / hd) & ~7, n = longest(qs, nq);
+    if (rows < 8) {
+        for (int i = 0; i < nq; i++)
+            for (int j = 0; j < qs[i].n; j++) qs[i].w[j] = score1_avx2(qs[i].q, keys + (size_t)j * hd, hd, scale);
+        return;
+    }
+    __m256 sc = _mm256_set1_ps(scale);
+    for (int j0 = 0; j0 < n; j0 += rows) {
+        int nk = n - j0 < rows ? n - j0 : rows, nk8 = (nk + 7) & ~7;
+        to_f32_avx2(keys + (size_t)j0 * hd, nk * hd, kf);
+        memset(kf + (size_t)nk * hd, 0, sizeof(float) * (size_t)(nk8 - nk) * hd); /* scores past n: never read */
+        for (int i = 0; i < nq; i++)
+            for (int u = 0; u < nk && j0 + u < qs[i].n; u += 8) scores8(qs[i].q, kf + (size_t)u * hd, hd, sc, qs[i].w + j0 + u);
+    }
 }
 
-/* out[d0 .. d0 + 8nv) += sum_j w[j] * v_j[..], positions outer, the nv vectors in registers: nv
- * independent chains of adds, each output still summed over j in order (nv a constant when inlined). */
-AVX2 static inline __attribute__((always_inline)) void mix_block(const float *w, const uint16_t *vals, int n, int hd,
-                                                                 int d0, const int nv, float *out) {
+/* out[d0 .. d0 + 8nv) += sum_{j < n} w[j] * v_j[..] over float32 rows vf (stride hd), positions
+ * outer, the nv vectors in registers: nv chains of adds, each output summed over j in order. */
+AVX2 static inline __attribute__((always_inline)) void mix_block(const float *w, const float *vf, int n, int hd, int d0,
+                                                                 const int nv, float *out) {
     __m256 o[8];
     for (int u = 0; u < nv; u++) o[u] = _mm256_loadu_ps(out + d0 + 8 * u);
     for (int j = 0; j < n; j++) {
-        const uint16_t *v = vals + (size_t)j * hd + d0;
+        const float *v = vf + (size_t)j * hd + d0;
         __m256 wj = _mm256_set1_ps(w[j]);
 #pragma GCC unroll 8
-        for (int u = 0; u < nv; u++)
-            o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(wj, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(v + 8 * u)))));
+        for (int u = 0; u < nv; u++) o[u] = _mm256_add_ps(o[u], _mm256_mul_ps(wj, _mm256_loadu_ps(v + 8 * u)));
     }
     for (int u = 0; u < nv; u++) _mm256_storeu_ps(out + d0 + 8 * u, o[u]);
 }
 
-/* 64 dimensions at a time (8 vectors), then the rest. */
-AVX2 static void mix_avx2(const float *w, const uint16_t *vals, int n, int hd, float *out) {
-    int d0 = 0;
-    for (; d0 + 64 <= hd; d0 += 64) mix_block(w, vals, n, hd, d0, 8, out);
-    if (d0 < hd) mix_block(w, vals, n, hd, d0, (hd - d0) / 8, out);
+/* A tile of values converted once, then each query's positions in it, 64 dimensions at a time. */
+AVX2 static void mix_avx2(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
+    float vf[TILE_FLOATS] __attribute__((aligned(32)));
+    int rows = TILE_FLOATS / hd, n = longest(qs, nq);
+    if (rows < 1) { /* a head wider than a tile: one position at a time */
+        for (int i = 0; i < nq; i++)
+            for (int j = 0; j < qs[i].n; j++) {
+                to_f32_avx2(vals + (size_t)j * hd, hd, vf);
+                for (int d = 0; d < hd; d += 8) mix_block(qs[i].w + j, vf, 1, hd, d, 1, qs[i].out);
+            }
+        return;
+    }
+    for (int j0 = 0; j0 < n; j0 += rows) {
+        int nv = n - j0 < rows ? n - j0 : rows;
+        to_f32_avx2(vals + (size_t)j0 * hd, nv * hd, vf);
+        for (int i = 0; i < nq; i++) {
+            int m = qs[i].n - j0 < nv ? qs[i].n - j0 : nv, d0 = 0;
+            if (m <= 0) continue;
+            for (; d0 + 64 <= hd; d0 += 64) mix_block(qs[i].w + j0, vf, m, hd, d0, 8, qs[i].out);
+            if (d0 < hd) mix_block(qs[i].w + j0, vf, m, hd, d0, (hd - d0) / 8, qs[i].out);
+        }
+    }
 }
 
 static const struct attn_isa ATTN_AVX2 = {"avx2", scores_avx2, mix_avx2};
+#endif
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+/* count float16s (a multiple of 8) to float32 (fcvtl: exact). */
+static void to_f32_neon(const uint16_t *h, int count, float *f) {
+    for (int i = 0; i < count; i += 4) vst1q_f32(f + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+}
+
+/* Key u's 8 lanes (lo: 0-3, hi: 4-7) reduced as the reference: s = (0+4, 1+5, 2+6, 3+7), then
+ * t = ((0+4)+(2+6), (1+5)+(3+7)); four keys' t paired and gathered into one vector. */
+static inline float32x4_t lanes_tree4(const float32x4_t lo[4], const float32x4_t hi[4]) {
+    float32x4_t t[4];
+    for (int u = 0; u < 4; u++) {
+        float32x4_t s = vaddq_f32(lo[u], hi[u]);
+        t[u] = vaddq_f32(s, vextq_f32(s, s, 2));
+    }
+    return vuzp1q_f32(vpaddq_f32(t[0], t[1]), vpaddq_f32(t[2], t[3])); /* t0 + t1 of each key */
+}
+
+/* w[0..4) for the 4 float32 keys at kf (rows of hd): eight independent chains of adds. */
+static inline void scores4(const float *q, const float *kf, int hd, float scale, float *w) {
+    float32x4_t lo[4], hi[4];
+    for (int u = 0; u < 4; u++) lo[u] = hi[u] = vdupq_n_f32(0.0f);
+    for (int d = 0; d < hd; d += 8) {
+        float32x4_t q0 = vld1q_f32(q + d), q1 = vld1q_f32(q + d + 4);
+        for (int u = 0; u < 4; u++) { /* no FMA: the reference rounds twice */
+            lo[u] = vaddq_f32(lo[u], vmulq_f32(q0, vld1q_f32(kf + (size_t)u * hd + d)));
+            hi[u] = vaddq_f32(hi[u], vmulq_f32(q1, vld1q_f32(kf + (size_t)u * hd + d + 4)));
+        }
+    }
+    vst1q_f32(w, vmulq_n_f32(lanes_tree4(lo, hi), scale));
+}
+
+static void scores_neon(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
+    float kf[TILE_FLOATS] __attribute__((aligned(16)));
+    int rows = (TILE_FLOATS / hd) & ~7, n = longest(qs, nq);
+    if (rows < 8) {
+        scores_scalar(qs, nq, keys, hd, scale);
+        return;
+    }
+    for (int j0 = 0; j0 < n; j0 += rows) {
+        int nk = n - j0 < rows ? n - j0 : rows, nk4 = (nk + 3) & ~3;
+        to_f32_neon(keys + (size_t)j0 * hd, nk * hd, kf);
+        memset(kf + (size_t)nk * hd, 0, sizeof(float) * (size_t)(nk4 - nk) * hd);
+        for (int i = 0; i < nq; i++)
+            for (int u = 0; u < nk && j0 + u < qs[i].n; u += 4) scores4(qs[i].q, kf + (size_t)u * hd, hd, scale, qs[i].w + j0 + u);
+    }
+}
+
+/* out[d0 .. d0 + 4nv) += sum_{j < n} w[j] * v_j[..], positions outer, nv vectors in registers. */
+static inline __attribute__((always_inline)) void mix_block_neon(const float *w, const float *vf, int n, int hd, int d0,
+                                                                 const int nv, float *out) {
+    float32x4_t o[8];
+    for (int u = 0; u < nv; u++) o[u] = vld1q_f32(out + d0 + 4 * u);
+    for (int j = 0; j < n; j++) {
+        const float *v = vf + (size_t)j * hd + d0;
+        for (int u = 0; u < nv; u++) o[u] = vaddq_f32(o[u], vmulq_n_f32(vld1q_f32(v + 4 * u), w[j]));
+    }
+    for (int u = 0; u < nv; u++) vst1q_f32(out + d0 + 4 * u, o[u]);
+}
+
+static void mix_neon(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
+    float vf[TILE_FLOATS] __attribute__((aligned(16)));
+    int rows = TILE_FLOATS / hd, n = longest(qs, nq);
+    if (rows < 1) {
+        mix_scalar(qs, nq, vals, hd);
+        return;
+    }
+    for (int j0 = 0; j0 < n; j0 += rows) {
+        int nv = n - j0 < rows ? n - j0 : rows;
+        to_f32_neon(vals + (size_t)j0 * hd, nv * hd, vf);
+        for (int i = 0; i < nq; i++) {
+            int m = qs[i].n - j0 < nv ? qs[i].n - j0 : nv, d0 = 0;
+            if (m <= 0) continue;
+            for (; d0 + 32 <= hd; d0 += 32) mix_block_neon(qs[i].w + j0, vf, m, hd, d0, 8, qs[i].out);
+            if (d0 < hd) mix_block_neon(qs[i].w + j0, vf, m, hd, d0, (hd - d0) / 4, qs[i].out);
+        }
+    }
+}
+
+static const struct attn_isa ATTN_NEON = {"neon", scores_neon, mix_neon};
 #endif
 
 const struct attn_isa *attn_isa_for(const char *dot_isa_name) {
@@ -83,6 +235,8 @@ const struct attn_isa *attn_isa_for(const char *dot_isa_name) {
     __builtin_cpu_init();
     if (strcmp(dot_isa_name, "scalar") != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
         return &ATTN_AVX2;
+#elif defined(__aarch64__)
+    if (strcmp(dot_isa_name, "scalar") != 0) return &ATTN_NEON; /* NEON is part of every aarch64 CPU */
 #else
     (void)dot_isa_name; /* one path */
 #endif

@@ -125,8 +125,12 @@ struct pass {
     int layer;
     float *x, *h, *q, *k, *v, *att, *o, *g, *u; /* (T, H), (T, H), (T, nh hd), (T, kvh hd) x2, (T, nh hd), (T, H), (T, F) x2 */
     float *rot;                                 /* (T, hd): each row's cosines and sines */
-    float *scores;                              /* (threads, longest context): attention weights */
-    int longest;
+    float *scores;                              /* (threads, UNIT_QUERIES, stride): attention weights */
+    int longest, stride;                        /* the longest context, and it rounded up to ATTN_PAD */
+    int *order;                                 /* (T): rows by sequence */
+    struct unit *units;                         /* attention's units (plan_attention) */
+    int n_units;
+    atomic_int next_unit;                       /* the next unit a thread takes */
     /* the stage in flight (stage()): a row step, the matrices its output feeds, an epilogue */
     void (*row)(struct pass *p, int t);           /* row t's step before its activations are quantized */
     struct quantized z;
@@ -219,32 +223,107 @@ static int stage(struct pass *p, void (*row)(struct pass *, int), const float *x
     return failed ? -1 : 0;
 }
 
-/* Threads split the (row, query head) pairs, dealt round-robin so that each thread gets early
- * and late rows alike (a prefill's late rows attend over more positions); each pair is one fixed
- * computation over its sequence's cache, positions 0..pos in order. */
-static void run_attention(void *arg, int i, int n) {
-    struct pass *p = arg;
+/* Attention runs in units: some rows of one sequence and some query heads of one KV head, so
+ * that each float16 key and value is converted once for all of their queries (attention.h).  A
+ * unit holds at most UNIT_QUERIES queries; units shrink (fewer rows, then fewer heads) until there
+ * are two for each thread, and threads take them in turn.  A query's arithmetic is the same in any
+ * unit, on any thread: the same bits. */
+#define UNIT_QUERIES 24
+
+struct unit {
+    int r0, r1, g, h0, h1; /* rows order[r0..r1) of one sequence, KV head g, query heads [h0, h1) */
+};
+
+/* Units of up to `rows` rows of a sequence and `heads` heads of a group, written to p->units if it is
+ * set; their count either way. */
+static int plan_units(struct pass *p, int rows, int heads) {
+    const struct model *m = p->m;
+    int group = m->n_heads / m->n_kv_heads, count = 0, T = p->b->t;
+    for (int r0 = 0; r0 < T;) {
+        int end = r0;
+        while (end < T && p->b->seq[p->order[end]] == p->b->seq[p->order[r0]] && end - r0 < rows) end++;
+        for (int g = 0; g < m->n_kv_heads; g++)
+            for (int h = 0; h < group; h += heads, count++)
+                if (p->units)
+                    p->units[count] = (struct unit){r0, end, g, g * group + h, g * group + (h + heads < group ? h + heads : group)};
+        r0 = end;
+    }
+    return count;
+}
+
+/* The pass's rows by sequence (each sequence's rows in the batch's order: increasing positions),
+ * and its attention units.  -1 when out of memory. */
+static int plan_attention(struct pass *p, int threads) {
+    const struct batch *b = p->b;
+    int group = p->m->n_heads / p->m->n_kv_heads, T = b->t, at = 0;
+    for (int s = 0; s < b->s; s++) /* sequences are few (a batch's requests): a pass over the rows each */
+        for (int t = 0; t < T; t++)
+            if (b->seq[t] == s) p->order[at++] = t;
+    int heads = group < UNIT_QUERIES ? group : UNIT_QUERIES, rows = UNIT_QUERIES / heads;
+    while (plan_units(p, rows, heads) < 2 * threads && (rows > 1 || heads > 1)) {
+        if (rows > 1) rows = (rows + 1) / 2;
+        else heads = (heads + 1) / 2;
+    }
+    p->n_units = plan_units(p, rows, heads);
+    if (!(p->units = malloc(sizeof(struct unit) * (size_t)p->n_units))) return -1;
+    plan_units(p, rows, heads);
+    return 0;
+}
+
+/* Each query's softmax numerators in place, and their sums: top = the largest score, w[j] =
+ * e^(w[j] - top), sum in order of j.  Four queries' chains at a time, each in its own order. */
+static void softmax_queries(const struct model *m, const struct attn_query *qs, int nq, float *sums) {
+    for (int i0 = 0; i0 < nq; i0 += 4) {
+        int k = nq - i0 < 4 ? nq - i0 : 4, common = qs[i0].n, j;
+        for (int u = 1; u < k; u++) common = qs[i0 + u].n < common ? qs[i0 + u].n : common;
+        float top[4] = {-INFINITY, -INFINITY, -INFINITY, -INFINITY}, sum[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+        if (k == 4)
+            for (j = 0; j < common; j++)
+                for (int u = 0; u < 4; u++) top[u] = qs[i0 + u].w[j] > top[u] ? qs[i0 + u].w[j] : top[u];
+        for (int u = 0; u < k; u++)
+            for (j = k == 4 ? common : 0; j < qs[i0 + u].n; j++) top[u] = qs[i0 + u].w[j] > top[u] ? qs[i0 + u].w[j] : top[u];
+        for (int u = 0; u < k; u++) m->fops->exp_shifted(qs[i0 + u].w, qs[i0 + u].n, top[u]);
+        if (k == 4)
+            for (j = 0; j < common; j++)
+                for (int u = 0; u < 4; u++) sum[u] += qs[i0 + u].w[j];
+        for (int u = 0; u < k; u++)
+            for (j = k == 4 ? common : 0; j < qs[i0 + u].n; j++) sum[u] += qs[i0 + u].w[j];
+        for (int u = 0; u < k; u++) sums[i0 + u] = sum[u];
+    }
+}
+
+/* One unit: every query's scores over positions 0..pos of its sequence's cache, softmax, the
+ * weighted values, scaled by 1/sum. */
+static void attend(struct pass *p, const struct unit *u, struct attn_query *qs, float *w) {
     const struct model *m = p->m;
     const struct batch *b = p->b;
-    int nh = m->n_heads, hd = m->head_dim, group = nh / m->n_kv_heads;
-    float scale = 1.0f / sqrtf((float)hd), *w = p->scores + (size_t)i * p->longest;
-    for (int task = i; task < b->t * nh; task += n) {
-        int t = task / nh, h = task % nh, pos = b->pos[t];
-        const struct kv *c = &b->caches[b->seq[t]];
-        const float *q = p->q + (size_t)t * nh * hd + (size_t)h * hd;
-        const uint16_t *keys = c->data + kv_at(m, c, p->layer, 0, h / group, 0);
-        const uint16_t *vals = c->data + kv_at(m, c, p->layer, 1, h / group, 0);
-        m->attn->scores(q, keys, pos + 1, hd, scale, w);
-        float top = -INFINITY, sum = 0.0f;
-        for (int j = 0; j <= pos; j++) top = w[j] > top ? w[j] : top;
-        m->fops->exp_shifted(w, pos + 1, top);
-        for (int j = 0; j <= pos; j++) sum += w[j];
-        float *out = p->att + (size_t)t * nh * hd + (size_t)h * hd;
-        memset(out, 0, sizeof(float) * hd);
-        m->attn->mix(w, vals, pos + 1, hd, out);
-        float inv = 1.0f / sum;
-        for (int d = 0; d < hd; d++) out[d] *= inv;
+    int nh = m->n_heads, hd = m->head_dim, nq = 0;
+    const struct kv *c = &b->caches[b->seq[p->order[u->r0]]];
+    for (int r = u->r0; r < u->r1; r++) {
+        int t = p->order[r];
+        for (int h = u->h0; h < u->h1; h++, nq++) {
+            size_t at = (size_t)t * nh * hd + (size_t)h * hd;
+            qs[nq] = (struct attn_query){p->q + at, b->pos[t] + 1, w + (size_t)nq * p->stride, p->att + at};
+            memset(qs[nq].out, 0, sizeof(float) * hd);
+        }
     }
+    float sums[UNIT_QUERIES];
+    m->attn->scores(qs, nq, c->data + kv_at(m, c, p->layer, 0, u->g, 0), hd, 1.0f / sqrtf((float)hd));
+    softmax_queries(m, qs, nq, sums);
+    m->attn->mix(qs, nq, c->data + kv_at(m, c, p->layer, 1, u->g, 0), hd);
+    for (int i = 0; i < nq; i++) {
+        float inv = 1.0f / sums[i];
+        for (int d = 0; d < hd; d++) qs[i].out[d] *= inv;
+    }
+}
+
+static void run_attention(void *arg, int i, int n) {
+    struct pass *p = arg;
+    struct attn_query qs[UNIT_QUERIES];
+    float *w = p->scores + (size_t)i * UNIT_QUERIES * p->stride;
+    int u;
+    (void)n;
+    while ((u = atomic_fetch_add_explicit(&p->next_unit, 1, memory_order_relaxed)) < p->n_units) attend(p, &p->units[u], qs, w);
 }
 
 /* ---- the row steps ---- */
@@ -322,6 +401,7 @@ static int layer_forward(struct pass *p) {
     float *qkv_outs[3] = {p->q, p->k, p->v}, *o_out[1] = {p->o}, *gu_out[2] = {p->g, p->u};
     if (stage(p, attn_in, p->h, T, H, qkv, qkv_outs, 3, NULL) != 0) return -1;
     run_rows(p, T, qkv_out);
+    atomic_store_explicit(&p->next_unit, 0, memory_order_relaxed);
     pool_run(m->pool, run_attention, p);
     if (stage(p, NULL, p->att, T, m->n_heads * m->head_dim, wo, o_out, 1, NULL) != 0) return -1;
     if (stage(p, ffn_in, p->h, T, H, gu, gu_out, 2, swiglu) != 0) return -1;
@@ -360,9 +440,16 @@ int model_forward(const struct model *m, const struct batch *b) {
     int qd = m->n_heads * hd, kd = m->n_kv_heads * hd, threads = pool_threads(m->pool);
     struct pass p = {.m = m, .b = b};
     for (int t = 0; t < T; t++) p.longest = b->pos[t] + 1 > p.longest ? b->pos[t] + 1 : p.longest;
-    size_t floats = (size_t)T * (3 * H + 2 * qd + 2 * kd + 2 * F + hd) + (size_t)threads * p.longest;
+    p.stride = (p.longest + ATTN_PAD - 1) / ATTN_PAD * ATTN_PAD;
+    size_t floats = (size_t)T * (3 * H + 2 * qd + 2 * kd + 2 * F + hd) + (size_t)threads * UNIT_QUERIES * p.stride;
     float *arena = malloc(floats * sizeof(float));
-    if (!arena) return -1;
+    p.order = malloc(sizeof(int) * (size_t)T);
+    if (!arena || !p.order || plan_attention(&p, threads) != 0) {
+        free(arena);
+        free(p.order);
+        free(p.units);
+        return -1;
+    }
     float *at = arena;
     p.x = at, at += (size_t)T * H;
     p.h = at, at += (size_t)T * H;
@@ -394,5 +481,7 @@ int model_forward(const struct model *m, const struct batch *b) {
         rc = stage(&p, head_in, p.h, b->n_keep, H, head, out, 1, NULL);
     }
     free(arena);
+    free(p.order);
+    free(p.units);
     return rc;
 }
