@@ -480,6 +480,7 @@ int model_forward(const struct model *m, const struct batch *b) {
         float *out[1] = {b->logits};
         rc = stage(&p, head_in, p.h, b->n_keep, H, head, out, 1, NULL);
     }
+    pool_park(m->pool);
     free(arena);
     free(p.order);
     free(p.units);

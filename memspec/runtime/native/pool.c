@@ -16,6 +16,7 @@ struct pool {
     atomic_uint gen;       /* bumped once per job */
     atomic_int pending;    /* workers still running the current job */
     atomic_int stop;
+    atomic_int park;       /* set between passes: workers sleep at once instead of spinning */
     pool_fn fn;
     void *arg;
 };
@@ -35,7 +36,7 @@ static void *worker_main(void *w_) {
         int spins = 0;
         while ((g = atomic_load_explicit(&p->gen, memory_order_acquire)) == seen) {
             if (atomic_load(&p->stop)) return NULL;
-            if (++spins < SPINS) continue;
+            if (++spins < SPINS && !atomic_load_explicit(&p->park, memory_order_relaxed)) continue;
             pthread_mutex_lock(&p->lock);
             while (atomic_load(&p->gen) == seen && !atomic_load(&p->stop)) pthread_cond_wait(&p->wake, &p->lock);
             pthread_mutex_unlock(&p->lock);
@@ -85,6 +86,8 @@ void pool_free(struct pool *p) {
 
 int pool_threads(const struct pool *p) { return p->n; }
 
+void pool_park(struct pool *p) { atomic_store_explicit(&p->park, 1, memory_order_relaxed); }
+
 void pool_run(struct pool *p, pool_fn fn, void *arg) {
     if (p->n == 1) {
         fn(arg, 0, 1);
@@ -94,6 +97,7 @@ void pool_run(struct pool *p, pool_fn fn, void *arg) {
     p->arg = arg;
     atomic_store_explicit(&p->pending, p->n - 1, memory_order_relaxed);
     pthread_mutex_lock(&p->lock);
+    atomic_store_explicit(&p->park, 0, memory_order_relaxed);
     atomic_fetch_add_explicit(&p->gen, 1, memory_order_release);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->lock);

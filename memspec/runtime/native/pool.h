@@ -15,6 +15,10 @@ struct pool *pool_new(int threads); /* NULL when out of memory or no thread coul
 void pool_free(struct pool *p);
 int pool_threads(const struct pool *p);
 void pool_run(struct pool *p, pool_fn fn, void *arg);
+/* The runs are over for now (a forward pass has ended): the workers sleep at once instead of spinning
+ * for the next run, leaving the cores to the threads that run between passes.  The next pool_run
+ * wakes them. */
+void pool_park(struct pool *p);
 
 /* [*lo, *hi): thread i's share of `count` items split into n contiguous ranges. */
 static inline void pool_range(int count, int i, int n, int *lo, int *hi) {
