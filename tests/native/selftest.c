@@ -185,7 +185,26 @@ static int check_floatops(const struct dot_isa *isa) {
             return 1;
         }
     }
-    uint64_t h = fnv(0xcbf29ce484222325ull, e, sizeof(e));
+    /* to_f16 against f32_to_f16: random bits (NaNs with payloads, infinities, tiny and huge), floats in
+     * and below float16's normal range, exact halfway cases there, NaNs, and the overflow edge */
+    static float hx[COUNT];
+    static uint16_t hw[COUNT];
+    for (int i = 0; i < COUNT; i++) {
+        uint32_t b = next(), sign = next() & 0x80000000u;
+        if (i % 4 == 1) b = sign | (103 + next() % 41) << 23 | (next() & 0x7FFFFF);
+        if (i % 4 == 2) b = sign | (100 + next() % 43) << 23 | (next() & 0x7FE000) | 0x1000; /* halfway (normals) */
+        if (i % 4 == 3) b = sign | 0x7F800000 | ((next() & 0x7FFFFF) | 1);
+        memcpy(&hx[i], &b, 4);
+    }
+    hx[0] = 65504.0f, hx[4] = 65519.996f, hx[8] = 65520.0f, hx[12] = -0.0f, hx[16] = 0x1p-25f, hx[20] = 0x1.8p-25f;
+    f->to_f16(hx, hw, COUNT - 5);
+    for (int i = COUNT - 5; i < COUNT; i++) f->to_f16(hx + i, hw + i, 1);
+    for (int i = 0; i < COUNT; i++)
+        if (hw[i] != f32_to_f16(hx[i])) {
+            printf("%s: float16 of %a is %04x, the reference's %04x\n", f->name, (double)hx[i], hw[i], f32_to_f16(hx[i]));
+            return 1;
+        }
+    uint64_t h = fnv(fnv(0xcbf29ce484222325ull, e, sizeof(e)), hw, sizeof(hw));
     printf("floatops %016llx\n", (unsigned long long)fnv(h, g, sizeof(g)));
     return 0;
 }

@@ -1,4 +1,4 @@
-/* floatops.h: the scalar path (the reference) and the AVX2 + FMA path. */
+/* floatops.h: the scalar path (the reference) and the AVX2 + FMA + F16C path. */
 #include "floatops.h"
 
 #include <math.h>
@@ -37,6 +37,29 @@ float exp_fixed(float x) {
     return y * scale;
 }
 
+uint16_t f32_to_f16(float f) {
+    union { float f; uint32_t u; } v = {f};
+    uint32_t sign = (v.u >> 16) & 0x8000, e = (v.u >> 23) & 0xFF, man = v.u & 0x7FFFFF;
+    if (e == 0xFF) return (uint16_t)(sign | 0x7C00 | (man ? 0x200 | (man >> 13) : 0)); /* NaN: quiet, payload's top */
+    int exp = (int)e - 127 + 15;
+    if (exp >= 0x1F) return (uint16_t)(sign | 0x7C00);
+    if (exp <= 0) { /* subnormal half (or zero) */
+        if (exp < -10) return (uint16_t)sign;
+        man |= 0x800000;
+        int shift = 14 - exp;
+        uint32_t h = man >> shift, rest = man & ((1u << shift) - 1), half = 1u << (shift - 1);
+        if (rest > half || (rest == half && (h & 1))) h++;
+        return (uint16_t)(sign | h);
+    }
+    uint32_t h = ((uint32_t)exp << 10) | (man >> 13), rest = man & 0x1FFF;
+    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++; /* may carry into the exponent: still right */
+    return (uint16_t)(sign | h);
+}
+
+static void to_f16_scalar(const float *x, uint16_t *h, int n) {
+    for (int i = 0; i < n; i++) h[i] = f32_to_f16(x[i]);
+}
+
 static void exp_shifted_scalar(float *w, int n, float top) {
     for (int j = 0; j < n; j++) w[j] = exp_fixed(w[j] - top);
 }
@@ -45,12 +68,12 @@ static void silu_mul_scalar(float *g, const float *u, int n) {
     for (int i = 0; i < n; i++) g[i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
 }
 
-static const struct float_isa FLOAT_SCALAR = {"scalar", exp_shifted_scalar, silu_mul_scalar, quantize_row};
+static const struct float_isa FLOAT_SCALAR = {"scalar", exp_shifted_scalar, silu_mul_scalar, quantize_row, to_f16_scalar};
 
 #if defined(__x86_64__)
 #include <immintrin.h>
 
-#define AVX2 __attribute__((target("avx2,fma")))
+#define AVX2 __attribute__((target("avx2,fma,f16c")))
 
 /* exp_fixed, lane by lane: the same operations in the same order. */
 AVX2 static inline __m256 exp8(__m256 x) {
@@ -123,13 +146,21 @@ AVX2 static void quantize_avx2(const float *x, int k, int block, int8_t *q, floa
     }
 }
 
-static const struct float_isa FLOAT_AVX2 = {"avx2", exp_shifted_avx2, silu_mul_avx2, quantize_avx2};
+/* f32_to_f16 8 at a time: vcvtps2ph rounding to nearest even (the immediate, not MXCSR). */
+AVX2 static void to_f16_avx2(const float *x, uint16_t *h, int n) {
+    int i = 0;
+    for (; i + 8 <= n; i += 8) _mm_storeu_si128((__m128i *)(h + i), _mm256_cvtps_ph(_mm256_loadu_ps(x + i), _MM_FROUND_TO_NEAREST_INT));
+    for (; i < n; i++) h[i] = f32_to_f16(x[i]);
+}
+
+static const struct float_isa FLOAT_AVX2 = {"avx2", exp_shifted_avx2, silu_mul_avx2, quantize_avx2, to_f16_avx2};
 #endif
 
 const struct float_isa *float_isa_for(const char *dot_isa_name) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
-    if (strcmp(dot_isa_name, "scalar") != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma"))
+    if (strcmp(dot_isa_name, "scalar") != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
+        __builtin_cpu_supports("f16c"))
         return &FLOAT_AVX2;
 #else
     (void)dot_isa_name; /* one path: fmaf is one instruction on aarch64 */

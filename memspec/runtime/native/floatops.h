@@ -14,7 +14,11 @@
  * quantize is quants.c's quantize_row (the activations' 8-bit blocks for the integer kernels): the
  * block's largest |x| (maxps skips a NaN as the scalar comparison does; the order of a max does
  * not matter), then each x * id rounded by the same add and subtract of 1.5*2^23, so the same
- * bytes and scales on every path. */
+ * bytes and scales on every path.
+ *
+ * to_f16 is float32 -> IEEE float16 for the KV cache, rounded to nearest even, with subnormals and
+ * infinities; a NaN stays a NaN, quieted, with the top bits of its payload (as x86's vcvtps2ph and
+ * Arm's fcvtn write it).  Correctly rounded everywhere, so the same bits on every path. */
 #ifndef MEMSPEC_FLOATOPS_H
 #define MEMSPEC_FLOATOPS_H
 
@@ -25,13 +29,15 @@ struct float_isa {
     void (*exp_shifted)(float *w, int n, float top);       /* w[j] = e^(w[j] - top), j < n */
     void (*silu_mul)(float *g, const float *u, int n);     /* g[i] = g[i] / (1 + e^-g[i]) * u[i], i < n */
     quantize_fn quantize;                                  /* quants.h's quantize_row */
+    void (*to_f16)(const float *x, uint16_t *h, int n);    /* h[i] = f32_to_f16(x[i]), i < n */
 };
 
-/* The path for a kernel path's name ("avx2", "avx512", "neon", "scalar"): AVX2 + FMA where the CPU
- * has them, else the scalar loops. */
+/* The path for a kernel path's name ("avx2", "avx512", "neon", "scalar"): AVX2 + FMA + F16C where the
+ * CPU has them, else the scalar loops. */
 const struct float_isa *float_isa_for(const char *dot_isa_name);
 
-/* e^x on the scalar path (the reference the others match). */
+/* e^x and float16 on the scalar path (the references the others match). */
 float exp_fixed(float x);
+uint16_t f32_to_f16(float f);
 
 #endif

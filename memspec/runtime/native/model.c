@@ -9,28 +9,6 @@
 
 #include "matmul.h"
 
-/* ---- float16 (the KV cache) ---- */
-
-/* float32 -> float16, rounding to nearest even (IEEE), with subnormals, inf and nan. */
-static uint16_t f32_to_f16(float f) {
-    union { float f; uint32_t u; } v = {f};
-    uint32_t sign = (v.u >> 16) & 0x8000, e = (v.u >> 23) & 0xFF, man = v.u & 0x7FFFFF;
-    if (e == 0xFF) return (uint16_t)(sign | 0x7C00 | (man ? 0x200 : 0));
-    int exp = (int)e - 127 + 15;
-    if (exp >= 0x1F) return (uint16_t)(sign | 0x7C00);
-    if (exp <= 0) { /* subnormal half (or zero) */
-        if (exp < -10) return (uint16_t)sign;
-        man |= 0x800000;
-        int shift = 14 - exp;
-        uint32_t h = man >> shift, rest = man & ((1u << shift) - 1), half = 1u << (shift - 1);
-        if (rest > half || (rest == half && (h & 1))) h++;
-        return (uint16_t)(sign | h);
-    }
-    uint32_t h = ((uint32_t)exp << 10) | (man >> 13), rest = man & 0x1FFF;
-    if (rest > 0x1000 || (rest == 0x1000 && (h & 1))) h++; /* may carry into the exponent: still right */
-    return (uint16_t)(sign | h);
-}
-
 /* ---- one row at a time ---- */
 
 static void rms_norm(const float *x, const struct tensor *w, int h, float eps, float *y) {
@@ -356,10 +334,8 @@ static void qkv_out(void *arg, int i, int n) {
         for (int g = 0; g < kvh; g++) {
             uint16_t *kd = c->data + kv_at(m, c, p->layer, 0, g, b->pos[t]);
             uint16_t *vd = c->data + kv_at(m, c, p->layer, 1, g, b->pos[t]);
-            for (int d = 0; d < hd; d++) {
-                kd[d] = f32_to_f16(k[g * hd + d]);
-                vd[d] = f32_to_f16(v[g * hd + d]);
-            }
+            m->fops->to_f16(k + g * hd, kd, hd);
+            m->fops->to_f16(v + g * hd, vd, hd);
         }
     }
 }
