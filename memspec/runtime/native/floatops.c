@@ -1,4 +1,4 @@
-/* floatops.h: the scalar path (the reference) and the AVX2 + FMA + F16C path. */
+/* floatops.h: the scalar path (the reference), the AVX2 + FMA + F16C path and the NEON path. */
 #include "floatops.h"
 
 #include <math.h>
@@ -156,14 +156,96 @@ AVX2 static void to_f16_avx2(const float *x, uint16_t *h, int n) {
 static const struct float_isa FLOAT_AVX2 = {"avx2", exp_shifted_avx2, silu_mul_avx2, quantize_avx2, to_f16_avx2};
 #endif
 
+#if defined(__aarch64__)
+#include <arm_neon.h>
+
+/* exp_fixed, lane by lane, as exp8 (vfmaq/vfmsq are fmaf's single rounding; the clamps are the
+ * scalar comparisons, which keep lo and hi for a NaN). */
+static inline float32x4_t exp4(float32x4_t x) {
+    const float32x4_t lo = vdupq_n_f32(EXP_LO), hi = vdupq_n_f32(EXP_HI), round = vdupq_n_f32(ROUND);
+    x = vbslq_f32(vcgtq_f32(x, lo), x, lo);
+    x = vbslq_f32(vcltq_f32(x, hi), x, hi);
+    float32x4_t n = vsubq_f32(vaddq_f32(vmulq_f32(x, vdupq_n_f32(LOG2E)), round), round);
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(LN2_HI)); /* x - n hi, fused: fmaf(-n, hi, x) */
+    r = vfmsq_f32(r, n, vdupq_n_f32(LN2_LO));
+    float32x4_t p = vfmaq_f32(vdupq_n_f32(P1), vdupq_n_f32(P0), r);
+    p = vfmaq_f32(vdupq_n_f32(P2), p, r);
+    p = vfmaq_f32(vdupq_n_f32(P3), p, r);
+    p = vfmaq_f32(vdupq_n_f32(P4), p, r);
+    p = vfmaq_f32(vdupq_n_f32(P5), p, r);
+    float32x4_t y = vaddq_f32(vfmaq_f32(r, p, vmulq_f32(r, r)), vdupq_n_f32(1.0f));
+    int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23); /* n is whole: exact */
+    return vmulq_f32(y, vreinterpretq_f32_s32(e));
+}
+
+static void exp_shifted_neon(float *w, int n, float top) {
+    float32x4_t t = vdupq_n_f32(top);
+    int j = 0;
+    for (; j + 4 <= n; j += 4) vst1q_f32(w + j, exp4(vsubq_f32(vld1q_f32(w + j), t)));
+    for (; j < n; j++) w[j] = exp_fixed(w[j] - top);
+}
+
+static void silu_mul_neon(float *g, const float *u, int n) {
+    const float32x4_t one = vdupq_n_f32(1.0f);
+    int i = 0;
+    for (; i + 4 <= n; i += 4) {
+        float32x4_t x = vld1q_f32(g + i);
+        float32x4_t d = vaddq_f32(one, exp4(vnegq_f32(x)));
+        vst1q_f32(g + i, vmulq_f32(vdivq_f32(x, d), vld1q_f32(u + i)));
+    }
+    for (; i < n; i++) g[i] = g[i] / (1.0f + exp_fixed(-g[i])) * u[i];
+}
+
+/* quantize_row, 4 floats at a time (block a multiple of 32): the max by the scalar comparison (a NaN
+ * never enters it), the same rounding, the same lanes zeroed. */
+static void quantize_neon(const float *x, int k, int block, int8_t *q, float *d, int16_t *sum16) {
+    const float32x4_t round = vdupq_n_f32(ROUND), lo = vdupq_n_f32(-127.0f), hi = vdupq_n_f32(127.0f),
+                      zero = vdupq_n_f32(0.0f);
+    for (int b = 0; b < k / block; b++) {
+        const float *xb = x + (size_t)b * block;
+        float32x4_t m = zero;
+        for (int i = 0; i < block; i += 4) {
+            float32x4_t a = vabsq_f32(vld1q_f32(xb + i));
+            m = vbslq_f32(vcgtq_f32(a, m), a, m);
+        }
+        float amax = 0.0f;
+        for (int l = 0; l < 4; l++) amax = m[l] > amax ? m[l] : amax;
+        float id = amax > 0.0f ? 127.0f / amax : 0.0f;
+        d[b] = amax / 127.0f;
+        float32x4_t vid = vdupq_n_f32(id);
+        for (int i = 0; i < block; i += 8) {
+            int16x4_t h[2];
+            for (int u = 0; u < 2; u++) {
+                float32x4_t v = vsubq_f32(vaddq_f32(vmulq_f32(vld1q_f32(xb + i + 4 * u), vid), round), round);
+                uint32x4_t ok = vandq_u32(vcgeq_f32(v, lo), vcleq_f32(v, hi)); /* NaN: 0 */
+                h[u] = vmovn_s32(vcvtq_s32_f32(vbslq_f32(ok, v, zero)));
+            }
+            vst1_s8(q + (size_t)b * block + i, vmovn_s16(vcombine_s16(h[0], h[1])));
+        }
+    }
+    for (int j = 0; j < k / 16; j++) sum16[j] = (int16_t)vaddlvq_s8(vld1q_s8(q + 16 * j));
+}
+
+/* f32_to_f16 4 at a time: fcvtn rounds to nearest even (the default FPCR) and keeps a NaN's payload. */
+static void to_f16_neon(const float *x, uint16_t *h, int n) {
+    int i = 0;
+    for (; i + 4 <= n; i += 4) vst1_u16(h + i, vreinterpret_u16_f16(vcvt_f16_f32(vld1q_f32(x + i))));
+    for (; i < n; i++) h[i] = f32_to_f16(x[i]);
+}
+
+static const struct float_isa FLOAT_NEON = {"neon", exp_shifted_neon, silu_mul_neon, quantize_neon, to_f16_neon};
+#endif
+
 const struct float_isa *float_isa_for(const char *dot_isa_name) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
     if (strcmp(dot_isa_name, "scalar") != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma") &&
         __builtin_cpu_supports("f16c"))
         return &FLOAT_AVX2;
+#elif defined(__aarch64__)
+    if (strcmp(dot_isa_name, "scalar") != 0) return &FLOAT_NEON; /* NEON and FMA are part of every aarch64 CPU */
 #else
-    (void)dot_isa_name; /* one path: fmaf is one instruction on aarch64 */
+    (void)dot_isa_name; /* one path */
 #endif
     return &FLOAT_SCALAR;
 }
