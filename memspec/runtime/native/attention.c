@@ -1,7 +1,8 @@
 /* attention.h: the scalar path (the reference), the AVX2 + F16C path and the NEON path.
  *
- * The SIMD paths convert a tile of keys or values to float32 once (TILE_FLOATS, in L1), then run
- * every query over it; a query's arithmetic is the reference's whatever the tile and the others. */
+ * The SIMD paths share one driver (struct tiles): a tile of keys or values is converted to float32
+ * once (TILE_FLOATS, in L1), then each query runs over it with the path's own kernel; a query's
+ * arithmetic is the reference's whatever the tile and the others. */
 #include "attention.h"
 
 #include <string.h>
@@ -38,12 +39,55 @@ static void mix_scalar(const struct attn_query *qs, int nq, const uint16_t *vals
 
 static const struct attn_isa ATTN_SCALAR = {"scalar", scores_scalar, mix_scalar};
 
+#if defined(__x86_64__) || defined(__aarch64__)
+/* A SIMD path's pieces for the tile driver below. */
+struct tiles {
+    int keys; /* keys a scores call fills at a time (its vector width); TILE_FLOATS / hd is cut to a multiple of 8 */
+    void (*to_f32)(const uint16_t *h, int count, float *f); /* count float16s, a multiple of 8 */
+    /* w[0 .. nk rounded up to `keys`) for the float32 keys kf (rows of hd; the rows past nk are zeros) */
+    void (*scores)(const float *q, const float *kf, int nk, int hd, float scale, float *w);
+    /* out += sum_{j < m} w[j] * vf row j, each output summed over j in order */
+    void (*mix)(const float *w, const float *vf, int m, int hd, float *out);
+};
+
+static void scores_tiled(const struct tiles *t, const struct attn_query *qs, int nq, const uint16_t *keys, int hd,
+                         float scale) {
+    float kf[TILE_FLOATS] __attribute__((aligned(32)));
+    int rows = (TILE_FLOATS / hd) & ~7, n = longest(qs, nq);
+    if (rows < 8) { /* a head too wide for a tile of 8 keys (none the engine has met): the reference */
+        scores_scalar(qs, nq, keys, hd, scale);
+        return;
+    }
+    for (int j0 = 0; j0 < n; j0 += rows) {
+        int nk = n - j0 < rows ? n - j0 : rows, padded = (nk + t->keys - 1) / t->keys * t->keys;
+        t->to_f32(keys + (size_t)j0 * hd, nk * hd, kf);
+        memset(kf + (size_t)nk * hd, 0, sizeof(float) * (size_t)(padded - nk) * hd); /* scores past n: never read */
+        for (int i = 0; i < nq; i++)
+            if (qs[i].n > j0) t->scores(qs[i].q, kf, qs[i].n - j0 < nk ? qs[i].n - j0 : nk, hd, scale, qs[i].w + j0);
+    }
+}
+
+static void mix_tiled(const struct tiles *t, const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
+    float vf[TILE_FLOATS] __attribute__((aligned(32)));
+    int rows = TILE_FLOATS / hd, n = longest(qs, nq);
+    if (rows < 1) { /* a head wider than a tile: the reference */
+        mix_scalar(qs, nq, vals, hd);
+        return;
+    }
+    for (int j0 = 0; j0 < n; j0 += rows) {
+        int nv = n - j0 < rows ? n - j0 : rows;
+        t->to_f32(vals + (size_t)j0 * hd, nv * hd, vf);
+        for (int i = 0; i < nq; i++)
+            if (qs[i].n > j0) t->mix(qs[i].w + j0, vf, qs[i].n - j0 < nv ? qs[i].n - j0 : nv, hd, qs[i].out);
+    }
+}
+#endif
+
 #if defined(__x86_64__)
 #include <immintrin.h>
 
 #define AVX2 __attribute__((target("avx2,f16c")))
 
-/* count float16s (a multiple of 8) to float32. */
 AVX2 static void to_f32_avx2(const uint16_t *h, int count, float *f) {
     for (int i = 0; i < count; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
 }
@@ -63,45 +107,20 @@ AVX2 static inline __attribute__((always_inline)) __m256 lanes_tree8(const __m25
     return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
 }
 
-/* w[0..8) for the 8 float32 keys at kf (rows of hd): eight independent chains of adds. */
-AVX2 static inline __attribute__((always_inline)) void scores8(const float *q, const float *kf, int hd, __m256 scale,
-                                                               float *w) {
-    __m256 a[8];
-    for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
-    for (int d = 0; d < hd; d += 8) {
-        __m256 qv = _mm256_loadu_ps(q + d);
-#pragma GCC unroll 8
-        for (int u = 0; u < 8; u++) /* no FMA: the reference rounds twice */
-            a[u] = _mm256_add_ps(a[u], _mm256_mul_ps(qv, _mm256_loadu_ps(kf + (size_t)u * hd + d)));
-    }
-    _mm256_storeu_ps(w, _mm256_mul_ps(lanes_tree8(a), scale));
-}
-
-/* One key's score straight from float16 (heads too wide for a tile of 8). */
-AVX2 static float score1_avx2(const float *q, const uint16_t *k, int hd, float scale) {
-    __m256 a = _mm256_setzero_ps();
-    for (int d = 0; d < hd; d += 8)
-        a = _mm256_add_ps(a, _mm256_mul_ps(_mm256_loadu_ps(q + d), _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(k + d)))));
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(a), _mm256_extractf128_ps(a, 1)); /* (0+4, 1+5, 2+6, 3+7) */
-    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                /* (0+4)+(2+6), (1+5)+(3+7) */
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1))) * scale;
-}
-
-AVX2 static void scores_avx2(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
-    float kf[TILE_FLOATS] __attribute__((aligned(32)));
-    int rows = (TILE_FLOATS / hd) & ~7, n = longest(qs, nq);
-    if (rows < 8) {
-        for (int i = 0; i < nq; i++)
-            for (int j = 0; j < qs[i].n; j++) qs[i].w[j] = score1_avx2(qs[i].q, keys + (size_t)j * hd, hd, scale);
-        return;
-    }
+/* Eight keys at a time: eight independent chains of adds. */
+AVX2 static void scores_avx2(const float *q, const float *kf, int nk, int hd, float scale, float *w) {
     __m256 sc = _mm256_set1_ps(scale);
-    for (int j0 = 0; j0 < n; j0 += rows) {
-        int nk = n - j0 < rows ? n - j0 : rows, nk8 = (nk + 7) & ~7;
-        to_f32_avx2(keys + (size_t)j0 * hd, nk * hd, kf);
-        memset(kf + (size_t)nk * hd, 0, sizeof(float) * (size_t)(nk8 - nk) * hd); /* scores past n: never read */
-        for (int i = 0; i < nq; i++)
-            for (int u = 0; u < nk && j0 + u < qs[i].n; u += 8) scores8(qs[i].q, kf + (size_t)u * hd, hd, sc, qs[i].w + j0 + u);
+    for (int u0 = 0; u0 < nk; u0 += 8) {
+        const float *k = kf + (size_t)u0 * hd;
+        __m256 a[8];
+        for (int u = 0; u < 8; u++) a[u] = _mm256_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            __m256 qv = _mm256_loadu_ps(q + d);
+#pragma GCC unroll 8
+            for (int u = 0; u < 8; u++) /* no FMA: the reference rounds twice */
+                a[u] = _mm256_add_ps(a[u], _mm256_mul_ps(qv, _mm256_loadu_ps(k + (size_t)u * hd + d)));
+        }
+        _mm256_storeu_ps(w + u0, _mm256_mul_ps(lanes_tree8(a), sc));
     }
 }
 
@@ -120,37 +139,27 @@ AVX2 static inline __attribute__((always_inline)) void mix_block(const float *w,
     for (int u = 0; u < nv; u++) _mm256_storeu_ps(out + d0 + 8 * u, o[u]);
 }
 
-/* A tile of values converted once, then each query's positions in it, 64 dimensions at a time. */
-AVX2 static void mix_avx2(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
-    float vf[TILE_FLOATS] __attribute__((aligned(32)));
-    int rows = TILE_FLOATS / hd, n = longest(qs, nq);
-    if (rows < 1) { /* a head wider than a tile: one position at a time */
-        for (int i = 0; i < nq; i++)
-            for (int j = 0; j < qs[i].n; j++) {
-                to_f32_avx2(vals + (size_t)j * hd, hd, vf);
-                for (int d = 0; d < hd; d += 8) mix_block(qs[i].w + j, vf, 1, hd, d, 1, qs[i].out);
-            }
-        return;
-    }
-    for (int j0 = 0; j0 < n; j0 += rows) {
-        int nv = n - j0 < rows ? n - j0 : rows;
-        to_f32_avx2(vals + (size_t)j0 * hd, nv * hd, vf);
-        for (int i = 0; i < nq; i++) {
-            int m = qs[i].n - j0 < nv ? qs[i].n - j0 : nv, d0 = 0;
-            if (m <= 0) continue;
-            for (; d0 + 64 <= hd; d0 += 64) mix_block(qs[i].w + j0, vf, m, hd, d0, 8, qs[i].out);
-            if (d0 < hd) mix_block(qs[i].w + j0, vf, m, hd, d0, (hd - d0) / 8, qs[i].out);
-        }
-    }
+/* 64 dimensions at a time (8 vectors), then the rest. */
+AVX2 static void mix_avx2(const float *w, const float *vf, int m, int hd, float *out) {
+    int d0 = 0;
+    for (; d0 + 64 <= hd; d0 += 64) mix_block(w, vf, m, hd, d0, 8, out);
+    if (d0 < hd) mix_block(w, vf, m, hd, d0, (hd - d0) / 8, out);
 }
 
-static const struct attn_isa ATTN_AVX2 = {"avx2", scores_avx2, mix_avx2};
+static const struct tiles TILES_AVX2 = {8, to_f32_avx2, scores_avx2, mix_avx2};
+static void scores_tiles_avx2(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
+    scores_tiled(&TILES_AVX2, qs, nq, keys, hd, scale);
+}
+static void mix_tiles_avx2(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
+    mix_tiled(&TILES_AVX2, qs, nq, vals, hd);
+}
+static const struct attn_isa ATTN_AVX2 = {"avx2", scores_tiles_avx2, mix_tiles_avx2};
 #endif
 
 #if defined(__aarch64__)
 #include <arm_neon.h>
 
-/* count float16s (a multiple of 8) to float32 (fcvtl: exact). */
+/* fcvtl: exact. */
 static void to_f32_neon(const uint16_t *h, int count, float *f) {
     for (int i = 0; i < count; i += 4) vst1q_f32(f + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
 }
@@ -166,33 +175,20 @@ static inline float32x4_t lanes_tree4(const float32x4_t lo[4], const float32x4_t
     return vuzp1q_f32(vpaddq_f32(t[0], t[1]), vpaddq_f32(t[2], t[3])); /* t0 + t1 of each key */
 }
 
-/* w[0..4) for the 4 float32 keys at kf (rows of hd): eight independent chains of adds. */
-static inline void scores4(const float *q, const float *kf, int hd, float scale, float *w) {
-    float32x4_t lo[4], hi[4];
-    for (int u = 0; u < 4; u++) lo[u] = hi[u] = vdupq_n_f32(0.0f);
-    for (int d = 0; d < hd; d += 8) {
-        float32x4_t q0 = vld1q_f32(q + d), q1 = vld1q_f32(q + d + 4);
-        for (int u = 0; u < 4; u++) { /* no FMA: the reference rounds twice */
-            lo[u] = vaddq_f32(lo[u], vmulq_f32(q0, vld1q_f32(kf + (size_t)u * hd + d)));
-            hi[u] = vaddq_f32(hi[u], vmulq_f32(q1, vld1q_f32(kf + (size_t)u * hd + d + 4)));
+/* Four keys at a time: eight independent chains of adds. */
+static void scores_neon(const float *q, const float *kf, int nk, int hd, float scale, float *w) {
+    for (int u0 = 0; u0 < nk; u0 += 4) {
+        const float *k = kf + (size_t)u0 * hd;
+        float32x4_t lo[4], hi[4];
+        for (int u = 0; u < 4; u++) lo[u] = hi[u] = vdupq_n_f32(0.0f);
+        for (int d = 0; d < hd; d += 8) {
+            float32x4_t q0 = vld1q_f32(q + d), q1 = vld1q_f32(q + d + 4);
+            for (int u = 0; u < 4; u++) { /* no FMA: the reference rounds twice */
+                lo[u] = vaddq_f32(lo[u], vmulq_f32(q0, vld1q_f32(k + (size_t)u * hd + d)));
+                hi[u] = vaddq_f32(hi[u], vmulq_f32(q1, vld1q_f32(k + (size_t)u * hd + d + 4)));
+            }
         }
-    }
-    vst1q_f32(w, vmulq_n_f32(lanes_tree4(lo, hi), scale));
-}
-
-static void scores_neon(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
-    float kf[TILE_FLOATS] __attribute__((aligned(16)));
-    int rows = (TILE_FLOATS / hd) & ~7, n = longest(qs, nq);
-    if (rows < 8) {
-        scores_scalar(qs, nq, keys, hd, scale);
-        return;
-    }
-    for (int j0 = 0; j0 < n; j0 += rows) {
-        int nk = n - j0 < rows ? n - j0 : rows, nk4 = (nk + 3) & ~3;
-        to_f32_neon(keys + (size_t)j0 * hd, nk * hd, kf);
-        memset(kf + (size_t)nk * hd, 0, sizeof(float) * (size_t)(nk4 - nk) * hd);
-        for (int i = 0; i < nq; i++)
-            for (int u = 0; u < nk && j0 + u < qs[i].n; u += 4) scores4(qs[i].q, kf + (size_t)u * hd, hd, scale, qs[i].w + j0 + u);
+        vst1q_f32(w + u0, vmulq_n_f32(lanes_tree4(lo, hi), scale));
     }
 }
 
@@ -208,26 +204,21 @@ static inline __attribute__((always_inline)) void mix_block_neon(const float *w,
     for (int u = 0; u < nv; u++) vst1q_f32(out + d0 + 4 * u, o[u]);
 }
 
-static void mix_neon(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
-    float vf[TILE_FLOATS] __attribute__((aligned(16)));
-    int rows = TILE_FLOATS / hd, n = longest(qs, nq);
-    if (rows < 1) {
-        mix_scalar(qs, nq, vals, hd);
-        return;
-    }
-    for (int j0 = 0; j0 < n; j0 += rows) {
-        int nv = n - j0 < rows ? n - j0 : rows;
-        to_f32_neon(vals + (size_t)j0 * hd, nv * hd, vf);
-        for (int i = 0; i < nq; i++) {
-            int m = qs[i].n - j0 < nv ? qs[i].n - j0 : nv, d0 = 0;
-            if (m <= 0) continue;
-            for (; d0 + 32 <= hd; d0 += 32) mix_block_neon(qs[i].w + j0, vf, m, hd, d0, 8, qs[i].out);
-            if (d0 < hd) mix_block_neon(qs[i].w + j0, vf, m, hd, d0, (hd - d0) / 4, qs[i].out);
-        }
-    }
+/* 32 dimensions at a time (8 vectors), then the rest. */
+static void mix_neon(const float *w, const float *vf, int m, int hd, float *out) {
+    int d0 = 0;
+    for (; d0 + 32 <= hd; d0 += 32) mix_block_neon(w, vf, m, hd, d0, 8, out);
+    if (d0 < hd) mix_block_neon(w, vf, m, hd, d0, (hd - d0) / 4, out);
 }
 
-static const struct attn_isa ATTN_NEON = {"neon", scores_neon, mix_neon};
+static const struct tiles TILES_NEON = {4, to_f32_neon, scores_neon, mix_neon};
+static void scores_tiles_neon(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
+    scores_tiled(&TILES_NEON, qs, nq, keys, hd, scale);
+}
+static void mix_tiles_neon(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
+    mix_tiled(&TILES_NEON, qs, nq, vals, hd);
+}
+static const struct attn_isa ATTN_NEON = {"neon", scores_tiles_neon, mix_tiles_neon};
 #endif
 
 const struct attn_isa *attn_isa_for(const char *dot_isa_name) {
