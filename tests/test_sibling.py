@@ -31,7 +31,7 @@ def tiny(tmp_path):
 
 def test_the_cut_keeps_the_listed_rows_of_embedding_and_head(tiny):
     g = GGUFModel(tiny)
-    w = sibling.trimmed_weights(g, KEEP)
+    w = sibling.trimmed_weights(g, KEEP, "Q4_0")
     assert w.config.vocab == len(KEEP) and g.config.vocab == VOCAB
     for name in sibling.HEAD_TENSORS:
         np.testing.assert_array_equal(w.float32(name), g.float32(name)[KEEP])
@@ -41,7 +41,7 @@ def test_the_cut_keeps_the_listed_rows_of_embedding_and_head(tiny):
 
 def test_the_built_draft_computes_its_own_blocks_exactly(tiny, tmp_path):
     """The graph is the float64 reference of the Q4_0 weights it holds, with the cut vocabulary."""
-    w = sibling.trimmed_weights(GGUFModel(tiny), KEEP)
+    w = sibling.trimmed_weights(GGUFModel(tiny), KEEP, "Q4_0")
     path = tmp_path / "d.onnx"
     onnx.save(DecoderBuilder(w, "q4", 256, pad_attention=False).build(), str(path))
     exact = {n: w.blocks(n).dequantize() if w.qtype(n) != "F32" else w.float32(n) for n in w._tensors}
@@ -75,7 +75,9 @@ def test_pull_builds_a_draft_the_pool_loads_and_keeps_it(tmp_path, recipe):
     store = ModelStore(tmp_path / "home", shipped=None)
     said = []
     m = pull_module.pull(store, "tiny-draft", progress=said.append)
-    assert m.role == "draft" and set(m.variants) == {"q4"} and m.extra["target"] == "tiny-target"
+    assert m.role == "draft" and set(m.variants) == {"gguf"} and m.extra["target"] == "tiny-target"
+    built = GGUFModel(m.variant_path("gguf"))  # the cut vocabulary, every matrix as Q4_0 blocks
+    assert built.config.vocab == len(KEEP) and built.qtype("blk.0.ffn_up.weight") == "Q4_0"
     assert m.provenance["recipe"]["base"] == "tiny-base" and store.verify(m) == []
     assert [d.name for d in target_drafts(store, "tiny-target")] == ["tiny-draft"]
     draft = DraftModel.load(store, "tiny-draft", target_vocab=VOCAB)
@@ -127,5 +129,5 @@ def test_a_large_draft_runs_on_the_targets_threads_and_a_small_one_on_one(tmp_pa
 def test_a_draft_takes_no_other_variant(tmp_path, recipe):
     from memspec.errors import ModelNotFoundError
 
-    with pytest.raises(ModelNotFoundError, match="built as one variant, q4"):
+    with pytest.raises(ModelNotFoundError, match="built as one GGUF of Q4_0 blocks"):
         pull_module.pull(ModelStore(tmp_path, shipped=None), "tiny-draft", ("fp32",))

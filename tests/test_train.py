@@ -13,7 +13,7 @@ import os
 import numpy as np
 import pytest
 
-from memspec.speculation.drafts import draft_variant
+from memspec.speculation.drafts import DraftModel, draft_engine, draft_variant
 from memspec.models.gguf import ArrayWeights
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.sessions import DecoderSession
@@ -81,7 +81,7 @@ def test_tiny_export_matches_torch_forward(tmp_path):
         for p in model.parameters():
             if p.ndim == 2:
                 p.copy_(p.half().float())
-    path = export_onnx(model, tmp_path / "tiny.onnx", max_positions=128, weights="fp16")
+    path = export_onnx(model, tmp_path / "tiny.onnx", max_positions=128)
     ids = [3, 17, 200, 5, 9, 255, 0, 42]
     with torch.no_grad():
         want = model(torch.tensor([ids]))[0].numpy()
@@ -119,7 +119,7 @@ def test_a_qwen2_teacher_computes_what_its_converted_graph_does(tmp_path):
 
 
 @pytest.mark.parametrize("name", DRAFTS + QWEN_DRAFTS)
-def test_shipped_draft_is_intact_and_loads(name):
+def test_shipped_draft_is_intact_and_loads(name, tmp_path):
     folder = SHIPPED_MODELS / name
     if not (folder / "manifest.json").is_file():
         pytest.fail(f"{folder} has no manifest.json: the draft pool is not shipped")
@@ -130,11 +130,20 @@ def test_shipped_draft_is_intact_and_loads(name):
     vocab = json.loads((folder / m.extra["draft_vocab"]).read_text())
     assert UNKNOWN_TARGET_ID in vocab and REQUIRED[TARGETS[name]] <= set(vocab)
     assert len(vocab) == len(set(vocab)) == m.architecture["vocab"]
-    assert draft_variant(m) == "q8"  # drafts ship with 8-bit weights
-    s = DecoderSession(m.variant_path(draft_variant(m)), SessionConfig(max_context=64, intra_op_threads=1))
-    assert s.layout == "gqa" and s.vocab_size == len(vocab)
-    logits = s.forward(s.new_cache(), [1, 9, 2], keep=1)
-    assert logits.shape == (1, len(vocab)) and np.isfinite(logits).all()
+    assert draft_variant(m) == "gguf"  # drafts ship as ggml blocks, which either engine runs
+    # both engines run it: natively as it is, ONNX Runtime a graph built from it into the store once
+    home = tmp_path / "home"
+    store = ModelStore(home=home, shipped=SHIPPED_MODELS)
+    rows = {}
+    for backend in ("native", "onnxruntime"):
+        cfg = SessionConfig(max_context=64, intra_op_threads=1, backend=backend)
+        d = DraftModel.load(store, name, max(vocab) + 1, cfg)
+        assert draft_engine(m, cfg) == backend and d.session.vocab_size == len(vocab)
+        rows[backend] = d.session.forward(d.session.new_cache(), [1, 9, 2, 7, 30, 4], keep=4)
+        assert rows[backend].shape == (4, len(vocab)) and np.isfinite(rows[backend]).all()
+    assert list((home / "built").glob(f"{name}-*/q4.onnx"))  # the graph stays for the next load
+    # the same weights: the engines differ only in how they round activations
+    assert (rows["native"].argmax(-1) == rows["onnxruntime"].argmax(-1)).mean() >= 0.75
 
 
 # -- quantized draft weights ---------------------------------------------------------
@@ -187,7 +196,7 @@ def test_q8_draft_export_tracks_the_float_model(tmp_path):
     assert os.path.getsize(paths["q8"]) < 0.4 * os.path.getsize(paths["f32"])
 
 
-def test_write_draft_ships_one_q8_variant(tmp_path):
+def test_write_draft_ships_one_gguf_variant(tmp_path):
     from types import SimpleNamespace
 
     from memspec.training.drafts import write_draft
@@ -198,13 +207,19 @@ def test_write_draft_ships_one_q8_variant(tmp_path):
     vmap = VocabMap([0, *range(1, 64)], 100)
     folder = tmp_path / "draft-x"
     folder.mkdir()
-    (folder / "fp32.onnx").write_bytes(b"old")  # a previous export in the other format goes away
+    (folder / "q8.onnx").write_bytes(b"old")  # a previous export in another format goes away
     write_draft(folder, "draft-x", model, vmap, {"source": "test"}, {"target": "t"})
     m = ModelStore(home=tmp_path / "_none", shipped=tmp_path).get("draft-x")
-    assert set(m.variants) == {"q8"} and not (folder / "fp32.onnx").exists()
+    assert set(m.variants) == {"gguf"} and m.format == "gguf" and not (folder / "q8.onnx").exists()
     assert m.provenance["weights_stored_as"].startswith("Q8_0")
-    s = DecoderSession(m.variant_path("q8"), SessionConfig(max_context=64, intra_op_threads=1))
-    assert s.forward(s.new_cache(), [1, 2, 3], keep=1).shape == (1, 64)
+    from memspec.models.gguf import GGUFModel
+
+    g = GGUFModel(m.variant_path("gguf"))
+    assert g.config.vocab == 64 and g.qtype("blk.0.attn_q.weight") == "Q8_0"
+    store = ModelStore(home=tmp_path / "home", shipped=tmp_path)
+    for backend in ("native", "onnxruntime"):
+        d = DraftModel.load(store, "draft-x", 100, SessionConfig(max_context=64, intra_op_threads=1, backend=backend))
+        assert d.session.forward(d.session.new_cache(), [1, 2, 3], keep=1).shape == (1, 64)
 
 
 @pytest.mark.skipif(not HAS_TORCH, reason="torch is an optional extra (pip install -e .[train])")
@@ -320,17 +335,21 @@ def test_python_m_memspec_train_reports_errors_without_a_traceback(capsys):
     assert "memspec-train: error: --width must be a multiple of 64" in capsys.readouterr().err
 
 
-def test_drafts_run_on_their_own_providers_when_the_config_names_them():
+def test_drafts_run_on_their_own_providers_when_the_config_names_them(tmp_path):
     """[runtime] draft_providers puts drafts on other execution providers than the target (a
-    tiny draft can step faster on the CPU than a GPU kernel launch each); a provider this
-    onnxruntime build lacks is an error naming it, at load time."""
+    tiny draft can step faster on the CPU than a GPU kernel launch each): the CPU's is the native
+    engine where it is built; a provider this onnxruntime build lacks is an error naming it, at
+    load time."""
+    from memspec.runtime import kernels
     from memspec.speculation.drafts import DraftModel
     from memspec.errors import ModelFormatError
 
-    store = ModelStore(home=SHIPPED_MODELS.parent / "_none", shipped=SHIPPED_MODELS)
+    store = ModelStore(home=tmp_path, shipped=SHIPPED_MODELS)
     cpu_only = SessionConfig(providers=("auto",), draft_providers=("CPUExecutionProvider",), max_context=64)
     d = DraftModel.load(store, "draft-code", 49152, cpu_only)
-    assert d.session.providers == ["CPUExecutionProvider"] and d.session.device == "cpu"
+    assert d.session.device == "cpu"
+    assert d.session.providers == ([f"memspec-native ({kernels.isa()})"] if kernels.available()
+                                   else ["CPUExecutionProvider"])
     missing = SessionConfig(draft_providers=("NoSuchExecutionProvider",), max_context=64)
     with pytest.raises(ModelFormatError, match="NoSuchExecutionProvider are not in this onnxruntime build"):
         DraftModel.load(store, "draft-code", 49152, missing)

@@ -29,6 +29,7 @@ from memspec.errors import ModelFormatError
 QK = 32  # weights per ggml block; per K-quant sub-block that has a min
 QK_K = 256  # weights per K-quant super-block
 # ggml type -> (weights, bytes) per block, as ggml-common.h lays them out:
+#   Q4_0  fp16 d, 16 bytes of nibbles                               w = d*(q - 8)
 #   Q4_1  fp16 d, fp16 m, 16 bytes of nibbles                       w = d*q + m
 #   Q5_0  fp16 d, 4 bytes of 5th bits, 16 bytes of nibbles          w = d*(q - 16)
 #   Q8_0  fp16 d, 32 int8                                           w = d*q
@@ -36,7 +37,7 @@ QK_K = 256  # weights per K-quant super-block
 #   Q5_K  as Q4_K plus 32 bytes of 5th bits                          w = d*sc*q - dmin*m per 32
 #   Q6_K  128 bytes low nibbles, 64 bytes high 2 bits, 16 int8 sc, fp16 d   w = d*sc*(q - 32) per 16
 BLOCK_TYPES: dict[str, tuple[int, int]] = {
-    "Q4_1": (QK, 20), "Q5_0": (QK, 22), "Q8_0": (QK, 34),
+    "Q4_0": (QK, 18), "Q4_1": (QK, 20), "Q5_0": (QK, 22), "Q8_0": (QK, 34),
     "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
@@ -97,7 +98,7 @@ class Blocks:
 
     q: np.ndarray  # (N, n_blocks, block) uint8, the stored integers (Q8_0's int8 + 128)
     scale: np.ndarray  # (N, n_blocks) float32
-    zero: int  # integer zero point of the type: 0 (Q4_1, Q4_K, Q5_K), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0)
+    zero: int  # integer zero point of the type: 0 (Q4_1, Q4_K, Q5_K), 8 (Q4_0), 16 (Q5_0), 32 (Q6_K), 128 (Q8_0)
     bits: int  # 4 or 8: the MatMulNBits width that holds q
     offset: np.ndarray | None = None  # (N, K / 32) float32 added per 32 weights (m, -dmin*m), else None
 
@@ -144,6 +145,11 @@ def _bits(qh: np.ndarray, shifts: int, width: int, run: int) -> np.ndarray:
     return ((qh.reshape(n, -1, 1, run) >> sh) & ((1 << width) - 1)).reshape(n, -1)
 
 
+def _decode_q4_0(b: np.ndarray) -> Blocks:
+    q = _nibbles(b[:, 2:], 16).reshape(-1, 1, QK)
+    return Blocks(q=q, scale=_fp16(b[:, 0:2])[:, None], zero=8, bits=4)
+
+
 def _decode_q4_1(b: np.ndarray) -> Blocks:
     q = _nibbles(b[:, 4:], 16).reshape(-1, 1, QK)
     return Blocks(q=q, scale=_fp16(b[:, 0:2])[:, None], zero=0, bits=4, offset=_fp16(b[:, 2:4])[:, None])
@@ -186,7 +192,7 @@ def _decode_q6_k(b: np.ndarray) -> Blocks:
     return Blocks(q=q.reshape(-1, 16, 16), scale=scale, zero=32, bits=8)
 
 
-_DECODERS = {"Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0, "Q8_0": _decode_q8_0,
+_DECODERS = {"Q4_0": _decode_q4_0, "Q4_1": _decode_q4_1, "Q5_0": _decode_q5_0, "Q8_0": _decode_q8_0,
              "Q4_K": _decode_q4_k, "Q5_K": _decode_q5_k, "Q6_K": _decode_q6_k}
 
 

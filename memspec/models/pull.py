@@ -506,8 +506,9 @@ def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
     model's own defaults where ONNX Runtime runs it, e.g. q4 only for the Qwen models, whose fp32 is
     gigabytes; none where the native engine does: graphs_here); or build a known draft (KNOWN_DRAFTS)."""
     if name in KNOWN_DRAFTS:
-        if variants and tuple(variants) != ("q4",):
-            raise ModelNotFoundError(f"{name} is a draft built as one variant, q4; drop --variant")
+        if variants and not set(variants) <= {"q4", "gguf"}:  # q4: what the draft's one variant was called
+            raise ModelNotFoundError(f"{name} is a draft built as one GGUF of Q4_0 blocks (ONNX Runtime builds its "
+                                     f"graph from it); drop --variant")
         return pull_draft(store, name, KNOWN_DRAFTS[name], progress, force, download)
     source = KNOWN_MODELS.get(name)
     if source is None:
@@ -553,13 +554,13 @@ def pull_draft(store: ModelStore, name: str, recipe: SiblingDraft, progress: Pro
     (folder / MANIFEST).unlink(missing_ok=True)  # the old build no longer holds while this one runs
     _say(progress, f"building {name}: vocabulary cut to {recipe.vocab}, matrices as {recipe.quantize}")
     try:
-        onnx_path, vocab_path, arch = sibling.build(gguf, recipe, folder, ids)
+        weights_path, vocab_path, arch = sibling.build(gguf, recipe, folder, ids)
     except BaseException:
         shutil.rmtree(folder, ignore_errors=True)
         raise
     vocab_rec = file_record(vocab_path)
     manifest = Manifest(
-        name=name, role="draft", format="onnx", variants={sibling.VARIANT: file_record(onnx_path)},
+        name=name, role="draft", format="gguf", variants={sibling.VARIANT: file_record(weights_path)},
         tokenizer={vocab_path.name: vocab_rec}, architecture=arch,
         provenance={**_provenance(gguf, source, source.sha256), "recipe": record,
                     "converter": f"memspec {__version__} (memspec.models.sibling)"},

@@ -6,10 +6,11 @@ matrices.  A draft may be lossy (only its acceptance moves, never the answer), s
 
 * keeps the embedding and LM head rows of a fixed vocabulary list only (SiblingDraft.vocab,
   shipped in memspec/data/, with the draft -> target id map the draft pool already reads), and
-* re-quantizes every matrix to symmetric 4-bit blocks of 32 (ArrayWeights' Q4_0), which run as
-  4-bit MatMulNBits with no block-sum correction,
+* re-quantizes every matrix to symmetric 4-bit blocks of 32 (ggml's Q4_0),
 
-and builds the graph without the target's attention padding (a draft never verifies).
+and writes the result as a GGUF (memspec.models.gguf_write), which the native engine runs as it
+is; where ONNX Runtime runs the drafts, the graph is built from it at first load (4-bit
+MatMulNBits with no block-sum correction, no attention padding: memspec.speculation.drafts).
 """
 
 from __future__ import annotations
@@ -25,7 +26,8 @@ from memspec.errors import ModelFormatError
 from memspec.models.catalog import SiblingDraft
 from memspec.models.gguf import ArrayWeights, GGUFModel
 
-VARIANT = "q4"  # what the draft's manifest calls its one file
+VARIANT = "gguf"  # what the draft's manifest calls its one file (memspec.speculation.drafts.GGUF_VARIANT)
+FILE = "draft.gguf"
 HEAD_TENSORS = ("token_embd.weight", "output.weight")  # the rows a vocabulary list trims
 
 
@@ -43,9 +45,10 @@ def vocab_list(recipe: SiblingDraft) -> list[int]:
     return [int(i) for i in ids]
 
 
-def trimmed_weights(model: GGUFModel, vocab: list[int], quantize: str = "Q4_0",
+def trimmed_weights(model: GGUFModel, vocab: list[int], quantize: str | None = None,
                     context_length: int | None = None) -> ArrayWeights:
-    """The GGUF's tensors as float32, embedding and head cut to `vocab`'s rows, offered as `quantize` blocks."""
+    """The GGUF's tensors as float32, embedding and head cut to `vocab`'s rows (offered as
+    `quantize` blocks, where given)."""
     if max(vocab) >= model.config.vocab:
         raise ModelFormatError(f"{model.path.name}: the vocabulary list holds id {max(vocab)}, "
                                f"the model's vocabulary has {model.config.vocab}")
@@ -60,22 +63,20 @@ def trimmed_weights(model: GGUFModel, vocab: list[int], quantize: str = "Q4_0",
 
 
 def build(gguf: Path, recipe: SiblingDraft, out_dir: Path, vocab: list[int]) -> tuple[Path, Path, dict]:
-    """Write `<out_dir>/q4.onnx` and `vocab.json` (the draft -> target id map) for the target ids
+    """Write `<out_dir>/draft.gguf` and `vocab.json` (the draft -> target id map) for the target ids
     `vocab` (the recipe's vocab_list); returns their paths and the draft's architecture."""
-    import onnx
-
-    from memspec.models.convert import DecoderBuilder
+    from memspec.models.gguf_write import write_decoder
 
     model = GGUFModel(gguf)
-    weights = trimmed_weights(model, vocab, recipe.quantize)
-    proto = DecoderBuilder(weights, VARIANT, pad_attention=False).build()
+    weights = trimmed_weights(model, vocab)
     out_dir.mkdir(parents=True, exist_ok=True)
-    onnx_path, vocab_path = out_dir / f"{VARIANT}.onnx", out_dir / "vocab.json"
-    tmp = onnx_path.with_suffix(".partial")
-    onnx.save_model(proto, str(tmp))
-    tmp.replace(onnx_path)
+    for old in out_dir.glob("*.onnx"):  # an older build's graph (ONNX Runtime now builds one from the GGUF)
+        old.unlink()
+    path, vocab_path = out_dir / FILE, out_dir / "vocab.json"
+    write_decoder(path, weights.config, {n: weights.float32(n) for n in model.tensor_names}, recipe.quantize,
+                  name=out_dir.name)
     vocab_path.write_text(json.dumps(vocab) + "\n")
-    return onnx_path, vocab_path, dict(weights.config.__dict__)
+    return path, vocab_path, dict(weights.config.__dict__)
 
 
 def same_tokens(gguf: Path, target_tokenizer: Path) -> bool:

@@ -177,8 +177,12 @@ def reclaim() -> None:
 # fp32 (float16 initializers that load as float32; ONNX Runtime keeps both): measured
 # 2.9-4.3x.  q4 (a sibling draft's 4-bit MatMulNBits blocks, which ONNX Runtime prepacks beside
 # the file's copy): measured 1.86x (qwen2.5-coder-0.5b-draft, 257 MiB file, after its first
-# proposal).  After a load the working set accounts what it really added, when that is more.
-FOOTPRINT_PER_FILE_BYTE = {"q8": 2.0, "q4": 2.0, "fp32": 3.5}
+# proposal).  gguf (ggml blocks the native engine maps, its small blocks interleaved at load and
+# their mapped pages dropped, as a native target's: NATIVE_FOOTPRINT_PER_FILE_BYTE 1.1, plus the
+# pass's buffers).  Where ONNX Runtime runs a GGUF draft, its graph built from it is larger (the
+# tied head stored twice): after a load the working set accounts what it really added, when
+# that is more.
+FOOTPRINT_PER_FILE_BYTE = {"q8": 2.0, "q4": 2.0, "fp32": 3.5, "gguf": 1.25}
 
 
 def planned_footprint(file_bytes: int, variant: str = "fp32") -> int:

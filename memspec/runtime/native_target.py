@@ -28,7 +28,7 @@ from memspec.errors import ModelFormatError
 from memspec.models.gguf import TensorInfo, decoder_config, read_layout
 from memspec.runtime import kernels
 from memspec.runtime.costs import cost_key, step_costs
-from memspec.runtime.invariance import RowCheck, check
+from memspec.runtime.invariance import UNCHECKED, RowCheck, check
 from memspec.runtime.kvcache import KVCache, committed_as_written, kv_cache_nbytes
 from memspec.runtime.target import physical_cores
 
@@ -74,7 +74,10 @@ class NativeTarget:
     # another request's stored prefix (memspec.runtime.prefixes)
     prefix_reuse = True
 
-    def __init__(self, path: str | Path, threads: int = 0, max_context: int = 2048, isa: str | None = None):
+    def __init__(self, path: str | Path, threads: int = 0, max_context: int = 2048, isa: str | None = None,
+                 check_rows: bool = True):
+        """check_rows: run the row-invariance self-check at load (a target's answer depends on it; a
+        draft's, which only proposes, does not: UNCHECKED)."""
         self.path = Path(path)
         meta, tensors = read_layout(self.path)
         self.config = cfg = decoder_config(meta, tensors, self.path.name)
@@ -108,7 +111,7 @@ class NativeTarget:
         self.isa = isa or native.isa()
         self.device = "cpu"
         self.providers = [f"memspec-native ({self.isa})"]  # what computes it, as GetStatus lists engines
-        self.rows: RowCheck = check(self)  # the self-check at load (memspec.runtime.invariance)
+        self.rows: RowCheck = check(self) if check_rows else UNCHECKED  # memspec.runtime.invariance
 
     def _resident_bytes(self) -> int:
         """What the target can hold resident: the file, less the ranges of the matrices the extension

@@ -31,7 +31,7 @@ import numpy as np
 
 from memspec.errors import ContextOverflowError
 from memspec.runtime.batch import BatchedTarget
-from memspec.runtime.sessions import KVCache
+from memspec.runtime.kvcache import KVCache
 
 Clock = Callable[[], float]
 

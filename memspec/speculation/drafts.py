@@ -1,4 +1,10 @@
-"""Draft proposers: small ONNX drafts with their own vocabulary, and prompt lookup.
+"""Draft proposers: small model drafts with their own vocabulary, and prompt lookup.
+
+A model draft ships as a GGUF (variant "gguf": ggml blocks, memspec.models.gguf_write) or as an
+ONNX graph.  Where the native kernels run on the CPU the GGUF runs on them as it is (a
+NativeTarget of its own, on its own threads: a step costs what its bytes cost); where ONNX
+Runtime runs the drafts (a GPU, no compiler, or `[runtime] backend = "onnxruntime"`) the draft's
+graph is built from its GGUF once, into the store (draft_graph).
 
 A proposer is loaded once (`DraftModel`, shared by requests) and gives each
 request its own state (`begin()`), which keeps the draft's KV cache in step
@@ -20,10 +26,10 @@ from typing import Protocol
 import numpy as np
 
 from memspec.speculation import sampling
-from memspec.errors import ModelFormatError
+from memspec.errors import ConfigError, ModelFormatError
 from memspec.request import SamplingParams
 from memspec.runtime.config import LARGE_DRAFT_BYTES, SessionConfig
-from memspec.runtime.sessions import DecoderSession
+from memspec.runtime.target import Target
 from memspec.speculation.config import DraftLimits
 from memspec.models.store import Manifest, ModelStore
 
@@ -48,7 +54,7 @@ class DraftState(Protocol):
 class Proposer(Protocol):
     name: str
     nbytes: int  # its files' bytes (0: prompt lookup)
-    session: DecoderSession | None  # its model; None for prompt lookup, which holds no weights and no cache
+    session: Target | None  # its model; None for prompt lookup, which holds no weights and no cache
 
     def begin(self, capacity: int) -> DraftState: ...
 
@@ -101,9 +107,54 @@ def draft_threads(config: SessionConfig, nbytes: int) -> int:
     return config.intra_op_threads if nbytes >= LARGE_DRAFT_BYTES else 1
 
 
+GGUF_VARIANT = "gguf"  # a draft shipped as ggml blocks (memspec.models.gguf_write)
+GRAPH_VARIANT = "q4"  # the graph built from it for ONNX Runtime (DecoderBuilder's block variant)
+
+
 def draft_variant(m: Manifest) -> str:
-    """The variant a draft runs as: the one it ships (q8: 8-bit weights; fp32: float16-stored)."""
-    return next(iter(m.variants))
+    """The variant a draft ships as: "gguf" (ggml blocks, either engine), else its one ONNX
+    graph (q8: 8-bit weights; q4: 4-bit; fp32: float16-stored)."""
+    return GGUF_VARIANT if GGUF_VARIANT in m.variants else next(iter(m.variants))
+
+
+def draft_engine(m: Manifest, config: SessionConfig) -> str:
+    """"native" or "onnxruntime": the engine that runs draft `m` under `config`.  A GGUF draft runs
+    natively wherever the engine `config` gives the drafts (their providers, else the target's)
+    is the native one, or "auto" would be on this CPU; an ONNX-only draft runs in ONNX Runtime."""
+    from memspec.runtime.target import resolve_backend
+
+    if GGUF_VARIANT not in m.variants:
+        return "onnxruntime"
+    providers = config.draft_providers or config.providers
+    backend = "auto" if config.draft_providers else config.backend
+    try:
+        return resolve_backend(backend, providers)
+    except ConfigError:  # "native" asked with GPU providers for the drafts: ONNX Runtime runs them
+        return "onnxruntime"
+
+
+def draft_graph(store: ModelStore, m: Manifest) -> Path:
+    """The ONNX graph ONNX Runtime runs for draft `m`: its own ONNX variant, else the graph built
+    from its GGUF, once, into the store (`<home>/built/<name>-<sha>/q4.onnx`, keyed by the GGUF's
+    sha256 so that a new GGUF builds anew)."""
+    variant = draft_variant(m)
+    if variant != GGUF_VARIANT:
+        return m.variant_path(variant)
+    rec = m.variants[GGUF_VARIANT]
+    out = store.home / "built" / f"{m.name}-{rec.get('sha256', 'unhashed')[:12]}" / f"{GRAPH_VARIANT}.onnx"
+    if out.is_file():
+        return out
+    import onnx
+
+    from memspec.models.convert import DecoderBuilder
+    from memspec.models.gguf import GGUFModel
+
+    proto = DecoderBuilder(GGUFModel(m.variant_path(GGUF_VARIANT)), GRAPH_VARIANT, pad_attention=False).build()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".partial")
+    onnx.save_model(proto, str(tmp))
+    tmp.replace(out)
+    return out
 
 
 def read_vocab_map(m: Manifest, target_vocab: int) -> np.ndarray:
@@ -154,12 +205,24 @@ class DraftModel:
         m = store.get(name)
         if m.role != "draft":
             raise ModelFormatError(f"model {name!r} is a {m.role}, not a draft")
-        store.check_files(m, draft_variant(m))  # a tampered or truncated file is refused before it is parsed
+        variant = draft_variant(m)
+        store.check_files(m, variant)  # a tampered or truncated file is refused before it is parsed
         to_target = read_vocab_map(m, target_vocab)
-        if config.draft_providers:
-            config = dataclasses.replace(config, providers=config.draft_providers)
-        session = DecoderSession(m.variant_path(draft_variant(m)), config, spinning=False,
-                                 threads=draft_threads(config, m.variant_bytes(draft_variant(m))))
+        threads = draft_threads(config, m.variant_bytes(variant))
+        if draft_engine(m, config) == "native":
+            from memspec.runtime.native_target import NativeTarget
+
+            try:  # a draft only proposes: its rows need no invariance check
+                session = NativeTarget(m.variant_path(variant), threads=threads, max_context=config.max_context,
+                                       check_rows=False)
+            except ModelFormatError as exc:
+                raise ModelFormatError(f"draft {name!r}: {exc}") from None
+        else:
+            from memspec.runtime.sessions import DecoderSession
+
+            if config.draft_providers:
+                config = dataclasses.replace(config, providers=config.draft_providers)
+            session = DecoderSession(draft_graph(store, m), config, spinning=False, threads=threads)
         if session.vocab_size not in (None, len(to_target)):
             raise ModelFormatError(
                 f"draft {name!r}: the model has {session.vocab_size} logits but its map has {len(to_target)} ids"

@@ -25,7 +25,7 @@ from memspec.speculation.config import DraftLimits, SpecConfig
 from memspec.speculation.drafts import DraftState, Proposal
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import SamplingParams
-from memspec.runtime.sessions import KVCache
+from memspec.runtime.kvcache import KVCache
 
 log = logging.getLogger("memspec.speculative")
 

@@ -260,29 +260,23 @@ def evaluate_draft(model, samples: list[dict], vmap: VocabMap, batch: int = 16) 
 
 
 # -- export --------------------------------------------------------------------------
-WEIGHTS = {  # --weights: how a draft's matrices are stored -> (manifest variant, ArrayWeights quantize, note)
-    "q8": ("q8", "Q8_0", "Q8_0 blocks of 32 (8-bit MatMulNBits, GatherBlockQuantized embedding)"),
-    "fp16": ("fp32", None, "float16 initializers (Cast to float32 at load)"),
+WEIGHTS = {  # --weights: how a draft's matrices are stored -> (manifest variant, quantize, note)
+    "q8": ("gguf", "Q8_0", "Q8_0 blocks of 32 in a GGUF: the native engine runs them as they are, ONNX Runtime "
+                           "a graph built from them (8-bit MatMulNBits)"),
+    "q4": ("gguf", "Q4_0", "Q4_0 blocks of 32 in a GGUF (half of q8's bytes; acceptance may drop)"),
+    "fp16": ("fp32", None, "float16 initializers of an ONNX graph (Cast to float32 at load)"),
 }
 
 
-def export_onnx(model, path: Path, max_positions: int = 2048, weights: str = "q8") -> Path:
-    """Write `model` in the target's ONNX layout.
-
-    weights="q8": every matrix as 8-bit blocks (MatMulNBits), which ONNX Runtime keeps as
-    they are: measured on draft-code, decode steps take 0.64 ms instead of 1.20 ms and
-    loading adds 10 MiB of RSS instead of 37, and the argmax matches the float weights' at
-    97.7% of held-out positions.  weights="fp16": float16-stored float32 matrices."""
+def export_onnx(model, path: Path, max_positions: int = 2048) -> Path:
+    """Write `model` in the target's ONNX layout, matrices as float16-stored float32 (--weights fp16)."""
     import onnx
 
     from memspec.models.convert import DecoderBuilder
     from memspec.models.gguf import ArrayWeights
 
-    _, quantize, _ = WEIGHTS[weights]
-    arrays = ArrayWeights(model.c, model.tensors(), quantize=quantize)
-    builder = (DecoderBuilder(arrays, "q4", max_positions, pad_attention=False) if quantize else  # drafts never verify
-               DecoderBuilder(arrays, "fp32", max_positions, weight_dtype="float16", pad_attention=False))
-    proto = builder.build()
+    arrays = ArrayWeights(model.c, model.tensors())
+    proto = DecoderBuilder(arrays, "fp32", max_positions, weight_dtype="float16", pad_attention=False).build()
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(".partial")
     onnx.save_model(proto, str(tmp))
@@ -292,19 +286,26 @@ def export_onnx(model, path: Path, max_positions: int = 2048, weights: str = "q8
 
 def write_draft(folder: Path, name: str, model, vmap: VocabMap, provenance: dict, extra: dict,
                 weights: str = "q8") -> Path:
-    """VARIANT.onnx, vocab.json and manifest.json in `folder` (VARIANT: q8, or fp32 for float16 weights)."""
+    """The draft's weights (draft.gguf; fp32.onnx for --weights fp16), vocab.json and manifest.json in
+    `folder`.  A GGUF of Q8_0 blocks (q8) is what a draft ships as: on draft-code 8-bit weights kept
+    the argmax of the float weights at 97.7% of held-out positions."""
+    from memspec.models.gguf_write import write_decoder
     from memspec.models.store import Manifest, ModelStore, file_record
 
     folder.mkdir(parents=True, exist_ok=True)
-    variant, _, note = WEIGHTS[weights]
-    for old in folder.glob("*.onnx"):  # a draft ships one variant
-        if old.name != f"{variant}.onnx":
+    variant, quantize, note = WEIGHTS[weights]
+    path = folder / ("draft.gguf" if variant == "gguf" else f"{variant}.onnx")
+    for old in [*folder.glob("*.onnx"), *folder.glob("*.gguf")]:  # a draft ships one variant
+        if old != path:
             old.unlink()
-    onnx_path = export_onnx(model, folder / f"{variant}.onnx", weights=weights)
+    if variant == "gguf":
+        write_decoder(path, model.c, model.tensors(), quantize, name=name)
+    else:
+        export_onnx(model, path)
     vocab_path = folder / "vocab.json"
     vocab_path.write_text(json.dumps([int(i) for i in vmap.to_target]) + "\n")
     manifest = Manifest(
-        name=name, role="draft", format="onnx", variants={variant: file_record(onnx_path)},
+        name=name, role="draft", format="gguf" if variant == "gguf" else "onnx", variants={variant: file_record(path)},
         tokenizer={"vocab.json": file_record(vocab_path)}, provenance={**provenance, "weights_stored_as": note},
         architecture=asdict(model.c), extra={**extra, "draft_vocab": "vocab.json"}, folder=folder,
     )
