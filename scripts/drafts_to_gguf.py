@@ -1,4 +1,5 @@
-"""Rewrite a shipped ONNX draft (q8.onnx, as `memspec train-draft` exported them) as a GGUF.
+"""Rewrite a shipped draft as a GGUF: from its ONNX graph (q8.onnx, as `memspec train-draft`
+exported them), or re-quantize its GGUF (draft.gguf) as another block type.
 
     python scripts/drafts_to_gguf.py models/qwen2.5-coder-draft-chat [--qtype Q8_0] [--out DIR]
 
@@ -65,6 +66,7 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("draft", type=Path, help="a draft folder with manifest.json and q8.onnx")
     ap.add_argument("--qtype", default="Q8_0")
+    ap.add_argument("--embd-qtype", default=None, help="the embedding's (and head's) block type (default: --qtype)")
     ap.add_argument("--out", type=Path, help="where to write draft.gguf (default: the draft's folder)")
     ap.add_argument("--replace", action="store_true", help="the GGUF replaces q8.onnx in the draft's manifest")
     args = ap.parse_args()
@@ -72,10 +74,20 @@ def main() -> None:
     arch = dict(manifest["architecture"])
     arch.setdefault("arch", "llama")
     cfg = DecoderConfig(**arch)
-    tensors = onnx_tensors(args.draft / "q8.onnx", cfg)
+    if (args.draft / "q8.onnx").is_file():
+        tensors = onnx_tensors(args.draft / "q8.onnx", cfg)
+    else:  # its GGUF, dequantized (a second rounding: measure the acceptance it keeps)
+        from memspec.models.gguf import GGUFModel
+
+        g = GGUFModel(args.draft / "draft.gguf")
+        tensors = {name: g.float32(name) for name in g.tensor_names}
     out = (args.out or args.draft) / "draft.gguf"
     out.parent.mkdir(parents=True, exist_ok=True)
-    write_decoder(out, cfg, tensors, args.qtype, name=manifest["name"])
+    if args.out:  # its vocabulary map beside it (bench/draft_acceptance.py reads a GGUF path so)
+        import shutil
+
+        shutil.copy(args.draft / manifest.get("extra", {}).get("draft_vocab", "vocab.json"), out.parent / "vocab.json")
+    write_decoder(out, cfg, tensors, args.qtype, args.embd_qtype, name=manifest["name"])
     print(f"{out}: {out.stat().st_size:,} bytes")
     if args.replace:
         from memspec.models.store import file_record
@@ -87,7 +99,7 @@ def main() -> None:
         manifest.setdefault("provenance", {})["converted"] = (
             f"python scripts/drafts_to_gguf.py {args.draft} --qtype {args.qtype} --replace (from q8.onnx)")
         (args.draft / "manifest.json").write_text(json.dumps(manifest, indent=2, sort_keys=True) + "\n")
-        (args.draft / "q8.onnx").unlink()
+        (args.draft / "q8.onnx").unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

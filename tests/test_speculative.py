@@ -196,8 +196,48 @@ def test_model_draft_times_its_catch_ups_of_a_context_and_not_single_tokens(tiny
     clock = iter([10.0, 10.5])  # the timed catch-up below takes 0.5 s on this clock
     monkeypatch.setattr("memspec.speculation.drafts.time.perf_counter", lambda: next(clock))
     context = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5]
-    fresh.begin(64).propose(context, 1, SamplingParams(), np.random.default_rng(0))  # a new state feeds all 11
+    got = fresh.begin(64).propose(context, 1, SamplingParams(), np.random.default_rng(0))  # a new state feeds all 11
     assert fresh.feed_seconds_per_token() == pytest.approx(0.5 / 11)
+    assert got.setup_s == pytest.approx(0.5)  # the proposal says what was a one-time catch-up
+
+
+def test_the_cost_controller_does_not_count_a_drafts_prefill_as_its_per_token_cost(tiny):
+    """Regression: a draft's first proposal feeds it the whole prompt, and that time was taken as
+    the cost of the one token it drafted (the 0.5B sibling's prefill of a 43-token prompt: 4 target
+    steps a token), which held the draft length at 0-1 for the rest of the request."""
+    from memspec.speculation.drafts import Proposal
+    from memspec.speculation.speculative import NoDraft
+
+    target = tiny[0]
+    now = [0.0]
+
+    class SlowPrefill:  # proposes the target's own greedy tokens; its first proposal "takes" 1 s of prefill
+        def __init__(self):
+            self.first = True
+
+        def propose(self, context, k, params, rng):
+            setup = 1.0 if self.first else 0.0
+            self.first = False
+            now[0] += setup + 0.0001 * k
+            return Proposal([], None, [], setup) if not k else Proposal(greedy[len(context):len(context) + k],
+                                                                       None, [0.0] * k, setup)
+
+        def close(self):
+            pass
+
+    prompt = [1, 2, 3]
+    cache = target.new_cache(64)
+    greedy = prompt + [int(t) for step in speculative_steps(target, cache, prompt, NoDraft(), SamplingParams(),
+                                                            np.random.default_rng(0), SpecConfig(gamma=1, adaptive=False),
+                                                            SpecMetrics())
+                       for t in step][:40]
+    metrics = SpecMetrics()
+    steps = speculative_steps(target, target.new_cache(64), prompt, FixedDraft("slow", SlowPrefill()),
+                              SamplingParams(), np.random.default_rng(0), SpecConfig(gamma=4, gamma_max=4), metrics,
+                              clock=lambda: now[0], verify_cost_s=[0.0, 0.01, 0.011, 0.012, 0.013, 0.014])
+    for _ in range(6):
+        next(steps)
+    assert metrics.num_draft_tokens >= 8, metrics.to_dict()  # kept drafting after its slow first proposal
 
 
 def test_lookup_proposals_keep_the_sampling_distribution(tiny):

@@ -43,6 +43,8 @@ class Proposal:
     tokens: list[int]  # (k,) proposed target token ids
     q: np.ndarray | None  # (k, V_target) draft distributions the tokens were drawn from (sampling only)
     entropy: list[float]  # (k,) draft entropy at each position (nats)
+    setup_s: float = 0.0  # seconds of a catch-up of FEED_MIN_TOKENS or more (the prompt's prefill, a
+    #                       switch to this draft): spent once, not a cost of each token it drafts
 
 
 class DraftState(Protocol):
@@ -254,8 +256,9 @@ class ModelDraftState:
         self.cache = draft.session.new_cache(capacity)
         self.cached: list[int] = []  # target ids whose K/V are in the draft cache
 
-    def _catch_up(self, context: list[int]) -> np.ndarray:
-        """Roll back to the longest cached prefix of context, feed the rest; return last logits."""
+    def _catch_up(self, context: list[int]) -> tuple[np.ndarray, float]:
+        """Roll back to the longest cached prefix of context, feed the rest; return the last logits
+        and the seconds a long feed took (FEED_MIN_TOKENS or more; else 0.0)."""
         n = 0
         limit = min(len(self.cached), len(context) - 1)  # always feed at least the last token
         while n < limit and self.cached[n] == context[n]:
@@ -265,10 +268,12 @@ class ModelDraftState:
         feed = context[n:]
         t0 = time.perf_counter()
         logits = self.d.session.forward(self.cache, self.d.to_draft[feed].tolist(), keep=1)[-1]
+        setup = 0.0
         if len(feed) >= FEED_MIN_TOKENS:
-            self.d.fed(len(feed), time.perf_counter() - t0)
+            setup = time.perf_counter() - t0
+            self.d.fed(len(feed), setup)
         self.cached.extend(feed)
-        return logits
+        return logits, setup
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
         k = min(k, self.cache.capacity - len(context))
@@ -279,7 +284,7 @@ class ModelDraftState:
                 or ngram_continuation(context, k, lim.lookup_ngram, LOOKUP_MAX_NGRAM))
         if seen:  # the model does not run; its cache catches up when it next does
             return deterministic_proposal(seen, self.d.target_vocab, params)
-        logits = self._catch_up(context)
+        logits, setup = self._catch_up(context)
         tokens, qs, ents = [], [], []
         for i in range(k):
             probs = sampling.probabilities(logits, 1.0) if params.greedy else sampling.probabilities(
@@ -297,7 +302,7 @@ class ModelDraftState:
             if i + 1 < k:
                 logits = self.d.session.forward(self.cache, [did], keep=1)[-1]
                 self.cached.append(tokens[-1])
-        return Proposal(tokens, np.stack(qs) if qs else None, ents)
+        return Proposal(tokens, np.stack(qs) if qs else None, ents, setup)
 
     def close(self) -> None:
         self.cache = None

@@ -229,8 +229,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         committed = [*prop.tokens[:n], nxt]
         context.extend(committed)
         metrics.record_step(draft_name, len(prop.tokens), n, len(committed), t1 - t0, t2 - t1)
-        if ctl is not None:
-            ctl.observe(len(prop.tokens), n, t1 - t0)
+        if ctl is not None:  # a long catch-up (the draft's prefill) is no cost of the tokens it drafts
+            ctl.observe(len(prop.tokens), n, max(t1 - t0 - prop.setup_s, 0.0))
         else:
             gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
         if on_rows is not None:
