@@ -124,9 +124,11 @@ def serving_engine(config, variant: str | None = None):
 def _daemon(args):
     """The daemon client `generate`/`chat` use, or None to generate locally.
 
-    --local, --model or --variant (a choice of local target): local.  --address or
+    --local, --variant or --backend (a choice of local engine): local.  --address or
     $MEMSPEC_ADDRESS: that daemon, or an error.  Otherwise the default socket's
     daemon when one is serving there, else local generation with a note on stderr.
+    --model goes wherever the request goes: a daemon loads the named target on demand,
+    as it does for HTTP and the Python client.
     """
     import os
 
@@ -134,11 +136,11 @@ def _daemon(args):
     from memspec.errors import UnavailableError
 
     explicit = bool(args.address or os.environ.get("MEMSPEC_ADDRESS"))
-    flag = ("--variant" if args.variant else "--model" if getattr(args, "target", None)
-            else "--backend" if getattr(args, "backend", None) else None)
+    flag = "--variant" if args.variant else "--backend" if getattr(args, "backend", None) else None
     if flag and args.address and not args.local:
-        raise CLIError(f"{flag} picks the local target; a daemon serves the model it has loaded "
-                       "(`memspec load NAME --variant V`). Drop --address to generate locally.")
+        raise CLIError(f"{flag} picks the local engine; a daemon runs each target in the variant and engine it "
+                       f"is configured for (`memspec load NAME --variant V` changes it). Drop {flag} to ask the "
+                       "daemon, or --address to generate locally.")
     if args.local or flag:
         return None
     address = client_address(args.address)
@@ -163,11 +165,15 @@ def _daemon(args):
 
 def _run(args, req, engine=None):
     """Stream one request (daemon or local engine) to stdout; return its Completion."""
+    import dataclasses
+
     from memspec.request import Completion
 
     if engine is not None:
         items, model, variant = engine.stream(req), engine.target.name, engine.target.variant
     else:
+        if getattr(args, "target", None):  # --model: the daemon loads it if it is not resident
+            req = dataclasses.replace(req, model=args.target)
         items, model, variant = args.client.stream(req, default_max_tokens=args.max_tokens is None), None, None
     result = None
     for item in items:
@@ -196,6 +202,8 @@ def _with_target(args, fn) -> int:
     """Run fn(engine) locally, or fn(None) with args.client set to the daemon's client."""
     args.client = _daemon(args)
     if args.client is None:
+        if getattr(args, "target", None):  # an unknown name: what the store has and what `memspec pull` knows
+            _store(args).get(args.target)
         engine = load_engine(args.config, args.variant)
         try:
             return fn(engine)
@@ -361,7 +369,7 @@ def _sampling_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--draft", help='force a draft model ("none" = target only)')
     g.add_argument("--policy", help="draft-selection policy")
-    _model_option(g, "; generates locally")
+    _model_option(g, "; a daemon loads it if it is not resident")
     g.add_argument("--variant", choices=("fp32", "q4"),
                    help="target variant; generates locally (default from config: q4)")
     _backend_option(g, "; generates locally")
@@ -395,7 +403,8 @@ def _choose_model(args) -> None:
     import dataclasses
 
     if getattr(args, "target", None):
-        _store(args).get(args.target)  # an unknown name: what the store has and what `memspec pull` knows
+        if args.func not in (cmd_generate, cmd_chat):  # those check it where they generate locally: a
+            _store(args).get(args.target)              # daemon answers from its own store
         args.config = dataclasses.replace(args.config, model=dataclasses.replace(args.config.model,
                                                                                   target=args.target))
 

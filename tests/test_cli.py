@@ -169,10 +169,14 @@ def test_model_becomes_the_configs_target(tmp_path, monkeypatch, argv):
     assert args.config.model.target == "other" and args.config.model.variant == "q4"
 
 
-def test_model_picks_the_local_target(tmp_path):
+def test_variant_picks_the_local_engine_and_model_goes_to_the_daemon(tmp_path):
+    """--variant and --backend choose a local engine: with --address, a clear error; --model is asked of
+    the daemon (tests/test_server.py), so here, with no daemon at the socket, the error is the daemon's."""
     empty_target(tmp_path, "other")
+    r = memspec("generate", "--variant", "fp32", "--address", str(tmp_path / "d.sock"), "hi", home=tmp_path)
+    assert r.returncode == 2 and "--variant picks the local engine" in r.stderr, r.stderr
     r = memspec("generate", "--model", "other", "--address", str(tmp_path / "d.sock"), "hi", home=tmp_path)
-    assert r.returncode == 2 and "--model picks the local target" in r.stderr, r.stderr
+    assert r.returncode == 2 and "picks the local" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_generate_with_model(home):

@@ -7,6 +7,7 @@ step, so every test runs in milliseconds.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import replace
@@ -765,8 +766,10 @@ def test_cli_uses_the_daemon_it_finds_or_is_told(h, monkeypatch):
         assert found.address.path == h.path
     with _daemon(_args(address=str(h.path))) as told:
         assert told.health() == "SERVING"
-    with pytest.raises(CLIError, match="--variant picks the local target"):
+    with pytest.raises(CLIError, match="--variant picks the local engine"):
         _daemon(_args(address=str(h.path), variant="fp32"))
+    with _daemon(_args(address=str(h.path), target="other")) as named:  # --model asks the daemon
+        assert named.health() == "SERVING"
     h.servicer.set_state("draining")
     assert _daemon(_args()) is None  # not serving: local, with a note
 
@@ -982,3 +985,18 @@ def test_a_request_names_its_target_and_keep_alive_and_ps_shows_them(h, capsys):
         list(h.client.generate("a", model="a-draft"))
     with pytest.raises(InvalidRequestError, match="keep_alive: 'soon' is not a duration"):
         wire.request_from_pb(wire.pb2.GenerateRequest(prompt="a", keep_alive="soon"))
+
+
+def test_the_cli_asks_the_daemon_for_the_model_it_names(h, capsys, monkeypatch, tmp_path):
+    """Issue 45: `memspec generate --address SOCK --model NAME` was refused although HTTP and the
+    Python client load a pulled model on demand; the CLI asks the daemon for it too, and its own
+    store (empty here) is not consulted: the daemon answers from its store."""
+    from memspec.cli import main
+
+    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "empty-store"))
+    assert main(["generate", "--address", str(h.path), "--model", "other", "--json", "--max-tokens", "2", "a b"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["model"] == "other" and out["text"] == "b a "
+    assert {t["name"]: t["state"] for t in h.client.status()["targets"]}["other"] == "loaded"
+    assert main(["chat", "--address", str(h.path), "--model", "nope", "hi"]) == 2
+    assert "model: 'nope' is not in the store" in capsys.readouterr().err
