@@ -81,8 +81,9 @@ class Checked:
 
 class Backend(Protocol):
     config: Config  # what it runs with; config.limits bound every request
-    def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = ...,
-              timeout: float | None = None) -> Checked: ...  # load its target if need be; prompt ids, KV bytes
+    def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = ..., timeout: float | None = None,
+              progress: Callable[[str], None] | None = None) -> Checked: ...  # load its target if need be (progress:
+    #                                                                        told how the load goes); ids, KV bytes
     def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run: ...
     def record(self, completion: Completion) -> None: ...  # count a finished request
     def hint(self, req: GenerationRequest) -> None: ...  # a checked request will wait in the queue
@@ -205,15 +206,16 @@ class EngineBackend:
 
     # -- requests ------------------------------------------------------------------
     def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = lambda: False,
-              timeout: float | None = None) -> Checked:
+              timeout: float | None = None, progress: Callable[[str], None] | None = None) -> Checked:
         """Hold the request's target (loading it first if need be, waiting at most `timeout` s and
-        not past `cancelled()`), then check the request against it."""
+        not past `cancelled()`, telling `progress` how the load goes), then check the request
+        against it."""
         if not self.started:
             raise UnavailableError(f"the daemon is starting: loading {self.config.model.target}")
         validate(req, self.config.limits)  # a bad field costs no load
         name = req.model or self.config.model.target
         default = KEEP_FOREVER if name == self.config.model.target else self.keep_alive
-        lease = self.targets.acquire(name, None, req.keep_alive, default, cancelled, timeout)
+        lease = self.targets.acquire(name, None, req.keep_alive, default, cancelled, timeout, progress)
         try:
             engine = lease.engine
             prompt = engine.check(req)  # limits, draft, policy, context; raises InvalidRequest / ContextOverflow
