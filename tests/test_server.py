@@ -155,7 +155,8 @@ class Harness:
             return e
 
         self.memory = memory
-        self.backend = EngineBackend(config, loader, FakeStore())
+        # the fake engine offers no drafts (its DraftPool is empty): the store says so before a load
+        self.backend = EngineBackend(config, loader, FakeStore(), drafts_of=lambda name: [])
         s = server_cfg
         self.admission = Admission(AdmissionConfig(s.max_concurrent, s.max_queue, s.memory_headroom_mb * MiB),
                                    lambda: self.memory)
@@ -1000,3 +1001,19 @@ def test_the_cli_asks_the_daemon_for_the_model_it_names(h, capsys, monkeypatch, 
     assert {t["name"]: t["state"] for t in h.client.status()["targets"]}["other"] == "loaded"
     assert main(["chat", "--address", str(h.path), "--model", "nope", "hi"]) == 2
     assert "model: 'nope' is not in the store" in capsys.readouterr().err
+
+
+def test_an_unknown_draft_is_refused_before_its_target_loads(h):
+    """Issue 45: a request naming a pulled target that is not loaded and an unknown draft loaded the
+    target first (perhaps unloading others to make room), then got INVALID_ARGUMENT. Every check
+    that needs no weights comes first: an unknown model before its draft, then the draft."""
+    loads = len(h.engines)
+    with pytest.raises(InvalidRequestError, match="draft: unknown draft 'nope'; available: none"):
+        list(h.client.generate("a", model="other", draft="nope"))
+    with pytest.raises(InvalidRequestError, match="policy: unknown draft 'nope'"):
+        list(h.client.generate("a", model="other", policy="fixed:nope"))
+    with pytest.raises(ModelNotFoundError, match="model: 'gone' is not in the store"):
+        list(h.client.generate("a", model="gone", draft="nope"))
+    assert len(h.engines) == loads and "other" not in {t["name"] for t in h.client.status()["targets"]}
+    _, done = collect(h.client.generate("a b", max_tokens=1, model="other", draft="none"))
+    assert done.model == "other" and len(h.engines) == loads + 1

@@ -25,6 +25,7 @@ from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest,
                              validate)
 from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget
 from memspec.runtime.target import NATIVE_VARIANT, engine_for, planned_footprint
+from memspec.scheduling.scheduler import check_draft_names
 from memspec.scheduling.targets import TargetLease, TargetSet
 
 log = logging.getLogger("memspec.backend")
@@ -134,6 +135,9 @@ class EngineBackend:
     store: "memspec.models.store.ModelStore"  # noqa: F821
     probe: MemoryProbe | None = None  # the daemon's memory (None: psutil's); tests pass a fake
     clock: Callable[[], float] = time.monotonic
+    # target name -> the drafts its requests may name, known before it loads (the daemon's: the store's,
+    # as its scheduler offers them, memspec.scheduling.scheduler.draft_names); None: checked once loaded
+    drafts_of: Callable[[str], list[str]] | None = None
     started: bool = False  # the first target load has finished
     _config_lock: threading.Lock = field(default_factory=threading.Lock)  # config and engine limits (SIGHUP)
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -214,6 +218,9 @@ class EngineBackend:
             raise UnavailableError(f"the daemon is starting: loading {self.config.model.target}")
         validate(req, self.config.limits)  # a bad field costs no load
         name = req.model or self.config.model.target
+        if self.drafts_of is not None and (req.draft is not None or req.policy is not None):
+            self._plan(name, None)  # an unknown or draft model is named first, as the load would
+            check_draft_names(req, self.drafts_of(name))  # nor does an unknown draft cost a load
         default = KEEP_FOREVER if name == self.config.model.target else self.keep_alive
         lease = self.targets.acquire(name, None, req.keep_alive, default, cancelled, timeout, progress)
         try:
