@@ -52,8 +52,6 @@ def cmd_pull(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from memspec.runtime.config import NATIVE_VARIANT  # light: no NumPy, no ONNX Runtime
-
     if args.address:
         return _daemon_models(args)
     store = _store(args)
@@ -67,7 +65,7 @@ def cmd_models(args) -> int:
     print(f"{'NAME':<24} {'ROLE':<7} {'VARIANTS':<12} {'SIZE':>9}  SOURCE")
     for m in models:
         have = store.runnable(m)  # its graphs, and its GGUF where the store has it
-        size = m.total_bytes + have.get(NATIVE_VARIANT, 0)
+        size = sum(have.values())  # what its variants hold, as a daemon's ListModels counts it
         print(f"{m.name:<24} {m.role:<7} {','.join(have) or '-':<12} "
               f"{size / 1e6:>7.1f}MB  {m.provenance.get('source', '?')}")
     return 0
@@ -288,8 +286,9 @@ def cmd_status(args) -> int:
     print(f"streams   {st['active_streams']}/{st['max_concurrent']} generating, "
           f"{st['queue_depth']}/{st['max_queue']} queued")
     print("requests  " + ", ".join(f"{k} {v}" for k, v in st["requests"].items()))
-    for d in st["drafts"]:
-        print(f"draft     {d['name']} {_mib(d['bytes'])}: {d['requests']} requests, {d['num_drafts']} drafts, "
+    for d in st["drafts"]:  # every draft of the loaded targets; `ps` lists the resident ones
+        print(f"draft     {d['name']} {_mib(d['bytes'])} {'resident' if d['resident'] else 'not loaded'}: "
+              f"{d['requests']} requests, {d['num_drafts']} drafts, "
               f"acceptance {d['acceptance_rate']:.2f}, mean length {d['mean_acceptance_length']:.2f}")
     for name in ("predictor", "scheduler", "batch", "prefix_cache"):
         if st.get(name):
@@ -311,9 +310,9 @@ def _targets(st: dict) -> list[str]:
     out = []
     for t in st.get("targets", []):
         if t["state"] != "unloaded":
-            drafts = ", ".join(t["drafts"]) or "none"
+            drafts = ", ".join(t["drafts"]) or "none yet (a draft loads when a request first wants it)"
             out.append(f"{t['name']:<24} {t['variant']:<6} {_mib(t['bytes']):>11}  {t['state']:<9} "
-                       f"{_until(t) if t['state'] == 'loaded' else '':<16} drafts: {drafts}")
+                       f"{_until(t) if t['state'] == 'loaded' else '':<16} resident drafts: {drafts}")
     return out
 
 
@@ -326,7 +325,7 @@ def cmd_ps(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'STATE':<9} {'UNLOADS':<16} DRAFTS")
+    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'STATE':<9} {'UNLOADS':<16} RESIDENT DRAFTS")
     for line in _targets(st):
         print(line)
     budget = _mib(st["budget_bytes"]) if st["budget_bytes"] else "none"
@@ -556,7 +555,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.config = load_config(args.config)
         _choose_model(args)
         _choose_backend(args)
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a reader that has gone shows here (BrokenPipeError), not at the exit's flush
+        return rc
     except MemspecError as exc:
         print(f"memspec: error: {exc}", file=sys.stderr)
         return 2
@@ -565,6 +566,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"by that user (the README's install steps: install -d -o memspec ...) or set MEMSPEC_HOME",
               file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `memspec models | head -1`: the reader has gone, which is no error to show
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor must the flush at exit fail again
+        return 128 + 13  # as a tool killed by SIGPIPE: what a shell reports for `ls | head -1`
     except KeyboardInterrupt:
         return 130
 

@@ -570,10 +570,14 @@ def test_status_shows_the_prompt_prefix_cache_where_the_engine_keeps_one(h):
     assert (st["lookups"], st["hits"], st["reused_tokens"], st["entries"], st["bytes"]) == (4, 3, 60, 0, 0)
 
 
-def test_no_daemon_is_unavailable(tmp_path):
+def test_no_daemon_is_unavailable_and_says_how_to_start_one(tmp_path):
+    """Issue 45: with no daemon, `memspec status` printed gRPC's internals (FAILED_PRECONDITION ...);
+    it says what is wrong in words, and how to start a daemon or generate without one."""
     with Client(str(tmp_path / "none.sock"), timeout=2) as c:
-        with pytest.raises(UnavailableError, match="no memspec daemon answers"):
+        with pytest.raises(UnavailableError, match=r"no memspec daemon answers at .*none.sock \(no socket there\); "
+                                                   r"start one with `memspec serve`") as err:
             c.status()
+    assert "memspec generate --local" in str(err.value) and "FAILED_PRECONDITION" not in str(err.value)
 
 
 # -- pure pieces -------------------------------------------------------------------------------
@@ -977,11 +981,12 @@ def test_a_request_names_its_target_and_keep_alive_and_ps_shows_them(h, capsys):
     assert (rows["other"]["state"], rows["other"]["loads"], rows["other"]["active"]) == ("loaded", 1, 0)
     assert main(["ps", "--address", str(h.path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["NAME", "VAR", "SIZE", "STATE", "UNLOADS", "DRAFTS"]
-    assert out[1].split()[0] == "other" and "in 600 s" in out[1] and "drafts: none" in out[1]
+    assert out[0].split() == ["NAME", "VAR", "SIZE", "STATE", "UNLOADS", "RESIDENT", "DRAFTS"]
+    assert out[1].split()[0] == "other" and "in 600 s" in out[1] and "resident drafts: none yet" in out[1]
     assert out[2].split()[0] == "tiny" and "never (kept)" in out[2]
-    with pytest.raises(ModelNotFoundError, match="model: 'nope' is not in the store; the pulled targets are "):
+    with pytest.raises(ModelNotFoundError, match="model: 'nope' is not in the store; the pulled targets are ") as err:
         list(h.client.generate("a", model="nope"))
+    assert "GET /v1/models" not in str(err.value)  # gRPC's answer names no HTTP route (issue 45)
     with pytest.raises(InvalidRequestError, match="model: 'a-draft' is a draft; name a target"):
         list(h.client.generate("a", model="a-draft"))
     with pytest.raises(InvalidRequestError, match="keep_alive: 'soon' is not a duration"):
@@ -1017,3 +1022,41 @@ def test_an_unknown_draft_is_refused_before_its_target_loads(h):
     assert len(h.engines) == loads and "other" not in {t["name"] for t in h.client.status()["targets"]}
     _, done = collect(h.client.generate("a b", max_tokens=1, model="other", draft="none"))
     assert done.model == "other" and len(h.engines) == loads + 1
+
+
+def test_what_status_ps_and_unload_say_agrees(h, capsys, tmp_path):
+    """Issue 45's small inconsistencies: `unload nosuch` listed a target twice (its batched row too);
+    `ps` showed the variant asked for (q4) where status showed the one running (gguf); `status`
+    listed drafts that `ps` said were none, without saying which were loaded."""
+    from memspec.cli import main
+
+    e = h.engine
+    e.batch = SimpleNamespace(target=SimpleNamespace(weight_bytes=0), report=lambda: {})  # a batched row
+    e.target.variant = "gguf"  # the native engine runs the GGUF for a request of q4
+    e.drafts = DraftPool({"d": SimpleNamespace(name="d", nbytes=MiB, session=None)})
+    with pytest.raises(ModelNotFoundError, match=r"'nosuch' is not resident \(resident: tiny\)$"):
+        h.client.unload("nosuch")
+    st = h.client.status()
+    assert [t["variant"] for t in st["targets"]] == [m["variant"] for m in st["resident"] if m["role"] == "target"]
+    assert main(["ps", "--address", str(h.path)]) == 0
+    assert "tiny" in (row := capsys.readouterr().out.splitlines()[1]) and " gguf " in row
+    assert main(["status", "--address", str(h.path)]) == 0
+    drafts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("draft ")]
+    assert drafts and all(" resident: " in line or " not loaded: " in line for line in drafts), drafts
+
+
+def test_status_and_models_into_a_closed_pipe_end_quietly(h, tmp_path):
+    """`memspec status | head -1` and `memspec models | head -1` ended in a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    for argv in (["status", "--address", str(h.path)], ["models"]):
+        r, w = os.pipe()
+        os.close(r)  # the reader has gone before a byte is written
+        try:
+            p = subprocess.run([sys.executable, "-m", "memspec.cli", *argv], stdout=w, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "MEMSPEC_HOME": str(tmp_path)}, timeout=60)
+        finally:
+            os.close(w)
+        assert p.returncode == 141 and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr

@@ -177,8 +177,7 @@ class EngineBackend:
                 raise
             pulled = ", ".join(m.name for m in self.store.list() if m.role == "target") or "none"
             raise ModelNotFoundError(f"model: {quote(name)} is not in the store; the pulled targets are {pulled} "
-                                     f"(GET /v1/models or `memspec models` lists them; `memspec pull NAME` adds one)"
-                                     ) from None
+                                     f"(`memspec pull NAME` adds one)") from None
         if manifest.role != "target":
             raise InvalidRequestError(f"{field}: {quote(name)} is a {manifest.role}; name a target, and pick a draft "
                                       f"with \"draft\" (drafts are loaded with their target)")
@@ -298,14 +297,17 @@ class EngineBackend:
             freed = engine.drafts.unload(name)
             if freed is not None:
                 return freed
-        have = ", ".join(m["name"] for _, e in engines for m in _resident(e)) or "none"
+        have = ", ".join(dict.fromkeys(m["name"] for _, e in engines for m in _resident(e))) or "none"
         raise ModelNotFoundError(f"name: {quote(name)} is not resident (resident: {have})")
 
     # -- status ------------------------------------------------------------------------
     def status(self) -> dict:
         engines = self.targets.engines()  # most recently used first
+        # a loaded target's variant as its engine runs it ("gguf" on the native engine), as "resident" says
+        runs = {name: e.target.variant for name, e in engines}
+        targets = [dict(r, variant=runs[r["name"]]) if r["name"] in runs else r for r in self.targets.status()]
         out = {"resident": [m for _, e in engines for m in _resident(e)], "drafts": [], "predictor": {},
-               "scheduler": {}, "batch": {}, "prefix_cache": {}, "targets": self.targets.status(),
+               "scheduler": {}, "batch": {}, "prefix_cache": {}, "targets": targets,
                "warnings": [w for _, e in engines for w in (e.target.session.rows.warning(),) if w]}
         for _, engine in engines:  # a draft every target has (prompt lookup) is listed once: counters are by name
             out["drafts"] += [d for d in self._draft_rows(engine.drafts.report())
