@@ -208,7 +208,21 @@ def _with_target(args, fn) -> int:
         finally:
             engine.close()
     with args.client:
+        if getattr(args, "target", None):
+            _note_a_load(args.client, args.target)
         return fn(None)
+
+
+def _note_a_load(client, name: str) -> None:
+    """Say on stderr when the daemon must load `name` first: gRPC's stream is silent until the first
+    token, and a first load on a machine takes tens of seconds (HTTP streams say it in SSE comments)."""
+    try:
+        loaded = {t["name"] for t in client.status().get("targets", []) if t["state"] == "loaded"}
+    except MemspecError:
+        return  # the request itself will say what is wrong
+    if name not in loaded:
+        _progress(f"memspec: {name} is not loaded; the daemon loads it first (seconds, tens of seconds the "
+                  "first time on a machine; `memspec ps` shows it loading)")
 
 
 def cmd_generate(args) -> int:

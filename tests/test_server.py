@@ -1001,8 +1001,12 @@ def test_the_cli_asks_the_daemon_for_the_model_it_names(h, capsys, monkeypatch, 
 
     monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "empty-store"))
     assert main(["generate", "--address", str(h.path), "--model", "other", "--json", "--max-tokens", "2", "a b"]) == 0
-    out = json.loads(capsys.readouterr().out)
+    got = capsys.readouterr()
+    out = json.loads(got.out)
     assert out["model"] == "other" and out["text"] == "b a "
+    assert "memspec: other is not loaded; the daemon loads it first" in got.err  # gRPC streams nothing meanwhile
+    assert main(["generate", "--address", str(h.path), "--model", "other", "--max-tokens", "1", "a b"]) == 0
+    assert "not loaded" not in capsys.readouterr().err
     assert {t["name"]: t["state"] for t in h.client.status()["targets"]}["other"] == "loaded"
     assert main(["chat", "--address", str(h.path), "--model", "nope", "hi"]) == 2
     assert "model: 'nope' is not in the store" in capsys.readouterr().err

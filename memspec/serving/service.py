@@ -30,6 +30,7 @@ from memspec.serving.counters import LatencyHistograms, RequestClock, RequestCou
 
 log = logging.getLogger("memspec.server")
 STATES = ("starting", "serving", "draining")
+LOG_WAIT_S = 10.0  # how often the log says again that a request still waits for its target's load
 
 
 @dataclass
@@ -153,11 +154,15 @@ class Service:
 
 
 def _logged(progress: Callable[[str], None] | None, fields: dict) -> Callable[[str], None]:
-    """progress, and the log: a request waiting for a load says so (the load's own lines say what
-    it is doing, such as measuring pass costs)."""
+    """progress, and the log: a request waiting for a load says so when it starts waiting and every
+    LOG_WAIT_S after (the load's own lines say what it is doing, such as measuring pass costs)."""
+    logged = []  # when it last logged
+
     def tell(message: str) -> None:
-        log.info("request waits for a load", extra={"fields": {**{k: fields[k] for k in ("method", "peer", "model")
-                                                                   if k in fields}, "progress": message}})
+        if not logged or time.monotonic() - logged[-1] >= LOG_WAIT_S:
+            logged.append(time.monotonic())
+            log.info("request waits for a load", extra={"fields": {
+                **{k: fields[k] for k in ("method", "peer", "model") if k in fields}, "progress": message}})
         if progress is not None:
             progress(message)
 

@@ -146,7 +146,7 @@ class Engine:
             return [c for b in range(1, bt.rows + 1) for c in table[b]]
 
         key = f"{self.target.session.cost_key(max_k)} batched rows={bt.rows}"
-        flat = self._measured(key, measure, f"batched pass costs (1 and {bt.rows} rows)")
+        flat = self._measured(key, measure, f"batched pass costs (a pass of {bt.rows} rows; fewer interpolated)")
         if len(flat) != bt.rows * width:  # a hand-edited file: measure again
             flat = measure()
             self.costs.put(key, flat)
