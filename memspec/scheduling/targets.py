@@ -190,7 +190,8 @@ class TargetSet:
         choice, or whatever is loaded).  Waits for its load, or for it to drain and come back, at
         most `timeout` seconds and not past `cancelled()`.  keep_alive: this request's (None: the
         target's, else `default_keep_alive` for a target it loads).  progress: told what it waits
-        for as the wait begins, then every PROGRESS_S ("loading NAME (VARIANT): 4 s"); ; called under the set's lock, so it must not block.  Raises the load's error
+        for as the wait begins, then every PROGRESS_S ("loading NAME (VARIANT): 4 s"); called
+        under the set's lock, so it must not block.  Raises the load's error
         (InsufficientMemoryError when it does not fit), CancelledError, DeadlineExceededError."""
         deadline = None if timeout is None else time.monotonic() + timeout
         told = None  # when progress was last called

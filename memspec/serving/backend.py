@@ -82,9 +82,9 @@ class Checked:
 
 class Backend(Protocol):
     config: Config  # what it runs with; config.limits bound every request
+    # load its target if need be (telling progress how the load goes); its prompt ids and KV bytes
     def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = ..., timeout: float | None = None,
-              progress: Callable[[str], None] | None = None) -> Checked: ...  # load its target if need be (progress:
-    #                                                                        told how the load goes); ids, KV bytes
+              progress: Callable[[str], None] | None = None) -> Checked: ...
     def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run: ...
     def record(self, completion: Completion) -> None: ...  # count a finished request
     def hint(self, req: GenerationRequest) -> None: ...  # a checked request will wait in the queue

@@ -68,7 +68,8 @@ def error_from_rpc(err: grpc.RpcError, where: str = "") -> MemspecError:
 def _why(details: str) -> str:
     """Why a connection failed, in words, from gRPC's details ("failed to connect to all addresses;
     last error: FAILED_PRECONDITION: unix:/run/...: connect failed: ... No such file or directory")."""
-    for needle, words in (("No such file or directory", "no socket there"), ("Connection refused", "nothing listens there"),
+    for needle, words in (("No such file or directory", "no socket there"),
+                          ("Connection refused", "nothing listens there"),
                           ("Permission denied", "permission denied: join the daemon's group (usermod -aG memspec USER)")):
         if needle in details:
             return words
