@@ -20,7 +20,8 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     names the one it wants (the fixed-policy benchmark); "none": target only.  serving: the
     daemon's engine, whose concurrent requests share batched passes under [runtime] batching; a
     local command runs one request at a time and has no batch loop (nor its pass-cost table to
-    measure on first use: 30 s for SmolLM2 on 2 cores, minutes for the 1.5B).
+    measure on first use: 17 s of the 0.5B's 30 s load on 2 cores, before only one row and every
+    row were timed).
     """
     from memspec.models.store import ModelStore
     from memspec.runtime.target import batching_on, open_batched

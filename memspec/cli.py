@@ -52,8 +52,6 @@ def cmd_pull(args) -> int:
 
 
 def cmd_models(args) -> int:
-    from memspec.runtime.config import NATIVE_VARIANT  # light: no NumPy, no ONNX Runtime
-
     if args.address:
         return _daemon_models(args)
     store = _store(args)
@@ -67,7 +65,7 @@ def cmd_models(args) -> int:
     print(f"{'NAME':<24} {'ROLE':<7} {'VARIANTS':<12} {'SIZE':>9}  SOURCE")
     for m in models:
         have = store.runnable(m)  # its graphs, and its GGUF where the store has it
-        size = m.total_bytes + have.get(NATIVE_VARIANT, 0)
+        size = sum(have.values())  # what its variants hold, as a daemon's ListModels counts it
         print(f"{m.name:<24} {m.role:<7} {','.join(have) or '-':<12} "
               f"{size / 1e6:>7.1f}MB  {m.provenance.get('source', '?')}")
     return 0
@@ -124,9 +122,11 @@ def serving_engine(config, variant: str | None = None):
 def _daemon(args):
     """The daemon client `generate`/`chat` use, or None to generate locally.
 
-    --local, --model or --variant (a choice of local target): local.  --address or
+    --local, --variant or --backend (a choice of local engine): local.  --address or
     $MEMSPEC_ADDRESS: that daemon, or an error.  Otherwise the default socket's
     daemon when one is serving there, else local generation with a note on stderr.
+    --model goes wherever the request goes: a daemon loads the named target on demand,
+    as it does for HTTP and the Python client.
     """
     import os
 
@@ -134,11 +134,11 @@ def _daemon(args):
     from memspec.errors import UnavailableError
 
     explicit = bool(args.address or os.environ.get("MEMSPEC_ADDRESS"))
-    flag = ("--variant" if args.variant else "--model" if getattr(args, "target", None)
-            else "--backend" if getattr(args, "backend", None) else None)
+    flag = "--variant" if args.variant else "--backend" if getattr(args, "backend", None) else None
     if flag and args.address and not args.local:
-        raise CLIError(f"{flag} picks the local target; a daemon serves the model it has loaded "
-                       "(`memspec load NAME --variant V`). Drop --address to generate locally.")
+        raise CLIError(f"{flag} picks the local engine; a daemon runs each target in the variant and engine it "
+                       f"is configured for (`memspec load NAME --variant V` changes it). Drop {flag} to ask the "
+                       "daemon, or --address to generate locally.")
     if args.local or flag:
         return None
     address = client_address(args.address)
@@ -163,11 +163,15 @@ def _daemon(args):
 
 def _run(args, req, engine=None):
     """Stream one request (daemon or local engine) to stdout; return its Completion."""
+    import dataclasses
+
     from memspec.request import Completion
 
     if engine is not None:
         items, model, variant = engine.stream(req), engine.target.name, engine.target.variant
     else:
+        if getattr(args, "target", None):  # --model: the daemon loads it if it is not resident
+            req = dataclasses.replace(req, model=args.target)
         items, model, variant = args.client.stream(req, default_max_tokens=args.max_tokens is None), None, None
     result = None
     for item in items:
@@ -196,13 +200,29 @@ def _with_target(args, fn) -> int:
     """Run fn(engine) locally, or fn(None) with args.client set to the daemon's client."""
     args.client = _daemon(args)
     if args.client is None:
+        if getattr(args, "target", None):  # an unknown name: what the store has and what `memspec pull` knows
+            _store(args).get(args.target)
         engine = load_engine(args.config, args.variant)
         try:
             return fn(engine)
         finally:
             engine.close()
     with args.client:
+        if getattr(args, "target", None):
+            _note_a_load(args.client, args.target)
         return fn(None)
+
+
+def _note_a_load(client, name: str) -> None:
+    """Say on stderr when the daemon must load `name` first: gRPC's stream is silent until the first
+    token, and a first load on a machine takes tens of seconds (HTTP streams say it in SSE comments)."""
+    try:
+        loaded = {t["name"] for t in client.status().get("targets", []) if t["state"] == "loaded"}
+    except MemspecError:
+        return  # the request itself will say what is wrong
+    if name not in loaded:
+        _progress(f"memspec: {name} is not loaded; the daemon loads it first (seconds, tens of seconds the "
+                  "first time on a machine; `memspec ps` shows it loading)")
 
 
 def cmd_generate(args) -> int:
@@ -280,8 +300,9 @@ def cmd_status(args) -> int:
     print(f"streams   {st['active_streams']}/{st['max_concurrent']} generating, "
           f"{st['queue_depth']}/{st['max_queue']} queued")
     print("requests  " + ", ".join(f"{k} {v}" for k, v in st["requests"].items()))
-    for d in st["drafts"]:
-        print(f"draft     {d['name']} {_mib(d['bytes'])}: {d['requests']} requests, {d['num_drafts']} drafts, "
+    for d in st["drafts"]:  # every draft of the loaded targets; `ps` lists the resident ones
+        print(f"draft     {d['name']} {_mib(d['bytes'])} {'resident' if d['resident'] else 'not loaded'}: "
+              f"{d['requests']} requests, {d['num_drafts']} drafts, "
               f"acceptance {d['acceptance_rate']:.2f}, mean length {d['mean_acceptance_length']:.2f}")
     for name in ("predictor", "scheduler", "batch", "prefix_cache"):
         if st.get(name):
@@ -303,9 +324,9 @@ def _targets(st: dict) -> list[str]:
     out = []
     for t in st.get("targets", []):
         if t["state"] != "unloaded":
-            drafts = ", ".join(t["drafts"]) or "none"
+            drafts = ", ".join(t["drafts"]) or "none yet (a draft loads when a request first wants it)"
             out.append(f"{t['name']:<24} {t['variant']:<6} {_mib(t['bytes']):>11}  {t['state']:<9} "
-                       f"{_until(t) if t['state'] == 'loaded' else '':<16} drafts: {drafts}")
+                       f"{_until(t) if t['state'] == 'loaded' else '':<16} resident drafts: {drafts}")
     return out
 
 
@@ -318,7 +339,7 @@ def cmd_ps(args) -> int:
     if args.json:
         print(json.dumps(rows, indent=2))
         return 0
-    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'STATE':<9} {'UNLOADS':<16} DRAFTS")
+    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'STATE':<9} {'UNLOADS':<16} RESIDENT DRAFTS")
     for line in _targets(st):
         print(line)
     budget = _mib(st["budget_bytes"]) if st["budget_bytes"] else "none"
@@ -361,7 +382,7 @@ def _sampling_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--draft", help='force a draft model ("none" = target only)')
     g.add_argument("--policy", help="draft-selection policy")
-    _model_option(g, "; generates locally")
+    _model_option(g, "; a daemon loads it if it is not resident")
     g.add_argument("--variant", choices=("fp32", "q4"),
                    help="target variant; generates locally (default from config: q4)")
     _backend_option(g, "; generates locally")
@@ -395,7 +416,8 @@ def _choose_model(args) -> None:
     import dataclasses
 
     if getattr(args, "target", None):
-        _store(args).get(args.target)  # an unknown name: what the store has and what `memspec pull` knows
+        if args.func not in (cmd_generate, cmd_chat):  # those check it where they generate locally: a
+            _store(args).get(args.target)              # daemon answers from its own store
         args.config = dataclasses.replace(args.config, model=dataclasses.replace(args.config.model,
                                                                                   target=args.target))
 
@@ -547,7 +569,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.config = load_config(args.config)
         _choose_model(args)
         _choose_backend(args)
-        return args.func(args)
+        rc = args.func(args)
+        sys.stdout.flush()  # a reader that has gone shows here (BrokenPipeError), not at the exit's flush
+        return rc
     except MemspecError as exc:
         print(f"memspec: error: {exc}", file=sys.stderr)
         return 2
@@ -556,6 +580,9 @@ def main(argv: Sequence[str] | None = None) -> int:
               f"by that user (the README's install steps: install -d -o memspec ...) or set MEMSPEC_HOME",
               file=sys.stderr)
         return 2
+    except BrokenPipeError:  # `memspec models | head -1`: the reader has gone, which is no error to show
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor must the flush at exit fail again
+        return 128 + 13  # as a tool killed by SIGPIPE: what a shell reports for `ls | head -1`
     except KeyboardInterrupt:
         return 130
 

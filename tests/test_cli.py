@@ -169,10 +169,14 @@ def test_model_becomes_the_configs_target(tmp_path, monkeypatch, argv):
     assert args.config.model.target == "other" and args.config.model.variant == "q4"
 
 
-def test_model_picks_the_local_target(tmp_path):
+def test_variant_picks_the_local_engine_and_model_goes_to_the_daemon(tmp_path):
+    """--variant and --backend choose a local engine: with --address, a clear error; --model is asked of
+    the daemon (tests/test_server.py), so here, with no daemon at the socket, the error is the daemon's."""
     empty_target(tmp_path, "other")
+    r = memspec("generate", "--variant", "fp32", "--address", str(tmp_path / "d.sock"), "hi", home=tmp_path)
+    assert r.returncode == 2 and "--variant picks the local engine" in r.stderr, r.stderr
     r = memspec("generate", "--model", "other", "--address", str(tmp_path / "d.sock"), "hi", home=tmp_path)
-    assert r.returncode == 2 and "--model picks the local target" in r.stderr, r.stderr
+    assert r.returncode == 2 and "picks the local" not in r.stderr and "Traceback" not in r.stderr, r.stderr
 
 
 def test_generate_with_model(home):
@@ -227,3 +231,26 @@ def test_pull_offers_every_variant_the_converter_builds():
     pull = next(a for a in cli.build_parser()._subparsers._group_actions[0].choices["pull"]._actions
                 if "--variant" in a.option_strings)
     assert set(pull.choices) == {*VARIANTS, *ON_REQUEST}
+
+
+def test_models_counts_a_model_as_a_daemons_listing_does(tmp_path, monkeypatch, capsys):
+    """Issue 45: `memspec models` said 786.2MB where `memspec models --address` said 784.5MB for the
+    same store: the local listing counted the tokenizer files too. Both count what the variants hold."""
+    import memspec.cli as cli
+    from memspec.config import load_config
+    from memspec.models.store import ModelStore, file_record
+    from memspec.serving.backend import EngineBackend
+
+    folder = tmp_path / "models" / "m"
+    folder.mkdir(parents=True)
+    (folder / "q4.onnx").write_bytes(b"x" * 1_500_000)
+    (folder / "tokenizer.json").write_bytes(b"t" * 900_000)
+    (folder / "manifest.json").write_text(json.dumps({
+        "name": "m", "role": "target", "format": "onnx", "variants": {"q4": file_record(folder / "q4.onnx")},
+        "tokenizer": {"tokenizer.json": file_record(folder / "tokenizer.json")}}))
+    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path))
+    assert cli.main(["models"]) == 0
+    local = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("m "))
+    rows = EngineBackend(load_config(None), lambda cfg, v: None, ModelStore(tmp_path, shipped=None)).models()
+    daemon = sum(next(r for r in rows if r["name"] == "m")["variants"].values())  # what _daemon_models sums
+    assert local.split()[3] == f"{daemon / 1e6:.1f}MB" == "1.5MB"

@@ -166,14 +166,49 @@ def test_the_batched_pass_cost_table_is_kept_beside_the_solo_curve(model_store, 
         first.calibrate()
         table = first.pass_cost_s
         assert sorted(table) == [1, 2] and all(len(row) == first_k(target) + 1 for row in table.values())
+        assert table[1] == first.verify_cost_s  # the native pass of one row is the target's forward: not timed twice
     finally:
         first.close()
     second = Engine(target, costs=CostCache(tmp_path / "costs.json", contention=quiet), batch_slots=2)
     try:
-        monkeypatch.setattr(second.batch.target, "measure_pass_costs",
-                            lambda *a: (_ for _ in ()).throw(AssertionError("measured again")))
+        again = lambda *a, **kw: (_ for _ in ()).throw(AssertionError("measured again"))  # noqa: E731
+        monkeypatch.setattr(second.batch.target, "measure_pass_costs", again)
+        monkeypatch.setattr("memspec.speculation.engine.pass_costs", again)
         second.calibrate()
         assert second.pass_cost_s == table
     finally:
         second.close()
     assert len(json.loads((tmp_path / "costs.json").read_text())) == 2  # the solo curve and the table
+
+
+def test_a_pass_table_times_one_row_and_every_row_and_draws_the_rows_between():
+    """Issue 45: timing a pass of every b = 1..rows was 25 of the 30 s a 0.5B took to load on
+    demand. Only b = 1 and b = rows are timed now; the rows between lie on the line through them."""
+    from types import SimpleNamespace
+
+    import pytest
+
+    from memspec.runtime.costs import interpolate_rows, pass_costs
+
+    class Cache:
+        def truncate(self, n):
+            pass
+
+    passes = []
+
+    class Batched:
+        rows = 4
+        target = SimpleNamespace(vocab_size=100, new_cache=lambda n: Cache(), forward=lambda c, ids, keep: None)
+
+        def forward(self, caches, feeds, keep):
+            passes.append(len(caches))
+
+        def release(self, cache):
+            pass
+
+    table = pass_costs(Batched(), max_k=3, repeats=1)
+    assert sorted(set(passes)) == [1, 4] and len(passes) == 2 * 3  # one row and every row, k = 1..3, once
+    assert sorted(table) == [1, 2, 3, 4] and all(len(curve) == 4 for curve in table.values())
+    line = interpolate_rows({1: [0.0, 1.0, 2.0], 4: [0.0, 4.0, 5.0]}, 4)
+    assert line[2] == pytest.approx([0.0, 2.0, 3.0]) and line[3] == pytest.approx([0.0, 3.0, 4.0])
+    assert interpolate_rows({1: [0.0, 1.0]}, 1) == {1: [0.0, 1.0]}

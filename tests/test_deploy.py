@@ -172,3 +172,11 @@ def test_the_example_config_and_the_unit_agree_on_the_budget():
     assert value["MemoryMax"] > value["MemoryHigh"]
     assert f"{budget_mib} MiB" in unit and f"{budget_mib} MiB" in EXAMPLE.read_text()
     assert load_config(EXAMPLE).scheduler.budget_mb == 0
+
+
+def test_the_unit_and_the_readme_install_the_same_package():
+    """Issue 45: the unit's comment installed memspec without [cpu], the README with it (without an
+    ONNX Runtime memspec exits at start)."""
+    readme, unit = (REPO / "README.md").read_text(), UNIT.read_text()
+    assert '/opt/memspec/venv/bin/pip install "/path/to/memspec[cpu]"' in readme
+    assert '/opt/memspec/venv/bin/pip install "/path/to/memspec[cpu]"' in unit

@@ -268,7 +268,11 @@ BAD = [  # (name, path, body or raw text, headers, status, param, code)
     ("a keep_alive that is no duration", CHAT, {**GOOD, "keep_alive": "soon"}, None, 400, "keep_alive", None),
     ("a keep_alive of the wrong type", CHAT, {**GOOD, "keep_alive": [5]}, None, 400, "keep_alive", None),
     ("a draft as the model", CHAT, {**GOOD, "model": "a-draft"}, None, 400, "model", None),
-    ("an unknown draft", CHAT, {**GOOD, "memspec": {"draft": "nope"}}, None, 400, "draft", None),
+    ("an unknown draft", CHAT, {**GOOD, "memspec": {"draft": "nope"}}, None, 400, "memspec.draft", None),
+    ("a fixed policy's unknown draft", CHAT, {**GOOD, "memspec": {"policy": "fixed:nope"}}, None, 400,
+     "memspec.policy", None),
+    ("an unknown draft of a target not loaded", CHAT, {**GOOD, "model": "other", "memspec": {"draft": "nope"}},
+     None, 400, "memspec.draft", None),
     ("an unknown policy", CHAT, {**GOOD, "memspec": {"policy": "fastest"}}, None, 400, "memspec.policy", None),
     ("an unknown memspec option", CHAT, {**GOOD, "memspec": {"gamma": 3}}, None, 400, "memspec.gamma", None),
     ("a prompt of token ids", "/v1/completions", {"prompt": [1, 2, 3]}, None, 400, "prompt", None),
@@ -554,3 +558,42 @@ def test_concurrent_http_streams_all_complete(make):
     for t in threads:
         t.join(20)
     assert sorted(results) == sorted(f"y x w{i} y x " for i in range(8))
+
+
+def test_a_stream_hears_how_the_load_of_its_target_goes_in_sse_comments(f, monkeypatch, caplog):
+    """Issue 45: a request for a pulled target that is not loaded waited half a minute with nothing
+    sent. A stream gets its 200 at once and an SSE comment as the load begins and every
+    PROGRESS_S after (clients skip comments), then its chunks; the log says it waits; an answer
+    that is not streamed gets no comment, only its JSON."""
+    import memspec.scheduling.targets as targets
+
+    monkeypatch.setattr(targets, "PROGRESS_S", 0.05)
+    gate = threading.Event()
+    real = f.h.backend.loader
+
+    def slow(cfg, variant):
+        gate.wait(10)
+        return real(cfg, variant)
+
+    f.h.backend.loader = slow
+    caplog.set_level(logging.INFO, logger="memspec.server")
+    s = raw_stream(f.port, {**chat("a b", max_tokens=2, stream=True), "model": "other"})
+    got = b""
+    while got.count(b": loading other (q4): ") < 2:  # before the load ends: the gate is shut
+        got += s.recv(65536)
+    assert got.startswith(b"HTTP/1.1 200")
+    gate.set()
+    raw = got + read_all(s)
+    body = raw.partition(b"\r\n\r\n")[2].decode()
+    comments = [e for e in body.split("\n\n") if e.startswith(":")]
+    assert comments and all(e.startswith(": loading other (q4): ") and e.endswith(" s") for e in comments)
+    events = sse_events("\n\n".join(e for e in body.split("\n\n") if e and not e.startswith(":")).encode() + b"\n\n")
+    assert events[-1] == "[DONE]" and "".join(json.loads(e)["choices"][0]["delta"].get("content", "")
+                                              for e in events[:-1]) == "b a "
+    assert any(r.getMessage() == "request waits for a load" and r.fields["progress"].startswith("loading other")
+               for r in caplog.records)
+    f.h.client.unload("other")
+    gate.clear()
+    threading.Timer(0.3, gate.set).start()
+    status, _, out = f.post({**chat("a b", max_tokens=2), "model": "other"})
+    assert status == 200 and out["choices"][0]["message"]["content"] == "b a "

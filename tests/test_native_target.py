@@ -417,3 +417,26 @@ def test_loading_on_demand_plans_each_engine_at_its_own_footprint(model_store):
     assert native == int(gguf * NATIVE_FOOTPRINT_PER_FILE_BYTE)
     onnx = planned_footprint(model_store, m, "q4", SessionConfig(backend="onnxruntime"))
     assert onnx == planned_target_footprint(m.variant_bytes("q4")) > native
+
+
+def test_the_readme_quick_start_answers_right_on_the_default_target(native_engine):
+    """Issue 45: the quick start's first line once asked "What is the capital of France?", which the
+    default SmolLM2-135M Q4_1 answers in nonsense French. Every `generate` line of the README's
+    "After setup" block is run here as the CLI runs it (greedy, chat template, 256 tokens) and its
+    answer checked; setup.sh asks the first one."""
+    import re
+    import shlex
+    from pathlib import Path
+
+    from memspec.request import GenerationRequest
+
+    repo = Path(__file__).resolve().parent.parent
+    block = (repo / "README.md").read_text().split("After setup:", 1)[1].split("```sh", 1)[1].split("```", 1)[0]
+    lines = [shlex.split(line)[2:] for line in block.strip().splitlines() if " generate " in line]
+    expected = [r"capital of France is Paris", r"(?s)red.*(blue.*yellow|yellow.*blue)", r"% 2 == 0"]
+    assert len(lines) == len(expected), lines
+    for args, pattern in zip(lines, expected):
+        draft = args[args.index("--draft") + 1] if "--draft" in args else None
+        answer = native_engine.generate(GenerationRequest(prompt=args[-1], max_tokens=256, draft=draft)).text
+        assert re.search(pattern, answer, re.IGNORECASE), (args, answer)
+    assert f'generate "{lines[0][-1]}"' in (repo / "setup.sh").read_text()

@@ -7,6 +7,7 @@ step, so every test runs in milliseconds.
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 from dataclasses import replace
@@ -154,7 +155,8 @@ class Harness:
             return e
 
         self.memory = memory
-        self.backend = EngineBackend(config, loader, FakeStore())
+        # the fake engine offers no drafts (its DraftPool is empty): the store says so before a load
+        self.backend = EngineBackend(config, loader, FakeStore(), drafts_of=lambda name: [])
         s = server_cfg
         self.admission = Admission(AdmissionConfig(s.max_concurrent, s.max_queue, s.memory_headroom_mb * MiB),
                                    lambda: self.memory)
@@ -568,10 +570,14 @@ def test_status_shows_the_prompt_prefix_cache_where_the_engine_keeps_one(h):
     assert (st["lookups"], st["hits"], st["reused_tokens"], st["entries"], st["bytes"]) == (4, 3, 60, 0, 0)
 
 
-def test_no_daemon_is_unavailable(tmp_path):
+def test_no_daemon_is_unavailable_and_says_how_to_start_one(tmp_path):
+    """Issue 45: with no daemon, `memspec status` printed gRPC's internals (FAILED_PRECONDITION ...);
+    it says what is wrong in words, and how to start a daemon or generate without one."""
     with Client(str(tmp_path / "none.sock"), timeout=2) as c:
-        with pytest.raises(UnavailableError, match="no memspec daemon answers"):
+        with pytest.raises(UnavailableError, match=r"no memspec daemon answers at .*none.sock \(no socket there\); "
+                                                   r"start one with `memspec serve`") as err:
             c.status()
+    assert "memspec generate --local" in str(err.value) and "FAILED_PRECONDITION" not in str(err.value)
 
 
 # -- pure pieces -------------------------------------------------------------------------------
@@ -765,8 +771,10 @@ def test_cli_uses_the_daemon_it_finds_or_is_told(h, monkeypatch):
         assert found.address.path == h.path
     with _daemon(_args(address=str(h.path))) as told:
         assert told.health() == "SERVING"
-    with pytest.raises(CLIError, match="--variant picks the local target"):
+    with pytest.raises(CLIError, match="--variant picks the local engine"):
         _daemon(_args(address=str(h.path), variant="fp32"))
+    with _daemon(_args(address=str(h.path), target="other")) as named:  # --model asks the daemon
+        assert named.health() == "SERVING"
     h.servicer.set_state("draining")
     assert _daemon(_args()) is None  # not serving: local, with a note
 
@@ -973,12 +981,86 @@ def test_a_request_names_its_target_and_keep_alive_and_ps_shows_them(h, capsys):
     assert (rows["other"]["state"], rows["other"]["loads"], rows["other"]["active"]) == ("loaded", 1, 0)
     assert main(["ps", "--address", str(h.path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["NAME", "VAR", "SIZE", "STATE", "UNLOADS", "DRAFTS"]
-    assert out[1].split()[0] == "other" and "in 600 s" in out[1] and "drafts: none" in out[1]
+    assert out[0].split() == ["NAME", "VAR", "SIZE", "STATE", "UNLOADS", "RESIDENT", "DRAFTS"]
+    assert out[1].split()[0] == "other" and "in 600 s" in out[1] and "resident drafts: none yet" in out[1]
     assert out[2].split()[0] == "tiny" and "never (kept)" in out[2]
-    with pytest.raises(ModelNotFoundError, match="model: 'nope' is not in the store; the pulled targets are "):
+    with pytest.raises(ModelNotFoundError, match="model: 'nope' is not in the store; the pulled targets are ") as err:
         list(h.client.generate("a", model="nope"))
+    assert "GET /v1/models" not in str(err.value)  # gRPC's answer names no HTTP route (issue 45)
     with pytest.raises(InvalidRequestError, match="model: 'a-draft' is a draft; name a target"):
         list(h.client.generate("a", model="a-draft"))
     with pytest.raises(InvalidRequestError, match="keep_alive: 'soon' is not a duration"):
         wire.request_from_pb(wire.pb2.GenerateRequest(prompt="a", keep_alive="soon"))
+
+
+def test_the_cli_asks_the_daemon_for_the_model_it_names(h, capsys, monkeypatch, tmp_path):
+    """Issue 45: `memspec generate --address SOCK --model NAME` was refused although HTTP and the
+    Python client load a pulled model on demand; the CLI asks the daemon for it too, and its own
+    store (empty here) is not consulted: the daemon answers from its store."""
+    from memspec.cli import main
+
+    monkeypatch.setenv("MEMSPEC_HOME", str(tmp_path / "empty-store"))
+    assert main(["generate", "--address", str(h.path), "--model", "other", "--json", "--max-tokens", "2", "a b"]) == 0
+    got = capsys.readouterr()
+    out = json.loads(got.out)
+    assert out["model"] == "other" and out["text"] == "b a "
+    assert "memspec: other is not loaded; the daemon loads it first" in got.err  # gRPC streams nothing meanwhile
+    assert main(["generate", "--address", str(h.path), "--model", "other", "--max-tokens", "1", "a b"]) == 0
+    assert "not loaded" not in capsys.readouterr().err
+    assert {t["name"]: t["state"] for t in h.client.status()["targets"]}["other"] == "loaded"
+    assert main(["chat", "--address", str(h.path), "--model", "nope", "hi"]) == 2
+    assert "model: 'nope' is not in the store" in capsys.readouterr().err
+
+
+def test_an_unknown_draft_is_refused_before_its_target_loads(h):
+    """Issue 45: a request naming a pulled target that is not loaded and an unknown draft loaded the
+    target first (perhaps unloading others to make room), then got INVALID_ARGUMENT. Every check
+    that needs no weights comes first: an unknown model before its draft, then the draft."""
+    loads = len(h.engines)
+    with pytest.raises(InvalidRequestError, match="draft: unknown draft 'nope'; available: none"):
+        list(h.client.generate("a", model="other", draft="nope"))
+    with pytest.raises(InvalidRequestError, match="policy: unknown draft 'nope'"):
+        list(h.client.generate("a", model="other", policy="fixed:nope"))
+    with pytest.raises(ModelNotFoundError, match="model: 'gone' is not in the store"):
+        list(h.client.generate("a", model="gone", draft="nope"))
+    assert len(h.engines) == loads and "other" not in {t["name"] for t in h.client.status()["targets"]}
+    _, done = collect(h.client.generate("a b", max_tokens=1, model="other", draft="none"))
+    assert done.model == "other" and len(h.engines) == loads + 1
+
+
+def test_what_status_ps_and_unload_say_agrees(h, capsys, tmp_path):
+    """Issue 45's small inconsistencies: `unload nosuch` listed a target twice (its batched row too);
+    `ps` showed the variant asked for (q4) where status showed the one running (gguf); `status`
+    listed drafts that `ps` said were none, without saying which were loaded."""
+    from memspec.cli import main
+
+    e = h.engine
+    e.batch = SimpleNamespace(target=SimpleNamespace(weight_bytes=0), report=lambda: {})  # a batched row
+    e.target.variant = "gguf"  # the native engine runs the GGUF for a request of q4
+    e.drafts = DraftPool({"d": SimpleNamespace(name="d", nbytes=MiB, session=None)})
+    with pytest.raises(ModelNotFoundError, match=r"'nosuch' is not resident \(resident: tiny\)$"):
+        h.client.unload("nosuch")
+    st = h.client.status()
+    assert [t["variant"] for t in st["targets"]] == [m["variant"] for m in st["resident"] if m["role"] == "target"]
+    assert main(["ps", "--address", str(h.path)]) == 0
+    assert "tiny" in (row := capsys.readouterr().out.splitlines()[1]) and " gguf " in row
+    assert main(["status", "--address", str(h.path)]) == 0
+    drafts = [line for line in capsys.readouterr().out.splitlines() if line.startswith("draft ")]
+    assert drafts and all(" resident: " in line or " not loaded: " in line for line in drafts), drafts
+
+
+def test_status_and_models_into_a_closed_pipe_end_quietly(h, tmp_path):
+    """`memspec status | head -1` and `memspec models | head -1` ended in a BrokenPipeError traceback."""
+    import os
+    import subprocess
+    import sys
+
+    for argv in (["status", "--address", str(h.path)], ["models"]):
+        r, w = os.pipe()
+        os.close(r)  # the reader has gone before a byte is written
+        try:
+            p = subprocess.run([sys.executable, "-m", "memspec.cli", *argv], stdout=w, stderr=subprocess.PIPE,
+                               text=True, env={**os.environ, "MEMSPEC_HOME": str(tmp_path)}, timeout=60)
+        finally:
+            os.close(w)
+        assert p.returncode == 141 and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr

@@ -274,3 +274,31 @@ def test_a_request_cancelled_while_its_target_loads_leaves_and_the_load_goes_on(
     loads.gate.set()
     wait_for(lambda: ts.status()[0]["state"] == "loaded")
     assert use(ts, "a") is loads.engines["a"] and loads.calls == ["a"]  # loaded once, for the next request
+
+
+def test_a_request_waiting_for_a_load_is_told_how_it_goes(monkeypatch):
+    """acquire(progress=...): what a front end streams while its target loads (issue 45: a load on
+    demand was half a minute of silence). As the wait begins, then every PROGRESS_S, on the set's
+    clock; a later load of the same target also says what its loads took before."""
+    import memspec.scheduling.targets as targets
+
+    monkeypatch.setattr(targets, "PROGRESS_S", 0.0)
+    ts, loads, clock = make()
+    loads.gate.clear()
+    told: list[str] = []
+    t = threading.Thread(target=lambda: use(ts, "a", progress=told.append))
+    t.start()
+    wait_for(lambda: len(told) >= 2)
+    clock.advance(12)
+    wait_for(lambda: told[-1] == "loading a (q4): 12 s")
+    loads.gate.set()
+    t.join(5)
+    assert told[0] == "loading a (q4): 0 s" and set(told) <= {"loading a (q4): 0 s", "loading a (q4): 12 s"}
+    ts.unload("a")
+    wait_for(lambda: ts.status()[0]["state"] == "unloaded")
+    again: list[str] = []
+    use(ts, "a", progress=again.append)
+    assert set(again) == {"loading a (q4): 0 s; its loads took 12 s on average"}
+    said = len(again)
+    use(ts, "a", progress=again.append)  # loaded: nothing to wait for, nothing said
+    assert len(again) == said

@@ -435,6 +435,10 @@ def _convert_into(store: ModelStore, folder: Path, model: GGUFModel, gguf: Path,
         provenance=_provenance(gguf, source, gguf_sha, local), architecture=dict(model.config.__dict__),
         extra={"eos_token_ids": [int(model.field("tokenizer.ggml.eos_token_id", 2))]}, folder=folder,
     )
+    # the variants pulled before from the same GGUF and still whole stay listed: `pull NAME --variant
+    # q4f16` adds q4f16 beside fp32 and q4 instead of forgetting them (their files stayed on disk)
+    manifest.variants.update({v: rec for v, rec in previous.items() if v not in variants
+                              and all(_same_size(folder, r) for r in (rec, rec.get("data")) if r)})
     for i, variant in enumerate(variants, 1):
         out = folder / f"{variant}.onnx"
         rec = previous.get(variant)

@@ -135,8 +135,7 @@ class Scheduler:
     # -- DraftSource ------------------------------------------------------------------
     def check(self, req: GenerationRequest) -> None:
         """Refuse an unknown draft or policy before any work."""
-        if req.draft not in (None, NO_DRAFT) and req.draft not in self.drafts:
-            raise unknown_draft(req.draft, self.drafts)
+        check_draft_names(req, self.drafts)
         if req.policy is not None:
             self.policy(req.policy)  # an unknown fixed draft; a predictor or oracle table that is missing
 
@@ -227,6 +226,22 @@ class Scheduler:
 
     def close(self) -> None:
         self.ws.close()
+
+
+def check_draft_names(req: GenerationRequest, drafts) -> None:
+    """Refuse a request whose draft (or fixed policy's draft) is not one of `drafts`."""
+    if req.draft not in (None, NO_DRAFT) and req.draft not in drafts:
+        raise unknown_draft(req.draft, drafts)
+    if req.policy is not None and req.policy.kind == "fixed" and req.policy.draft not in drafts:
+        raise unknown_draft(req.policy.draft, drafts, "policy")
+
+
+def draft_names(store, target_name: str) -> list[str]:
+    """The drafts a request for `target_name` may name, from the store alone (before the target
+    loads): what from_store's scheduler offers, prompt lookup and every draft made for it."""
+    from memspec.speculation.drafts import target_drafts
+
+    return [PROMPT_LOOKUP, *(m.name for m in target_drafts(store, target_name))]
 
 
 def draft_footprints(drafts: list) -> dict[str, int]:

@@ -47,6 +47,7 @@ if TYPE_CHECKING:  # the set itself runs no engine code
 log = logging.getLogger("memspec.targets")
 
 POLL_S = 0.05  # how often a waiting request checks its cancel and deadline
+PROGRESS_S = 2.0  # how often a request waiting for a load is told how far it is (acquire's progress)
 
 
 class Engine(Protocol):
@@ -145,6 +146,7 @@ class _Target:
     last_used: float = 0.0
     expires_at: float | None = None  # set when it turns idle; None = never
     error: BaseException | None = None  # why its load failed
+    since: float = 0.0  # when its load was asked for (progress reports count from it)
 
 
 class TargetLease:
@@ -183,13 +185,16 @@ class TargetSet:
     # -- requests ------------------------------------------------------------------------
     def acquire(self, name: str, variant: str | None = None, keep_alive: float | None = None,
                 default_keep_alive: float = KEEP_FOREVER, cancelled: Callable[[], bool] = lambda: False,
-                timeout: float | None = None) -> TargetLease:
+                timeout: float | None = None, progress: Callable[[str], None] | None = None) -> TargetLease:
         """Hold `name`, loading it first when it is not loaded (as `variant`; None: the planner's
         choice, or whatever is loaded).  Waits for its load, or for it to drain and come back, at
         most `timeout` seconds and not past `cancelled()`.  keep_alive: this request's (None: the
-        target's, else `default_keep_alive` for a target it loads).  Raises the load's error
+        target's, else `default_keep_alive` for a target it loads).  progress: told what it waits
+        for as the wait begins, then every PROGRESS_S ("loading NAME (VARIANT): 4 s"); called
+        under the set's lock, so it must not block.  Raises the load's error
         (InsufficientMemoryError when it does not fit), CancelledError, DeadlineExceededError."""
         deadline = None if timeout is None else time.monotonic() + timeout
+        told = None  # when progress was last called
         with self._cond:
             while True:
                 if self._closed:
@@ -199,7 +204,19 @@ class TargetSet:
                     e = self._start_load(name, variant, default_keep_alive if keep_alive is None else keep_alive)
                 elif e.state == "loaded" and not e.draining:
                     return self._hold(e, keep_alive)
+                if progress is not None and (told is None or time.monotonic() - told >= PROGRESS_S):
+                    told = time.monotonic()
+                    progress(self._progress(e))
                 self._wait_on(e, cancelled, deadline)
+
+    def _progress(self, e: _Target) -> str:
+        """Under the lock: what a request waiting for `e` waits for, in words."""
+        waited = max(self.clock() - e.since, 0.0)
+        if e.state == "loading":
+            c = self.counters.get(e.name)
+            last = f"; its loads took {c.load_seconds / c.loads:.0f} s on average" if c and c.loads else ""
+            return f"loading {e.name} ({e.variant}): {waited:.0f} s{last}"
+        return f"waiting for {e.name} ({e.state}{', draining to make room' if e.draining else ''}): {waited:.0f} s"
 
     def _wait_on(self, e: _Target, cancelled: Callable[[], bool], deadline: float | None) -> None:
         """Under the lock: wait a moment for `e` to load, drain or go; raise its load's error."""
@@ -245,7 +262,8 @@ class TargetSet:
     def _start_load(self, name: str, variant: str | None, keep_alive: float) -> _Target:
         """Under the lock: an entry for `name`, loading on a thread of its own."""
         variant, planned = self.planner(name, variant)  # ModelNotFoundError, a variant it lacks
-        e = _Target(name, variant, keep_alive, max(planned, self._measured.get(name, 0)), last_used=self.clock())
+        e = _Target(name, variant, keep_alive, max(planned, self._measured.get(name, 0)), last_used=self.clock(),
+                    since=self.clock())
         self._entries[name] = e
         self.counters.setdefault(name, TargetCounters())
         threading.Thread(target=self._load, args=(e,), name=f"memspec-load-{name}", daemon=True).start()

@@ -25,6 +25,7 @@ from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest,
                              validate)
 from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget
 from memspec.runtime.target import NATIVE_VARIANT, engine_for, planned_footprint
+from memspec.scheduling.scheduler import check_draft_names
 from memspec.scheduling.targets import TargetLease, TargetSet
 
 log = logging.getLogger("memspec.backend")
@@ -81,8 +82,9 @@ class Checked:
 
 class Backend(Protocol):
     config: Config  # what it runs with; config.limits bound every request
-    def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = ...,
-              timeout: float | None = None) -> Checked: ...  # load its target if need be; prompt ids, KV bytes
+    # load its target if need be (telling progress how the load goes); its prompt ids and KV bytes
+    def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = ..., timeout: float | None = None,
+              progress: Callable[[str], None] | None = None) -> Checked: ...
     def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run: ...
     def record(self, completion: Completion) -> None: ...  # count a finished request
     def hint(self, req: GenerationRequest) -> None: ...  # a checked request will wait in the queue
@@ -133,6 +135,9 @@ class EngineBackend:
     store: "memspec.models.store.ModelStore"  # noqa: F821
     probe: MemoryProbe | None = None  # the daemon's memory (None: psutil's); tests pass a fake
     clock: Callable[[], float] = time.monotonic
+    # target name -> the drafts its requests may name, known before it loads (the daemon's: the store's,
+    # as its scheduler offers them, memspec.scheduling.scheduler.draft_names); None: checked once loaded
+    drafts_of: Callable[[str], list[str]] | None = None
     started: bool = False  # the first target load has finished
     _config_lock: threading.Lock = field(default_factory=threading.Lock)  # config and engine limits (SIGHUP)
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
@@ -172,8 +177,7 @@ class EngineBackend:
                 raise
             pulled = ", ".join(m.name for m in self.store.list() if m.role == "target") or "none"
             raise ModelNotFoundError(f"model: {quote(name)} is not in the store; the pulled targets are {pulled} "
-                                     f"(GET /v1/models or `memspec models` lists them; `memspec pull NAME` adds one)"
-                                     ) from None
+                                     f"(`memspec pull NAME` adds one)") from None
         if manifest.role != "target":
             raise InvalidRequestError(f"{field}: {quote(name)} is a {manifest.role}; name a target, and pick a draft "
                                       f"with \"draft\" (drafts are loaded with their target)")
@@ -205,15 +209,19 @@ class EngineBackend:
 
     # -- requests ------------------------------------------------------------------
     def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = lambda: False,
-              timeout: float | None = None) -> Checked:
+              timeout: float | None = None, progress: Callable[[str], None] | None = None) -> Checked:
         """Hold the request's target (loading it first if need be, waiting at most `timeout` s and
-        not past `cancelled()`), then check the request against it."""
+        not past `cancelled()`, telling `progress` how the load goes), then check the request
+        against it."""
         if not self.started:
             raise UnavailableError(f"the daemon is starting: loading {self.config.model.target}")
         validate(req, self.config.limits)  # a bad field costs no load
         name = req.model or self.config.model.target
+        if self.drafts_of is not None and (req.draft is not None or req.policy is not None):
+            self._plan(name, None)  # an unknown or draft model is named first, as the load would
+            check_draft_names(req, self.drafts_of(name))  # nor does an unknown draft cost a load
         default = KEEP_FOREVER if name == self.config.model.target else self.keep_alive
-        lease = self.targets.acquire(name, None, req.keep_alive, default, cancelled, timeout)
+        lease = self.targets.acquire(name, None, req.keep_alive, default, cancelled, timeout, progress)
         try:
             engine = lease.engine
             prompt = engine.check(req)  # limits, draft, policy, context; raises InvalidRequest / ContextOverflow
@@ -289,14 +297,17 @@ class EngineBackend:
             freed = engine.drafts.unload(name)
             if freed is not None:
                 return freed
-        have = ", ".join(m["name"] for _, e in engines for m in _resident(e)) or "none"
+        have = ", ".join(dict.fromkeys(m["name"] for _, e in engines for m in _resident(e))) or "none"
         raise ModelNotFoundError(f"name: {quote(name)} is not resident (resident: {have})")
 
     # -- status ------------------------------------------------------------------------
     def status(self) -> dict:
         engines = self.targets.engines()  # most recently used first
+        # a loaded target's variant as its engine runs it ("gguf" on the native engine), as "resident" says
+        runs = {name: e.target.variant for name, e in engines}
+        targets = [dict(r, variant=runs[r["name"]]) if r["name"] in runs else r for r in self.targets.status()]
         out = {"resident": [m for _, e in engines for m in _resident(e)], "drafts": [], "predictor": {},
-               "scheduler": {}, "batch": {}, "prefix_cache": {}, "targets": self.targets.status(),
+               "scheduler": {}, "batch": {}, "prefix_cache": {}, "targets": targets,
                "warnings": [w for _, e in engines for w in (e.target.session.rows.warning(),) if w]}
         for _, engine in engines:  # a draft every target has (prompt lookup) is listed once: counters are by name
             out["drafts"] += [d for d in self._draft_rows(engine.drafts.report())

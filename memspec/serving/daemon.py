@@ -15,6 +15,7 @@ Logs are JSON lines on stderr (journald keeps them): one per request, with its s
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -31,6 +32,7 @@ from typing import Callable
 from memspec.runtime.memory import PsutilProbe
 from memspec.serving.address import Address, check_private_folder, default_socket, server_address
 from memspec.serving.admission import MiB, Admission, AdmissionConfig
+from memspec.scheduling.scheduler import draft_names
 from memspec.serving.backend import EngineBackend
 from memspec.config import Config, ServerConfig, load_config
 from memspec.errors import ConfigError, MemspecError
@@ -149,7 +151,8 @@ class Daemon:
         self.config_path = config_path
         self.address: Address = server_address(listen or config.server.listen)
         self.notifier = notifier or Notifier()
-        self.backend = EngineBackend(config, loader, ModelStore(config.store_home))
+        store = ModelStore(config.store_home)
+        self.backend = EngineBackend(config, loader, store, drafts_of=functools.partial(draft_names, store))
         self.admission = Admission(admission_config(config.server), PsutilProbe().available_bytes)  # cgroup-aware
         self.servicer = MemSpecServicer(self.backend, self.admission, listen=str(self.address))
         self.max_workers = config.server.max_concurrent + config.server.max_queue + SPARE_WORKERS

@@ -96,14 +96,21 @@ def body_limit(limits) -> int:
 
 # -- one generation, off the event loop ------------------------------------------------------------
 class Pump:
-    """Service.generate on a thread of its own; what it yields reaches the loop through a queue.
+    """Service.generate on a thread of its own (from start()); what it yields reaches the loop
+    through a queue.
 
-    Messages: ("item", Chunk | Final), ("error", exception), ("end", None), ("gone", None)."""
+    Messages: ("item", Chunk | Final), ("progress", str: how the load of its target goes, for a
+    stream), ("error", exception), ("end", None), ("gone", None)."""
 
-    def __init__(self, items: Iterator, cancel: threading.Event, loop: asyncio.AbstractEventLoop):
-        self.items, self.cancel, self.loop = items, cancel, loop
+    def __init__(self, cancel: threading.Event, loop: asyncio.AbstractEventLoop):
+        self.cancel, self.loop = cancel, loop
+        self.items: Iterator = iter(())
         self.queue: asyncio.Queue = asyncio.Queue()
+
+    def start(self, items: Iterator) -> "Pump":
+        self.items = items
         threading.Thread(target=self._run, name="memspec-http", daemon=True).start()
+        return self
 
     def put(self, kind: str, value: Any = None) -> None:
         try:
@@ -279,7 +286,13 @@ class Api:
         def remaining():
             return None if deadline is None else max(deadline - self.clock(), 0.0)
 
-        pump = Pump(self.service.generate(parse, cancel, remaining, fields), cancel, loop)
+        pump = Pump(cancel, loop)
+
+        def progress(message: str) -> None:  # a stream hears how the load of its target goes (SSE comments)
+            if parse.parsed and parse.parsed[0].stream:
+                pump.put("progress", message)
+
+        pump.start(self.service.generate(parse, cancel, remaining, fields, progress))
         timer = loop.call_later(timeout, lambda: (expired.set(), cancel.set())) if deadline else None
         watcher = asyncio.ensure_future(_watch(request.receive, cancel, pump))
         try:
@@ -288,7 +301,9 @@ class Api:
             cancel.set()
             _stop(timer, watcher)
             raise
-        if kind != "item":
+        if kind == "progress":  # a stream whose target loads first: answer 200 now, and say how the load goes
+            first = Progress(first)
+        elif kind != "item":
             _stop(timer, watcher)
             return self._error(_deadline(first, expired)) if kind == "error" else Response(status_code=499)
         api = parse.parsed[0]
@@ -329,6 +344,14 @@ def _sse(obj: Any) -> bytes:
     return b"data: " + json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n\n"
 
 
+class Progress(str):
+    """How the load of a stream's target goes ("loading NAME (VARIANT): 4 s"): an SSE comment, which
+    clients ignore and a person watching the stream reads (as Ollama shows a load)."""
+
+    def sse(self) -> bytes:
+        return b": " + " ".join(self.splitlines()).encode() + b"\n\n"
+
+
 class Reply:
     """One generation's answer: whole (JSON), or streamed (an ASGI response of server-sent events)."""
 
@@ -346,6 +369,8 @@ class Reply:
             kind, value = await self.pump.get()
             if kind == "item":
                 yield value
+            elif kind == "progress":
+                yield Progress(value)
             elif kind == "error":
                 raise value
             else:  # "end" (after the Final), or "gone"
@@ -363,6 +388,8 @@ class Reply:
             async for item in self.items():
                 if isinstance(item, Final):
                     final = item
+                elif isinstance(item, Progress):
+                    continue
                 else:
                     text.append(item.text)
                     if logprobs is not None:
@@ -391,6 +418,9 @@ class Reply:
             if api.kind == "chat":
                 yield _sse(openai.chunk(api, self.id, self.created, model, None, role=True))
             async for item in self.items():
+                if isinstance(item, Progress):
+                    yield item.sse()
+                    continue
                 if isinstance(item, Final):
                     c = item.completion
                     if c.finish_reason == "cancelled":

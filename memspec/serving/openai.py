@@ -260,6 +260,7 @@ def parse_completion(body: Any, max_tokens_limit: int) -> ApiRequest:
 
 # -- errors ------------------------------------------------------------------------------------
 _PARAM = re.compile(r"^([A-Za-z_][\w.\[\]]*): ")
+_EXTENSION_FIELDS = ("draft", "policy")  # the request fields a client sends in the EXTENSION object
 
 
 def error(exc: BaseException) -> tuple[int, dict]:
@@ -268,6 +269,8 @@ def error(exc: BaseException) -> tuple[int, dict]:
     message = str(exc) if st is not INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
     m = _PARAM.match(message) if st.http in (400, 404, 413) else None
     param = m.group(1) if m and m.group(1) != "body" else None
+    if param in _EXTENSION_FIELDS:  # checked past the wire (the engine, the scheduler), sent in "memspec"
+        param, message = f"{EXTENSION}.{param}", f"{EXTENSION}.{message}"
     return st.http, {"error": {"message": message, "type": st.type, "param": param, "code": st.code}}
 
 

@@ -30,6 +30,7 @@ from memspec.serving.counters import LatencyHistograms, RequestClock, RequestCou
 
 log = logging.getLogger("memspec.server")
 STATES = ("starting", "serving", "draining")
+LOG_WAIT_S = 10.0  # how often the log says again that a request still waits for its target's load
 
 
 @dataclass
@@ -63,13 +64,15 @@ class Service:
             self.admission.close()
 
     def generate(self, parse: Callable[[], GenerationRequest], cancel: threading.Event,
-                 time_remaining: Callable[[], float | None], fields: dict) -> Iterator[Chunk | Final]:
+                 time_remaining: Callable[[], float | None], fields: dict,
+                 progress: Callable[[str], None] | None = None) -> Iterator[Chunk | Final]:
         """Run one request: Chunks as tokens are committed, then a Final.
 
         parse: builds the request (InvalidRequestError for a bad one); cancel: set when the
         client goes away (checked while queued and at every step); time_remaining: seconds
         left before its deadline (None: none), asked when it joins the queue; fields: the
-        request's log line, which the caller may have started ("method", "peer").
+        request's log line, which the caller may have started ("method", "peer"); progress: told
+        how the load of its target goes while it waits for one (TargetSet.acquire), and logged.
         Raises the named exception (memspec.errors.STATUS) of whatever refused or ended it.
         """
         t0 = self.clock()
@@ -82,7 +85,7 @@ class Service:
             if req.model:
                 fields["model"] = req.model
             # holds its target (loaded first if need be) until the request ends
-            checked = self.backend.check(req, cancel.is_set, time_remaining())
+            checked = self.backend.check(req, cancel.is_set, time_remaining(), _logged(progress, fields))
             try:
                 fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft,
                               policy=str(req.policy) if req.policy is not None else None)
@@ -148,3 +151,19 @@ class Service:
                               "process_rss_bytes": psutil.Process(os.getpid()).memory_info().rss},
             "requests": self.counters.to_dict(),
         }
+
+
+def _logged(progress: Callable[[str], None] | None, fields: dict) -> Callable[[str], None]:
+    """progress, and the log: a request waiting for a load says so when it starts waiting and every
+    LOG_WAIT_S after (the load's own lines say what it is doing, such as measuring pass costs)."""
+    logged = []  # when it last logged
+
+    def tell(message: str) -> None:
+        if not logged or time.monotonic() - logged[-1] >= LOG_WAIT_S:
+            logged.append(time.monotonic())
+            log.info("request waits for a load", extra={"fields": {
+                **{k: fields[k] for k in ("method", "peer", "model") if k in fields}, "progress": message}})
+        if progress is not None:
+            progress(message)
+
+    return tell

@@ -57,10 +57,23 @@ def error_from_rpc(err: grpc.RpcError, where: str = "") -> MemspecError:
     named = dict(err.trailing_metadata() or ()).get(ERROR_KEY)
     cls = NAMED.get(named) or ERRORS.get(code, RemoteError)
     if cls is UnavailableError and named is None:
-        return UnavailableError(f"no memspec daemon answers at {where or 'the address'} ({details})")
+        return UnavailableError(f"no memspec daemon answers at {where or 'the address'} ({_why(details)}); start one "
+                                f"with `memspec serve` (or `systemctl start memspec`), or generate without one: "
+                                f"`memspec generate --local PROMPT`")
     if cls is RemoteError:
         return RemoteError(f"the daemon failed: {code.name}: {details}")
     return cls(details)
+
+
+def _why(details: str) -> str:
+    """Why a connection failed, in words, from gRPC's details ("failed to connect to all addresses;
+    last error: FAILED_PRECONDITION: unix:/run/...: connect failed: ... No such file or directory")."""
+    for needle, words in (("No such file or directory", "no socket there"),
+                          ("Connection refused", "nothing listens there"),
+                          ("Permission denied", "permission denied: join the daemon's group (usermod -aG memspec USER)")):
+        if needle in details:
+            return words
+    return details
 
 
 # -- bytes that are not a request -----------------------------------------------------

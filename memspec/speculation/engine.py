@@ -24,7 +24,7 @@ from memspec.models.store import Manifest, ModelStore
 from memspec.models.tokenizer import Tokenizer
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, TokenLogprob, validate
 from memspec.runtime.config import SessionConfig
-from memspec.runtime.costs import CostCache
+from memspec.runtime.costs import CostCache, pass_costs
 from memspec.runtime.memory import release_heap, request_kv_bytes
 from memspec.runtime.kvcache import KVCache
 from memspec.runtime.prefixes import PrefixCache
@@ -127,7 +127,7 @@ class Engine:
             if self.verify_cost_s is None:
                 session, max_k = self.target.session, self.spec.gamma_max + 1
                 self.verify_cost_s = self._measured(session.cost_key(max_k),
-                                                    lambda: session.measure_step_costs(max_k))
+                                                    lambda: session.measure_step_costs(max_k), "one-request pass costs")
             if self.batch is not None and self.pass_cost_s is None:
                 self.pass_cost_s = self._batched_pass_costs(self.spec.gamma_max + 1)
         return self.verify_cost_s
@@ -139,19 +139,31 @@ class Engine:
         width = max_k + 1
 
         def measure() -> list[float]:
-            table = bt.measure_pass_costs(max_k)
+            if bt.target is self.target.session:  # its one-row pass is the target's own forward, measured
+                table = pass_costs(bt, max_k, one_row=self.verify_cost_s)
+            else:  # a graph of its own (ONNX Runtime's batched graph)
+                table = bt.measure_pass_costs(max_k)
             return [c for b in range(1, bt.rows + 1) for c in table[b]]
 
         key = f"{self.target.session.cost_key(max_k)} batched rows={bt.rows}"
-        flat = self._measured(key, measure)
+        flat = self._measured(key, measure, f"batched pass costs (a pass of {bt.rows} rows; fewer interpolated)")
         if len(flat) != bt.rows * width:  # a hand-edited file: measure again
             flat = measure()
             self.costs.put(key, flat)
         return {b: flat[(b - 1) * width: b * width] for b in range(1, bt.rows + 1)}
 
-    def _measured(self, key: str, measure: Callable[[], list[float]]) -> list[float]:
-        """measure(), through the store's cost file where the engine has one."""
-        return measure() if self.costs is None else self.costs.measured(key, measure)
+    def _measured(self, key: str, measure: Callable[[], list[float]], what: str = "pass costs") -> list[float]:
+        """measure(), through the store's cost file where the engine has one; a measurement is
+        logged (seconds of a load that would otherwise pass in silence)."""
+        def logged() -> list[float]:
+            t0 = time.perf_counter()
+            log.info("%s: measuring the target's %s (once per model and machine, kept in the store's costs.json)",
+                     self.target.name, what)
+            out = measure()
+            log.info("%s: %s measured in %.1f s", self.target.name, what, time.perf_counter() - t0)
+            return out
+
+        return logged() if self.costs is None else self.costs.measured(key, logged)
 
     def _verify_costs(self) -> list[float] | Callable[[], list[float]] | None:
         """What the cost controller reads: the one-request costs, or under batching the cost of a
