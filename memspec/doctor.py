@@ -242,30 +242,35 @@ def _engine_config(config: Config, engine: str):
 
 
 def target_rows(store, config: Config, bandwidth: float) -> list[dict]:
-    """Each pulled target: the engine it runs on here, the bytes a token reads and the decode limit."""
+    """Each pulled target: the engine it runs on here, the bytes a token reads (the native engine: the
+    GGUF's weights, bytes_per_token; ONNX Runtime: its graph's file) and the decode limit they imply."""
+    from memspec.runtime.config import NATIVE_VARIANT
     from memspec.runtime.target import engine_for
 
     rows = []
-    for m in store.list():
-        if m.role != "target":
-            continue
+    for m in (m for m in store.list() if m.role == "target"):
         row = {"name": m.name, "default": m.name == config.model.target, "engine": None, "variant": None,
                "bytes_per_token": None, "limit_tok_per_s": None, "error": None}
+        rows.append(row)
         try:
             row["engine"] = engine_for(store, m, config.model.variant, config.runtime)
-            gguf = store.gguf_path(m)
-            if row["engine"] == "native" or (config.model.variant == "q4" and gguf is not None and gguf.is_file()):
-                row["variant"] = "gguf" if row["engine"] == "native" else config.model.variant
-                row["bytes_per_token"] = bytes_per_token(gguf)  # q4 holds the GGUF's own blocks
-            else:
-                row["variant"] = config.model.variant
-                row["bytes_per_token"] = m.variant_bytes(config.model.variant)  # KeyError: not pulled
-            row["limit_tok_per_s"] = decode_limit(row["bytes_per_token"], bandwidth)
-        except KeyError:
-            row["error"] = f"no {config.model.variant} graph: memspec pull {m.name} --variant {config.model.variant}"
         except MemspecError as exc:
             row["error"] = str(exc)
-        rows.append(row)
+            continue
+        if row["engine"] == "native":
+            row["variant"], gguf = NATIVE_VARIANT, store.gguf_path(m)
+            if gguf is None or not gguf.is_file():
+                row["error"] = f"its GGUF is not in the store, and the native engine runs it: memspec pull {m.name}"
+                continue
+            row["bytes_per_token"] = bytes_per_token(gguf)
+        else:
+            row["variant"] = config.model.variant
+            if row["variant"] not in m.variants:
+                row["error"] = (f"no {row['variant']} graph for ONNX Runtime: "
+                                f"memspec pull {m.name} --variant {row['variant']}")
+                continue
+            row["bytes_per_token"] = m.variant_bytes(row["variant"])
+        row["limit_tok_per_s"] = decode_limit(row["bytes_per_token"], bandwidth)
     return rows
 
 
@@ -308,64 +313,71 @@ def examine(config: Config, speed: bool = False, probe_seconds: float | None = N
     """Every section of the report, and its verdict (see the module's docstring for the keys)."""
     from memspec.models.store import ModelStore
     from memspec.runtime.memory import PsutilProbe
-    from memspec.runtime.target import engine_for, planned_footprint
 
     store = ModelStore(config.store_home)
-    probe = PsutilProbe()
     report = {"schema": SCHEMA, "memspec": __version__, "ok": True, "problems": [], "warnings": [],
               "system": system_section(), "kernels": kernels_section(), "onnxruntime": onnxruntime_section()}
-    memory = report["memory"] = memory_section(config, probe)
+    memory = report["memory"] = memory_section(config, PsutilProbe())
     name = config.model.target
     manifest = next((m for m in store.list() if m.name == name and m.role == "target"), None)
     report["gpu"] = dict(gpu_section(total_memory=memory["total_bytes"]), **gpu_variant(config, manifest))
     report["bandwidth"] = probe_bandwidth(report["system"]["physical_cores"], memory["available_bytes"],
                                           PROBE_SECONDS if probe_seconds is None else probe_seconds)
     report["targets"] = target_rows(store, config, report["bandwidth"]["bytes_per_s"])
-    default = report["default_target"] = {"name": name, "variant": config.model.variant, "engine": None,
-                                          "pulled": manifest is not None, "footprint_bytes": None}
+    report["default_target"] = {"name": name, "variant": config.model.variant, "engine": None,
+                                "pulled": manifest is not None, "footprint_bytes": None}
     report["exactness"], report["speed"] = [], None
-    problems, warnings = report["problems"], report["warnings"]
     if manifest is None:
         have = [t["name"] for t in report["targets"]]
-        problems.append(f"the default target {name} is not pulled into {store.models_dir}: memspec pull {name}"
-                        + (f" (pulled: {', '.join(have)}; [model] target or --model picks one)" if have else ""))
+        report["problems"].append(f"the default target {name} is not pulled into {store.models_dir}: memspec pull "
+                                  f"{name}" + (f" (pulled: {', '.join(have)}; [model] target or --model picks one)"
+                                               if have else ""))
     else:
-        try:
-            default["engine"] = engine_for(store, manifest, config.model.variant, config.runtime)
-        except MemspecError as exc:  # e.g. backend = "native" without the kernels
-            problems.append(f"{name} cannot run as configured: {exc}")
-        try:
-            default["footprint_bytes"] = planned_footprint(store, manifest, config.model.variant, config.runtime)
-        except (MemspecError, KeyError):  # no file to size it by: the load below says why
-            pass
-        loaded = {}
-        for engine in ENGINES:
-            target, row = load_on(store, manifest, config, engine)
-            report["exactness"].append(row)
-            if target is not None and engine == default["engine"]:
-                loaded[engine] = target
-            if row["exact"] is False:
-                warnings.append(f"{name} on {engine}: {row['reason']}")
-            del target
-        if default["engine"] and default["engine"] not in loaded:
-            why = "; ".join(f"{r['engine']}: {r['error']}" for r in report["exactness"] if r["error"])
-            problems.append(f"{name} does not load on the {default['engine']} engine ([runtime] backend = "
-                            f"\"{config.runtime.backend}\"): {why}")
-        budget, footprint = memory["budget_bytes"], default["footprint_bytes"]
-        if footprint and budget and budget < footprint:
-            problems.append(f"the memory budget ({_mib(budget)}, from {memory['budget_from']}) is below {name}'s "
-                            f"footprint ({_mib(footprint)}): raise [scheduler] budget_mb (and the unit's "
-                            f"MemoryHigh=/MemoryMax=), or pick a smaller target")
-        elif footprint and memory["available_bytes"] < footprint:
-            warnings.append(f"only {_mib(memory['available_bytes'])} of memory is available; loading {name} "
-                            f"needs about {_mib(footprint)}")
-        if speed and loaded:
-            row = next(e for e in report["exactness"] if e["engine"] == default["engine"])
-            report["speed"] = _speed(loaded[default["engine"]], row, report["targets"])
+        check_default(report, store, manifest, config, speed)
     if not report["kernels"]["built"]:
-        warnings.append(report["kernels"]["error"])
-    report["ok"] = not problems
+        report["warnings"].append(report["kernels"]["error"])
+    report["ok"] = not report["problems"]
     return report
+
+
+def check_default(report: dict, store, manifest, config: Config, speed: bool) -> None:
+    """The default target's part of the report: its engine and footprint, its self-check on each engine,
+    whether it fits the memory budget, and with `speed` its decode rate."""
+    from memspec.runtime.target import engine_for, planned_footprint
+
+    default, memory, problems = report["default_target"], report["memory"], report["problems"]
+    name, variant = manifest.name, config.model.variant
+    try:
+        default["engine"] = engine_for(store, manifest, variant, config.runtime)
+    except MemspecError as exc:  # e.g. backend = "native" without the kernels
+        problems.append(f"{name} cannot run as configured: {exc}")
+    try:
+        default["footprint_bytes"] = planned_footprint(store, manifest, variant, config.runtime)
+    except (MemspecError, KeyError):  # no file to size it by: the load below says why
+        pass
+    served = None
+    for engine in ENGINES:
+        target, row = load_on(store, manifest, config, engine)
+        report["exactness"].append(row)
+        if row["exact"] is False:
+            report["warnings"].append(f"{name} on {engine}: {row['reason']}")
+        if target is not None and engine == default["engine"]:
+            served = (target, row)  # the one the daemon would run
+        del target  # the other engine's goes now, before --speed decodes
+    if default["engine"] and served is None:
+        why = "; ".join(f"{r['engine']}: {r['error']}" for r in report["exactness"] if r["error"])
+        problems.append(f"{name} does not load on the {default['engine']} engine ([runtime] backend = "
+                        f"\"{config.runtime.backend}\"): {why}")
+    budget, footprint = memory["budget_bytes"], default["footprint_bytes"]
+    if footprint and budget and budget < footprint:
+        problems.append(f"the memory budget ({_mib(budget)}, from {memory['budget_from']}) is below {name}'s "
+                        f"footprint ({_mib(footprint)}): raise [scheduler] budget_mb (and the unit's "
+                        f"MemoryHigh=/MemoryMax=), or pick a smaller target")
+    elif footprint and memory["available_bytes"] < footprint:
+        report["warnings"].append(f"only {_mib(memory['available_bytes'])} of memory is available; loading {name} "
+                                  f"needs about {_mib(footprint)}")
+    if speed and served:
+        report["speed"] = _speed(*served, report["targets"])
 
 
 def _speed(target, loaded: dict, targets: list[dict]) -> dict:
@@ -382,66 +394,66 @@ def _mib(n: int | None) -> str:
 
 
 def render(r: dict) -> str:
-    """The report as one screen of text."""
+    """The report as one screen of text: a line a fact, each led by its section's name."""
+    lines = [f"memspec {r['memspec']} doctor", *_machine_lines(r), *_target_lines(r)]
+    lines += [f"warning     {w}" for w in r["warnings"]]
+    lines += [f"problem     {p}" for p in r["problems"]]
+    d = r["default_target"]
+    lines.append(f"verdict     memspec can serve {d['name']} here, on the {d['engine']} engine" if r["ok"] else
+                 "verdict     memspec cannot serve here (the problems above say what to do)")
+    return "\n".join(lines)
+
+
+def _machine_lines(r: dict) -> list[str]:
     s, k, o, g, m, b = r["system"], r["kernels"], r["onnxruntime"], r["gpu"], r["memory"], r["bandwidth"]
-    lines = [f"memspec {r['memspec']} doctor",
-             f"system      {s['os']}, {s['machine']}, Python {s['python']}",
-             f"cpu         {s['cpu']}: {s['physical_cores']} cores, {s['logical_cores']} threads"]
-    if k["built"]:
-        forced = f" (forced by MEMSPEC_NATIVE_ISA={k['forced']})" if k["forced"] else ""
-        lines.append(f"kernels     built; path {k['isa']} ({k['isa_name']}){forced}; this CPU runs "
-                     f"{', '.join(k['isas'])}")
-    else:
-        lines.append(f"kernels     NOT BUILT: {k['error']}")
-    if o["installed"]:
-        gpu_eps = [n for n, have in (("CUDA", o["cuda"]), ("TensorRT", o["tensorrt"])) if have]
-        lines.append(f"onnxruntime {o['version']}: {', '.join(o['providers'])}"
-                     f" (GPU: {', '.join(gpu_eps) or 'none'})")
-    else:
-        lines.append(f"onnxruntime {o['error']}")
-    gpu = (f"{g['name']}, {_mib(g['memory_bytes'])} ({g['source']})" if g["found"] else "none found "
-           "(nvidia-smi, /proc/driver/nvidia, /proc/device-tree/model)")
+    out = [f"system      {s['os']}, {s['machine']}, Python {s['python']}",
+           f"cpu         {s['cpu']}: {s['physical_cores']} cores, {s['logical_cores']} threads"]
+    forced = f" (forced by MEMSPEC_NATIVE_ISA={k['forced']})" if k["forced"] else ""
+    out.append(f"kernels     built; path {k['isa']} ({k['isa_name']}){forced}; this CPU runs {', '.join(k['isas'])}"
+               if k["built"] else f"kernels     NOT BUILT: {k['error']}")
+    gpu_eps = ", ".join(n for n, have in (("CUDA", o["cuda"]), ("TensorRT", o["tensorrt"])) if have) or "none"
+    out.append(f"onnxruntime {o['version']}: {', '.join(o['providers'])} (GPU: {gpu_eps})" if o["installed"]
+               else f"onnxruntime {o['error']}")
+    gpu = (f"{g['name']}, {_mib(g['memory_bytes'])} ({g['source']})" if g["found"]
+           else "none found (nvidia-smi, /proc/driver/nvidia, /proc/device-tree/model)")
+    name = r["default_target"]["name"]
     if g["variant"] is None:
-        lines.append(f"gpu         {gpu}; {g['note']}")
+        out.append(f"gpu         {gpu}; {g['note']}")
     else:
-        pulled = "" if g["pulled"] else f" (not pulled: memspec pull {r['default_target']['name']} --variant {g['variant']})"
-        lines.append(f"gpu         {gpu}; on a GPU {r['default_target']['name']} would run {g['variant']}{pulled}"
-                     + (f"; {g['note']}" if g["note"] else ""))
+        pulled = "" if g["pulled"] else f" (not pulled: memspec pull {name} --variant {g['variant']})"
+        out.append(f"gpu         {gpu}; on a GPU {name} would run {g['variant']}{pulled}"
+                   + (f"; {g['note']}" if g["note"] else ""))
     limit = _mib(m["cgroup_limit_bytes"]) if m["cgroup_limit_bytes"] else "none"
     budget = f"{_mib(m['budget_bytes'])} (from {m['budget_from']})" if m["budget_bytes"] else "none"
-    lines.append(f"memory      {_mib(m['available_bytes'])} available of {_mib(m['total_bytes'])}; cgroup limit "
-                 f"{limit}; budget {budget}")
-    lines.append(f"bandwidth   {b['bytes_per_s'] / 1e9:.1f} GB/s reading ({b['threads']} threads, median of "
-                 f"{b['passes']} passes over {_mib(b['buffer_bytes'])})")
+    out.append(f"memory      {_mib(m['available_bytes'])} available of {_mib(m['total_bytes'])}; cgroup limit "
+               f"{limit}; budget {budget}")
+    out.append(f"bandwidth   {b['bytes_per_s'] / 1e9:.1f} GB/s reading ({b['threads']} threads, median of "
+               f"{b['passes']} passes over {_mib(b['buffer_bytes'])})")
+    return out
+
+
+def _target_lines(r: dict) -> list[str]:
+    out, name = [], r["default_target"]["name"]
     for t in r["targets"]:
         mark = " (default)" if t["default"] else ""
-        if t["error"]:
-            lines.append(f"target      {t['name']}{mark}: {t['error']}")
-        else:
-            lines.append(f"target      {t['name']}{mark} on {t['engine']} ({t['variant']}): reads "
-                         f"{t['bytes_per_token'] / 1e6:.0f} MB a token, at most {t['limit_tok_per_s']:.1f} tok/s")
+        out.append(f"target      {t['name']}{mark}: {t['error']}" if t["error"] else
+                   f"target      {t['name']}{mark} on {t['engine']} ({t['variant']}): reads "
+                   f"{t['bytes_per_token'] / 1e6:.0f} MB a token, at most {t['limit_tok_per_s']:.1f} tok/s")
     for e in r["exactness"]:
         if e["error"]:
             verdict = f"cannot load: {e['error']}"
         elif e["exact"]:
-            verdict = f"exact (a row's logits the same at any row count){'; ' + e['reason'] if e['reason'] else ''}"
+            verdict = "exact (a row's logits the same at any row count)" + (f"; {e['reason']}" if e["reason"] else "")
         else:
             verdict = f"NOT exact: {e['reason']}"
-        lines.append(f"exactness   {r['default_target']['name']} on {e['engine']}: {verdict}")
+        out.append(f"exactness   {name} on {e['engine']}: {verdict}")
     sp = r["speed"]
     if sp:
-        share = f", {sp['share_of_limit']:.0%} of the {sp['limit_tok_per_s']:.1f} tok/s limit" \
-            if sp["share_of_limit"] else ""
-        lines.append(f"speed       {r['default_target']['name']} on {sp['engine']}: {sp['tok_per_s']:.1f} tok/s "
-                     f"decoding {sp['tokens']} tokens{share}")
-    lines += [f"warning     {w}" for w in r["warnings"]]
-    if r["ok"]:
-        d = r["default_target"]
-        lines.append(f"verdict     memspec can serve {d['name']} here, on the {d['engine']} engine")
-    else:
-        lines += [f"problem     {p}" for p in r["problems"]]
-        lines.append("verdict     memspec cannot serve here (the problems above say what to do)")
-    return "\n".join(lines)
+        share = (f", {sp['share_of_limit']:.0%} of the {sp['limit_tok_per_s']:.1f} tok/s limit"
+                 if sp["share_of_limit"] else "")
+        out.append(f"speed       {name} on {sp['engine']}: {sp['tok_per_s']:.1f} tok/s decoding {sp['tokens']} "
+                   f"tokens{share}")
+    return out
 
 
 def main(config: Config, speed: bool = False, as_json: bool = False, out=None) -> int:

@@ -223,7 +223,8 @@ def test_the_report_on_this_machine(gguf_only_home, capsys, monkeypatch, quick):
     assert set(r) == TOP_KEYS and r["schema"] == 1
     for section, keys in SECTION_KEYS.items():
         assert set(r[section]) == keys, section
-    assert r["kernels"]["built"] and r["kernels"]["isa"] == kernels.isa() and r["kernels"]["isas"] == list(kernels.isas())
+    assert r["kernels"]["built"] and r["kernels"]["isa"] == kernels.isa()
+    assert r["kernels"]["isas"] == list(kernels.isas())
     [t] = r["targets"]
     assert set(t) == TARGET_KEYS and t["default"] and t["engine"] == "native" and t["variant"] == "gguf"
     assert t["bytes_per_token"] == 96_576_768  # SmolLM2's GGUF (98,362,432 bytes) less its metadata
@@ -258,6 +259,9 @@ def test_without_the_kernels_neither_engine_runs_a_gguf_only_target(gguf_only_ho
     assert "does not load on the onnxruntime engine" in problem and "--variant q4" in problem
     assert "native kernels are not built" in problem
     assert [e["exact"] for e in r["exactness"]] == [None, None]
+    [t] = r["targets"]
+    assert t["engine"] == "onnxruntime" and t["limit_tok_per_s"] is None
+    assert t["error"] == "no q4 graph for ONNX Runtime: memspec pull smollm2-135m --variant q4"
 
 
 @pytest.mark.model
