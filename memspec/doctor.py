@@ -25,11 +25,13 @@ meaning bumps "schema"):
     gpu             {found, name, memory_bytes (null: unknown; a Jetson's is the system's, shared), source,
                      variant (what the default target would run on a GPU; null: no ONNX Runtime), pulled, note}
     memory          {total_bytes, available_bytes, cgroup_limit_bytes (0: none), budget_bytes (0: none), budget_from}
-    bandwidth       {bytes_per_s, buffer_bytes, passes, threads, seconds}
+    bandwidth       {bytes_per_s, buffer_bytes, passes, threads, seconds, others_cpu_share (0..1: the CPU other
+                     processes used meanwhile; past 0.25 a warning says the figure reads low)}
     default_target  {name, variant, engine (null: none can run it), pulled, footprint_bytes}
     targets         [{name, default, engine, variant, bytes_per_token, limit_tok_per_s, error}] per pulled target
     exactness       [{engine, variant, exact, pad_rows, max_diff, reason, load_s, error}] per engine, default target
-    speed           null without --speed; else {engine, variant, tokens, tok_per_s, limit_tok_per_s, share_of_limit}
+    speed           null without --speed; else {engine, variant, tokens, tok_per_s, limit_tok_per_s, share_of_limit,
+                     others_cpu_share}
 """
 
 from __future__ import annotations
@@ -46,6 +48,7 @@ from typing import Callable, Sequence
 from memspec import __version__
 from memspec.config import Config
 from memspec.errors import MemspecError
+from memspec.runtime.costs import BUSY_SHARE, others_cpu_share
 
 SCHEMA = 1
 PROBE_SECONDS = 2.0  # how long the bandwidth probe reads
@@ -108,9 +111,9 @@ def probe_bandwidth(threads: int, available_bytes: int, budget_s: float = PROBE_
     with ThreadPoolExecutor(threads) as pool:
         read = lambda: list(pool.map(np.sum, parts))  # noqa: E731
         read()  # warm: the threads started, the pages in the TLB
-        seconds = time_passes(read, budget_s, clock=clock)
+        seconds, busy = others_cpu_share(lambda: time_passes(read, budget_s, clock=clock))
     return {"bytes_per_s": median_bandwidth(nbytes, seconds), "buffer_bytes": nbytes, "passes": len(seconds),
-            "threads": threads, "seconds": round(sum(seconds), 3)}
+            "threads": threads, "seconds": round(sum(seconds), 3), "others_cpu_share": round(busy, 2)}
 
 
 def bytes_per_token(gguf: Path) -> int:
@@ -336,6 +339,7 @@ def examine(config: Config, speed: bool = False, probe_seconds: float | None = N
         check_default(report, store, manifest, config, speed)
     if not report["kernels"]["built"]:
         report["warnings"].append(report["kernels"]["error"])
+    report["warnings"] += busy_warnings(report)
     report["ok"] = not report["problems"]
     return report
 
@@ -383,9 +387,22 @@ def check_default(report: dict, store, manifest, config: Config, speed: bool) ->
 def _speed(target, loaded: dict, targets: list[dict]) -> dict:
     """--speed: the loaded default target's decode rate, and its share of the bandwidth's limit."""
     limit = next((t["limit_tok_per_s"] for t in targets if t["default"]), None)
-    tok_s = decode_speed(target)
+    tok_s, busy = others_cpu_share(lambda: decode_speed(target))
     return {"engine": loaded["engine"], "variant": loaded["variant"], "tokens": SPEED_TOKENS, "tok_per_s": tok_s,
-            "limit_tok_per_s": limit, "share_of_limit": tok_s / limit if limit else None}
+            "limit_tok_per_s": limit, "share_of_limit": tok_s / limit if limit else None,
+            "others_cpu_share": round(busy, 2)}
+
+
+def busy_warnings(report: dict) -> list[str]:
+    """What other processes on the machine may have taken from the measurements (memspec.runtime.costs:
+    past BUSY_SHARE of the CPU, a cost curve is not kept either)."""
+    out = []
+    for key, what in (("bandwidth", "the bandwidth probe"), ("speed", "the --speed decode")):
+        share = (report.get(key) or {}).get("others_cpu_share", 0.0)
+        if share > BUSY_SHARE:
+            out.append(f"other processes used {share:.0%} of the CPU during {what}: its figures read low; "
+                       f"run it again on an idle machine")
+    return out
 
 
 # -- the screen -------------------------------------------------------------------------------------

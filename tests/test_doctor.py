@@ -23,12 +23,12 @@ SECTION_KEYS = {  # the schema memspec/doctor.py documents
     "onnxruntime": {"installed", "version", "providers", "cuda", "tensorrt", "error"},
     "gpu": {"found", "name", "memory_bytes", "source", "variant", "pulled", "note"},
     "memory": {"total_bytes", "available_bytes", "cgroup_limit_bytes", "budget_bytes", "budget_from"},
-    "bandwidth": {"bytes_per_s", "buffer_bytes", "passes", "threads", "seconds"},
+    "bandwidth": {"bytes_per_s", "buffer_bytes", "passes", "threads", "seconds", "others_cpu_share"},
     "default_target": {"name", "variant", "engine", "pulled", "footprint_bytes"},
 }
 TARGET_KEYS = {"name", "default", "engine", "variant", "bytes_per_token", "limit_tok_per_s", "error"}
 EXACTNESS_KEYS = {"engine", "variant", "exact", "pad_rows", "max_diff", "reason", "load_s", "error"}
-SPEED_KEYS = {"engine", "variant", "tokens", "tok_per_s", "limit_tok_per_s", "share_of_limit"}
+SPEED_KEYS = {"engine", "variant", "tokens", "tok_per_s", "limit_tok_per_s", "share_of_limit", "others_cpu_share"}
 
 
 class FakeClock:
@@ -96,6 +96,17 @@ def test_probe_bandwidth_divides_the_buffer_by_the_median_pass(monkeypatch):
     assert small["buffer_bytes"] == 100 << 20  # never more than a quarter of what is available
     tiny = doctor.probe_bandwidth(threads=1, available_bytes=16 << 20, budget_s=0.0, clock=FakeClock(0.05))
     assert tiny["buffer_bytes"] == 64 << 20  # ... nor less than 64 MiB
+
+
+def test_a_busy_machine_is_named_in_the_warnings():
+    quiet = {"bandwidth": {"others_cpu_share": 0.1}, "speed": None}
+    assert doctor.busy_warnings(quiet) == []
+    busy = {"bandwidth": {"others_cpu_share": 0.6}, "speed": {"others_cpu_share": 0.3}}
+    assert doctor.busy_warnings(busy) == [
+        "other processes used 60% of the CPU during the bandwidth probe: its figures read low; run it again on an "
+        "idle machine",
+        "other processes used 30% of the CPU during the --speed decode: its figures read low; run it again on an "
+        "idle machine"]
 
 
 def test_largest_cache_reads_sysfs(tmp_path):
