@@ -90,9 +90,11 @@ def largest_cache(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> in
     """Bytes of the CPU's largest cache (Linux sysfs), 0 where unknown."""
     sizes = []
     for f in root.glob("index*/size"):
-        text = f.read_text().strip().upper()
-        unit = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1)
-        sizes.append(int(text.rstrip("KMG")) * unit)
+        try:
+            text = f.read_text().strip().upper()
+            sizes.append(int(text.rstrip("KMG")) * {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}.get(text[-1:], 1))
+        except (OSError, ValueError):  # unreadable, or a format of another kernel: not a size to go by
+            continue
     return max(sizes, default=0)
 
 
@@ -140,7 +142,7 @@ def os_name(release: Path = Path("/etc/os-release")) -> str:
                 pretty = line.split("=", 1)[1].strip().strip('"')
     except OSError:
         pass
-    return f"{pretty or platform.system()} (kernel {platform.release()})" if pretty else platform.platform()
+    return f"{pretty} (kernel {platform.release()})" if pretty else platform.platform()
 
 
 def system_section() -> dict:
@@ -152,10 +154,13 @@ def system_section() -> dict:
 
 
 def kernels_section() -> dict:
-    from memspec.runtime import kernels
-
-    out = {"built": kernels.available(), "isa": None, "isa_name": None, "isas": [],
+    out = {"built": False, "isa": None, "isa_name": None, "isas": [],
            "forced": os.environ.get("MEMSPEC_NATIVE_ISA") or None, "error": None}
+    try:
+        from memspec.runtime import kernels
+    except ImportError as exc:  # built, but refusing $MEMSPEC_NATIVE_ISA: every engine choice imports it
+        return dict(out, built=True, error=f"{exc}: unset MEMSPEC_NATIVE_ISA, or set it to one of those")
+    out["built"] = kernels.available()
     if not out["built"]:
         out["error"] = kernels.NOT_BUILT
         return out
@@ -197,9 +202,17 @@ def gpu_section(run: Callable[[list[str]], str | None] = _run_quietly, root: Pat
     if smi and smi.strip():
         name, _, mib = smi.strip().splitlines()[0].rpartition(",")
         if name:
-            return dict(out, found=True, name=name.strip(), memory_bytes=int(float(mib)) << 20, source="nvidia-smi")
+            try:
+                memory = int(float(mib)) << 20
+            except ValueError:  # "[N/A]": a Jetson's nvidia-smi, whose GPU shares the system's memory
+                memory = total_memory or None
+            return dict(out, found=True, name=name.strip(), memory_bytes=memory, source="nvidia-smi")
     for info in sorted((root / "proc/driver/nvidia/gpus").glob("*/information")):
-        for line in info.read_text(errors="replace").splitlines():
+        try:
+            text = info.read_text(errors="replace")
+        except OSError:
+            continue
+        for line in text.splitlines():
             if line.startswith("Model:"):
                 return dict(out, found=True, name=line.split(":", 1)[1].strip(), source=str(info))
     model = root / "proc/device-tree/model"
@@ -326,10 +339,16 @@ def examine(config: Config, speed: bool = False, probe_seconds: float | None = N
     report["gpu"] = dict(gpu_section(total_memory=memory["total_bytes"]), **gpu_variant(config, manifest))
     report["bandwidth"] = probe_bandwidth(report["system"]["physical_cores"], memory["available_bytes"],
                                           PROBE_SECONDS if probe_seconds is None else probe_seconds)
-    report["targets"] = target_rows(store, config, report["bandwidth"]["bytes_per_s"])
+    report["speed"] = None
+    report["warnings"] += busy_warnings(report)
     report["default_target"] = {"name": name, "variant": config.model.variant, "engine": None,
                                 "pulled": manifest is not None, "footprint_bytes": None}
-    report["exactness"], report["speed"] = [], None
+    report["targets"], report["exactness"] = [], []
+    if report["kernels"]["built"] and report["kernels"]["error"]:  # they do not load: no engine is chosen
+        report["problems"].append(f"the native kernels do not load: {report['kernels']['error']}")
+        report["ok"] = False
+        return report
+    report["targets"] = target_rows(store, config, report["bandwidth"]["bytes_per_s"])
     if manifest is None:
         have = [t["name"] for t in report["targets"]]
         report["problems"].append(f"the default target {name} is not pulled into {store.models_dir}: memspec pull "
@@ -339,7 +358,6 @@ def examine(config: Config, speed: bool = False, probe_seconds: float | None = N
         check_default(report, store, manifest, config, speed)
     if not report["kernels"]["built"]:
         report["warnings"].append(report["kernels"]["error"])
-    report["warnings"] += busy_warnings(report)
     report["ok"] = not report["problems"]
     return report
 
@@ -382,6 +400,7 @@ def check_default(report: dict, store, manifest, config: Config, speed: bool) ->
                                   f"needs about {_mib(footprint)}")
     if speed and served:
         report["speed"] = _speed(*served, report["targets"])
+        report["warnings"] += busy_warnings({"speed": report["speed"]})
 
 
 def _speed(target, loaded: dict, targets: list[dict]) -> dict:
@@ -426,8 +445,11 @@ def _machine_lines(r: dict) -> list[str]:
     out = [f"system      {s['os']}, {s['machine']}, Python {s['python']}",
            f"cpu         {s['cpu']}: {s['physical_cores']} cores, {s['logical_cores']} threads"]
     forced = f" (forced by MEMSPEC_NATIVE_ISA={k['forced']})" if k["forced"] else ""
-    out.append(f"kernels     built; path {k['isa']} ({k['isa_name']}){forced}; this CPU runs {', '.join(k['isas'])}"
-               if k["built"] else f"kernels     NOT BUILT: {k['error']}")
+    if k["built"] and not k["error"]:
+        out.append(f"kernels     built; path {k['isa']} ({k['isa_name']}){forced}; this CPU runs "
+                   f"{', '.join(k['isas'])}")
+    else:
+        out.append(f"kernels     {'NOT LOADING' if k['built'] else 'NOT BUILT'}: {k['error']}")
     gpu_eps = ", ".join(n for n, have in (("CUDA", o["cuda"]), ("TensorRT", o["tensorrt"])) if have) or "none"
     out.append(f"onnxruntime {o['version']}: {', '.join(o['providers'])} (GPU: {gpu_eps})" if o["installed"]
                else f"onnxruntime {o['error']}")

@@ -113,6 +113,8 @@ def test_largest_cache_reads_sysfs(tmp_path):
     for index, size in (("index0", "48K"), ("index2", "2048K"), ("index3", "32M")):
         (tmp_path / index).mkdir()
         (tmp_path / index / "size").write_text(size + "\n")
+    (tmp_path / "index4").mkdir()
+    (tmp_path / "index4" / "size").write_text("unknown\n")  # skipped, not fatal
     assert doctor.largest_cache(tmp_path) == 32 << 20
     assert doctor.largest_cache(tmp_path / "none") == 0
 
@@ -152,6 +154,11 @@ def test_gpu_from_nvidia_smi():
     g = doctor.gpu_section(run=smi, root=Path("/nonexistent"))
     assert g == {"found": True, "name": "NVIDIA H200", "memory_bytes": 143771 << 20, "source": "nvidia-smi"}
     assert calls[0][0] == "nvidia-smi"
+
+
+def test_gpu_memory_nvidia_smi_does_not_know_is_the_shared_memory():
+    g = doctor.gpu_section(run=lambda cmd: "Orin (nvgpu), [N/A]\n", root=Path("/nonexistent"), total_memory=8 << 30)
+    assert g["name"] == "Orin (nvgpu)" and g["memory_bytes"] == 8 << 30
 
 
 def test_gpu_from_the_driver_then_a_jetson_then_none(tmp_path):
@@ -199,6 +206,24 @@ def test_doctor_help_imports_no_numpy():
     r = memspec("doctor", "--help", python=("-X", "importtime"))
     assert r.returncode == 0 and "--speed" in r.stdout and "--json" in r.stdout, r.stderr[-2000:]
     assert not imported(r.stderr) & set(HEAVY)
+
+
+def test_a_forced_kernel_path_this_cpu_lacks_cannot_serve(tmp_path):
+    """The extension refuses to import under such a $MEMSPEC_NATIVE_ISA: a fresh process, with it set."""
+    import subprocess
+    import sys
+
+    lacking = next(isa for isa in ("neon", "avx512", "avx2") if isa not in kernels.isas())
+    env = dict(os.environ, MEMSPEC_HOME=str(tmp_path), MEMSPEC_NATIVE_ISA=lacking)
+    code = ("import sys; from memspec import doctor, cli; doctor.PROBE_SECONDS = 0.1; "
+            "sys.exit(cli.main(['doctor', *sys.argv[1:]]))")
+    r = subprocess.run([sys.executable, "-c", code, "--json"], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "Traceback" not in r.stderr, r.stderr[-2000:]
+    report = json.loads(r.stdout)
+    assert report["kernels"]["forced"] == lacking and f"MEMSPEC_NATIVE_ISA='{lacking}'" in report["kernels"]["error"]
+    assert report["problems"] == [f"the native kernels do not load: {report['kernels']['error']}"]
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
+    assert r.returncode == 1 and "kernels     NOT LOADING: MEMSPEC_NATIVE_ISA=" in r.stdout, r.stdout + r.stderr
 
 
 @pytest.fixture
