@@ -20,7 +20,8 @@ meaning bumps "schema"):
     problems        [str]: why memspec cannot serve here, each with what to do (empty when ok)
     warnings        [str]: what serves, but not as well as it could
     system          {os, machine, cpu, physical_cores, logical_cores, python}
-    kernels         {built, isa (null when not built), isa_name, isas, forced ($MEMSPEC_NATIVE_ISA or null), error}
+    kernels         {built, isa (null when not built), isa_name, isas, forced ($MEMSPEC_NATIVE_ISA or null), error
+                     (built with an error: the extension does not load, e.g. forced to a path this CPU lacks)}
     onnxruntime     {installed, version, providers, cuda, tensorrt, error}
     gpu             {found, name, memory_bytes (null: unknown; a Jetson's is the system's, shared), source,
                      variant (what the default target would run on a GPU; null: no ONNX Runtime), pulled, note}
@@ -302,6 +303,9 @@ def load_on(store, manifest, config: Config, engine: str) -> tuple[object | None
         target, variant = open_target(store, manifest, config.model.variant, _engine_config(config, engine))
     except (MemspecError, ImportError) as exc:  # ImportError: the kernels or ONNX Runtime are missing
         return None, dict(row, error=str(exc))
+    except Exception as exc:  # noqa: BLE001 (ONNX Runtime's own errors, a kernel's)
+        # the report names what failed to load: a doctor that died of it would name nothing
+        return None, dict(row, error=f"{type(exc).__name__}: {exc}")
     rows = target.rows
     return target, dict(row, variant=variant, exact=rows.exact, pad_rows=rows.pad_rows, max_diff=rows.max_diff,
                         reason=rows.warning() or rows.reason or "", load_s=round(time.perf_counter() - t0, 2))

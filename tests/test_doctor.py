@@ -98,6 +98,33 @@ def test_probe_bandwidth_divides_the_buffer_by_the_median_pass(monkeypatch):
     assert tiny["buffer_bytes"] == 64 << 20  # ... nor less than 64 MiB
 
 
+class CountingTarget:
+    """A target whose greedy next token is always its input + 1 (mod vocab)."""
+
+    vocab_size = 50
+
+    def __init__(self):
+        self.fed: list[list[int]] = []
+
+    def new_cache(self, capacity):
+        return capacity
+
+    def forward(self, cache, ids, keep=1):
+        self.fed.append(list(ids))
+        logits = np.zeros((keep, self.vocab_size), dtype=np.float32)
+        logits[-1, (ids[-1] + 1) % self.vocab_size] = 1.0
+        return logits
+
+
+def test_decode_speed_feeds_its_own_greedy_tokens_one_a_pass():
+    t = CountingTarget()
+    tok_s = doctor.decode_speed(t, tokens=5, clock=FakeClock(0.01))  # every pass: 0.01 s apart on the clock
+    assert tok_s == pytest.approx(100.0)
+    prompt, *steps = t.fed
+    assert len(prompt) == 16 and len(steps) == 5 and all(len(s) == 1 for s in steps)
+    assert [s[0] for s in steps] == [(prompt[-1] + i) % 50 for i in range(1, 6)]  # each pass its argmax
+
+
 def test_a_busy_machine_is_named_in_the_warnings():
     quiet = {"bandwidth": {"others_cpu_share": 0.1}, "speed": None}
     assert doctor.busy_warnings(quiet) == []
