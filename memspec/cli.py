@@ -366,6 +366,12 @@ def cmd_unload(args) -> int:
     return 0
 
 
+def cmd_doctor(args) -> int:
+    from memspec import doctor
+
+    return doctor.main(args.config, speed=args.speed, as_json=args.json)
+
+
 def cmd_bench(args) -> int:
     from memspec.bench import policies as bench
 
@@ -500,6 +506,18 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
     ul = sub.add_parser("unload", parents=[common, address], help="drop a resident model from the daemon (admin)")
     ul.add_argument("name")
     ul.set_defaults(func=cmd_unload)
+
+    dr = sub.add_parser("doctor", parents=[common], help="what this machine gives memspec, and whether it can serve",
+                        description="OS and CPU, the native kernel path, ONNX Runtime and the GPU, memory and its "
+                                    "bandwidth, each pulled target's decode limit, the default target's exactness "
+                                    "self-check on each engine. Exit 0 when memspec can serve here, 1 (with the "
+                                    "reasons) when it cannot.")
+    dr.add_argument("--speed", action="store_true", help="also decode a few tokens with the default target and "
+                                                         "compare its speed with the bandwidth's limit")
+    dr.add_argument("--json", action="store_true", help="the report as JSON (schema: memspec/doctor.py)")
+    _model_option(dr)
+    _backend_option(dr)
+    dr.set_defaults(func=cmd_doctor)
 
     for name, summary in DEV_COMMANDS.items():
         if name == dev_command:

@@ -77,7 +77,7 @@ def test_help_lists_developer_commands_apart():
         return {line.split()[0] for line in section.splitlines() if line.startswith("  ")}
 
     assert listed(user) == {"COMMAND", "pull", "models", "generate", "chat", "serve", "status", "ps", "load",
-                            "unload"}
+                            "unload", "doctor"}
     assert listed(dev) == {"bench", "profile", "train-draft", "train-predictor"}
 
 

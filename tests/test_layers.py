@@ -18,7 +18,7 @@ LAYERS = [
     {"memspec.scheduling"},  # policies, working set, predictor: the engine's draft source
     {"memspec.build"},  # composition: an engine and its draft source from a config
     {"memspec.serving"},  # the daemon and its client
-    {"memspec.training", "memspec.bench"},  # developer tooling
+    {"memspec.training", "memspec.bench", "memspec.doctor"},  # developer tooling; the machine's report
     {"memspec.cli", "memspec.__main__"},  # the command line (`memspec`, `python -m memspec`)
 ]
 
