@@ -201,6 +201,27 @@ def test_model_draft_times_its_catch_ups_of_a_context_and_not_single_tokens(tiny
     assert got.setup_s == pytest.approx(0.5)  # the proposal says what was a one-time catch-up
 
 
+def test_the_cost_controller_compares_the_draft_with_the_target_as_the_machine_runs_now():
+    """Regression: the draft's live timings were divided by the target's step as measured at load
+    (cached, on an idle machine); with another process on the cores both run 5x slower and a draft
+    at 0.2 of a step looked like one at 1.0, which never pays."""
+    costs = [0.0, 1.0, 1.25, 1.45, 1.65, 1.85, 2.05, 2.25, 2.45, 2.65]
+    idle_step = 0.025
+    for busy, drafts in ((1.0, True), (5.0, True)):
+        ctl = CostController(SpecConfig(gamma_max=8), costs, target_step_s=idle_step)
+        for _ in range(20):
+            g = ctl.next()
+            k = max(g, 1)
+            step = idle_step * busy
+            ctl.observe(k, k if g else 0, 0.2 * step * k, verify_s=costs[k + 1] * step)
+        assert (ctl.next() > 0) == drafts, (busy, ctl.draft_cost, ctl.target_step_s)
+        assert ctl.draft_cost == pytest.approx(0.2, rel=0.1)
+    stale = CostController(SpecConfig(gamma_max=8), costs, target_step_s=idle_step)  # no live pass: as before
+    for _ in range(20):
+        stale.observe(2, 2, 0.2 * idle_step * 5 * 2)
+    assert stale.draft_cost == pytest.approx(1.0, rel=0.1) and stale.next() == 0
+
+
 def test_the_cost_controller_does_not_count_a_drafts_prefill_as_its_per_token_cost(tiny):
     """Regression: a draft's first proposal feeds it the whole prompt, and that time was taken as
     the cost of the one token it drafted (the 0.5B sibling's prefill of a 43-token prompt: 4 target

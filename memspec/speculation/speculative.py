@@ -95,7 +95,15 @@ class CostController:
         cores: probes every 8 steps cost 10% of the aggregate, for tokens no draft could win back)."""
         return best_gamma(self.PROBE_ALPHA, self.verify_cost, self.draft_cost, self.cfg.gamma_max) > 0
 
-    def observe(self, n_drafted: int, n_accepted: int, draft_s: float) -> None:
+    def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float | None = None) -> None:
+        """A step's outcome: tokens drafted and accepted, the seconds drafting took and, where the
+        pass was this request's alone, the seconds verifying took.  The pass's seconds over its
+        relative cost keep the target's step time as the machine runs now: another process on the
+        cores slows the draft and the target alike, and their ratio is what the draft length needs
+        (a draft timed on a busy machine against a target timed on an idle one never pays)."""
+        if verify_s is not None and n_drafted + 1 < len(self.verify_cost):
+            step = verify_s / max(self.verify_cost[n_drafted + 1], 1e-9)
+            self.target_step_s = 0.7 * self.target_step_s + 0.3 * step
         if n_drafted == 0:
             return
         self.accepted = self.DECAY * self.accepted + n_accepted
@@ -230,7 +238,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         context.extend(committed)
         metrics.record_step(draft_name, len(prop.tokens), n, len(committed), t1 - t0, t2 - t1)
         if ctl is not None:  # a long catch-up (the draft's prefill) is no cost of the tokens it drafts
-            ctl.observe(len(prop.tokens), n, max(t1 - t0 - prop.setup_s, 0.0))
+            ctl.observe(len(prop.tokens), n, max(t1 - t0 - prop.setup_s, 0.0),
+                        None if live is not None else t2 - t1)  # a batched pass is not this request's alone
         else:
             gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
         if on_rows is not None:
