@@ -1,5 +1,6 @@
 """The suffix draft: its index on literal token lists (matching, voting, eviction by age, a
-byte bound over a long run, threads), and its proposals' sampling distribution."""
+byte bound over a long run, threads), its place in the pool and the scheduler, and the real
+target: greedy output unchanged, and a repeated request accepting far more the second time."""
 
 from __future__ import annotations
 
@@ -10,7 +11,12 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from memspec.request import SamplingParams
+from fakes import FakeProbe
+from memspec.request import GenerationRequest, SamplingParams
+from memspec.scheduling.config import SchedulerConfig
+from memspec.scheduling.scheduler import Scheduler, draft_footprints
+from memspec.speculation.config import SpecConfig
+from memspec.speculation.sources import DraftPool
 from memspec.speculation.suffix import (KEY, MAX_CANDIDATES, MAX_MATCH, SUFFIX, Match, SuffixDraft, SuffixIndex, index_layout,
                                         index_nbytes, own_match, vote)
 from test_sampling import chi_square_p
@@ -217,3 +223,85 @@ def test_suffix_proposals_keep_the_sampling_distribution(tiny):  # noqa: F811
     assert all(proposal(draft, prompt + [t], 3) for t in range(V))
     counts, p2 = second_token_counts(tiny, prompt=prompt, draft=draft)
     assert chi_square_p(counts, p2) > 1e-3
+
+
+# -- the pool and the scheduler ----------------------------------------------------------------
+def test_the_pool_teaches_its_suffix_draft():
+    draft = SuffixDraft(SuffixIndex(64 * KiB), 16)
+    pool = DraftPool({SUFFIX: draft})
+    pool.learn([1, 2, 3, 4])
+    assert proposal(draft, [7, 2, 3]) == [4] and pool.report().drafts[0].bytes == draft.nbytes
+    DraftPool({}).learn([1, 2, 3])  # no suffix draft: nothing to teach
+
+
+def test_the_scheduler_holds_the_suffix_index_in_its_budget():
+    cap = 64 * KiB
+    made = []
+
+    def loader(name):
+        made.append(SuffixDraft(SuffixIndex(cap), 16))
+        return made[-1], made[-1].nbytes
+
+    sizes = draft_footprints([], cap)
+    assert sizes == {"prompt-lookup": 0, SUFFIX: index_nbytes(cap)}
+    sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=1, pressure_floor_mb=0), loader, sizes,
+                      FakeProbe(rss=0), target=("t", 512 * KiB))
+    try:
+        st = sched.ws.status()
+        assert st["drafts"][SUFFIX] == {**st["drafts"][SUFFIX], "state": "resident", "leases": 1,
+                                        "bytes": index_nbytes(cap)}
+        assert st["used_bytes"] == 512 * KiB + index_nbytes(cap)
+        assert sched.shrink(1 << 30) == 0  # held for the scheduler's life: never evicted
+        sched.learn([1, 2, 3, 4])
+        assert proposal(made[0], [9, 2, 3]) == [4]
+        req = GenerationRequest(prompt="x", draft=SUFFIX)
+        sel = sched.selector(req, [9, 2, 3], 64)
+        name, state = sel([9, 2, 3], sel.metrics)
+        assert name == SUFFIX and state.propose([9, 2, 3], 4, GREEDY, None).tokens == [4]
+        sel.close()
+        assert sched.unload(SUFFIX) == index_nbytes(cap)  # UnloadModel frees it ...
+        sched.learn([5, 6, 7])  # ... and nothing learns any more
+        assert made[0].index.stats.added == 1 and sched.ws.status()["used_bytes"] == 512 * KiB
+    finally:
+        sched.close()
+
+
+def test_a_suffix_index_too_big_for_the_budget_is_left_out():
+    sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=1, pressure_floor_mb=0),
+                      lambda name: (SuffixDraft(SuffixIndex(2 << 20), 16), index_nbytes(2 << 20)),
+                      draft_footprints([], 2 << 20), FakeProbe(rss=0), target=("t", 512 * KiB))
+    try:
+        assert SUFFIX not in sched.ws.resident()
+        sched.learn([1, 2, 3])  # nothing holds it: a no-op
+    finally:
+        sched.close()
+
+
+# -- the real target -----------------------------------------------------------------------------
+REPEAT = "Rewrite this sentence in the passive voice: The committee approved the new budget on Monday."
+
+
+@pytest.fixture(scope="module")
+def smollm(model_store):
+    from memspec.runtime.config import SessionConfig
+    from memspec.speculation.engine import Engine, TargetModel
+
+    target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
+    plain = Engine(target, drafts=DraftPool())
+    draft = SuffixDraft(SuffixIndex(1 << 20), target.session.vocab_size)
+    return plain, Engine(target, drafts=DraftPool({SUFFIX: draft}), spec=SpecConfig(controller="step")), draft
+
+
+def test_greedy_output_is_the_targets_and_a_repeat_accepts_far_more(smollm):
+    plain, engine, draft = smollm
+    for prompt in (REPEAT, "Write a Python function that checks whether a number is prime."):
+        base = plain.generate(GenerationRequest(prompt=prompt, max_tokens=48))
+        first = engine.generate(GenerationRequest(prompt=prompt, max_tokens=48, draft=SUFFIX))
+        second = engine.generate(GenerationRequest(prompt=prompt, max_tokens=48, draft=SUFFIX))
+        assert first.token_ids == base.token_ids and second.token_ids == base.token_ids, prompt
+        assert first.text == base.text == second.text
+        # the first run proposes only from its own context; the second finds the first's answer
+        assert second.stats["mean_acceptance_length"] >= 4.0, second.stats
+        assert second.stats["mean_acceptance_length"] > first.stats["mean_acceptance_length"] + 2.0
+        assert second.stats["drafts_used"] == {SUFFIX: second.stats["num_drafts"]}
+    assert draft.index.stats.added == 4  # only the suffix engine's requests, each once

@@ -220,9 +220,11 @@ class Engine:
                 self.batch.release(cache)
 
     def _keep(self, context: list[int], cache: KVCache) -> None:
-        """The finished request's prompt and answer, for the next turn of its conversation."""
+        """The finished request's prompt and answer, for the next turn of its conversation, and its
+        committed tokens for the drafts that learn from what the daemon saw (the suffix draft)."""
         if self.prefixes is not None:
             self.prefixes.store(context, cache)
+        self.drafts.learn(context)
 
     # -- streaming ---------------------------------------------------------------
     def check(self, req: GenerationRequest) -> list[int]:
