@@ -305,3 +305,21 @@ def test_greedy_output_is_the_targets_and_a_repeat_accepts_far_more(smollm):
         assert second.stats["mean_acceptance_length"] > first.stats["mean_acceptance_length"] + 2.0
         assert second.stats["drafts_used"] == {SUFFIX: second.stats["num_drafts"]}
     assert draft.index.stats.added == 4  # only the suffix engine's requests, each once
+
+
+def test_the_engine_indexes_the_committed_tokens_and_a_failing_index_fails_no_request(smollm, monkeypatch):
+    plain, engine, draft = smollm
+    req = GenerationRequest(prompt="Name three colours.", max_tokens=12, draft="none")
+    done = engine.generate(req)
+    index = draft.index
+    last = index.starts[(index._first + index.sequences - 1) % len(index.starts)]
+    learned = index.buf[np.arange(last, index.end - 1) % index.slots].tolist()  # the newest sequence
+    kept = done.prompt_token_ids + done.token_ids
+    assert learned[: len(kept)] == kept  # the prompt and the answer (a last step may commit a few more)
+
+    def broken(tokens):
+        raise RuntimeError("index broken")
+
+    monkeypatch.setattr(draft.index, "add", broken)
+    again = engine.generate(req)
+    assert again.token_ids == done.token_ids and again.finish_reason == done.finish_reason

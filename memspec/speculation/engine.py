@@ -224,7 +224,10 @@ class Engine:
         committed tokens for the drafts that learn from what the daemon saw (the suffix draft)."""
         if self.prefixes is not None:
             self.prefixes.store(context, cache)
-        self.drafts.learn(context)
+        try:
+            self.drafts.learn(context)
+        except Exception as exc:  # a draft that cannot learn must not fail a request that is done
+            log.warning("drafts could not learn from a finished request (%s: %s)", type(exc).__name__, exc)
 
     # -- streaming ---------------------------------------------------------------
     def check(self, req: GenerationRequest) -> list[int]:
