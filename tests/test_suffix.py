@@ -254,6 +254,9 @@ def test_the_scheduler_holds_the_suffix_index_in_its_budget():
         assert sched.shrink(1 << 30) == 0  # held for the scheduler's life: never evicted
         sched.learn([1, 2, 3, 4])
         assert proposal(made[0], [9, 2, 3]) == [4]
+        counters = sched.counters()
+        assert (counters["suffix.sequences"], counters["suffix.tokens"], counters["suffix.hits"]) == (1, 4, 1)
+        assert counters["suffix.bytes"] == index_nbytes(cap)
         req = GenerationRequest(prompt="x", draft=SUFFIX)
         sel = sched.selector(req, [9, 2, 3], 64)
         name, state = sel([9, 2, 3], sel.metrics)

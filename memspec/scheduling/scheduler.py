@@ -207,7 +207,7 @@ class Scheduler:
         """A finished request's prompt and committed output, for the suffix draft's index."""
         held = self._suffix
         proposer = held.proposer if held is not None else None
-        if isinstance(proposer, SuffixDraft):
+        if isinstance(proposer, SuffixDraft):  # None once UnloadModel dropped it
             proposer.learn(tokens)
 
     def shrink(self, nbytes: int) -> int:
@@ -234,6 +234,10 @@ class Scheduler:
         out = {**{k: float(v) for k, v in ws.items()}, **{k: float(v) for k, v in stats.items()}}
         for policy in list(self._policies.values()):
             out.update(policy.counters())
+        held = self._suffix
+        proposer = held.proposer if held is not None else None
+        if isinstance(proposer, SuffixDraft):  # what the index holds and how often it found a match
+            out.update({f"suffix.{k}": float(v) for k, v in proposer.index.report().items()})
         return out
 
     def status(self) -> dict:
