@@ -16,7 +16,7 @@ from memspec.request import GenerationRequest, SamplingParams
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.scheduler import Scheduler, draft_footprints
 from memspec.speculation.config import SpecConfig
-from memspec.speculation.sources import DraftPool
+from memspec.speculation.sources import DraftPool, DraftRow
 from memspec.speculation.suffix import (KEY, MAX_CANDIDATES, MAX_MATCH, SUFFIX, Match, SuffixDraft, SuffixIndex, index_layout,
                                         index_nbytes, own_match, vote)
 from test_sampling import chi_square_p
@@ -326,3 +326,26 @@ def test_the_engine_indexes_the_committed_tokens_and_a_failing_index_fails_no_re
     monkeypatch.setattr(draft.index, "add", broken)
     again = engine.generate(req)
     assert again.token_ids == done.token_ids and again.finish_reason == done.finish_reason
+
+
+def test_a_scheduled_engine_teaches_its_suffix_draft_whichever_draft_runs(smollm, model_store):
+    from memspec.scheduling.scheduler import from_store
+    from memspec.speculation.config import DraftLimits
+    from memspec.speculation.engine import Engine
+
+    target = smollm[0].target
+    sched = from_store(SchedulerConfig(policy="bandit", pressure_floor_mb=0), model_store, target, None,
+                       DraftLimits(), names=[], suffix_bytes=1 << 20)
+    engine = Engine(target, drafts=sched, spec=SpecConfig(controller="step"))
+    try:
+        assert set(sched.drafts) == {"prompt-lookup", SUFFIX}
+        lookup, suffix = sched.report().drafts
+        assert lookup == DraftRow("prompt-lookup", False, 0)  # loaded on first use
+        # held from the start, at its bytes (or what its load added to the RSS, when that was more)
+        assert suffix.resident and index_nbytes(1 << 20) <= suffix.bytes < 2 * index_nbytes(1 << 20)
+        base = engine.generate(GenerationRequest(prompt=REPEAT, max_tokens=32, draft="none"))  # learned too
+        again = engine.generate(GenerationRequest(prompt=REPEAT, max_tokens=32, draft=SUFFIX))
+        assert again.token_ids == base.token_ids and again.stats["mean_acceptance_length"] >= 4.0, again.stats
+        assert sched.counters()["suffix.sequences"] == 2
+    finally:
+        engine.close()
