@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from fakes import FakeProbe
+from memspec.errors import InvalidRequestError
 from memspec.request import GenerationRequest, SamplingParams
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.scheduler import Scheduler, draft_footprints
@@ -261,10 +262,14 @@ def test_the_scheduler_holds_the_suffix_index_in_its_budget():
         sel = sched.selector(req, [9, 2, 3], 64)
         name, state = sel([9, 2, 3], sel.metrics)
         assert name == SUFFIX and state.propose([9, 2, 3], 4, GREEDY, None).tokens == [4]
+        with pytest.raises(InvalidRequestError, match="in use"):
+            sched.unload(SUFFIX)  # a request runs on it: it stays, held, and goes on learning
+        sched.learn([7, 8, 9])
+        assert made[0].index.stats.added == 2 and sched.ws.status()["drafts"][SUFFIX]["leases"] == 2
         sel.close()
         assert sched.unload(SUFFIX) == index_nbytes(cap)  # UnloadModel frees it ...
         sched.learn([5, 6, 7])  # ... and nothing learns any more
-        assert made[0].index.stats.added == 1 and sched.ws.status()["used_bytes"] == 512 * KiB
+        assert made[0].index.stats.added == 2 and sched.ws.status()["used_bytes"] == 512 * KiB
     finally:
         sched.close()
 

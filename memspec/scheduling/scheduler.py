@@ -198,17 +198,27 @@ class Scheduler:
         The suffix draft's own lease is given up first: its index is gone until a restart."""
         if name not in self.drafts or not self.ws.is_resident(name):
             return None
-        if name == SUFFIX and self._suffix is not None:
-            held, self._suffix = self._suffix, None
-            held.release()
-        return self.ws.unload(name)
+        if name != SUFFIX or self._suffix is None:
+            return self.ws.unload(name)
+        held, self._suffix = self._suffix, None
+        held.release()
+        try:
+            return self.ws.unload(name)
+        except InvalidRequestError:  # requests run on it: it stays, and goes on learning
+            self._suffix = self.ws.lease(name, wait=False)
+            raise
+
+    def _suffix_draft(self) -> SuffixDraft | None:
+        """The suffix draft the scheduler holds (None: none configured, it did not fit, or unloaded)."""
+        held = self._suffix
+        proposer = held.proposer if held is not None else None
+        return proposer if isinstance(proposer, SuffixDraft) else None
 
     def learn(self, tokens: list[int]) -> None:
         """A finished request's prompt and committed output, for the suffix draft's index."""
-        held = self._suffix
-        proposer = held.proposer if held is not None else None
-        if isinstance(proposer, SuffixDraft):  # None once UnloadModel dropped it
-            proposer.learn(tokens)
+        draft = self._suffix_draft()
+        if draft is not None:
+            draft.learn(tokens)
 
     def shrink(self, nbytes: int) -> int:
         """Give up unleased drafts, lowest value per byte first, until `nbytes` are freed."""
@@ -234,10 +244,9 @@ class Scheduler:
         out = {**{k: float(v) for k, v in ws.items()}, **{k: float(v) for k, v in stats.items()}}
         for policy in list(self._policies.values()):
             out.update(policy.counters())
-        held = self._suffix
-        proposer = held.proposer if held is not None else None
-        if isinstance(proposer, SuffixDraft):  # what the index holds and how often it found a match
-            out.update({f"suffix.{k}": float(v) for k, v in proposer.index.report().items()})
+        draft = self._suffix_draft()
+        if draft is not None:  # what the index holds and how often it found a match
+            out.update({f"suffix.{k}": float(v) for k, v in draft.index.report().items()})
         return out
 
     def status(self) -> dict:
