@@ -42,9 +42,10 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     if drafts == "scheduler":
         from memspec.scheduling.scheduler import from_store
 
-        source = from_store(config.scheduler, store, target, config.runtime, limits)
+        source = from_store(config.scheduler, store, target, config.runtime, limits, suffix_bytes=spec.suffix_mb << 20)
     elif drafts == "pool":
-        source = DraftPool(load_pool(store, target.name, target.session.vocab_size, config.runtime, limits=limits))
+        source = DraftPool(load_pool(store, target.name, target.session.vocab_size, config.runtime, limits=limits,
+                                     suffix_bytes=spec.suffix_mb << 20))
     else:
         source = DraftPool()
     from memspec.runtime.costs import COSTS, CostCache

@@ -386,7 +386,7 @@ def _sampling_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
-    g.add_argument("--draft", help='force a draft model ("none" = target only)')
+    g.add_argument("--draft", help='force a draft: a draft model, "prompt-lookup" or "suffix" ("none" = target only)')
     g.add_argument("--policy", help="draft-selection policy")
     _model_option(g, "; a daemon loads it if it is not resident")
     g.add_argument("--variant", choices=("fp32", "q4"),

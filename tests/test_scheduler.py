@@ -460,3 +460,19 @@ def test_unload_evicts_a_resident_draft_or_says_it_is_in_use():
     assert sched.unload("draft-code") == 10 * MiB and not sched.ws.is_resident("draft-code")
     assert sched.unload("no-such-draft") is None
     sched.close()
+
+
+def test_the_drafts_a_request_may_name_before_a_load_include_the_suffix_draft_where_one_is_kept(tmp_path):
+    """The daemon checks a request's draft against the store before it loads a target
+    (draft_names); the suffix draft is no store entry, so it was refused there while the loaded
+    scheduler would run it."""
+    from memspec.models.store import SHIPPED_MODELS, ModelStore
+    from memspec.scheduling.scheduler import check_draft_names, draft_names
+
+    store = ModelStore(tmp_path, shipped=SHIPPED_MODELS)
+    names = draft_names(store, "qwen2.5-coder-1.5b")
+    assert names[:2] == ["prompt-lookup", "suffix"] and "qwen2.5-coder-draft-code" in names
+    check_draft_names(GenerationRequest(prompt="x", draft="suffix"), names)
+    off = draft_names(store, "qwen2.5-coder-1.5b", suffix=False)
+    with pytest.raises(InvalidRequestError, match="suffix"):
+        check_draft_names(GenerationRequest(prompt="x", draft="suffix"), off)

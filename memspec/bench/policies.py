@@ -242,12 +242,13 @@ class PolicyRun:
     counters: dict = field(default_factory=dict)
 
 
-def draft_sizes(store, target) -> dict[str, int]:
-    """Every draft made for the target, with its planned RSS footprint (prompt lookup: 0)."""
+def draft_sizes(store, target, suffix_bytes: int = 0) -> dict[str, int]:
+    """Every draft made for the target, with its planned RSS footprint (prompt lookup: 0; the
+    suffix draft, when suffix_bytes > 0: its index's bytes)."""
     from memspec.speculation.drafts import target_drafts
     from memspec.scheduling.scheduler import draft_footprints
 
-    return draft_footprints(target_drafts(store, target.name))
+    return draft_footprints(target_drafts(store, target.name), suffix_bytes)
 
 
 def draft_room(sizes: dict[str, int]) -> int:
@@ -384,7 +385,8 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     store = ModelStore(config.store_home)
     target = TargetModel.load(store, config.model.target, args.variant or config.model.variant, config.runtime)
     engine = Engine(target, config.limits, spec=spec, costs=CostCache(store.home / COSTS))  # as build_engine
-    sizes = draft_sizes(store, target)
+    suffix_bytes = spec.suffix_mb << 20  # each policy's scheduler starts its own index: none sees another's runs
+    sizes = draft_sizes(store, target, suffix_bytes)
     target_bytes = target.file_bytes
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
     base_cfg = config.scheduler
@@ -399,7 +401,8 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
 
     def make_scheduler(policy: str, budget_mb: int | None = None):
         cfg = dataclasses.replace(base_cfg, policy=policy, budget_mb=budget if budget_mb is None else budget_mb)
-        return from_store(cfg, store, target, config.runtime, limits, predictor=predictor, oracle_table=oracle_table)
+        return from_store(cfg, store, target, config.runtime, limits, predictor=predictor, oracle_table=oracle_table,
+                          suffix_bytes=suffix_bytes)
 
     for p in policies:  # refused before anything runs
         name = PolicyName.parse(p, "policies")
@@ -491,7 +494,11 @@ def run_bench(args) -> int:
     else:
         engine = build_engine(args.config, args.variant, drafts="pool")
         spec = engine.spec = _spec(args, engine.spec)
-        policies = policies or ["target-only", *(f"fixed:{d}" for d in sorted(engine.drafts))]
+        from memspec.speculation.suffix import SUFFIX
+
+        # not the suffix draft unless named: its index learns every run of the shared engine, so each
+        # prompt would find its own answer from the policies run before it (a repeated request)
+        policies = policies or ["target-only", *(f"fixed:{d}" for d in sorted(engine.drafts) if d != SUFFIX)]
         for p in policies:
             policy_draft(p, engine.drafts)  # refuse unknown policies before running anything
         engine.calibrate()  # measured (or read from the store) now, not in the first drafting policy's time

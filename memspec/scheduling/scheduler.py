@@ -9,6 +9,10 @@ once, at the boundary, into a `PolicyName`; here it is only looked up.
 
 Under memory pressure (working set `target_only`) every selector drops its draft
 and the request goes on target-only; the output does not change (lossless).
+
+The suffix draft (memspec.speculation.suffix) learns from every request, whichever draft
+runs it, so the scheduler holds a lease on it for its whole life: its index is loaded at
+start, counted in the budget at its bytes and never evicted (UnloadModel drops it).
 """
 
 from __future__ import annotations
@@ -29,9 +33,10 @@ from memspec.scheduling.features import Detokenize
 from memspec.scheduling.policies import (Bandit, Fixed, Memspec, Oracle, Policy, TargetOnly, load_oracle_table,
                                          load_predictor)
 from memspec.scheduling.selector import RequestSelector
-from memspec.scheduling.workingset import Loader, WorkingSet
+from memspec.scheduling.workingset import Lease, Loader, WorkingSet
 from memspec.speculation.drafts import PROMPT_LOOKUP
 from memspec.speculation.sources import DraftRow, KVSizer, SourceStatus
+from memspec.speculation.suffix import SUFFIX, SuffixDraft
 
 log = logging.getLogger("memspec.scheduler")
 
@@ -75,6 +80,17 @@ class Scheduler:
             for name in self.drafts:  # all preloaded, at no cost to any request
                 self.ws.preload(name)
             self.ws.wait_idle(timeout=600)
+        self._suffix = self._hold(SUFFIX) if SUFFIX in self.drafts else None  # learns from every request
+
+    def _hold(self, name: str) -> Lease | None:
+        """A lease on `name` for the scheduler's life, once it is loaded (None: it does not fit the budget)."""
+        if self.ws.fetch(name):
+            self.ws.wait_idle(timeout=self.config.load_wait_s)
+        lease = self.ws.lease(name, wait=False)
+        if lease is None:
+            log.warning("draft %s (%.1f MiB) cannot be loaded within the budget: it is not used",
+                        name, self.drafts[name] / MiB)
+        return lease
 
     # -- policies ---------------------------------------------------------------------
     def policy(self, name: PolicyName) -> Policy:
@@ -177,10 +193,31 @@ class Scheduler:
         return {}  # drafts come and go in the working set; report() lists them
 
     def unload(self, name: str) -> int | None:
-        """Evict a resident draft now (UnloadModel); InvalidRequestError while requests hold it."""
+        """Evict a resident draft now (UnloadModel); InvalidRequestError while requests hold it.
+        The suffix draft's own lease is given up first: its index is gone until a restart."""
         if name not in self.drafts or not self.ws.is_resident(name):
             return None
-        return self.ws.unload(name)
+        if name != SUFFIX or self._suffix is None:
+            return self.ws.unload(name)
+        held, self._suffix = self._suffix, None
+        held.release()
+        try:
+            return self.ws.unload(name)
+        except InvalidRequestError:  # requests run on it: it stays, and goes on learning
+            self._suffix = self.ws.lease(name, wait=False)
+            raise
+
+    def _suffix_draft(self) -> SuffixDraft | None:
+        """The suffix draft the scheduler holds (None: none configured, it did not fit, or unloaded)."""
+        held = self._suffix
+        proposer = held.proposer if held is not None else None
+        return proposer if isinstance(proposer, SuffixDraft) else None
+
+    def learn(self, tokens: list[int]) -> None:
+        """A finished request's prompt and committed output, for the suffix draft's index."""
+        draft = self._suffix_draft()
+        if draft is not None:
+            draft.learn(tokens)
 
     def shrink(self, nbytes: int) -> int:
         """Give up unleased drafts, lowest value per byte first, until `nbytes` are freed."""
@@ -206,6 +243,9 @@ class Scheduler:
         out = {**{k: float(v) for k, v in ws.items()}, **{k: float(v) for k, v in stats.items()}}
         for policy in list(self._policies.values()):
             out.update(policy.counters())
+        draft = self._suffix_draft()
+        if draft is not None:  # what the index holds and how often it found a match
+            out.update({f"suffix.{k}": float(v) for k, v in draft.index.report().items()})
         return out
 
     def status(self) -> dict:
@@ -225,6 +265,9 @@ class Scheduler:
         return out
 
     def close(self) -> None:
+        held, self._suffix = self._suffix, None
+        if held is not None:
+            held.release()
         self.ws.close()
 
 
@@ -236,20 +279,24 @@ def check_draft_names(req: GenerationRequest, drafts) -> None:
         raise unknown_draft(req.policy.draft, drafts, "policy")
 
 
-def draft_names(store, target_name: str) -> list[str]:
+def draft_names(store, target_name: str, suffix: bool = True) -> list[str]:
     """The drafts a request for `target_name` may name, from the store alone (before the target
-    loads): what from_store's scheduler offers, prompt lookup and every draft made for it."""
+    loads): what from_store's scheduler offers, prompt lookup, the suffix draft (where
+    `[speculative] suffix_mb` keeps one) and every draft made for it."""
     from memspec.speculation.drafts import target_drafts
 
-    return [PROMPT_LOOKUP, *(m.name for m in target_drafts(store, target_name))]
+    return [PROMPT_LOOKUP, *([SUFFIX] if suffix else []), *(m.name for m in target_drafts(store, target_name))]
 
 
-def draft_footprints(drafts: list) -> dict[str, int]:
-    """Every draft (manifests) with the RSS footprint budgets plan it at, plus prompt lookup (0)."""
+def draft_footprints(drafts: list, suffix_bytes: int = 0) -> dict[str, int]:
+    """Every draft (manifests) with the RSS footprint budgets plan it at, plus prompt lookup (0)
+    and, when `suffix_bytes` > 0, the suffix draft at its index's bytes."""
     from memspec.runtime.memory import planned_footprint
     from memspec.speculation.drafts import draft_variant
+    from memspec.speculation.suffix import index_nbytes
 
-    return {PROMPT_LOOKUP: 0, **{m.name: planned_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
+    suffix = {SUFFIX: index_nbytes(suffix_bytes)} if suffix_bytes else {}
+    return {PROMPT_LOOKUP: 0, **suffix, **{m.name: planned_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
 
 
 def draft_kv_sizers(drafts: list, capacity: int) -> dict[str, KVSizer]:
@@ -267,18 +314,23 @@ def draft_kv_sizers(drafts: list, capacity: int) -> dict[str, KVSizer]:
 
 
 def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
-               names: list[str] | None = None, **kwargs) -> Scheduler:
-    """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup."""
+               names: list[str] | None = None, suffix_bytes: int = 0, **kwargs) -> Scheduler:
+    """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup
+    and the suffix draft over an index of `suffix_bytes` (0: none)."""
     from memspec.runtime.memory import PsutilProbe, planned_footprint
     from memspec.speculation.drafts import DraftModel, PromptLookup, target_drafts
+    from memspec.speculation.suffix import SuffixIndex
 
     vocab = target.session.vocab_size
     drafts = target_drafts(store, target.name, names)
-    sizes = draft_footprints(drafts)
+    sizes = draft_footprints(drafts, suffix_bytes)
 
     def loader(name: str):
         if name == PROMPT_LOOKUP:
             return PromptLookup(vocab, loop_tokens=draft_limits.loop_tokens), 0
+        if name == SUFFIX:
+            d = SuffixDraft(SuffixIndex(suffix_bytes), vocab, loop_tokens=draft_limits.loop_tokens)
+            return d, d.nbytes
         d = DraftModel.load(store, name, vocab, session_config, draft_limits)
         return d, planned_footprint(d.nbytes, d.variant)
 

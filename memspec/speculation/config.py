@@ -35,6 +35,8 @@ class SpecConfig:
     #                           acceptance seen so far and the target's measured verification cost (0 =
     #                           a plain target step when drafting does not pay); "step": +1 after a full
     #                           acceptance, -1 after a rejection
+    suffix_mb: int = 4  # the suffix draft's index of recent prompts and answers, per target, counted in the
+    #                     memory budget (memspec.speculation.suffix); 0 = no suffix draft
 
     def draft_limits(self) -> DraftLimits:
         """What a draft model reads of this config: when it stops proposing, and when it copies."""

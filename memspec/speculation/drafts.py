@@ -362,9 +362,15 @@ def target_drafts(store: ModelStore, target_name: str, names: list[str] | None =
 
 
 def load_pool(store: ModelStore, target_name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
-              names: list[str] | None = None, limits: DraftLimits = DraftLimits()) -> dict[str, Proposer]:
-    """Prompt lookup plus every draft in the store made for `target_name` (or only `names`)."""
+              names: list[str] | None = None, limits: DraftLimits = DraftLimits(),
+              suffix_bytes: int = 0) -> dict[str, Proposer]:
+    """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
+    in the store made for `target_name` (or only `names`)."""
+    from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex  # it builds on this module
+
     pool: dict[str, Proposer] = {PROMPT_LOOKUP: PromptLookup(target_vocab, loop_tokens=limits.loop_tokens)}
+    if suffix_bytes:
+        pool[SUFFIX] = SuffixDraft(SuffixIndex(suffix_bytes), target_vocab, loop_tokens=limits.loop_tokens)
     for m in target_drafts(store, target_name, names):
         pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
     return pool

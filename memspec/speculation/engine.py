@@ -232,9 +232,14 @@ class Engine:
                 self.batch.release(cache)
 
     def _keep(self, context: list[int], cache: KVCache) -> None:
-        """The finished request's prompt and answer, for the next turn of its conversation."""
+        """The finished request's prompt and answer, for the next turn of its conversation, and its
+        committed tokens for the drafts that learn from what the daemon saw (the suffix draft)."""
         if self.prefixes is not None:
             self.prefixes.store(context, cache)
+        try:
+            self.drafts.learn(context)
+        except Exception as exc:  # a draft that cannot learn must not fail a request that is done
+            log.warning("drafts could not learn from a finished request (%s: %s)", type(exc).__name__, exc)
 
     # -- streaming ---------------------------------------------------------------
     def check(self, req: GenerationRequest) -> list[int]:

@@ -18,6 +18,7 @@ from typing import Callable, ContextManager, Iterator, Protocol
 from memspec.request import NO_DRAFT, GenerationRequest, unknown_draft, unknown_policy
 from memspec.speculation.drafts import Proposer
 from memspec.speculation.speculative import DraftSelector, FixedDraft
+from memspec.speculation.suffix import SUFFIX, SuffixDraft
 
 KVSizer = Callable[[int], int]  # tokens -> resident bytes of one cache holding that many
 
@@ -62,6 +63,8 @@ class DraftSource(Protocol):
     def shrink(self, nbytes: int) -> int: ...  # evict unleased drafts until nbytes are freed: bytes freed
 
     def add_spare(self, release: Callable[[], int]) -> None: ...  # a cache to empty first under memory pressure
+
+    def learn(self, tokens: list[int]) -> None: ...  # a request's prompt and committed output (the suffix draft's index)
 
     def report(self) -> SourceStatus: ...
 
@@ -139,6 +142,12 @@ class DraftPool(Mapping[str, Proposer]):
 
     def add_spare(self, release: Callable[[], int]) -> None:
         pass  # no budget and no pressure check: nothing would ever call it
+
+    def learn(self, tokens: list[int]) -> None:
+        """The suffix draft, when the pool has it, indexes what a finished request committed."""
+        draft = self.proposers.get(SUFFIX)
+        if isinstance(draft, SuffixDraft):
+            draft.learn(tokens)
 
     def report(self) -> SourceStatus:
         return SourceStatus([DraftRow(n, True, int(p.nbytes)) for n, p in sorted(self.proposers.items())])

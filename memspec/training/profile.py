@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from memspec.speculation.drafts import PROMPT_LOOKUP, Proposal
+from memspec.speculation.suffix import SUFFIX
 from memspec.scheduling.features import TAIL_CHARS, generation_context, request_text
 from memspec.speculation.metrics import SpecMetrics
 from memspec.scheduling.predictor import NONE
@@ -221,7 +222,10 @@ def run_profile(args) -> int:
             kept.setdefault(w["category"], []).append(w)
         workload = [w for group in kept.values() for w in group[: args.limit]]
     engine = build_engine(args.config, args.variant, drafts="pool")
-    names = sorted(engine.drafts) if not args.drafts else [d.strip() for d in args.drafts.split(",") if d.strip()]
+    # not the suffix draft unless named: its index learns every policy's run, so each prompt would be
+    # traced finding its own answer, which no predictor should learn from
+    names = sorted(set(engine.drafts) - {SUFFIX}) if not args.drafts else \
+        [d.strip() for d in args.drafts.split(",") if d.strip()]
     for d in names:
         if d not in engine.drafts:
             raise unknown_draft(d, engine.drafts, "--drafts")

@@ -1,0 +1,356 @@
+"""The suffix draft: its index on literal token lists (matching, voting, eviction by age, a
+byte bound over a long run, threads), its place in the pool and the scheduler, and the real
+target: greedy output unchanged, and a repeated request accepting far more the second time."""
+
+from __future__ import annotations
+
+import random
+import threading
+import tracemalloc
+
+import numpy as np
+import pytest
+
+from fakes import FakeProbe
+from memspec.errors import InvalidRequestError
+from memspec.request import GenerationRequest, SamplingParams
+from memspec.scheduling.config import SchedulerConfig
+from memspec.scheduling.scheduler import Scheduler, draft_footprints
+from memspec.speculation.config import SpecConfig
+from memspec.speculation.sources import DraftPool, DraftRow
+from memspec.speculation.suffix import (KEY, MAX_CANDIDATES, MAX_MATCH, SUFFIX, Match, SuffixDraft, SuffixIndex, index_layout,
+                                        index_nbytes, own_match, vote)
+from test_sampling import chi_square_p
+from test_speculative import V, second_token_counts, tiny  # noqa: F401  (tiny: the fixture)
+
+KiB = 1 << 10
+GREEDY = SamplingParams()
+
+
+def proposal(draft: SuffixDraft, context: list[int], k: int = 8) -> list[int]:
+    return draft.begin(64).propose(context, k, GREEDY, None).tokens
+
+
+def brute_force(live: list[list[int]], suffix: list[int], k: int) -> tuple[int, list[list[int]], int]:
+    """What find() must return, by scanning: the longest agreement of an occurrence of the suffix's
+    last KEY tokens (at most MAX_MATCH) and what followed each occurrence that agrees that long,
+    newest first (later sequences, then later positions); and how many occurrences there were."""
+    found = []
+    for seq in reversed(live):
+        for p in range(len(seq) - 2, KEY - 2, -1):
+            if seq[p - 1: p + 1] != suffix[-2:]:
+                continue
+            n = KEY
+            while n < min(MAX_MATCH, len(suffix)) and p - n >= 0 and seq[p - n] == suffix[-1 - n]:
+                n += 1
+            found.append((n, seq[p + 1: p + 1 + k]))
+    if not found:
+        return 0, [], 0
+    best = max(n for n, _ in found)
+    return best, [c for n, c in found if n == best], len(found)
+
+
+def continuations(m: Match) -> list[list[int]]:
+    return [row[valid].tolist() for row, valid in zip(m.rows, m.valid)]
+
+
+# -- the index -------------------------------------------------------------------------------
+def test_the_longest_match_wins_and_its_continuation_is_proposed():
+    index = SuffixIndex(64 * KiB)
+    index.add([1, 2, 3, 4, 5, 6, 7])
+    index.add([9, 2, 3, 4, 8, 8])
+    m = index.find(np.array([5, 9, 2, 3]), 4)  # "9 2 3" occurred once: it beats the two "2 3"s
+    assert m.length == 3 and continuations(m) == [[4, 8, 8]]
+    m = index.find(np.array([5, 0, 2, 3]), 4)  # only "2 3": both occurrences, newest first
+    assert m.length == 2 and continuations(m) == [[4, 8, 8], [4, 5, 6, 7]]
+    assert index.find(np.array([3, 9]), 4).length == 0  # never seen
+    assert index.find(np.array([6, 7]), 4).length == 0  # seen, but nothing followed it
+    draft = SuffixDraft(index, 16, loop_tokens=0)
+    assert proposal(draft, [5, 9, 2, 3]) == [4, 8, 8]  # up to the end of that sequence
+    assert proposal(draft, [1, 2, 3]) == [4, 5, 6]  # a 3-token match proposes at most 3 tokens
+
+
+def test_find_agrees_with_a_brute_force_scan():
+    rng = random.Random(5)
+    index = SuffixIndex(8 * KiB)  # small: the run below evicts
+    added = []
+    checked = 0
+    for step in range(300):
+        seq = [rng.randrange(6) for _ in range(rng.randrange(1, 60))]
+        index.add(seq)
+        if len(seq) > KEY:  # shorter ones are not indexed
+            added.append(seq)
+        live = added[len(added) - index.sequences:] if index.sequences else []
+        suffix = [rng.randrange(6) for _ in range(rng.randrange(2, 30))]
+        k = rng.randrange(1, 10)
+        m = index.find(np.asarray(suffix), k)
+        want_len, want, occurrences = brute_force(live, suffix, k)
+        if occurrences <= MAX_CANDIDATES:  # find() sees every occurrence below its cap
+            assert (m.length, continuations(m)) == (want_len, want), f"step {step}"
+            checked += 1
+    assert checked > 250 and index.stats.evicted > 100
+
+
+def test_the_most_frequent_path_is_proposed_while_it_is_likely_enough():
+    rows = np.array([[4, 5, 6], [4, 7, 1], [4, 5, 2], [3, 5, 6]])
+    m = Match(2, rows, np.ones_like(rows, dtype=bool))
+    # 4 (3 of 4), then 5 (2 of the 3), then a tie of 6 and 2 at 1 of 2: the newest row's, 6
+    assert vote(m, 3, min_prob=0.1) == [4, 5, 6]
+    assert vote(m, 3, min_prob=0.3) == [4, 5]  # 3/4 * 2/3 * 1/2 = 0.25 < 0.3
+    assert vote(m, 3, min_prob=0.8) == []  # 3/4 already too unlikely
+    ended = Match(2, rows, np.array([[1, 0, 0], [1, 0, 0], [1, 1, 1], [1, 1, 1]], dtype=bool))
+    assert vote(ended, 3, min_prob=0.3) == [4]  # rows that ended still count as not going on: 1 of 3 is too few
+
+
+def test_the_requests_own_context_counts_as_prompt_lookup_does():
+    ctx = np.array([1, 2, 3, 9, 2, 3, 8, 7, 1, 2, 3])
+    m = own_match(ctx, 3)
+    assert m.length == 3 and continuations(m) == [[9, 2, 3]]  # "1 2 3" at the start
+    draft = SuffixDraft(SuffixIndex(64 * KiB), 16, loop_tokens=0)
+    assert proposal(draft, ctx.tolist(), 3) == [9, 2, 3]  # an empty index: prompt lookup
+    draft.learn([4, 4, 1, 2, 3, 5, 5, 5])  # indexed, "4 1 2 3" agrees one token further than the context's
+    assert proposal(draft, [6, 1, 2, 3, 0, 4, 1, 2, 3], 3) == [5, 5, 5]
+    looping = SuffixDraft(SuffixIndex(64 * KiB), 16, loop_tokens=4)
+    assert proposal(looping, [3, 8, 7, 8, 7, 8, 7], 5) == [8, 7, 8, 7, 8]  # a loop continues, as prompt lookup's
+
+
+def test_a_sampled_proposal_is_one_hot():
+    draft = SuffixDraft(SuffixIndex(64 * KiB), 16)
+    draft.learn([1, 2, 3, 4, 5])
+    got = draft.begin(64).propose([9, 1, 2, 3], 2, SamplingParams(temperature=0.7), np.random.default_rng(0))
+    assert got.tokens == [4, 5] and got.q.shape == (2, 16) and (got.q[[0, 1], [4, 5]] == 1.0).all() \
+        and got.q.sum() == 2.0
+
+
+def test_evicts_the_oldest_sequences_first():
+    index = SuffixIndex(8 * KiB)
+    first = [100, 101, 102, 103, 104]
+    filler = [[1000 + 60 * j + i for i in range(60)] for j in range(40)]  # every key distinct
+
+    def found(seq):
+        return index.find(np.array(seq[-3:-1]), 1).length >= KEY
+
+    index.add(first)
+    n = 0
+    while found(first):
+        index.add(filler[n])
+        n += 1
+    # the oldest went when the n-th filler no longer fitted (each sequence with its SEP), and the
+    # next oldest with it, since its 6 slots were not room enough for 61
+    assert 6 + (n - 1) * 61 <= index.slots < 6 + n * 61 and index.stats.evicted == 2
+    assert not found(filler[0]) and all(found(s) for s in filler[1:n])
+    while index.stats.evicted < 4:
+        index.add(filler[n])
+        n += 1
+    assert not found(filler[1]) and not found(filler[2])  # then the next oldest, in order
+    assert all(found(s) for s in filler[3:n]) and index.sequences == n - 3
+
+
+def test_a_sequence_longer_than_the_ring_keeps_its_latest_tokens():
+    index = SuffixIndex(8 * KiB)
+    long = list(range(3 * index.slots))
+    index.add(long)
+    assert index.sequences == 1 and index.end - index.tail == index.slots
+    assert index.find(np.array(long[-4:-2]), 2).length >= KEY
+    assert index.find(np.array(long[:2]), 2).length == 0
+
+
+def test_memory_stays_within_the_bound_over_a_long_run():
+    cap = 256 * KiB
+    index = SuffixIndex(cap)
+    assert index.nbytes == index_nbytes(cap) <= cap
+    assert index.nbytes > 0.8 * cap  # the cap is what it may use, and it uses most of it
+    rng = np.random.default_rng(0)
+    for _ in range(50):  # warm: the ring wraps
+        index.add(rng.integers(0, 49152, rng.integers(1, 2000)).tolist())
+    tracemalloc.start()
+    before = tracemalloc.get_traced_memory()[0]
+    for i in range(3000):
+        index.add(rng.integers(0, 49152, rng.integers(1, 2000)).tolist())
+        if i % 100 == 0:
+            index.find(rng.integers(0, 49152, 30), 8)
+    grown = tracemalloc.get_traced_memory()[0] - before
+    tracemalloc.stop()
+    assert grown < 4 * KiB, f"the index grew by {grown} bytes over a long run"
+    assert index.nbytes == index_nbytes(cap)
+    assert index.end - index.tail <= index.slots and index.sequences <= len(index.starts)
+    assert index.stats.evicted > 2000
+
+
+def test_tiny_sequences_evict_by_count_when_the_start_ring_fills():
+    index = SuffixIndex(8 * KiB)
+    _, _, starts = index_layout(8 * KiB)
+    for i in range(3 * starts):
+        index.add([i % 7, 1, 2])
+    assert index.sequences == starts and index.stats.evicted == 2 * starts
+
+
+def test_threads_add_and_find_at_once():
+    index = SuffixIndex(32 * KiB)
+    errors = []
+
+    def work(seed):
+        rng = random.Random(seed)
+        try:
+            for _ in range(300):
+                index.add([rng.randrange(20) for _ in range(rng.randrange(3, 80))])
+                m = index.find(np.asarray([rng.randrange(20) for _ in range(10)]), 5)
+                assert m.rows.shape == m.valid.shape and (m.rows[m.valid] >= 0).all()
+        except Exception as exc:  # a thread's failure must fail the test
+            errors.append(exc)
+
+    threads = [threading.Thread(target=work, args=(s,)) for s in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errors and index.stats.added == 1200
+    assert index.end - index.tail <= index.slots
+
+
+def test_the_index_needs_room_for_a_match():
+    with pytest.raises(ValueError, match="at least"):
+        SuffixIndex(100)
+
+
+def test_suffix_proposals_keep_the_sampling_distribution(tiny):  # noqa: F811
+    """The draft copies from the index (q one-hot); the rejection rule must still give the
+    target's next-token distribution."""
+    index = SuffixIndex(64 * KiB)
+    prompt = [3, 1, 4, 1, 5]
+    for t in range(V):  # whatever the first token, an indexed sequence continues it
+        index.add(prompt + [t, (t * 5 + 3) % V, t])
+    draft = SuffixDraft(index, V, loop_tokens=0)
+    assert all(proposal(draft, prompt + [t], 3) for t in range(V))
+    counts, p2 = second_token_counts(tiny, prompt=prompt, draft=draft)
+    assert chi_square_p(counts, p2) > 1e-3
+
+
+# -- the pool and the scheduler ----------------------------------------------------------------
+def test_the_pool_teaches_its_suffix_draft():
+    draft = SuffixDraft(SuffixIndex(64 * KiB), 16)
+    pool = DraftPool({SUFFIX: draft})
+    pool.learn([1, 2, 3, 4])
+    assert proposal(draft, [7, 2, 3]) == [4] and pool.report().drafts[0].bytes == draft.nbytes
+    DraftPool({}).learn([1, 2, 3])  # no suffix draft: nothing to teach
+
+
+def test_the_scheduler_holds_the_suffix_index_in_its_budget():
+    cap = 64 * KiB
+    made = []
+
+    def loader(name):
+        made.append(SuffixDraft(SuffixIndex(cap), 16))
+        return made[-1], made[-1].nbytes
+
+    sizes = draft_footprints([], cap)
+    assert sizes == {"prompt-lookup": 0, SUFFIX: index_nbytes(cap)}
+    sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=1, pressure_floor_mb=0), loader, sizes,
+                      FakeProbe(rss=0), target=("t", 512 * KiB))
+    try:
+        st = sched.ws.status()
+        assert st["drafts"][SUFFIX] == {**st["drafts"][SUFFIX], "state": "resident", "leases": 1,
+                                        "bytes": index_nbytes(cap)}
+        assert st["used_bytes"] == 512 * KiB + index_nbytes(cap)
+        assert sched.shrink(1 << 30) == 0  # held for the scheduler's life: never evicted
+        sched.learn([1, 2, 3, 4])
+        assert proposal(made[0], [9, 2, 3]) == [4]
+        counters = sched.counters()
+        assert (counters["suffix.sequences"], counters["suffix.tokens"], counters["suffix.hits"]) == (1, 4, 1)
+        assert counters["suffix.bytes"] == index_nbytes(cap)
+        req = GenerationRequest(prompt="x", draft=SUFFIX)
+        sel = sched.selector(req, [9, 2, 3], 64)
+        name, state = sel([9, 2, 3], sel.metrics)
+        assert name == SUFFIX and state.propose([9, 2, 3], 4, GREEDY, None).tokens == [4]
+        with pytest.raises(InvalidRequestError, match="in use"):
+            sched.unload(SUFFIX)  # a request runs on it: it stays, held, and goes on learning
+        sched.learn([7, 8, 9])
+        assert made[0].index.stats.added == 2 and sched.ws.status()["drafts"][SUFFIX]["leases"] == 2
+        sel.close()
+        assert sched.unload(SUFFIX) == index_nbytes(cap)  # UnloadModel frees it ...
+        sched.learn([5, 6, 7])  # ... and nothing learns any more
+        assert made[0].index.stats.added == 2 and sched.ws.status()["used_bytes"] == 512 * KiB
+    finally:
+        sched.close()
+
+
+def test_a_suffix_index_too_big_for_the_budget_is_left_out():
+    sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=1, pressure_floor_mb=0),
+                      lambda name: (SuffixDraft(SuffixIndex(2 << 20), 16), index_nbytes(2 << 20)),
+                      draft_footprints([], 2 << 20), FakeProbe(rss=0), target=("t", 512 * KiB))
+    try:
+        assert SUFFIX not in sched.ws.resident()
+        sched.learn([1, 2, 3])  # nothing holds it: a no-op
+    finally:
+        sched.close()
+
+
+# -- the real target -----------------------------------------------------------------------------
+REPEAT = "Rewrite this sentence in the passive voice: The committee approved the new budget on Monday."
+
+
+@pytest.fixture(scope="module")
+def smollm(model_store):
+    from memspec.runtime.config import SessionConfig
+    from memspec.speculation.engine import Engine, TargetModel
+
+    target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
+    plain = Engine(target, drafts=DraftPool())
+    draft = SuffixDraft(SuffixIndex(1 << 20), target.session.vocab_size)
+    return plain, Engine(target, drafts=DraftPool({SUFFIX: draft}), spec=SpecConfig(controller="step")), draft
+
+
+def test_greedy_output_is_the_targets_and_a_repeat_accepts_far_more(smollm):
+    plain, engine, draft = smollm
+    for prompt in (REPEAT, "Write a Python function that checks whether a number is prime."):
+        base = plain.generate(GenerationRequest(prompt=prompt, max_tokens=48))
+        first = engine.generate(GenerationRequest(prompt=prompt, max_tokens=48, draft=SUFFIX))
+        second = engine.generate(GenerationRequest(prompt=prompt, max_tokens=48, draft=SUFFIX))
+        assert first.token_ids == base.token_ids and second.token_ids == base.token_ids, prompt
+        assert first.text == base.text == second.text
+        # the first run proposes only from its own context; the second finds the first's answer
+        assert second.stats["mean_acceptance_length"] >= 4.0, second.stats
+        assert second.stats["mean_acceptance_length"] > first.stats["mean_acceptance_length"] + 2.0
+        assert second.stats["drafts_used"] == {SUFFIX: second.stats["num_drafts"]}
+    assert draft.index.stats.added == 4  # only the suffix engine's requests, each once
+
+
+def test_the_engine_indexes_the_committed_tokens_and_a_failing_index_fails_no_request(smollm, monkeypatch):
+    plain, engine, draft = smollm
+    req = GenerationRequest(prompt="Name three colours.", max_tokens=12, draft="none")
+    done = engine.generate(req)
+    index = draft.index
+    last = index.starts[(index._first + index.sequences - 1) % len(index.starts)]
+    learned = index.buf[np.arange(last, index.end - 1) % index.slots].tolist()  # the newest sequence
+    kept = done.prompt_token_ids + done.token_ids
+    assert learned[: len(kept)] == kept  # the prompt and the answer (a last step may commit a few more)
+
+    def broken(tokens):
+        raise RuntimeError("index broken")
+
+    monkeypatch.setattr(draft.index, "add", broken)
+    again = engine.generate(req)
+    assert again.token_ids == done.token_ids and again.finish_reason == done.finish_reason
+
+
+def test_a_scheduled_engine_teaches_its_suffix_draft_whichever_draft_runs(smollm, model_store):
+    from memspec.scheduling.scheduler import from_store
+    from memspec.speculation.config import DraftLimits
+    from memspec.speculation.engine import Engine
+
+    target = smollm[0].target
+    sched = from_store(SchedulerConfig(policy="bandit", pressure_floor_mb=0), model_store, target, None,
+                       DraftLimits(), names=[], suffix_bytes=1 << 20)
+    engine = Engine(target, drafts=sched, spec=SpecConfig(controller="step"))
+    try:
+        assert set(sched.drafts) == {"prompt-lookup", SUFFIX}
+        lookup, suffix = sched.report().drafts
+        assert lookup == DraftRow("prompt-lookup", False, 0)  # loaded on first use
+        # held from the start, at its bytes (or what its load added to the RSS, when that was more)
+        assert suffix.resident and index_nbytes(1 << 20) <= suffix.bytes < 2 * index_nbytes(1 << 20)
+        base = engine.generate(GenerationRequest(prompt=REPEAT, max_tokens=32, draft="none"))  # learned too
+        again = engine.generate(GenerationRequest(prompt=REPEAT, max_tokens=32, draft=SUFFIX))
+        assert again.token_ids == base.token_ids and again.stats["mean_acceptance_length"] >= 4.0, again.stats
+        assert sched.counters()["suffix.sequences"] == 2
+    finally:
+        engine.close()
