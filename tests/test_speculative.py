@@ -387,6 +387,27 @@ def test_context_limit_mid_run(model_store):
     assert len(base.prompt_token_ids) + len(base.token_ids) == 48 + 1  # the last token is never fed
 
 
+def test_every_draft_is_exact_where_onnx_runtime_runs_it(fp32_engine, model_store, tmp_path):
+    """The drafts ship as GGUFs the native engine runs; where ONNX Runtime runs them (a GPU,
+    backend = "onnxruntime") their graph is built from the GGUF at first load: the output is the
+    target's all the same."""
+    from memspec.models.store import ModelStore
+    from memspec.speculation.drafts import load_pool
+    from memspec.speculation.engine import Engine
+
+    store = ModelStore(tmp_path, shipped=model_store.shipped)  # the graphs are built into this home
+    pool = load_pool(store, "smollm2-135m", 49152, SessionConfig(max_context=512, backend="onnxruntime"))
+    models = {n: p for n, p in pool.items() if p.session is not None}
+    assert models and all(p.session.providers == ["CPUExecutionProvider"] for p in models.values())
+    e = Engine(fp32_engine.target, drafts=DraftPool(pool), spec=SpecConfig(controller="step"))
+    for prompt in PROMPTS[:2]:
+        base = e.generate(GenerationRequest(prompt=prompt, max_tokens=24, draft="none"))
+        for name in models:
+            r = e.generate(GenerationRequest(prompt=prompt, max_tokens=24, draft=name))
+            assert r.token_ids == base.token_ids, f"draft {name} on ONNX Runtime changed the output for {prompt!r}"
+            assert r.stats["num_draft_tokens"] > 0, (name, r.stats)
+
+
 def test_unknown_draft_is_refused(fp32_engine):
     from memspec.errors import InvalidRequestError
 
