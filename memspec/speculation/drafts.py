@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import threading
 import time
 from dataclasses import dataclass
@@ -153,7 +154,8 @@ def draft_graph(store: ModelStore, m: Manifest) -> Path:
 
     proto = DecoderBuilder(GGUFModel(m.variant_path(GGUF_VARIANT)), GRAPH_VARIANT, pad_attention=False).build()
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".partial")
+    # a name of its own: two processes (a daemon and a CLI) may build it at once; the last rename wins
+    tmp = out.with_name(f"{out.name}.{os.getpid()}-{threading.get_ident()}.partial")
     onnx.save_model(proto, str(tmp))
     tmp.replace(out)
     return out
