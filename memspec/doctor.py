@@ -160,7 +160,7 @@ def kernels_section() -> dict:
     try:
         from memspec.runtime import kernels
     except ImportError as exc:  # built, but refusing $MEMSPEC_NATIVE_ISA: every engine choice imports it
-        return dict(out, built=True, error=f"{exc}: unset MEMSPEC_NATIVE_ISA, or set it to one of those")
+        return dict(out, built=True, error=str(exc))  # kernels.NativeIsaRefused says what to do
     out["built"] = kernels.available()
     if not out["built"]:
         out["error"] = kernels.NOT_BUILT

@@ -298,6 +298,17 @@ def test_the_environment_forces_the_scalar_path_and_refuses_an_unknown_one():
     assert kernels.isa() in kernels.isas()
 
 
+@pytest.mark.model
+def test_a_refused_native_isa_is_a_one_line_error_of_the_cli(tmp_path):
+    """Regression: `memspec generate` under a $MEMSPEC_NATIVE_ISA this CPU lacks ended in an
+    ImportError's traceback; it is a configuration error, said in a line, exit 2."""
+    env = {**os.environ, "MEMSPEC_NATIVE_ISA": "avx9000"}
+    r = subprocess.run([sys.executable, "-m", "memspec", "generate", "--local", "--max-tokens", "2", "hi"],
+                       env=env, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+    assert "memspec: error: MEMSPEC_NATIVE_ISA='avx9000'" in r.stderr and "unset MEMSPEC_NATIVE_ISA" in r.stderr
+
+
 # -- 4. bad inputs ------------------------------------------------------------------------
 
 def bad_cases():

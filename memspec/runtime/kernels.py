@@ -14,10 +14,20 @@ from __future__ import annotations
 
 import numpy as np
 
+from memspec.errors import ConfigError
+
+
+class NativeIsaRefused(ConfigError, ImportError):
+    """The extension is built but refuses to load: $MEMSPEC_NATIVE_ISA names a path this CPU cannot
+    run.  A ConfigError, so the CLI says so in a line and exits 2; an ImportError, as the import is."""
+
+
 try:
     from memspec.runtime import _native
 except ModuleNotFoundError:  # the extension was not built (no C compiler at install)
     _native = None
+except ImportError as exc:  # built, and refusing $MEMSPEC_NATIVE_ISA: nothing can run a native pass
+    raise NativeIsaRefused(f"{exc}: unset MEMSPEC_NATIVE_ISA, or set it to one of those") from None
 
 NOT_BUILT = ("the native kernels are not built (no C compiler at install?): reinstall with gcc present; "
              "the ONNX Runtime engine still works")
