@@ -41,6 +41,7 @@ BLOCK_TYPES: dict[str, tuple[int, int]] = {
     "Q4_K": (QK_K, 144), "Q5_K": (QK_K, 176), "Q6_K": (QK_K, 210),
 }
 FLOAT_TYPES = ("F32", "F16", "BF16")
+HEAD_TENSORS = ("token_embd.weight", "output.weight")  # one row per token id: the embedding and the LM head
 ARCHITECTURES = ("llama", "qwen2")
 
 # Metadata value types (gguf.GGUFValueType): scalar code -> struct format, plus string and array.

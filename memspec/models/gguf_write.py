@@ -18,10 +18,9 @@ from pathlib import Path
 
 import numpy as np
 
-from memspec.models.gguf import ARCHITECTURES, DecoderConfig, QK
+from memspec.models.gguf import ARCHITECTURES, HEAD_TENSORS, DecoderConfig, QK
 
 QTYPES = ("Q8_0", "Q4_0", "F32")  # what a draft is written as: 8-bit, 4-bit symmetric, or float
-HEAD_TENSORS = ("token_embd.weight", "output.weight")
 
 
 def gguf_row_order(name: str, config: DecoderConfig, n_rows: int) -> np.ndarray | None:

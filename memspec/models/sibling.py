@@ -24,11 +24,10 @@ import numpy as np
 
 from memspec.errors import ModelFormatError
 from memspec.models.catalog import SiblingDraft
-from memspec.models.gguf import ArrayWeights, GGUFModel
+from memspec.models.gguf import HEAD_TENSORS, ArrayWeights, GGUFModel  # HEAD_TENSORS: the rows a vocabulary list trims
 
 VARIANT = "gguf"  # what the draft's manifest calls its one file (memspec.speculation.drafts.GGUF_VARIANT)
 FILE = "draft.gguf"
-HEAD_TENSORS = ("token_embd.weight", "output.weight")  # the rows a vocabulary list trims
 
 
 def vocab_list(recipe: SiblingDraft) -> list[int]:
