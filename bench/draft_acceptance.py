@@ -125,9 +125,11 @@ def main(argv=None) -> int:
     store = ModelStore(default_home())
     items = load_workload(args.workload)
     if args.limit:
-        seen: dict[str, int] = {}
-        items = [w for w in items if seen.setdefault(w.get("category", "all"), 0) < args.limit
-                 and not seen.__setitem__(w.get("category", "all"), seen[w.get("category", "all")] + 1)]
+        kept: list[dict] = []
+        for w in items:  # the first --limit prompts of each category
+            if sum(k.get("category") == w.get("category") for k in kept) < args.limit:
+                kept.append(w)
+        items = kept
     cache = args.answers or store.home / f"heldout-answers-{args.model}.json"
     samples = target_answers(store, args.model, items, args.max_new, cache, args.threads)
     target = NativeTarget(store.gguf_of(store.get(args.model)), threads=1, max_context=2048, check_rows=False)
