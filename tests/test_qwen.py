@@ -99,7 +99,7 @@ def test_the_sibling_draft_speculates_losslessly_and_is_accepted(qwen_draft_stor
     drafted = engine.generate(GenerationRequest(draft=QWEN_DRAFT, **req))
     assert drafted.token_ids == alone.token_ids and len(alone.token_ids) == 40
     s = drafted.stats
-    assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] >= 0.5 * s["num_draft_tokens"], s
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens >= 0.5 * s.num_draft_tokens, s
 
 
 def _memspec(*args: str, home: Path) -> subprocess.CompletedProcess:
