@@ -80,7 +80,7 @@ class Daemon:
             if first is None:
                 first = time.perf_counter() - t0
             if isinstance(chunk, Completion):
-                return {"tokens": len(chunk.token_ids), "tok_s": chunk.timings["tok_per_s"], "ttft_ms": first * 1e3}
+                return {"tokens": len(chunk.token_ids), "tok_s": chunk.timings.tok_per_s, "ttft_ms": first * 1e3}
         raise RuntimeError(f"{self.label}: the stream ended without a completion")
 
     def close(self) -> None:

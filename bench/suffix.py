@@ -110,7 +110,7 @@ def main() -> int:
     def run(prompt: str):
         priced.reset()
         c = engine.generate(GenerationRequest(prompt=prompt, max_tokens=args.max_tokens))
-        modelled[id(c)] = priced.decode_s() + c.stats["draft_ms"] / 1e3
+        modelled[id(c)] = priced.decode_s() + c.stats.draft_ms / 1e3
         return c
 
     work = workloads(lambda p: run(p).text)
@@ -129,10 +129,10 @@ def main() -> int:
                     exact[(w, p)] &= c.token_ids == base.setdefault((w, i), c.token_ids)
                 shown = outs[-reported:]
                 tokens = sum(len(c.token_ids) - 1 for c in shown)  # decode: after the first token
-                seconds = sum(c.timings["decode_ms"] for c in shown) / 1e3
+                seconds = sum(c.timings.decode_ms for c in shown) / 1e3
                 tps[(w, p)].append(tokens / seconds)
                 model[(w, p)].append(sum(modelled[id(c)] for c in shown) / tokens)
-                acc[(w, p)].append(statistics.mean(c.stats["mean_acceptance_length"] for c in shown))
+                acc[(w, p)].append(statistics.mean(c.stats.mean_acceptance_length for c in shown))
                 print(f"[{rep + 1}/{args.reps}] {w:<8} {p:<14} {tps[(w, p)][-1]:6.1f} tok/s  "
                       f"accept len {acc[(w, p)][-1]:.2f}", file=sys.stderr, flush=True)
     rows = []

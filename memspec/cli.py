@@ -185,14 +185,14 @@ def _run(args, req, engine=None):
         # the same keys in local and daemon mode
         print(json.dumps({
             "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids, "text": result.text,
-            "finish_reason": result.finish_reason, "timings": result.timings, "stats": result.stats,
+            "finish_reason": result.finish_reason, "timings": result.timings.to_dict(), "stats": result.stats.to_dict(),
             "model": model, "variant": variant,
         }), flush=True)
     else:
         sys.stdout.write("\n")
         t = result.timings
-        _progress(f"[{result.finish_reason}] {t['completion_tokens']} tokens, {t['tok_per_s']:.1f} tok/s, "
-                  f"ttft {t['ttft_ms']:.0f} ms")
+        _progress(f"[{result.finish_reason}] {t.completion_tokens} tokens, {t.tok_per_s:.1f} tok/s, "
+                  f"ttft {t.ttft_ms:.0f} ms")
     return result
 
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 
 from memspec.errors import InvalidRequestError
@@ -220,6 +222,88 @@ class Chunk:
     logprobs: list[TokenLogprob] | None = None  # one per token_ids entry, when the request asked
 
 
+@dataclass(frozen=True)
+class Timings:
+    """How long a generation took. Built by the engine; dicts only at the JSON and proto edges."""
+
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0  # of them, taken from a stored prefix rather than computed
+    completion_tokens: int = 0
+    ttft_ms: float = 0.0  # request start to the first token (the prefill)
+    prefill_tok_per_s: float = 0.0
+    decode_ms: float = 0.0  # first token to the last
+    total_ms: float = 0.0
+    tok_per_s: float = 0.0  # decode speed: the first token comes from the prefill, the rest from decode steps
+
+    def to_dict(self) -> dict[str, float]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, float]) -> "Timings":
+        """From the wire: unknown keys (a newer daemon's) are ignored, missing ones default."""
+        return cls(**{f.name: f.type_cast(d[f.name]) for f in _FIELDS[cls] if f.name in d})
+
+
+@dataclass(frozen=True)
+class SpecStats:
+    """What speculation did for one request (counted by memspec.speculation.metrics.SpecMetrics)."""
+
+    num_drafts: int = 0  # verification steps that had at least one draft token
+    num_draft_tokens: int = 0  # tokens proposed by drafts
+    num_accepted_tokens: int = 0  # draft tokens the target accepted
+    mean_acceptance_length: float = 1.0  # tokens committed per verification step: 1 + accepted / drafts
+    acceptance_rate: float = 0.0  # accepted / proposed
+    acceptance_by_position: tuple[float, ...] = ()  # [i] = share of drafts whose token i was accepted
+    wasted_draft_tokens: int = 0  # proposed and rejected
+    draft_ms: float = 0.0  # time spent drafting (including draft catch-up)
+    verify_ms: float = 0.0  # time spent in target forwards (prefill excluded)
+    itl_p50_ms: float = 0.0  # inter-token latency, median
+    itl_p99_ms: float = 0.0
+    itl_cv: float = 0.0  # its coefficient of variation
+    drafts_used: Mapping[str, int] = field(default_factory=dict)  # draft name -> steps it proposed tokens in
+    draft_failures: int = 0  # drafts that raised and were given up (the request went on target-only)
+
+    @property
+    def draft(self) -> str:
+        """The draft the request ran with: the one that proposed in most steps ("" = target only).
+        The one place this is decided: the CLI, HTTP, gRPC and the daemon's counters all ask here."""
+        used = self.drafts_used
+        return max(used, key=used.get) if used else ""
+
+    def to_dict(self) -> dict:
+        d = dataclasses.asdict(self)
+        d["acceptance_by_position"] = list(self.acceptance_by_position)
+        d["drafts_used"] = dict(self.drafts_used)
+        return d
+
+    @classmethod
+    def from_dict(cls, d: Mapping) -> "SpecStats":
+        """From the wire: unknown keys (a newer daemon's) are ignored, missing ones default."""
+        return cls(**{f.name: f.type_cast(d[f.name]) for f in _FIELDS[cls] if f.name in d})
+
+
+class _Field:
+    """A result field and how a value read back from JSON or a protobuf Struct (where every
+    number is a double) is given its type again."""
+
+    def __init__(self, f: dataclasses.Field):
+        self.name = f.name
+        kind = str(f.type)
+        if kind == "int":
+            self.type_cast = lambda v: int(v)
+        elif kind == "float":
+            self.type_cast = lambda v: float(v)
+        elif kind.startswith("tuple"):
+            self.type_cast = lambda v: tuple(float(x) for x in v)
+        elif kind.startswith("Mapping"):
+            self.type_cast = lambda v: {str(k): int(n) for k, n in dict(v).items()}
+        else:  # pragma: no cover - a new field of a type nobody taught this
+            raise TypeError(f"result field {f.name}: no cast for type {kind}")
+
+
+_FIELDS = {cls: [_Field(f) for f in dataclasses.fields(cls)] for cls in (Timings, SpecStats)}
+
+
 @dataclass
 class Completion:
     """The end of a generation: the whole result and its stats."""
@@ -228,5 +312,5 @@ class Completion:
     token_ids: list[int]  # generated ids only
     text: str
     finish_reason: str  # one of FINISH_REASONS
-    timings: dict[str, float]  # prefill_ms, ttft_ms, decode_ms, total_ms, tok_per_s, ...
-    stats: dict = field(default_factory=dict)  # speculative metrics (see memspec.speculation.metrics)
+    timings: Timings = field(default_factory=Timings)
+    stats: SpecStats = field(default_factory=SpecStats)  # what speculation did

@@ -187,8 +187,9 @@ def test_stream_equals_local_generation(client, engine, req):
     assert remote.prompt_token_ids == local.prompt_token_ids
     assert remote.text == local.text == "".join(c.text for c in chunks)
     assert remote.finish_reason == local.finish_reason
-    assert remote.timings.keys() == local.timings.keys() and remote.stats.keys() == local.stats.keys()
-    assert remote.timings["completion_tokens"] == len(local.token_ids)
+    assert type(remote.timings) is type(local.timings) and type(remote.stats) is type(local.stats)  # typed both ways
+    assert remote.timings.completion_tokens == len(local.token_ids)
+    assert remote.timings.prompt_tokens == len(local.prompt_token_ids)
 
 
 def test_cli_json_has_the_same_keys_local_and_daemon(daemon, capsys):
@@ -270,9 +271,9 @@ def test_a_named_draft_is_lossless_and_counted(client, engine):
     plain = run_local(engine, req)
     _, spec = run_remote(client, GenerationRequest(prompt=req.prompt, raw=True, max_tokens=16, draft="prompt-lookup"))
     assert spec.token_ids == plain.token_ids  # greedy verification is lossless
-    assert list(spec.stats["drafts_used"]) == ["prompt-lookup"] and spec.stats["num_drafts"] > 0
+    assert list(spec.stats.drafts_used) == ["prompt-lookup"] and spec.stats.num_drafts > 0
     d = next(d for d in client.status()["drafts"] if d["name"] == "prompt-lookup")
-    assert d["requests"] >= 1 and d["num_draft_tokens"] >= spec.stats["num_draft_tokens"]
+    assert d["requests"] >= 1 and d["num_draft_tokens"] >= spec.stats.num_draft_tokens
 
 
 def test_sighup_reloads_the_config(daemon, client):

@@ -260,11 +260,11 @@ def test_a_prompt_that_starts_like_an_earlier_one_reuses_it_and_no_token_changes
     got = [reuse.generate(r) for r in reqs]
     for r, want, have in zip(reqs, expected, got):
         assert have.token_ids == want.token_ids, r
-    assert [g.timings["cached_prompt_tokens"] for g in got][0] == 0  # nothing stored yet
+    assert [g.timings.cached_prompt_tokens for g in got][0] == 0  # nothing stored yet
     system = native_engine.prompt_ids(reqs[2])  # the template's system part: what every chat prompt shares
-    assert all(g.timings["cached_prompt_tokens"] >= 10 for g in got[1:]), [g.timings for g in got]
+    assert all(g.timings.cached_prompt_tokens >= 10 for g in got[1:]), [g.timings for g in got]
     # the second turn starts from the first turn's prompt and the answer it got
-    assert got[1].timings["cached_prompt_tokens"] >= len(answer.prompt_token_ids), (got[1].timings, len(system))
+    assert got[1].timings.cached_prompt_tokens >= len(answer.prompt_token_ids), (got[1].timings, len(system))
     rep = reuse.prefixes.report()
     assert rep["hits"] == 3 and rep["entries"] >= 1 and 0 < rep["bytes"] <= 16 << 20
 

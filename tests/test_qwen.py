@@ -81,7 +81,7 @@ def test_prompt_lookup_speculation_is_token_identical_to_target_only(target):
     drafted = engine.generate(GenerationRequest(prompt=prompt, max_tokens=48, draft="prompt-lookup",
                                                 sampling=SamplingParams(temperature=0.0)))
     assert drafted.token_ids == alone.token_ids and len(alone.token_ids) > 10
-    assert drafted.stats["num_accepted_tokens"] > 0, drafted.stats
+    assert drafted.stats.num_accepted_tokens > 0, drafted.stats
 
 
 def test_the_sibling_draft_speculates_losslessly_and_is_accepted(qwen_draft_store, target):
@@ -99,7 +99,7 @@ def test_the_sibling_draft_speculates_losslessly_and_is_accepted(qwen_draft_stor
     drafted = engine.generate(GenerationRequest(draft=QWEN_DRAFT, **req))
     assert drafted.token_ids == alone.token_ids and len(alone.token_ids) == 40
     s = drafted.stats
-    assert s["num_draft_tokens"] > 0 and s["num_accepted_tokens"] >= 0.5 * s["num_draft_tokens"], s
+    assert s.num_draft_tokens > 0 and s.num_accepted_tokens >= 0.5 * s.num_draft_tokens, s
 
 
 def _memspec(*args: str, home: Path) -> subprocess.CompletedProcess:

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from memspec.errors import InvalidRequestError
-from memspec.request import KEEP_FOREVER, PolicyName, parse_keep_alive, unknown_draft, unknown_policy
+from memspec.request import (KEEP_FOREVER, PolicyName, SpecStats, Timings, parse_keep_alive, unknown_draft,
+                             unknown_policy)
+from memspec.speculation.metrics import SpecMetrics
 
 
 @pytest.mark.parametrize("text,kind,draft", [
@@ -70,3 +74,33 @@ def test_keep_alive_reads_as_ollama_reads_it(value, seconds):
 def test_a_keep_alive_that_is_no_duration_names_the_field(value):
     with pytest.raises(InvalidRequestError, match=r"^keep_alive: "):
         parse_keep_alive(value)
+
+
+def test_the_draft_used_is_the_one_that_proposed_most_steps():
+    m = SpecMetrics()
+    m.record_step("a", 4, 2, 3, 0.001, 0.01)
+    m.record_step("b", 4, 4, 5, 0.001, 0.01)
+    m.record_step("b", 4, 0, 1, 0.001, 0.01)
+    m.record_step("a", 0, 0, 1, 0.0, 0.01)  # sat out: a plain target step, not a step of "a"
+    st = m.freeze()
+    assert st.draft == "b" and st.drafts_used == {"a": 1, "b": 2}
+    assert (st.num_drafts, st.num_draft_tokens, st.num_accepted_tokens) == (3, 12, 6)
+    assert st.acceptance_by_position == (0.6667, 0.6667, 0.3333, 0.3333)
+    assert SpecStats().draft == ""  # target only
+
+
+def test_results_cross_the_wire_with_their_types():
+    """to_dict -> JSON (or a protobuf Struct: every number a double) -> from_dict gives the same
+    frozen result; a newer daemon's extra keys are ignored, missing ones default."""
+    import json
+
+    st = SpecStats(num_drafts=3, num_draft_tokens=12, num_accepted_tokens=9, mean_acceptance_length=4.0,
+                   acceptance_by_position=(1.0, 0.5), drafts_used={"d": 3}, draft_ms=1.5)
+    t = Timings(prompt_tokens=7, completion_tokens=4, ttft_ms=12.5, tok_per_s=30.0)
+    as_doubles = json.loads(json.dumps({k: float(v) if isinstance(v, int) else v for k, v in st.to_dict().items()}))
+    back = SpecStats.from_dict({**as_doubles, "from_a_newer_daemon": 1})
+    assert back == st and isinstance(back.num_drafts, int) and back.draft == "d"
+    assert Timings.from_dict({k: float(v) for k, v in t.to_dict().items()}) == t
+    assert Timings.from_dict({"prompt_tokens": 2.0}) == Timings(prompt_tokens=2)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        st.num_drafts = 0

@@ -89,7 +89,7 @@ def test_scheduled_greedy_output_equals_target_only(target, baseline, policy):
         assert r.token_ids == baseline.token_ids and r.text == baseline.text
     assert leases(sched) == 0
     if policy == "fixed:self":
-        assert r.stats["drafts_used"] == {"self": r.stats["num_drafts"]} and r.stats["num_accepted_tokens"] > 8
+        assert r.stats.drafts_used == {"self": r.stats.num_drafts} and r.stats.num_accepted_tokens > 8
     sched.close()
 
 
@@ -97,8 +97,8 @@ def test_pressure_mid_request_degrades_to_target_only_without_changing_the_outpu
     engine, sched = engine_with(target, "fixed:self", PressureAfter(1), floor_mb=100)
     r = engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=16))
     assert r.token_ids == baseline.token_ids
-    assert r.stats["drafts_used"]["self"] == 1  # drafted at first ...
-    assert r.stats["num_drafts"] == 1 and r.stats["num_accepted_tokens"] < 15  # ... then target-only steps
+    assert r.stats.drafts_used["self"] == 1  # drafted at first ...
+    assert r.stats.num_drafts == 1 and r.stats.num_accepted_tokens < 15  # ... then target-only steps
     assert sched.counters()["degraded"] == 1 and sched.ws.target_only
     assert leases(sched) == 0 and "self" not in sched.ws.resident()  # released, then evicted
     sched.close()
@@ -134,7 +134,7 @@ def test_a_draft_that_raises_mid_request_is_given_up_and_the_request_finishes_ta
     engine, sched = engine_with(target, "fixed:self")
     r = engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=16, draft="broken"))
     assert r.token_ids == baseline.token_ids and r.finish_reason == baseline.finish_reason
-    assert r.stats["draft_failures"] == 1 and r.stats["num_drafts"] == 0
+    assert r.stats.draft_failures == 1 and r.stats.num_drafts == 0
     assert sched.counters()["draft_failures"] == 1 and leases(sched) == 0
     sched.close()
 
@@ -147,7 +147,7 @@ def test_a_draft_whose_cache_cannot_be_made_hands_its_lease_back(target, baselin
     engine, sched = engine_with(target, "fixed:self")
     sched.ws.loader = lambda name: (NoCache(), 0)  # the next load of any draft
     r = engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=16, draft="self"))
-    assert r.token_ids == baseline.token_ids and r.stats["num_drafts"] == 0
+    assert r.token_ids == baseline.token_ids and r.stats.num_drafts == 0
     assert sched.counters()["draft_failures"] == 1 and leases(sched) == 0  # no lease leaked
     sched.close()
 
@@ -184,7 +184,7 @@ def test_caches_evict_an_idle_draft_or_are_refused_and_the_engine_keeps_serving(
     assert sched.ws.ledger.total("kv") == 0 and "self" in sched.ws.resident()  # refused before evicting
     r = engine.generate(GenerationRequest(prompt=PROMPT, max_tokens=16))  # fits once "self" is evicted
     assert r.token_ids == baseline.token_ids and sched.ws.ledger.total("kv") == 0
-    assert sched.ws.counters.evictions >= 1 and r.stats["num_drafts"] == 0  # it ran target-only
+    assert sched.ws.counters.evictions >= 1 and r.stats.num_drafts == 0  # it ran target-only
     sched.close()
 
 
@@ -215,7 +215,7 @@ def test_a_request_waiting_for_its_draft_to_load_ends_when_it_is_cancelled(targe
     threading.Timer(0.2, cancel.set).start()
     t0 = time.monotonic()
     out = [x for x in engine.stream(GenerationRequest(prompt=PROMPT, max_tokens=16), cancel)][-1]
-    assert time.monotonic() - t0 < 5 and out.finish_reason == "cancelled" and out.stats["num_drafts"] == 0
+    assert time.monotonic() - t0 < 5 and out.finish_reason == "cancelled" and out.stats.num_drafts == 0
     release.set()
     assert leases(sched) == 0
     sched.close()

@@ -31,7 +31,7 @@ from memspec.errors import (
     RemoteError, UnavailableError,
 )
 from memspec.serving.notify import Notifier
-from memspec.request import Chunk, Completion, GenerationRequest, Limits, validate
+from memspec.request import Chunk, Completion, GenerationRequest, Limits, SpecStats, Timings, validate
 from memspec.serving.server import MemSpecServicer, create_server
 from memspec.speculation.sources import DraftPool, DraftRow, SourceStatus
 from memspec.runtime.invariance import WARNING, RowCheck
@@ -103,9 +103,8 @@ class FakeEngine:
                     break
         finally:
             self.open -= 1
-        yield Completion(prompt, out, "", finish, {"prompt_tokens": len(prompt), "completion_tokens": len(out),
-                                                  "ttft_ms": 1.0, "tok_per_s": 2.0, "total_ms": 3.0},
-                         {"num_drafts": 0, "drafts_used": {}})
+        yield Completion(prompt, out, "", finish, Timings(prompt_tokens=len(prompt), completion_tokens=len(out),
+                                                          ttft_ms=1.0, tok_per_s=2.0, total_ms=3.0))
 
 
 class FakeStore:
@@ -217,8 +216,8 @@ def test_generate_streams_chunks_then_completion_with_stats(h):
     assert [c.token_ids for c in chunks] == [[0], [1], [2], [3]]
     assert done.text == "three two one three " and done.token_ids == [0, 1, 2, 3]
     assert done.finish_reason == "length" and done.prompt_token_ids == [0, 1, 2]
-    assert done.timings["completion_tokens"] == 4 and isinstance(done.timings["prompt_tokens"], int)
-    assert done.stats == {"num_drafts": 0, "drafts_used": {}}
+    assert done.timings.completion_tokens == 4 and isinstance(done.timings.prompt_tokens, int)
+    assert done.stats == SpecStats() and done.stats.draft == ""
     assert (done.model, done.variant) == ("tiny", "q4")
     assert h.engines[-1].checks == 1  # validated and tokenized once, not again when it runs
 
@@ -551,8 +550,8 @@ def test_status_takes_scheduler_and_predictor_counters_from_their_objects(h):
             return SourceStatus([DraftRow("d", True, 7)], None, {"evictions": 2.0}, {"predictions": 5.0})
 
     h.engine.drafts = Reporting()
-    h.backend.record(Completion([], [], "", "length", {}, {"drafts_used": {"d": 3}, "num_drafts": 3,
-                                                           "num_draft_tokens": 12, "num_accepted_tokens": 9}))
+    h.backend.record(Completion([], [], "", "length", stats=SpecStats(drafts_used={"d": 3}, num_drafts=3,
+                                                                      num_draft_tokens=12, num_accepted_tokens=9)))
     st = h.client.status()
     assert st["scheduler"] == {"evictions": 2.0} and st["predictor"] == {"predictions": 5.0}
     (d,) = st["drafts"]

@@ -340,7 +340,7 @@ def test_eos_inside_accepted_run_and_max_tokens_mid_run(fp32_engine):
     assert base.finish_reason == "eos" and base.token_ids[-1] == 2
     r = e.generate(GenerationRequest(prompt=q, max_tokens=64, draft="self"))  # accepts whole runs, EOS among them
     assert (r.token_ids, r.finish_reason) == (base.token_ids, "eos")
-    assert r.stats["num_accepted_tokens"] == r.stats["num_draft_tokens"] > 0
+    assert r.stats.num_accepted_tokens == r.stats.num_draft_tokens > 0
     short = e.generate(GenerationRequest(prompt=q, max_tokens=3, draft="self"))
     assert short.token_ids == base.token_ids[:3] and short.finish_reason == "length"
 
@@ -368,8 +368,8 @@ def test_zero_acceptance_still_exact(fp32_engine):
     base = e.generate(GenerationRequest(prompt=prompt, max_tokens=16, draft="none"))
     r = e.generate(GenerationRequest(prompt=prompt, max_tokens=16, draft="wrong"))
     assert r.token_ids == base.token_ids
-    assert r.stats["num_accepted_tokens"] == 0 and r.stats["num_drafts"] > 0
-    assert r.stats["mean_acceptance_length"] == 1.0
+    assert r.stats.num_accepted_tokens == 0 and r.stats.num_drafts > 0
+    assert r.stats.mean_acceptance_length == 1.0
 
 
 def test_context_limit_mid_run(model_store):
@@ -405,7 +405,7 @@ def test_every_draft_is_exact_where_onnx_runtime_runs_it(fp32_engine, model_stor
         for name in models:
             r = e.generate(GenerationRequest(prompt=prompt, max_tokens=24, draft=name))
             assert r.token_ids == base.token_ids, f"draft {name} on ONNX Runtime changed the output for {prompt!r}"
-            assert r.stats["num_draft_tokens"] > 0, (name, r.stats)
+            assert r.stats.num_draft_tokens > 0, (name, r.stats)
 
 
 def test_unknown_draft_is_refused(fp32_engine):
@@ -494,7 +494,7 @@ def test_a_model_draft_follows_the_targets_loop_exactly(fp32_engine):
     assert "5111111111" in base.text  # the target's loop
     r = e.generate(GenerationRequest(prompt=prompt, max_tokens=64, draft="draft-code"))
     assert r.token_ids == base.token_ids
-    assert r.stats["mean_acceptance_length"] > 2.5
+    assert r.stats.mean_acceptance_length > 2.5
 
 
 def test_a_pool_draft_that_raises_is_given_up_and_the_output_is_unchanged(fp32_engine):
@@ -517,4 +517,4 @@ def test_a_pool_draft_that_raises_is_given_up_and_the_output_is_unchanged(fp32_e
         r = e.generate(GenerationRequest(prompt=PROMPTS[1], max_tokens=12, draft="raising"))
     finally:
         del e.drafts.proposers["raising"]
-    assert r.token_ids == base.token_ids and r.stats["draft_failures"] == 1 and r.stats["num_drafts"] == 0
+    assert r.token_ids == base.token_ids and r.stats.draft_failures == 1 and r.stats.num_drafts == 0

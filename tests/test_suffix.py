@@ -315,9 +315,9 @@ def test_greedy_output_is_the_targets_and_a_repeat_accepts_far_more(smollm):
         assert first.token_ids == base.token_ids and second.token_ids == base.token_ids, prompt
         assert first.text == base.text == second.text
         # the first run proposes only from its own context; the second finds the first's answer
-        assert second.stats["mean_acceptance_length"] >= 4.0, second.stats
-        assert second.stats["mean_acceptance_length"] > first.stats["mean_acceptance_length"] + 2.0
-        assert second.stats["drafts_used"] == {SUFFIX: second.stats["num_drafts"]}
+        assert second.stats.mean_acceptance_length >= 4.0, second.stats
+        assert second.stats.mean_acceptance_length > first.stats.mean_acceptance_length + 2.0
+        assert second.stats.drafts_used == {SUFFIX: second.stats.num_drafts}
     assert draft.index.stats.added == 4  # only the suffix engine's requests, each once
 
 
@@ -356,7 +356,7 @@ def test_a_scheduled_engine_teaches_its_suffix_draft_whichever_draft_runs(smollm
         assert suffix.resident and index_nbytes(1 << 20) <= suffix.bytes < 2 * index_nbytes(1 << 20)
         base = engine.generate(GenerationRequest(prompt=REPEAT, max_tokens=32, draft="none"))  # learned too
         again = engine.generate(GenerationRequest(prompt=REPEAT, max_tokens=32, draft=SUFFIX))
-        assert again.token_ids == base.token_ids and again.stats["mean_acceptance_length"] >= 4.0, again.stats
+        assert again.token_ids == base.token_ids and again.stats.mean_acceptance_length >= 4.0, again.stats
         assert sched.counters()["suffix.sequences"] == 2
     finally:
         engine.close()

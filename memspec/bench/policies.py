@@ -52,12 +52,12 @@ class Tally:
         s = completion.stats
         self.requests += 1
         self.tokens += len(completion.token_ids)
-        self.seconds += completion.timings["total_ms"] / 1e3
-        self.num_drafts += s.get("num_drafts", 0)
-        self.num_draft_tokens += s.get("num_draft_tokens", 0)
-        self.num_accepted_tokens += s.get("num_accepted_tokens", 0)
+        self.seconds += completion.timings.total_ms / 1e3
+        self.num_drafts += s.num_drafts
+        self.num_draft_tokens += s.num_draft_tokens
+        self.num_accepted_tokens += s.num_accepted_tokens
         self.mismatches += int(mismatch)
-        self.per_request_tps.append(len(completion.token_ids) / max(completion.timings["total_ms"] / 1e3, 1e-9))
+        self.per_request_tps.append(len(completion.token_ids) / max(completion.timings.total_ms / 1e3, 1e-9))
 
     def merge(self, other: "Tally") -> None:
         for k in ("requests", "tokens", "seconds", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "mismatches"):
@@ -319,7 +319,7 @@ def profile_oracle(engine, make_scheduler, workload: list[dict], drafts: list[st
         try:
             for i, w in enumerate(workload, 1):
                 c = engine.generate(GenerationRequest(prompt=w["prompt"], max_tokens=max_tokens))
-                tps = c.timings["tok_per_s"]
+                tps = c.timings.tok_per_s
                 if tps > best.get(w["prompt"], (-1.0, ""))[0]:
                     best[w["prompt"]] = (tps, name)
                 if progress:

@@ -21,8 +21,8 @@ from typing import Callable, Iterator, Protocol
 
 from memspec.config import Config
 from memspec.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnavailableError
-from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, parse_keep_alive, quote,
-                             validate)
+from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, SpecStats, parse_keep_alive,
+                             quote, validate)
 from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget
 from memspec.runtime.target import NATIVE_VARIANT, engine_for, planned_footprint
 from memspec.scheduling.scheduler import check_draft_names
@@ -106,10 +106,11 @@ class DraftCounters:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
 
-    def add(self, stats: dict) -> None:
+    def add(self, stats: SpecStats) -> None:
         self.requests += 1
-        for key in ("num_drafts", "num_draft_tokens", "num_accepted_tokens"):
-            setattr(self, key, getattr(self, key) + int(stats.get(key, 0)))
+        self.num_drafts += stats.num_drafts
+        self.num_draft_tokens += stats.num_draft_tokens
+        self.num_accepted_tokens += stats.num_accepted_tokens
 
     def to_dict(self) -> dict:
         return {
@@ -117,12 +118,6 @@ class DraftCounters:
             "acceptance_rate": self.num_accepted_tokens / self.num_draft_tokens if self.num_draft_tokens else 0.0,
             "mean_acceptance_length": 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0,
         }
-
-
-def draft_used(stats: dict) -> str:
-    """The draft a finished request ran with ("" = target only), from its stats."""
-    used = stats.get("drafts_used") or {}
-    return max(used, key=used.get) if used else ""
 
 
 @dataclass
@@ -245,7 +240,7 @@ class EngineBackend:
                 log.warning("queue hint failed", exc_info=True)
 
     def record(self, completion: Completion) -> None:
-        name = draft_used(completion.stats)
+        name = completion.stats.draft
         if name:
             with self._count_lock:
                 self._drafts.setdefault(name, DraftCounters()).add(completion.stats)

@@ -290,7 +290,7 @@ def logprob_entries(logprobs) -> list[dict]:
 def usage(completion) -> dict:
     """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens taken from a
     stored prefix (memspec.runtime.prefixes) rather than computed."""
-    cached = int((completion.timings or {}).get("cached_prompt_tokens", 0))
+    cached = completion.timings.cached_prompt_tokens
     return {"prompt_tokens": len(completion.prompt_token_ids), "completion_tokens": len(completion.token_ids),
             "total_tokens": len(completion.prompt_token_ids) + len(completion.token_ids),
             "prompt_tokens_details": {"cached_tokens": cached}}
@@ -298,15 +298,13 @@ def usage(completion) -> dict:
 
 def memspec_stats(final) -> dict:
     """The `memspec` object of a response: who answered and what speculation did."""
-    c, st = final.completion, final.completion.stats or {}
-    used = st.get("drafts_used") or {}
+    c, st = final.completion, final.completion.stats
     return {
-        "model": final.model, "variant": final.variant, "draft": max(used, key=used.get) if used else "",
-        "num_drafts": int(st.get("num_drafts", 0)), "num_draft_tokens": int(st.get("num_draft_tokens", 0)),
-        "num_accepted_tokens": int(st.get("num_accepted_tokens", 0)),
-        "mean_acceptance_length": float(st.get("mean_acceptance_length", 1.0)),
-        "ttft_ms": round(float(c.timings.get("ttft_ms", 0.0)), 3), "queue_ms": round(final.queued_s * 1e3, 3),
-        "tok_per_s": round(float(c.timings.get("tok_per_s", 0.0)), 3),
+        "model": final.model, "variant": final.variant, "draft": st.draft,
+        "num_drafts": st.num_drafts, "num_draft_tokens": st.num_draft_tokens,
+        "num_accepted_tokens": st.num_accepted_tokens, "mean_acceptance_length": st.mean_acceptance_length,
+        "ttft_ms": round(c.timings.ttft_ms, 3), "queue_ms": round(final.queued_s * 1e3, 3),
+        "tok_per_s": round(c.timings.tok_per_s, 3),
     }
 
 

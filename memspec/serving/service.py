@@ -128,7 +128,8 @@ class Service:
                     if isinstance(item, Completion):
                         self.backend.record(item)
                         clock.finished(self.clock())
-                        fields.update(finish_reason=item.finish_reason, **item.timings, stats=item.stats)
+                        fields.update(finish_reason=item.finish_reason, **item.timings.to_dict(),
+                                      stats=item.stats.to_dict())
                         yield Final(item, run.model, run.variant, slot.queued_s)
                     else:
                         clock.tokens(len(item.token_ids), self.clock())

@@ -21,8 +21,8 @@ from memspec.errors import (
     CancelledError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelNotFoundError, NotLoadedError,
     OverloadedError, RemoteError, UnavailableError,
 )
-from memspec.request import (Chunk, Completion, GenerationRequest, PolicyName, SamplingParams, format_keep_alive,
-                             parse_keep_alive)
+from memspec.request import (Chunk, Completion, GenerationRequest, PolicyName, SamplingParams, SpecStats, Timings,
+                             format_keep_alive, parse_keep_alive)
 
 pb2, pb2_grpc = proto.load()
 
@@ -237,28 +237,20 @@ def _plain(value):
 
 def final_to_pb(c: Completion, model: str, variant: str, queue_s: float):
     """The last GenerateResponse of a stream: finish_reason and the request's stats."""
-    t, st = c.timings, c.stats or {}
+    t, st = c.timings, c.stats
     stats = pb2.RequestStats(
-        prompt_tokens=int(t.get("prompt_tokens", len(c.prompt_token_ids))),
-        completion_tokens=int(t.get("completion_tokens", len(c.token_ids))),
-        ttft_ms=t.get("ttft_ms", 0.0), tok_per_s=t.get("tok_per_s", 0.0), total_ms=t.get("total_ms", 0.0),
-        queue_ms=queue_s * 1e3, draft=_draft_name(st),
-        num_drafts=int(st.get("num_drafts", 0)), num_draft_tokens=int(st.get("num_draft_tokens", 0)),
-        num_accepted_tokens=int(st.get("num_accepted_tokens", 0)),
-        acceptance_rate=float(st.get("acceptance_rate", 0.0)),
-        mean_acceptance_length=float(st.get("mean_acceptance_length", 1.0)),
-        timings={k: float(v) for k, v in t.items() if isinstance(v, (int, float))},
+        prompt_tokens=t.prompt_tokens, completion_tokens=t.completion_tokens,
+        ttft_ms=t.ttft_ms, tok_per_s=t.tok_per_s, total_ms=t.total_ms,
+        queue_ms=queue_s * 1e3, draft=st.draft,
+        num_drafts=st.num_drafts, num_draft_tokens=st.num_draft_tokens, num_accepted_tokens=st.num_accepted_tokens,
+        acceptance_rate=st.acceptance_rate, mean_acceptance_length=st.mean_acceptance_length,
+        timings={k: float(v) for k, v in t.to_dict().items()},
     )
-    stats.engine_stats.update(_plain(st))
+    stats.engine_stats.update(_plain(st.to_dict()))
     return pb2.GenerateResponse(
         finish_reason=c.finish_reason, stats=stats, prompt_token_ids=c.prompt_token_ids,
         completion_token_ids=c.token_ids, model=model, variant=variant,
     )
-
-
-def _draft_name(stats: dict) -> str:
-    used = stats.get("drafts_used") or {}
-    return max(used, key=used.get) if used else ""
 
 
 def _ints(value):
@@ -283,14 +275,10 @@ class RemoteCompletion(Completion):
 
 def completion_from_pb(final, text: str) -> RemoteCompletion:
     """The Completion a stream ends with, as Engine.stream gives it locally."""
-    timings = dict(final.stats.timings)
-    for key in ("prompt_tokens", "completion_tokens"):
-        if key in timings:
-            timings[key] = int(timings[key])
     return RemoteCompletion(
         prompt_token_ids=list(final.prompt_token_ids), token_ids=list(final.completion_token_ids), text=text,
-        finish_reason=final.finish_reason, timings=timings,
-        stats=_ints(json_format.MessageToDict(final.stats.engine_stats)),
+        finish_reason=final.finish_reason, timings=Timings.from_dict(final.stats.timings),
+        stats=SpecStats.from_dict(json_format.MessageToDict(final.stats.engine_stats)),
         model=final.model, variant=final.variant, queue_ms=final.stats.queue_ms,
     )
 

@@ -22,7 +22,7 @@ import numpy as np
 from memspec.errors import ContextOverflowError, InvalidRequestError
 from memspec.models.store import Manifest, ModelStore
 from memspec.models.tokenizer import Tokenizer
-from memspec.request import Chunk, Completion, GenerationRequest, Limits, TokenLogprob, validate
+from memspec.request import Chunk, Completion, GenerationRequest, Limits, Timings, TokenLogprob, validate
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.costs import CostCache, pass_costs
 from memspec.runtime.memory import release_heap, request_kv_bytes
@@ -307,7 +307,7 @@ class Engine:
         t_end = self.clock()
         yield Completion(
             prompt_token_ids=prompt, token_ids=out, text="".join(text), finish_reason=finish,
-            timings=self._timings(t0, t_first, t_end, len(prompt), len(out), cached), stats=metrics.to_dict(),
+            timings=self._timings(t0, t_first, t_end, len(prompt), len(out), cached), stats=metrics.freeze(),
         )
 
     def _logprobs(self, rows: np.ndarray, tokens: list[int], k: int) -> list[TokenLogprob]:
@@ -333,20 +333,20 @@ class Engine:
         return new, None
 
     def _timings(self, t0: float, t_first: float | None, t_end: float, n_prompt: int, n_out: int,
-                 cached: int = 0) -> dict:
+                 cached: int = 0) -> Timings:
         t_first = t_first if t_first is not None else t_end
         decode_s = max(t_end - t_first, 1e-9)
-        return {
-            "prompt_tokens": n_prompt,
-            "cached_prompt_tokens": cached,  # of them, taken from a stored prefix rather than computed
-            "completion_tokens": n_out,
-            "ttft_ms": (t_first - t0) * 1e3,
-            "prefill_tok_per_s": n_prompt / max(t_first - t0, 1e-9),
-            "decode_ms": decode_s * 1e3,
-            "total_ms": (t_end - t0) * 1e3,
+        return Timings(
+            prompt_tokens=n_prompt,
+            cached_prompt_tokens=cached,
+            completion_tokens=n_out,
+            ttft_ms=(t_first - t0) * 1e3,
+            prefill_tok_per_s=n_prompt / max(t_first - t0, 1e-9),
+            decode_ms=decode_s * 1e3,
+            total_ms=(t_end - t0) * 1e3,
             # the first token comes from the prefill; the rest from decode steps
-            "tok_per_s": (n_out - 1) / decode_s if n_out > 1 else 0.0,
-        }
+            tok_per_s=(n_out - 1) / decode_s if n_out > 1 else 0.0,
+        )
 
     def generate(self, req: GenerationRequest, cancel: threading.Event | None = None) -> Completion:
         """Run a request to the end and return its Completion."""

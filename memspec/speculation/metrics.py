@@ -10,6 +10,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from memspec.request import SpecStats
+
 
 @dataclass
 class SpecMetrics:
@@ -54,24 +56,25 @@ class SpecMetrics:
     def wasted_draft_tokens(self) -> int:
         return self.num_draft_tokens - self.num_accepted_tokens
 
-    def to_dict(self) -> dict:
+    def freeze(self) -> SpecStats:
+        """The request's stats as they leave the engine."""
         lat = np.asarray(self.token_latencies_s) * 1e3
         mean = float(lat.mean()) if lat.size else 0.0
-        return {
-            "num_drafts": self.num_drafts,
-            "num_draft_tokens": self.num_draft_tokens,
-            "num_accepted_tokens": self.num_accepted_tokens,
-            "mean_acceptance_length": round(self.mean_acceptance_length, 4),
-            "acceptance_rate": round(self.num_accepted_tokens / self.num_draft_tokens, 4) if self.num_draft_tokens else 0.0,
-            "acceptance_by_position": [
+        return SpecStats(
+            num_drafts=self.num_drafts,
+            num_draft_tokens=self.num_draft_tokens,
+            num_accepted_tokens=self.num_accepted_tokens,
+            mean_acceptance_length=round(self.mean_acceptance_length, 4),
+            acceptance_rate=round(self.num_accepted_tokens / self.num_draft_tokens, 4) if self.num_draft_tokens else 0.0,
+            acceptance_by_position=tuple(
                 round(a / d, 4) if d else 0.0 for a, d in zip(self.accepted_per_position, self.drafted_per_position)
-            ],
-            "wasted_draft_tokens": self.wasted_draft_tokens,
-            "draft_ms": round(self.draft_s * 1e3, 3),
-            "verify_ms": round(self.verify_s * 1e3, 3),
-            "itl_p50_ms": round(float(np.percentile(lat, 50)), 3) if lat.size else 0.0,
-            "itl_p99_ms": round(float(np.percentile(lat, 99)), 3) if lat.size else 0.0,
-            "itl_cv": round(float(lat.std() / mean), 4) if lat.size and mean > 0 else 0.0,
-            "drafts_used": dict(self.drafts_used),
-            "draft_failures": self.draft_failures,
-        }
+            ),
+            wasted_draft_tokens=self.wasted_draft_tokens,
+            draft_ms=round(self.draft_s * 1e3, 3),
+            verify_ms=round(self.verify_s * 1e3, 3),
+            itl_p50_ms=round(float(np.percentile(lat, 50)), 3) if lat.size else 0.0,
+            itl_p99_ms=round(float(np.percentile(lat, 99)), 3) if lat.size else 0.0,
+            itl_cv=round(float(lat.std() / mean), 4) if lat.size and mean > 0 else 0.0,
+            drafts_used=dict(self.drafts_used),
+            draft_failures=self.draft_failures,
+        )
