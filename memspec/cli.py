@@ -8,6 +8,7 @@ heavy import is inside the function that runs a command.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -15,6 +16,7 @@ from typing import Sequence
 
 from memspec import __version__
 from memspec.errors import MemspecError
+from memspec.serving.status import ResidentModel, Status, TargetStatus
 
 
 class CLIError(MemspecError):
@@ -217,7 +219,7 @@ def _note_a_load(client, name: str) -> None:
     """Say on stderr when the daemon must load `name` first: gRPC's stream is silent until the first
     token, and a first load on a machine takes tens of seconds (HTTP streams say it in SSE comments)."""
     try:
-        loaded = {t["name"] for t in client.status().get("targets", []) if t["state"] == "loaded"}
+        loaded = {t.name for t in Status.from_dict(client.status()).targets if t.state == "loaded"}
     except MemspecError:
         return  # the request itself will say what is wrong
     if name not in loaded:
@@ -279,54 +281,54 @@ def cmd_status(args) -> int:
     from memspec.serving.client import Client
 
     with Client(args.address) as c:
-        st = c.status()
+        raw = c.status()
     if args.json:
-        print(json.dumps(st, indent=2))
+        print(json.dumps(raw, indent=2))
         return 0
-    mem = st["system_memory"]
-    http = f" and http://{st['http_listen']}" if st.get("http_listen") else ""
-    print(f"memspec {st['version']} {st['state']} on {st['listen']}{http}, up {st['uptime_s']:.0f} s")
-    for w in st.get("warnings", []):
+    st = Status.from_dict(raw)
+    mem = st.system_memory
+    http = f" and http://{st.http_listen}" if st.http_listen else ""
+    print(f"memspec {st.version} {st.state} on {st.listen}{http}, up {st.uptime_s:.0f} s")
+    for w in st.warnings:
         print(f"warning   {w}")
-    for m in st["resident"] or [{"name": "(none)", "role": "", "variant": "", "bytes": 0, "device": "", "providers": []}]:
-        print(f"resident  {m['name']} {m['role']} {m['variant']} {_mib(m['bytes'])} {m['device']} "
-              f"{','.join(m['providers'])}".rstrip())
+    for m in st.resident or [ResidentModel("(none)", "", "", 0, device="")]:
+        print(f"resident  {m.name} {m.role} {m.variant} {_mib(m.bytes)} {m.device} {','.join(m.providers)}".rstrip())
     for line in _targets(st):
         print(f"target    {line}")
-    budget = _mib(st["budget_bytes"]) if st["budget_bytes"] else "none"
-    print(f"memory    budget {budget}, weights {_mib(st['resident_bytes'])}, KV {_mib(st['kv_bytes'])}; "
-          f"system {_mib(mem['available_bytes'])} available of {_mib(mem['total_bytes'])}, "
-          f"daemon RSS {_mib(mem['process_rss_bytes'])}")
-    print(f"streams   {st['active_streams']}/{st['max_concurrent']} generating, "
-          f"{st['queue_depth']}/{st['max_queue']} queued")
-    print("requests  " + ", ".join(f"{k} {v}" for k, v in st["requests"].items()))
-    for d in st["drafts"]:  # every draft of the loaded targets; `ps` lists the resident ones
-        print(f"draft     {d['name']} {_mib(d['bytes'])} {'resident' if d['resident'] else 'not loaded'}: "
-              f"{d['requests']} requests, {d['num_drafts']} drafts, "
-              f"acceptance {d['acceptance_rate']:.2f}, mean length {d['mean_acceptance_length']:.2f}")
+    budget = _mib(st.budget_bytes) if st.budget_bytes else "none"
+    print(f"memory    budget {budget}, weights {_mib(st.resident_bytes)}, KV {_mib(st.kv_bytes)}; "
+          f"system {_mib(mem.available_bytes)} available of {_mib(mem.total_bytes)}, "
+          f"daemon RSS {_mib(mem.process_rss_bytes)}")
+    print(f"streams   {st.active_streams}/{st.max_concurrent} generating, {st.queue_depth}/{st.max_queue} queued")
+    print("requests  " + ", ".join(f"{k} {v}" for k, v in dataclasses.asdict(st.requests).items()))
+    for d in st.drafts:  # every draft of the loaded targets; `ps` lists the resident ones
+        print(f"draft     {d.name} {_mib(d.bytes)} {'resident' if d.resident else 'not loaded'}: "
+              f"{d.requests} requests, {d.num_drafts} drafts, "
+              f"acceptance {d.acceptance_rate:.2f}, mean length {d.mean_acceptance_length:.2f}")
     for name in ("predictor", "scheduler", "batch", "prefix_cache"):
-        if st.get(name):
-            print(f"{name.replace('_cache', 'es'):<9} " + ", ".join(f"{k} {v:g}" for k, v in sorted(st[name].items())))
+        if getattr(st, name):
+            counters = sorted(getattr(st, name).items())
+            print(f"{name.replace('_cache', 'es'):<9} " + ", ".join(f"{k} {v:g}" for k, v in counters))
     return 0
 
 
-def _until(t: dict) -> str:
+def _until(t: TargetStatus) -> str:
     """When a loaded target is unloaded, in words."""
-    if t["active"]:
-        return f"in use by {t['active']}"
-    if t["expires_in_s"] < 0:
+    if t.active:
+        return f"in use by {t.active}"
+    if t.expires_in_s < 0:
         return "never (kept)"
-    return f"in {t['expires_in_s']:.0f} s"
+    return f"in {t.expires_in_s:.0f} s"
 
 
-def _targets(st: dict) -> list[str]:
+def _targets(st: Status) -> list[str]:
     """One line per loaded (or loading) target: name, variant, size, drafts, when it unloads."""
     out = []
-    for t in st.get("targets", []):
-        if t["state"] != "unloaded":
-            drafts = ", ".join(t["drafts"]) or "none yet (a draft loads when a request first wants it)"
-            out.append(f"{t['name']:<24} {t['variant']:<6} {_mib(t['bytes']):>11}  {t['state']:<9} "
-                       f"{_until(t) if t['state'] == 'loaded' else '':<16} resident drafts: {drafts}")
+    for t in st.targets:
+        if t.state != "unloaded":
+            drafts = ", ".join(t.drafts) or "none yet (a draft loads when a request first wants it)"
+            out.append(f"{t.name:<24} {t.variant:<6} {_mib(t.bytes):>11}  {t.state:<9} "
+                       f"{_until(t) if t.state == 'loaded' else '':<16} resident drafts: {drafts}")
     return out
 
 
@@ -334,16 +336,16 @@ def cmd_ps(args) -> int:
     from memspec.serving.client import Client
 
     with Client(args.address) as c:
-        st = c.status()
-    rows = [t for t in st.get("targets", []) if t["state"] != "unloaded"]
+        raw = c.status()
     if args.json:
-        print(json.dumps(rows, indent=2))
+        print(json.dumps([t for t in raw.get("targets", []) if t["state"] != "unloaded"], indent=2))
         return 0
+    st = Status.from_dict(raw)
     print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'STATE':<9} {'UNLOADS':<16} RESIDENT DRAFTS")
     for line in _targets(st):
         print(line)
-    budget = _mib(st["budget_bytes"]) if st["budget_bytes"] else "none"
-    print(f"memory budget {budget}; daemon RSS {_mib(st['system_memory']['process_rss_bytes'])}")
+    budget = _mib(st.budget_bytes) if st.budget_bytes else "none"
+    print(f"memory budget {budget}; daemon RSS {_mib(st.system_memory.process_rss_bytes)}")
     return 0
 
 

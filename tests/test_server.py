@@ -7,6 +7,7 @@ step, so every test runs in milliseconds.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import threading
 import time
@@ -32,6 +33,7 @@ from memspec.errors import (
 )
 from memspec.serving.notify import Notifier
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, SpecStats, Timings, validate
+from memspec.serving.status import DraftStatus, Status
 from memspec.serving.server import MemSpecServicer, create_server
 from memspec.speculation.sources import DraftPool, DraftRow, SourceStatus
 from memspec.runtime.invariance import WARNING, RowCheck
@@ -557,6 +559,13 @@ def test_status_takes_scheduler_and_predictor_counters_from_their_objects(h):
     (d,) = st["drafts"]
     assert (d["name"], d["bytes"], d["requests"], d["num_draft_tokens"]) == ("d", 7, 1, 12)
     assert d["acceptance_rate"] == 0.75 and d["mean_acceptance_length"] == 4.0
+
+    # the same tree typed on both sides of the wire: what the daemon built is what the CLI reads
+    local, remote = h.servicer.status(), Status.from_dict(st)
+    assert isinstance(local, Status) and isinstance(remote.drafts[0], DraftStatus)
+    moving = ("uptime_s", "system_memory")  # read again for each call
+    assert dataclasses.replace(remote, **{k: getattr(local, k) for k in moving}) == local
+    assert remote.drafts[0].acceptance_rate == 0.75 and remote.requests.completed == local.requests.completed
 
 
 def test_status_shows_the_prompt_prefix_cache_where_the_engine_keeps_one(h):

@@ -27,6 +27,7 @@ from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget
 from memspec.runtime.target import NATIVE_VARIANT, engine_for, planned_footprint
 from memspec.scheduling.scheduler import check_draft_names
 from memspec.scheduling.targets import TargetLease, TargetSet
+from memspec.serving.status import DraftStatus, ModelsStatus, ResidentModel, TargetStatus, from_dict
 
 log = logging.getLogger("memspec.backend")
 
@@ -92,7 +93,7 @@ class Backend(Protocol):
     def models(self) -> list[dict]: ...
     def load(self, name: str, variant: str | None) -> dict: ...
     def unload(self, name: str) -> int: ...
-    def status(self) -> dict: ...
+    def status(self) -> ModelsStatus: ...
     def reconfigure(self, config: Config) -> None: ...
     def close(self) -> None: ...
 
@@ -296,17 +297,18 @@ class EngineBackend:
         raise ModelNotFoundError(f"name: {quote(name)} is not resident (resident: {have})")
 
     # -- status ------------------------------------------------------------------------
-    def status(self) -> dict:
+    def status(self) -> ModelsStatus:
         engines = self.targets.engines()  # most recently used first
         # a loaded target's variant as its engine runs it ("gguf" on the native engine), as "resident" says
         runs = {name: e.target.variant for name, e in engines}
         targets = [dict(r, variant=runs[r["name"]]) if r["name"] in runs else r for r in self.targets.status()]
-        out = {"resident": [m for _, e in engines for m in _resident(e)], "drafts": [], "predictor": {},
-               "scheduler": {}, "batch": {}, "prefix_cache": {}, "targets": targets,
-               "warnings": [w for _, e in engines for w in (e.target.session.rows.warning(),) if w]}
+        drafts: dict[str, DraftStatus] = {}
         for _, engine in engines:  # a draft every target has (prompt lookup) is listed once: counters are by name
-            out["drafts"] += [d for d in self._draft_rows(engine.drafts.report())
-                              if d["name"] not in {x["name"] for x in out["drafts"]}]
+            for d in self._draft_rows(engine.drafts.report()):
+                drafts.setdefault(d.name, d)
+        out = dict(resident=tuple(from_dict(ResidentModel, m) for _, e in engines for m in _resident(e)),
+                   drafts=tuple(drafts.values()), targets=tuple(from_dict(TargetStatus, r) for r in targets),
+                   warnings=tuple(w for _, e in engines for w in (e.target.session.rows.warning(),) if w))
         main = dict(engines).get(self.config.model.target) or (engines[0][1] if engines else None)
         if main is not None:  # counters of one engine: the default target's, else the last used
             report = main.drafts.report()
@@ -317,12 +319,12 @@ class EngineBackend:
                 out["budget_bytes"] = int(report.budget_bytes)
         if self.targets.budget:
             out["budget_bytes"] = self.targets.budget
-        return out
+        return ModelsStatus(**out)
 
-    def _draft_rows(self, report) -> list[dict]:
+    def _draft_rows(self, report) -> list[DraftStatus]:
         with self._count_lock:
-            return [{"name": d.name, "resident": d.resident, "bytes": d.bytes,
-                     **self._drafts.get(d.name, DraftCounters()).to_dict()} for d in report.drafts]
+            return [DraftStatus(name=d.name, resident=d.resident, bytes=d.bytes,
+                                **self._drafts.get(d.name, DraftCounters()).to_dict()) for d in report.drafts]
 
     def reconfigure(self, config: Config) -> None:
         """Apply what can change at run time: the request limits."""

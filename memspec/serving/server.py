@@ -20,6 +20,7 @@ from memspec.serving import wire
 from memspec.serving.admission import Admission
 from memspec.serving.backend import Backend
 from memspec.serving.service import Final, Service
+from memspec.serving.status import Status
 from memspec.errors import ConfigError, InvalidRequestError, MemspecError
 from memspec.request import Limits
 
@@ -82,7 +83,7 @@ class MemSpecServicer:
         return pb2.ListModelsResponse(models=[wire.from_dict(pb2.ModelInfo, m) for m in self.backend.models()])
 
     def GetStatus(self, request, context):
-        return wire.from_dict(pb2.GetStatusResponse, self.status())
+        return wire.from_dict(pb2.GetStatusResponse, self.service.status().to_dict())
 
     def LoadModel(self, request, context):
         if not request.name:
@@ -99,7 +100,7 @@ class MemSpecServicer:
         log.info("unload", extra={"fields": {"method": "UnloadModel", "name": request.name, "freed_bytes": freed}})
         return pb2.UnloadModelResponse(freed_bytes=freed)
 
-    def status(self) -> dict:
+    def status(self) -> Status:
         return self.service.status()
 
 

@@ -13,6 +13,7 @@ two front ends answer health and status from the same counters.
 from __future__ import annotations
 
 import logging
+import dataclasses
 import os
 import threading
 import time
@@ -27,6 +28,7 @@ from memspec.request import Chunk, Completion, GenerationRequest
 from memspec.serving.admission import Admission
 from memspec.serving.backend import Backend
 from memspec.serving.counters import LatencyHistograms, RequestClock, RequestCounters
+from memspec.serving.status import RequestTotals, Status, SystemMemory
 
 log = logging.getLogger("memspec.server")
 STATES = ("starting", "serving", "draining")
@@ -137,21 +139,21 @@ class Service:
             finally:
                 run.close()  # frees the KV cache and draft state now, also when the client went away
 
-    def status(self) -> dict:
-        """GetStatus as a dict: the backend's models and counters plus the queue and the system."""
+    def status(self) -> Status:
+        """GetStatus: the backend's models and counters plus the queue and the system."""
         vm, adm, cfg = psutil.virtual_memory(), self.admission.snapshot(), self.admission.config
-        out = self.backend.status()
-        return {
-            **out, "version": __version__, "state": self.state, "listen": self.listen["grpc"],
-            "http_listen": self.listen["http"], "uptime_s": self.clock() - self.started_at,
-            "resident_bytes": sum(m["bytes"] for m in out["resident"]),
-            "budget_bytes": out.get("budget_bytes", 0), "kv_bytes": adm["kv_bytes"],
-            "queue_depth": adm["waiting"], "active_streams": adm["active"],
-            "max_concurrent": cfg.max_concurrent, "max_queue": cfg.max_queue,
-            "system_memory": {"total_bytes": vm.total, "available_bytes": vm.available,
-                              "process_rss_bytes": psutil.Process(os.getpid()).memory_info().rss},
-            "requests": self.counters.to_dict(),
-        }
+        models = self.backend.status()
+        return Status(
+            **{f.name: getattr(models, f.name) for f in dataclasses.fields(models)},
+            version=__version__, state=self.state, listen=self.listen["grpc"] or "",
+            http_listen=self.listen["http"] or "", uptime_s=self.clock() - self.started_at,
+            resident_bytes=sum(m.bytes for m in models.resident), kv_bytes=adm["kv_bytes"],
+            queue_depth=adm["waiting"], active_streams=adm["active"],
+            max_concurrent=cfg.max_concurrent, max_queue=cfg.max_queue,
+            system_memory=SystemMemory(total_bytes=vm.total, available_bytes=vm.available,
+                                       process_rss_bytes=psutil.Process(os.getpid()).memory_info().rss),
+            requests=RequestTotals(**self.counters.to_dict()),
+        )
 
 
 def _logged(progress: Callable[[str], None] | None, fields: dict) -> Callable[[str], None]:
