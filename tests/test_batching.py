@@ -237,14 +237,15 @@ def test_engine_batched_greedy_is_solo_token_for_token(model_store):
     batched.close()
 
 
-def test_engine_greedy_with_output_controls_is_target_only_with_drafts_and_under_batching(model_store):
-    """Penalties and logit_bias on the real q4 target: every draft's greedy answer is the target-only
-    answer under the same controls, alone and with requests sharing batched passes."""
+@pytest.mark.parametrize("backend", ["onnxruntime", "native"])
+def test_engine_greedy_with_output_controls_is_target_only_with_drafts_and_under_batching(model_store, backend):
+    """Penalties and logit_bias on the real q4 target, on either engine: every draft's greedy answer is
+    the target-only answer under the same controls, alone and with requests sharing batched passes."""
     from memspec.speculation.drafts import load_pool
     from memspec.speculation.engine import Engine, TargetModel
     from memspec.speculation.sources import DraftPool
 
-    cfg = SessionConfig(max_context=256, backend="onnxruntime")
+    cfg = SessionConfig(max_context=256, backend=backend)
     target = TargetModel.load(model_store, "smollm2-135m", "q4", cfg)
     pool = DraftPool(load_pool(model_store, "smollm2-135m", target.session.vocab_size, cfg))
     solo = Engine(target, drafts=pool)
