@@ -22,7 +22,8 @@ import numpy as np
 from memspec.errors import ContextOverflowError, InvalidRequestError
 from memspec.models.store import Manifest, ModelStore
 from memspec.models.tokenizer import Tokenizer
-from memspec.request import Chunk, Completion, GenerationRequest, Limits, Timings, TokenLogprob, validate
+from memspec.request import (Chunk, Completion, GenerationRequest, Limits, Timings, TokenLogprob, check_logit_bias,
+                             validate)
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.costs import CostCache, pass_costs
 from memspec.runtime.memory import release_heap, request_kv_bytes
@@ -31,6 +32,7 @@ from memspec.runtime.prefixes import PrefixCache
 from memspec.runtime.target import Target, open_target
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
+from memspec.speculation.logits import LogitsShaper, for_sampling
 from memspec.speculation.metrics import SpecMetrics
 from memspec.speculation.sources import DraftPool, DraftSource
 from memspec.speculation.speculative import NoDraft, speculative_steps
@@ -212,8 +214,9 @@ class Engine:
         select = select or NoDraft()
         slot = self.batch.join() if self.batch is not None else None
         context = list(prompt)  # what the cache holds at each yield: context[:cache.length]
+        # a shaped request runs the same loop on a batch slot: only the target pass is shared
         steps = speculative_steps(slot or self.target.session, cache, prompt, select, req.sampling, rng,
-                                  self.spec, metrics, self.clock, costs, on_rows)
+                                  self.spec, metrics, self.clock, costs, on_rows, self.shaper(req, prompt))
         try:
             for committed in steps:
                 if self.prefixes is not None and len(context) == len(prompt):
@@ -231,6 +234,17 @@ class Engine:
                 slot.leave()
                 self.batch.release(cache)
 
+    def shaper(self, req: GenerationRequest, prompt: list[int]) -> LogitsShaper:
+        """The request's logits shaper (memspec.speculation.logits): its sampling controls, composed
+        with any further control (a grammar) here; IDENTITY when it asks for none."""
+        return for_sampling(req.sampling, prompt)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name (logit_bias): the tokenizer's, within the target's logits."""
+        n = self.target.tokenizer.vocab_size
+        return min(n, self.target.session.vocab_size or n)
+
     def _keep(self, context: list[int], cache: KVCache) -> None:
         """The finished request's prompt and answer, for the next turn of its conversation, and its
         committed tokens for the drafts that learn from what the daemon saw (the suffix draft)."""
@@ -245,6 +259,7 @@ class Engine:
     def check(self, req: GenerationRequest) -> list[int]:
         """Validate `req` fully (limits, draft, policy, context) and return its prompt ids."""
         validate(req, self.limits)
+        check_logit_bias(req.sampling.logit_bias, self.vocab_size)
         self.drafts.check(req)  # an unknown draft or policy is refused before any work
         return self.prompt_ids(req)
 
