@@ -148,7 +148,7 @@ def os_name(release: Path = Path("/etc/os-release")) -> str:
 
 def system_section() -> dict:
     from memspec.runtime.costs import cpu_name
-    from memspec.runtime.target import physical_cores
+    from memspec.runtime.contracts import physical_cores
 
     return {"os": os_name(), "machine": platform.machine(), "cpu": cpu_name(), "physical_cores": physical_cores(),
             "logical_cores": os.cpu_count() or 1, "python": platform.python_version()}

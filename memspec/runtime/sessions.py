@@ -33,9 +33,9 @@ except ImportError as exc:  # memspec does not depend on one ONNX Runtime build:
         f"Jetson the JetPack build of onnxruntime-gpu from NVIDIA's index (not both: they replace each other)"
     ) from None
 from memspec.runtime.config import GPU_PROVIDERS, SessionConfig
-from memspec.runtime.invariance import UNCHECKED, RowCheck, settle
+from memspec.runtime.contracts import UNCHECKED, RowCheck, physical_cores
+from memspec.runtime.invariance import settle
 from memspec.runtime.kvcache import PAGE, KVCache, kv_cache_nbytes  # noqa: F401 (PAGE: re-exported)
-from memspec.runtime.target import physical_cores
 
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 

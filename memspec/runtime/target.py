@@ -1,4 +1,5 @@
-"""The one interface a target engine offers the layers above runtime/, and the choice of engine.
+"""Opening a target on its engine, and the choice of engine.  The interface a target offers the
+layers above runtime/ is `Target` (memspec.runtime.contracts).
 
     from memspec.runtime import load_target
     t = load_target(model, backend="native", threads=2)   # model: a store entry or a GGUF path
@@ -18,16 +19,12 @@ its GGUF).
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import Protocol, Sequence
-
-import numpy as np
+from typing import Sequence
 
 from memspec.errors import ConfigError
 from memspec.runtime.config import GPU_PROVIDERS, NATIVE_VARIANT, SessionConfig  # noqa: F401 (NATIVE_VARIANT: re-exported)
-from memspec.runtime.invariance import RowCheck
-from memspec.runtime.kvcache import KVCache
+from memspec.runtime.contracts import BatchedPass, Target
 
 log = logging.getLogger(__name__)
 BACKENDS = ("auto", "native", "onnxruntime")
@@ -41,49 +38,6 @@ def profiled_as(variant: str) -> str | None:
 # Whether "auto" runs a target natively on a CPU where it can (engine_for): the native engine measures
 # faster there end to end (docs/results.md, issue 29).
 AUTO_NATIVE = True
-
-
-class Target(Protocol):
-    """A decoder that verifies drafts: k rows of logits per pass, a KV cache per sequence."""
-
-    path: Path  # the file it runs: an ONNX graph or a GGUF
-    device: str  # "cpu" or "cuda"
-    providers: list[str]  # what computes it: ONNX Runtime's execution providers, or "memspec-native (isa)"
-    vocab_size: int | None  # rows of its logits (None: not known before a pass)
-    max_context: int  # a new cache's capacity in tokens
-    threads: int  # CPU threads a pass runs on
-    rows: RowCheck  # the self-check at load: is a row's result the same at any row count?
-    prefix_reuse: bool  # may a prompt start from another's stored K/V (memspec.runtime.prefixes)?
-
-    def new_cache(self, capacity: int | None = None) -> KVCache: ...
-
-    def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1) -> np.ndarray: ...
-
-    def forward_batch(self, caches: Sequence[KVCache], feeds: Sequence[Sequence[int]],
-                      keeps: Sequence[int]) -> list[np.ndarray]: ...
-
-    def kv_bytes_per_token(self) -> int: ...
-
-    def cache_nbytes(self, tokens: int) -> int: ...  # one sequence's resident KV bytes at `tokens`
-
-    def cost_key(self, max_k: int) -> str: ...
-
-    def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]: ...
-
-
-class BatchedPass(Protocol):
-    """One pass over several requests' rows, for the batch loop (memspec.speculation.batching)."""
-
-    target: Target  # the one-request target (a request alone runs on it directly)
-    rows: int  # most rows (requests) in one pass
-    weight_bytes: int  # memory it holds beyond the target's own: a second copy of the weights, or 0
-
-    def forward(self, caches: Sequence[KVCache], feeds: Sequence[Sequence[int]],
-                keep: Sequence[int]) -> list[np.ndarray]: ...
-
-    def release(self, cache: KVCache) -> None: ...  # the request is gone: keep none of its cache
-
-    def measure_pass_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> dict[int, list[float]]: ...
 
 
 def open_batched(target: Target, rows: int) -> BatchedPass:
@@ -124,16 +78,6 @@ def batching_on(batching: bool | str, variant: str) -> bool:
     if batching != "auto":
         raise ConfigError(f"[runtime] batching: {batching!r} is not a choice; use true, false or \"auto\"")
     return variant == NATIVE_VARIANT
-
-
-def physical_cores() -> int:
-    """The default thread count of a target pass, for either engine."""
-    try:
-        import psutil
-
-        return psutil.cpu_count(logical=False) or os.cpu_count() or 1
-    except Exception:
-        return os.cpu_count() or 1
 
 
 def names_gpu(providers: Sequence[str]) -> bool:

@@ -30,7 +30,7 @@ from memspec.speculation import sampling
 from memspec.errors import ConfigError, ModelFormatError
 from memspec.request import SamplingParams
 from memspec.runtime.config import LARGE_DRAFT_BYTES, SessionConfig
-from memspec.runtime.target import Target
+from memspec.runtime.contracts import Target
 from memspec.speculation.config import DraftLimits
 from memspec.models.store import Manifest, ModelStore
 

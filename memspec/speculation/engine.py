@@ -28,7 +28,8 @@ from memspec.runtime.costs import CostCache, pass_costs
 from memspec.runtime.memory import release_heap, request_kv_bytes
 from memspec.runtime.kvcache import KVCache
 from memspec.runtime.prefixes import PrefixCache
-from memspec.runtime.target import Target, open_target
+from memspec.runtime.contracts import Target
+from memspec.runtime.target import open_target
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
 from memspec.speculation.metrics import SpecMetrics
