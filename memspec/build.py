@@ -25,7 +25,6 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     """
     from memspec.models.store import ModelStore
     from memspec.runtime.target import batching_on, open_batched
-    from memspec.speculation.drafts import load_pool
     from memspec.speculation.engine import Engine, TargetModel
     from memspec.speculation.sources import DraftPool
 
@@ -52,3 +51,20 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
 
     return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS),
                   batched=batched, prefix_cache_bytes=config.runtime.prefix_cache_mb << 20)
+
+
+def load_pool(store, target_name: str, target_vocab: int, config, names: list[str] | None = None,
+              limits=None, suffix_bytes: int = 0) -> dict:
+    """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
+    in the store made for `target_name` (or only `names`): the fixed pool's proposers by name."""
+    from memspec.speculation.config import DraftLimits
+    from memspec.speculation.drafts import PROMPT_LOOKUP, DraftModel, PromptLookup, target_drafts
+    from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
+
+    limits = limits or DraftLimits()
+    pool = {PROMPT_LOOKUP: PromptLookup(target_vocab, loop_tokens=limits.loop_tokens)}
+    if suffix_bytes:
+        pool[SUFFIX] = SuffixDraft(SuffixIndex(suffix_bytes), target_vocab, loop_tokens=limits.loop_tokens)
+    for m in target_drafts(store, target_name, names):
+        pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
+    return pool

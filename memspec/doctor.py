@@ -226,14 +226,14 @@ def gpu_section(run: Callable[[list[str]], str | None] = _run_quietly, root: Pat
 
 def gpu_variant(config: Config, manifest) -> dict:
     """What the default target would run on a GPU (CUDA in ONNX Runtime): the variant loading it there
-    picks (memspec.runtime.sessions.variant_for), whether the store has it, and a note where that is
+    picks (memspec.runtime.plan.variant_for), whether the store has it, and a note where that is
     not the fast one."""
     from memspec.runtime.config import GPU_PROVIDERS
+    from memspec.runtime.plan import onnxruntime_missing, variant_for
 
-    try:
-        from memspec.runtime.sessions import variant_for
-    except MemspecError as exc:  # no ONNX Runtime: nothing runs on a GPU
-        return {"variant": None, "pulled": False, "note": str(exc)}
+    missing = onnxruntime_missing()
+    if missing:  # no ONNX Runtime: nothing runs on a GPU
+        return {"variant": None, "pulled": False, "note": missing}
     have = manifest.variants if manifest is not None else {}
     variant, note = variant_for(config.model.variant, [GPU_PROVIDERS[1]], have)
     return {"variant": variant, "pulled": variant in have, "note": note}

@@ -191,7 +191,7 @@ def test_long_prompts_are_prefilled_in_chunks(tiny):
 def test_engine_batched_greedy_is_solo_token_for_token(model_store):
     """The real q4 target, real drafts: concurrent requests with cancellations through
     Engine(batch_slots=3) give every finished greedy request its solo answer."""
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
     from memspec.speculation.engine import Engine, TargetModel
     from memspec.speculation.sources import DraftPool
 

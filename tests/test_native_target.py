@@ -147,7 +147,7 @@ from test_q4_agreement import assert_every_draft_keeps_target_only_output  # noq
 @pytest.fixture(scope="module")
 def native_engine(model_store):
     from memspec.runtime.config import SessionConfig
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
     from memspec.speculation.engine import Engine, TargetModel
     from memspec.speculation.sources import DraftPool
 

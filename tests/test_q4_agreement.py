@@ -79,7 +79,7 @@ def test_batch_invariant_q4_verification_agrees_with_decoding(q4_invariant):
 
 
 def test_batch_invariant_q4_speculative_output_is_target_only_output(q4_invariant, model_store):
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
 
     if not exact_or_reported(q4_invariant):
         return
@@ -97,7 +97,7 @@ def assert_every_draft_keeps_target_only_output(engine, max_tokens: int) -> None
 
 
 def test_q4_speculative_sequences_differ_only_at_near_ties(q4, model_store):
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
 
     q4.drafts = DraftPool(load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512)))
     s = q4.target.session

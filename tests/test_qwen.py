@@ -87,7 +87,7 @@ def test_prompt_lookup_speculation_is_token_identical_to_target_only(target):
 def test_the_sibling_draft_speculates_losslessly_and_is_accepted(qwen_draft_store, target):
     """The 0.5B cut to 32k ids and 4-bit (memspec pull qwen2.5-coder-0.5b-draft) drafting for the
     1.5B, greedy: exactly the 1.5B's own tokens, with most of its proposals accepted on code."""
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
     from memspec.speculation.engine import Engine
     from memspec.speculation.sources import DraftPool
 

@@ -306,7 +306,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def fp32_engine(model_store):
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
     from memspec.speculation.engine import Engine, TargetModel
 
     target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
@@ -392,7 +392,7 @@ def test_every_draft_is_exact_where_onnx_runtime_runs_it(fp32_engine, model_stor
     backend = "onnxruntime") their graph is built from the GGUF at first load: the output is the
     target's all the same."""
     from memspec.models.store import ModelStore
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
     from memspec.speculation.engine import Engine
 
     store = ModelStore(tmp_path, shipped=model_store.shipped)  # the graphs are built into this home

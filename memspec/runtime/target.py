@@ -18,6 +18,7 @@ its GGUF).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Sequence
@@ -172,6 +173,22 @@ def load_target(model, backend: str = "auto", threads: int = 0, max_context: int
     return open_target(store, store.get(str(model)), variant, config)[0]
 
 
+def open_draft(path: Path, engine: str, config: SessionConfig, threads: int) -> Target:
+    """A draft's model on `engine`: "native" runs its GGUF, "onnxruntime" its graph on the drafts'
+    providers (config.draft_providers, else the target's), with threads that sleep as soon as a step
+    ends (a spinning pool would steal the cores the target verifies on next).  A draft only
+    proposes: its rows need no invariance check."""
+    if engine == "native":
+        from memspec.runtime.native_target import NativeTarget
+
+        return NativeTarget(path, threads=threads, max_context=config.max_context, check_rows=False)
+    from memspec.runtime.sessions import DecoderSession
+
+    if config.draft_providers:
+        config = dataclasses.replace(config, providers=config.draft_providers)
+    return DecoderSession(path, config, spinning=False, threads=threads)
+
+
 def open_target(store, manifest, variant: str, config: SessionConfig) -> tuple[Target, str]:
     """The target engine for a store entry, by `config.backend`, and the variant it runs (the ONNX
     variant, or NATIVE_VARIANT).  Files are checked against the manifest before they are parsed."""
@@ -180,7 +197,8 @@ def open_target(store, manifest, variant: str, config: SessionConfig) -> tuple[T
 
         gguf = store.gguf_of(manifest)  # ModelFormatError: missing or not the one pulled
         return NativeTarget(gguf, threads=config.intra_op_threads, max_context=config.max_context), NATIVE_VARIANT
-    from memspec.runtime.sessions import DecoderSession, resolve_providers, variant_for
+    from memspec.runtime.plan import variant_for
+    from memspec.runtime.sessions import DecoderSession, resolve_providers
 
     variant, warning = variant_for(variant, resolve_providers(config.providers), manifest.variants)
     if warning:

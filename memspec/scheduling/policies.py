@@ -26,21 +26,33 @@ import json
 import logging
 import math
 import threading
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Mapping
 
 from memspec.errors import ConfigError
 from memspec.request import NO_DRAFT, GenerationRequest
-from memspec.scheduling.features import generation_context, request_text
+from memspec.scheduling.config import SchedulerConfig
+from memspec.scheduling.features import Detokenize, generation_context, request_text
 from memspec.scheduling.selector import RequestSelector
+from memspec.scheduling.workingset import WorkingSet
 from memspec.speculation.metrics import SpecMetrics
-
-if TYPE_CHECKING:
-    from memspec.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("memspec.scheduler")
 
 SWITCH_EVIDENCE_TOKENS = 16  # memspec trusts a request's own rate on its draft once this many tokens ran on it
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may use of the scheduler that runs it, and no more (the scheduler makes one)."""
+
+    ws: WorkingSet  # the resident drafts: leased, fetched, preloaded
+    config: SchedulerConfig
+    drafts: Mapping[str, int]  # every draft it may use -> declared bytes
+    count: Callable[..., None]  # count(what, n=1): add to the scheduler's counters
+    leased: Callable[..., RequestSelector | None]  # a request's selector over a lease on a draft (Scheduler.leased)
+    decode: Detokenize  # the target's token ids -> text
 
 
 class Policy:
@@ -76,7 +88,7 @@ class TargetOnly(Policy):
 class Fixed(Policy):
     """One draft for the whole request."""
 
-    def __init__(self, sched: "Scheduler", draft: str):
+    def __init__(self, sched: PolicyContext, draft: str):
         self.sched, self.draft, self.name = sched, draft, f"fixed:{draft}"
 
     def start(self, req, prompt, capacity, cancelled):
@@ -110,7 +122,7 @@ def request_reward(metrics: SpecMetrics, kind: str) -> float:
 class Bandit(Policy):
     name = "bandit"
 
-    def __init__(self, sched: "Scheduler"):
+    def __init__(self, sched: PolicyContext):
         self.sched = sched
         self.pulls: dict[str, int] = {}  # draft -> requests it finished
         self.rewards: dict[str, float] = {}  # draft -> sum of its scaled rewards
@@ -231,7 +243,7 @@ def load_predictor(path: str, variant: str = "", target: str = ""):
 class Memspec(Policy):
     name = "memspec"
 
-    def __init__(self, sched: "Scheduler", predictor):
+    def __init__(self, sched: PolicyContext, predictor):
         self.sched, self.predictor = sched, predictor
         self.values: dict[str, float] = {}  # draft -> expected gain over target-only (EMA), for eviction
         self.pred_err = [0.0, 0]  # sum of |observed - predicted| / predicted, checks
@@ -425,7 +437,7 @@ def load_oracle_table(path: str | Path) -> dict[str, str]:
 class Oracle(Policy):
     name = "oracle"
 
-    def __init__(self, sched: "Scheduler", table: dict[str, str]):
+    def __init__(self, sched: PolicyContext, table: dict[str, str]):
         self.sched, self.table = sched, table  # {prompt text: fastest draft}
 
     def start(self, req, prompt, capacity, cancelled):

@@ -30,8 +30,8 @@ from memspec.request import NO_DRAFT, GenerationRequest, PolicyName, unknown_dra
 from memspec.runtime.memory import MiB, MemoryProbe, memory_budget
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.features import Detokenize
-from memspec.scheduling.policies import (Bandit, Fixed, Memspec, Oracle, Policy, TargetOnly, load_oracle_table,
-                                         load_predictor)
+from memspec.scheduling.policies import (Bandit, Fixed, Memspec, Oracle, Policy, PolicyContext, TargetOnly,
+                                         load_oracle_table, load_predictor)
 from memspec.scheduling.selector import RequestSelector
 from memspec.scheduling.workingset import Lease, Loader, WorkingSet
 from memspec.speculation.drafts import PROMPT_LOOKUP
@@ -74,6 +74,8 @@ class Scheduler:
         self._stats_lock = threading.Lock()
         self._predictor, self._oracle_table = predictor, oracle_table
         self._policies: dict[PolicyName, Policy] = {}
+        # what its policies see of it (memspec.scheduling.policies.PolicyContext)
+        self.context = PolicyContext(self.ws, config, self.drafts, self.count, self.leased, self.decode)
         self._policies_lock = threading.Lock()
         self.policy(self.default)  # a missing predictor or oracle table fails at start, not at the first request
         if oracle:
@@ -107,23 +109,23 @@ class Scheduler:
         if name.kind == "fixed":
             if name.draft not in self.drafts:
                 raise unknown_draft(name.draft, self.drafts, "policy")
-            return Fixed(self, name.draft)
+            return Fixed(self.context, name.draft)
         if name.kind == "bandit":
-            return Bandit(self)
+            return Bandit(self.context)
         if name.kind == "memspec":
             predictor = self._predictor or load_predictor(self.config.predictor, self.variant, self.target_name)
             if predictor is None:  # a target nobody fitted a predictor for (say your own GGUF): learn online
                 log.warning("policy 'memspec': no predictor was fitted for %s (memspec profile --model %s, then "
                             "memspec train-predictor, or set [scheduler] predictor); the bandit chooses its drafts",
                             self.target_name or "this target", self.target_name or "NAME")
-                return Bandit(self)
-            return Memspec(self, predictor)
+                return Bandit(self.context)
+            return Memspec(self.context, predictor)
         if self._oracle_table is None:
             if not self.config.oracle:
                 raise ConfigError("policy 'oracle' needs a table of the fastest draft per prompt: "
                                   "set [scheduler] oracle to a JSON table or a JSONL trace file")
             self._oracle_table = load_oracle_table(self.config.oracle)
-        return Oracle(self, self._oracle_table)
+        return Oracle(self.context, self._oracle_table)
 
     def policy_for(self, req: GenerationRequest) -> PolicyName:
         """What runs this request: the draft it names, else the policy it names, else the configured one."""

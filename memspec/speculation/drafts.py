@@ -15,7 +15,6 @@ tokens are rolled back and a fully accepted run is completed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import threading
@@ -31,6 +30,7 @@ from memspec.errors import ConfigError, ModelFormatError
 from memspec.request import SamplingParams
 from memspec.runtime.config import LARGE_DRAFT_BYTES, SessionConfig
 from memspec.runtime.contracts import Target
+from memspec.runtime.target import open_draft
 from memspec.speculation.config import DraftLimits
 from memspec.models.store import Manifest, ModelStore
 
@@ -189,7 +189,7 @@ def target_to_draft(to_target: np.ndarray, target_vocab: int) -> np.ndarray:
 class DraftModel:
     """An ONNX draft and the map between its vocabulary and the target's."""
 
-    def __init__(self, name: str, session: DecoderSession, to_target: np.ndarray, target_vocab: int,
+    def __init__(self, name: str, session: Target, to_target: np.ndarray, target_vocab: int,
                  limits: DraftLimits = DraftLimits(), manifest: Manifest | None = None):
         self.name = name
         self.session = session
@@ -214,19 +214,12 @@ class DraftModel:
         to_target = read_vocab_map(m, target_vocab)
         threads = draft_threads(config, m.variant_bytes(variant))
         if draft_engine(m, config) == "native":
-            from memspec.runtime.native_target import NativeTarget
-
-            try:  # a draft only proposes: its rows need no invariance check
-                session = NativeTarget(m.variant_path(variant), threads=threads, max_context=config.max_context,
-                                       check_rows=False)
+            try:
+                session = open_draft(m.variant_path(variant), "native", config, threads)
             except ModelFormatError as exc:
                 raise ModelFormatError(f"draft {name!r}: {exc}") from None
         else:
-            from memspec.runtime.sessions import DecoderSession
-
-            if config.draft_providers:
-                config = dataclasses.replace(config, providers=config.draft_providers)
-            session = DecoderSession(draft_graph(store, m), config, spinning=False, threads=threads)
+            session = open_draft(draft_graph(store, m), "onnxruntime", config, threads)
         if session.vocab_size not in (None, len(to_target)):
             raise ModelFormatError(
                 f"draft {name!r}: the model has {session.vocab_size} logits but its map has {len(to_target)} ids"
@@ -361,18 +354,3 @@ def target_drafts(store: ModelStore, target_name: str, names: list[str] | None =
     """The manifests of every draft in the store made for `target_name` (or only `names`)."""
     return [m for m in store.list() if m.role == "draft" and m.extra.get("target") == target_name
             and (names is None or m.name in names)]
-
-
-def load_pool(store: ModelStore, target_name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
-              names: list[str] | None = None, limits: DraftLimits = DraftLimits(),
-              suffix_bytes: int = 0) -> dict[str, Proposer]:
-    """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
-    in the store made for `target_name` (or only `names`)."""
-    from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex  # it builds on this module
-
-    pool: dict[str, Proposer] = {PROMPT_LOOKUP: PromptLookup(target_vocab, loop_tokens=limits.loop_tokens)}
-    if suffix_bytes:
-        pool[SUFFIX] = SuffixDraft(SuffixIndex(suffix_bytes), target_vocab, loop_tokens=limits.loop_tokens)
-    for m in target_drafts(store, target_name, names):
-        pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
-    return pool
