@@ -58,13 +58,16 @@ def load_pool(store, target_name: str, target_vocab: int, config, names: list[st
     """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
     in the store made for `target_name` (or only `names`): the fixed pool's proposers by name."""
     from memspec.speculation.config import DraftLimits
-    from memspec.speculation.drafts import PROMPT_LOOKUP, DraftModel, PromptLookup, target_drafts
+    from memspec.speculation.drafts import PROMPT_LOOKUP, DraftModel, PromptLookup, runnable_drafts, say_left_out, \
+        target_drafts
     from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
 
     limits = limits or DraftLimits()
     pool = {PROMPT_LOOKUP: PromptLookup(target_vocab, loop_tokens=limits.loop_tokens)}
     if suffix_bytes:
         pool[SUFFIX] = SuffixDraft(SuffixIndex(suffix_bytes), target_vocab, loop_tokens=limits.loop_tokens)
-    for m in target_drafts(store, target_name, names):
+    drafts, left = runnable_drafts(target_drafts(store, target_name, names), config)
+    say_left_out(left, config)
+    for m in drafts:
         pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
     return pool

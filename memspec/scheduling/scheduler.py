@@ -281,13 +281,15 @@ def check_draft_names(req: GenerationRequest, drafts) -> None:
         raise unknown_draft(req.policy.draft, drafts, "policy")
 
 
-def draft_names(store, target_name: str, suffix: bool = True) -> list[str]:
+def draft_names(store, target_name: str, suffix: bool = True, session_config=None) -> list[str]:
     """The drafts a request for `target_name` may name, from the store alone (before the target
     loads): what from_store's scheduler offers, prompt lookup, the suffix draft (where
-    `[speculative] suffix_mb` keeps one) and every draft made for it."""
+    `[speculative] suffix_mb` keeps one) and every draft made for it (that runs here under
+    `session_config`, where given: memspec.speculation.drafts.runnable_drafts)."""
     from memspec.speculation.drafts import target_drafts
 
-    return [PROMPT_LOOKUP, *([SUFFIX] if suffix else []), *(m.name for m in target_drafts(store, target_name))]
+    return [PROMPT_LOOKUP, *([SUFFIX] if suffix else []),
+            *(m.name for m in target_drafts(store, target_name, config=session_config))]
 
 
 def draft_footprints(drafts: list, suffix_bytes: int = 0) -> dict[str, int]:
@@ -320,11 +322,12 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup
     and the suffix draft over an index of `suffix_bytes` (0: none)."""
     from memspec.runtime.memory import PsutilProbe, planned_footprint
-    from memspec.speculation.drafts import DraftModel, PromptLookup, target_drafts
+    from memspec.speculation.drafts import DraftModel, PromptLookup, runnable_drafts, say_left_out, target_drafts
     from memspec.speculation.suffix import SuffixIndex
 
     vocab = target.session.vocab_size
-    drafts = target_drafts(store, target.name, names)
+    drafts, left = runnable_drafts(target_drafts(store, target.name, names), session_config)
+    say_left_out(left, session_config)
     sizes = draft_footprints(drafts, suffix_bytes)
 
     def loader(name: str):

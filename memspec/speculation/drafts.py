@@ -16,6 +16,7 @@ tokens are rolled back and a fully accepted run is completed.
 from __future__ import annotations
 
 import json
+import logging
 import os
 import threading
 import time
@@ -34,6 +35,7 @@ from memspec.runtime.target import open_draft
 from memspec.speculation.config import DraftLimits
 from memspec.models.store import Manifest, ModelStore
 
+log = logging.getLogger(__name__)
 PROMPT_LOOKUP = "prompt-lookup"
 LOOKUP_MAX_NGRAM = 8  # a model draft's lookup prefers the longest earlier match up to this many tokens
 FEED_MIN_TOKENS = 8  # a catch-up at least this long is timed (a shorter one is mostly fixed cost)
@@ -350,7 +352,32 @@ class PromptLookupState:
         pass
 
 
-def target_drafts(store: ModelStore, target_name: str, names: list[str] | None = None) -> list:
-    """The manifests of every draft in the store made for `target_name` (or only `names`)."""
-    return [m for m in store.list() if m.role == "draft" and m.extra.get("target") == target_name
-            and (names is None or m.name in names)]
+def target_drafts(store: ModelStore, target_name: str, names: list[str] | None = None,
+                  config: SessionConfig | None = None) -> list:
+    """The manifests of every draft in the store made for `target_name` (or only `names`); with
+    `config`, only those this machine runs (runnable_drafts)."""
+    drafts = [m for m in store.list() if m.role == "draft" and m.extra.get("target") == target_name
+              and (names is None or m.name in names)]
+    return drafts if config is None else runnable_drafts(drafts, config)[0]
+
+
+def runnable_drafts(drafts: list, config: SessionConfig) -> tuple[list, list]:
+    """(the drafts this machine runs, those it cannot): without ONNX Runtime installed, a draft that
+    would run in it (an ONNX-only draft, or drafts given GPU providers) cannot; a GGUF draft on the
+    native engine, prompt lookup and the suffix draft need none."""
+    from memspec.runtime.plan import onnxruntime_missing
+
+    if onnxruntime_missing() is None:
+        return list(drafts), []
+    kept = [m for m in drafts if draft_engine(m, config) == "native"]
+    return kept, [m for m in drafts if m not in kept]
+
+
+def say_left_out(left: list, config: SessionConfig) -> None:
+    """The one log line for the drafts runnable_drafts left out, where any were."""
+    if left:
+        from memspec.runtime.plan import onnxruntime_missing
+
+        log.warning("drafts %s need ONNX Runtime and are left out; this machine drafts with GGUF drafts on the "
+                    "native engine, prompt lookup and the suffix draft (%s)", ", ".join(m.name for m in left),
+                    onnxruntime_missing())
