@@ -24,7 +24,8 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     row were timed).
     """
     from memspec.models.store import ModelStore
-    from memspec.runtime.target import batching_on, open_batched
+    from memspec.runtime.plan import batching_on
+    from memspec.runtime.target import open_batched
     from memspec.speculation.engine import Engine, TargetModel
     from memspec.speculation.sources import DraftPool
 

@@ -337,7 +337,7 @@ def test_a_backend_that_cannot_run_is_a_config_error(gguf_path, model_store):
     from memspec.errors import ConfigError
     from memspec.runtime import load_target
     from memspec.runtime.batch import BatchedTarget
-    from memspec.runtime.target import resolve_backend
+    from memspec.runtime.plan import resolve_backend
 
     with pytest.raises(ConfigError, match="'tpu' is not an engine; choose one of auto, native, onnxruntime"):
         resolve_backend("tpu", ("auto",))
@@ -355,7 +355,7 @@ def test_auto_runs_the_target_on_a_gpu_that_onnx_runtime_reports(monkeypatch):
     import onnxruntime as ort
 
     from memspec.runtime.config import SessionConfig
-    from memspec.runtime.target import needs_onnx, on_gpu, resolve_backend
+    from memspec.runtime.plan import needs_onnx, on_gpu, resolve_backend
 
     monkeypatch.setattr(kernels, "available", lambda: True)
     cpu_only = ["CPUExecutionProvider"]
@@ -409,14 +409,16 @@ def test_loading_on_demand_plans_each_engine_at_its_own_footprint(model_store):
     engine, the graph's session (1.75x its file at the load's peak) for ONNX Runtime."""
     from memspec.runtime.config import SessionConfig
     from memspec.runtime.memory import planned_target_footprint
-    from memspec.runtime.target import NATIVE_FOOTPRINT_PER_FILE_BYTE, planned_footprint
+    from memspec.runtime.plan import NATIVE_FOOTPRINT_PER_FILE_BYTE, plan
 
     m = model_store.get("smollm2-135m")
     gguf = model_store.gguf_of(m).stat().st_size
-    native = planned_footprint(model_store, m, "q4", SessionConfig(backend="native"))
-    assert native == int(gguf * NATIVE_FOOTPRINT_PER_FILE_BYTE)
-    onnx = planned_footprint(model_store, m, "q4", SessionConfig(backend="onnxruntime"))
-    assert onnx == planned_target_footprint(m.variant_bytes("q4")) > native
+    native = plan(model_store, "smollm2-135m", "q4", SessionConfig(backend="native"))
+    assert (native.engine, native.variant, native.asked) == ("native", "gguf", "q4")
+    assert native.planned_bytes == int(gguf * NATIVE_FOOTPRINT_PER_FILE_BYTE) and native.profiles == ("gguf", "q4")
+    onnx = plan(model_store, "smollm2-135m", "q4", SessionConfig(backend="onnxruntime", providers=("CPUExecutionProvider",)))
+    assert (onnx.engine, onnx.variant) == ("onnxruntime", "q4") and onnx.profiles == ("q4",)
+    assert onnx.planned_bytes == planned_target_footprint(m.variant_bytes("q4")) > native.planned_bytes
 
 
 def test_the_readme_quick_start_answers_right_on_the_default_target(native_engine):

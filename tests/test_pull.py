@@ -469,7 +469,8 @@ def test_a_gguf_alone_is_a_target_the_native_engine_runs(tmp_path, gguf_path, mo
     from memspec.cli import main
     from memspec.runtime import kernels
     from memspec.runtime.config import SessionConfig
-    from memspec.runtime.target import load_target, open_target
+    from memspec.runtime.plan import plan
+    from memspec.runtime.target import load_target
 
     if not kernels.available():
         pytest.skip(kernels.NOT_BUILT)
@@ -489,7 +490,7 @@ def test_a_gguf_alone_is_a_target_the_native_engine_runs(tmp_path, gguf_path, mo
     assert t.providers[0].startswith("memspec-native") and t.forward(t.new_cache(), [1, 2, 3]).shape[0] == 1
     with pytest.raises(ModelNotFoundError, match=r"has no variant 'q4' \(has: none: it was pulled with its GGUF "
                                                  r"alone.*memspec pull mine --variant q4"):
-        open_target(store, m, "q4", SessionConfig(backend="onnxruntime", max_context=64))
+        plan(store, "mine", "q4", SessionConfig(backend="onnxruntime", max_context=64))
     said.clear()  # up to date: nothing converted, nothing copied
     assert import_gguf(store, local, "mine", progress=said.append).variants == {}
     assert said == ["mine: up to date (gguf)"]

@@ -24,7 +24,7 @@ from typing import Sequence
 import numpy as np
 
 from memspec.errors import ConfigError, ModelFormatError
-from memspec.runtime.plan import onnxruntime_missing
+from memspec.runtime.config import onnxruntime_missing
 
 try:
     import onnxruntime as ort

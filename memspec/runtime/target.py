@@ -21,24 +21,13 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Sequence
 
 from memspec.errors import ConfigError
-from memspec.runtime.config import GPU_PROVIDERS, NATIVE_VARIANT, SessionConfig  # noqa: F401 (NATIVE_VARIANT: re-exported)
+from memspec.runtime.config import SessionConfig
 from memspec.runtime.contracts import BatchedPass, Target
+from memspec.runtime.plan import Plan, plan, resolve_backend
 
 log = logging.getLogger(__name__)
-BACKENDS = ("auto", "native", "onnxruntime")
-
-
-def profiled_as(variant: str) -> str | None:
-    """The variant whose profiles (predictors, traces) are nearest to `variant`'s where it has none:
-    the native engine runs the GGUF the q4 graph holds the very blocks of (the speeds differ; the
-    scheduler warns that its costs may not hold).  None: no such stand-in."""
-    return "q4" if variant == NATIVE_VARIANT else None
-# Whether "auto" runs a target natively on a CPU where it can (engine_for): the native engine measures
-# faster there end to end (docs/results.md, issue 29).
-AUTO_NATIVE = True
 
 
 def open_batched(target: Target, rows: int) -> BatchedPass:
@@ -52,95 +41,6 @@ def open_batched(target: Target, rows: int) -> BatchedPass:
     from memspec.runtime.batch import BatchedTarget
 
     return BatchedTarget(target, rows)
-
-
-# RSS a native target adds per byte of its GGUF: the mapped file, read whole by the first pass, and the
-# pass's buffers (the 1.5B: 1069 MiB of process RSS for a 986 MB GGUF, the interpreter included).
-NATIVE_FOOTPRINT_PER_FILE_BYTE = 1.1
-
-
-def planned_footprint(store, manifest, variant: str, config: SessionConfig) -> int:
-    """The RSS loading this store target should add, by the engine `config.backend` picks: what
-    loading on demand plans with (the native engine maps the GGUF; ONNX Runtime builds its
-    session from the variant's graph: memory.planned_target_footprint)."""
-    from memspec.runtime.memory import planned_target_footprint
-
-    if engine_for(store, manifest, variant, config) == "native":
-        return int(store.gguf_of(manifest).stat().st_size * NATIVE_FOOTPRINT_PER_FILE_BYTE)
-    return planned_target_footprint(manifest.variant_bytes(variant))
-
-
-def batching_on(batching: bool | str, variant: str) -> bool:
-    """Whether a target running `variant` batches concurrent requests under `[runtime] batching`:
-    true or false as said; "auto" on the native engine only (its pass over several sequences is its
-    own, exact and from one copy of the weights; ONNX Runtime's needs a second, batched graph)."""
-    if isinstance(batching, bool):
-        return batching
-    if batching != "auto":
-        raise ConfigError(f"[runtime] batching: {batching!r} is not a choice; use true, false or \"auto\"")
-    return variant == NATIVE_VARIANT
-
-
-def names_gpu(providers: Sequence[str]) -> bool:
-    """Whether `[runtime] providers` name a provider other than the CPU's ("auto" names none)."""
-    return any(p not in ("auto", "CPUExecutionProvider") for p in providers)
-
-
-def on_gpu(providers: Sequence[str]) -> bool:
-    """Whether `[runtime] providers` put the target on a GPU: one named (names_gpu), or "auto" where
-    this onnxruntime build has CUDA or TensorRT (a Jetson with onnxruntime-gpu)."""
-    if tuple(providers) in ((), ("auto",)):
-        try:
-            import onnxruntime as ort
-        except ImportError:  # no ONNX Runtime at all: no GPU provider either
-            return False
-        return any(p in GPU_PROVIDERS for p in ort.get_available_providers())
-    return names_gpu(providers)
-
-
-def resolve_backend(backend: str, providers: Sequence[str]) -> str:
-    """"native" or "onnxruntime" for `[runtime] backend` on these providers (config names)."""
-    from memspec.runtime import kernels
-
-    if backend not in BACKENDS:
-        raise ConfigError(f"[runtime] backend: {backend!r} is not an engine; choose one of {', '.join(BACKENDS)}")
-    if backend == "native":  # "auto" providers then mean the CPU's: the native engine runs there
-        if names_gpu(providers):
-            raise ConfigError(f"[runtime] backend = \"native\" runs on the CPU; providers {', '.join(providers)} ask "
-                              f"for a GPU: set backend = \"onnxruntime\" (or \"auto\") for it")
-        if not kernels.available():
-            raise ConfigError(f"[runtime] backend = \"native\": {kernels.NOT_BUILT}")
-        return "native"
-    if backend == "auto":
-        return "native" if AUTO_NATIVE and not on_gpu(providers) and kernels.available() else "onnxruntime"
-    return backend
-
-
-def needs_onnx(config: SessionConfig) -> bool:
-    """Whether a target pulled here needs its ONNX graphs: the engine `config` picks on this machine
-    is ONNX Runtime (a GPU, no native kernels, or backend = "onnxruntime"), or the config cannot run
-    natively at all.  Where it is the native engine, the GGUF alone runs the target."""
-    try:
-        return resolve_backend(config.backend, config.providers) == "onnxruntime"
-    except ConfigError:  # a config that runs no native target (native asked on a GPU, no kernels)
-        return True
-
-
-def engine_for(store, manifest, variant: str, config: SessionConfig) -> str:
-    """"native" or "onnxruntime": the engine that runs this store target's `variant` under
-    `config.backend`.  "auto" takes the native engine only where resolve_backend allows it, for the
-    q4 variant (the graph of the GGUF's own blocks; a variant asked for by name, fp32 or q4f16, is
-    another model and runs in ONNX Runtime), and where the target's GGUF is in the store (a target
-    pulled by an older memspec has its ONNX graphs alone).  An explicit "native" without the GGUF
-    is an error at open_target, with the command that fetches it."""
-    engine = resolve_backend(config.backend, config.providers)
-    if engine == "native" and config.backend == "auto":
-        if variant != "q4":
-            return "onnxruntime"
-        gguf = store.gguf_path(manifest)
-        if gguf is None or not gguf.is_file():
-            return "onnxruntime"
-    return engine
 
 
 def load_target(model, backend: str = "auto", threads: int = 0, max_context: int = 2048,
@@ -159,7 +59,7 @@ def load_target(model, backend: str = "auto", threads: int = 0, max_context: int
             folder = model.folder
             store = ModelStore(folder.parent.parent if folder is not None and folder.parent.name == "models"
                                else default_home())
-        return open_target(store, model, variant, config)[0]
+        return open_target(store, plan(store, model.name, variant, config), config)
     path = Path(model)
     if str(model).endswith(".gguf") or path.is_file():
         if resolve_backend(backend, config.providers) != "native":
@@ -170,7 +70,7 @@ def load_target(model, backend: str = "auto", threads: int = 0, max_context: int
         return NativeTarget(path, threads=threads, max_context=max_context)
     if store is None:
         store = ModelStore(default_home())
-    return open_target(store, store.get(str(model)), variant, config)[0]
+    return open_target(store, plan(store, str(model), variant, config), config)
 
 
 def open_draft(path: Path, engine: str, config: SessionConfig, threads: int) -> Target:
@@ -189,23 +89,19 @@ def open_draft(path: Path, engine: str, config: SessionConfig, threads: int) -> 
     return DecoderSession(path, config, spinning=False, threads=threads)
 
 
-def open_target(store, manifest, variant: str, config: SessionConfig) -> tuple[Target, str]:
-    """The target engine for a store entry, by `config.backend`, and the variant it runs (the ONNX
-    variant, or NATIVE_VARIANT).  Files are checked against the manifest before they are parsed."""
-    if engine_for(store, manifest, variant, config) == "native":
+def open_target(store, plan: Plan, config: SessionConfig) -> Target:
+    """The target engine the plan names (memspec.runtime.plan): its GGUF on the native engine, or
+    its graph in ONNX Runtime.  Files are checked against the manifest before they are parsed."""
+    if plan.engine == "native":
         from memspec.runtime.native_target import NativeTarget
 
-        gguf = store.gguf_of(manifest)  # ModelFormatError: missing or not the one pulled
-        return NativeTarget(gguf, threads=config.intra_op_threads, max_context=config.max_context), NATIVE_VARIANT
-    from memspec.runtime.plan import variant_for
-    from memspec.runtime.sessions import DecoderSession, resolve_providers
+        gguf = store.gguf_of(plan.manifest)  # ModelFormatError: missing or not the one pulled
+        return NativeTarget(gguf, threads=config.intra_op_threads, max_context=config.max_context)
+    from memspec.runtime.sessions import DecoderSession
 
-    variant, warning = variant_for(variant, resolve_providers(config.providers), manifest.variants)
-    if warning:
-        log.warning("%s: %s", manifest.name, warning)
-    path = manifest.variant_path(variant)
-    store.check_files(manifest, variant)  # a tampered or truncated file is refused before it is parsed
-    session = DecoderSession(path, config, arena=True,  # pinned: never unloaded
-                             min_rows=2 if config.batch_invariant else 1, check_rows=True)
-    return session, variant
-
+    if plan.warning:
+        log.warning("%s: %s", plan.name, plan.warning)
+    path = plan.manifest.variant_path(plan.variant)
+    store.check_files(plan.manifest, plan.variant)  # a tampered or truncated file is refused before it is parsed
+    return DecoderSession(path, config, arena=True,  # pinned: never unloaded
+                          min_rows=2 if config.batch_invariant else 1, check_rows=True)

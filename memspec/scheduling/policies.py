@@ -192,7 +192,7 @@ def predictor_file(path: str, variant: str = "", target: str = "") -> Path | Non
 
     if path:
         return Path(path)
-    from memspec.runtime.target import profiled_as
+    from memspec.runtime.plan import profiled_as
 
     nearest = [v for v in (variant, profiled_as(variant)) if v]  # its own variant's, else the nearest one's
     for name in ([f"predictor-{target}-{v}.json" for v in nearest] + [f"predictor-{target}.json"] if target else ()):
@@ -231,7 +231,7 @@ def load_predictor(path: str, variant: str = "", target: str = ""):
     pred = Predictor.load(file)
     fitted = str(pred.info.get("target") or "")  # "name:variant" of the traces it was fitted on
     if variant and ":" in fitted and fitted.rsplit(":", 1)[1] != variant:
-        from memspec.runtime.target import NATIVE_VARIANT
+        from memspec.runtime.config import NATIVE_VARIANT
 
         # the native engine runs the q4 variant as NATIVE_VARIANT: `memspec profile` on the default engine traces it
         profile = "memspec profile" if variant == NATIVE_VARIANT else f"memspec profile --variant {variant}"

@@ -295,12 +295,12 @@ def draft_names(store, target_name: str, suffix: bool = True, session_config=Non
 def draft_footprints(drafts: list, suffix_bytes: int = 0) -> dict[str, int]:
     """Every draft (manifests) with the RSS footprint budgets plan it at, plus prompt lookup (0)
     and, when `suffix_bytes` > 0, the suffix draft at its index's bytes."""
-    from memspec.runtime.memory import planned_footprint
+    from memspec.runtime.memory import planned_draft_footprint
     from memspec.speculation.drafts import draft_variant
     from memspec.speculation.suffix import index_nbytes
 
     suffix = {SUFFIX: index_nbytes(suffix_bytes)} if suffix_bytes else {}
-    return {PROMPT_LOOKUP: 0, **suffix, **{m.name: planned_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
+    return {PROMPT_LOOKUP: 0, **suffix, **{m.name: planned_draft_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
 
 
 def draft_kv_sizers(drafts: list, capacity: int) -> dict[str, KVSizer]:
@@ -321,7 +321,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
                names: list[str] | None = None, suffix_bytes: int = 0, **kwargs) -> Scheduler:
     """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup
     and the suffix draft over an index of `suffix_bytes` (0: none)."""
-    from memspec.runtime.memory import PsutilProbe, planned_footprint
+    from memspec.runtime.memory import PsutilProbe, planned_draft_footprint
     from memspec.speculation.drafts import DraftModel, PromptLookup, runnable_drafts, say_left_out, target_drafts
     from memspec.speculation.suffix import SuffixIndex
 
@@ -337,7 +337,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
             d = SuffixDraft(SuffixIndex(suffix_bytes), vocab, loop_tokens=draft_limits.loop_tokens)
             return d, d.nbytes
         d = DraftModel.load(store, name, vocab, session_config, draft_limits)
-        return d, planned_footprint(d.nbytes, d.variant)
+        return d, planned_draft_footprint(d.nbytes, d.variant)
 
     probe = probe or PsutilProbe()
     # the target is pinned at what the process holds now: the runtime, Python and the target

@@ -126,7 +126,7 @@ def draft_engine(m: Manifest, config: SessionConfig) -> str:
     """"native" or "onnxruntime": the engine that runs draft `m` under `config`.  A GGUF draft runs
     natively wherever the engine `config` gives the drafts (their providers, else the target's)
     is the native one, or "auto" would be on this CPU; an ONNX-only draft runs in ONNX Runtime."""
-    from memspec.runtime.target import resolve_backend
+    from memspec.runtime.plan import resolve_backend
 
     if GGUF_VARIANT not in m.variants:
         return "onnxruntime"
@@ -365,7 +365,7 @@ def runnable_drafts(drafts: list, config: SessionConfig) -> tuple[list, list]:
     """(the drafts this machine runs, those it cannot): without ONNX Runtime installed, a draft that
     would run in it (an ONNX-only draft, or drafts given GPU providers) cannot; a GGUF draft on the
     native engine, prompt lookup and the suffix draft need none."""
-    from memspec.runtime.plan import onnxruntime_missing
+    from memspec.runtime.config import onnxruntime_missing
 
     if onnxruntime_missing() is None:
         return list(drafts), []
@@ -376,7 +376,7 @@ def runnable_drafts(drafts: list, config: SessionConfig) -> tuple[list, list]:
 def say_left_out(left: list, config: SessionConfig) -> None:
     """The one log line for the drafts runnable_drafts left out, where any were."""
     if left:
-        from memspec.runtime.plan import onnxruntime_missing
+        from memspec.runtime.config import onnxruntime_missing
 
         log.warning("drafts %s need ONNX Runtime and are left out; this machine drafts with GGUF drafts on the "
                     "native engine, prompt lookup and the suffix draft (%s)", ", ".join(m.name for m in left),

@@ -29,6 +29,7 @@ from memspec.runtime.memory import release_heap, request_kv_bytes
 from memspec.runtime.kvcache import KVCache
 from memspec.runtime.prefixes import PrefixCache
 from memspec.runtime.contracts import Target
+from memspec.runtime.plan import plan
 from memspec.runtime.target import open_target
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
@@ -67,9 +68,9 @@ class TargetModel:
     def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
         """The target named `name`, on the engine `config.backend` picks (memspec.runtime.target):
         `variant` of its ONNX graphs, or its GGUF as it is on the native engine."""
-        m = store.get(name)
-        folder = Path(m.folder)
-        session, variant = open_target(store, m, variant, config)
+        p = plan(store, name, variant, config)  # memspec.runtime.plan: the engine, its variant
+        m, folder, variant = p.manifest, Path(p.manifest.folder), p.variant
+        session = open_target(store, p, config)
         if session.rows.warning():  # the daemon's log, and stderr of `memspec generate`
             log.warning("%s (%s): %s", name, variant, session.rows.warning())
         elif session.rows.reason:
