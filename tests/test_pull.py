@@ -486,7 +486,7 @@ def test_a_gguf_alone_is_a_target_the_native_engine_runs(tmp_path, gguf_path, mo
     assert kept.parent == store.downloads_dir and kept.name == f"mine-{m.provenance['gguf_sha256'][:16]}.gguf"
     assert os.stat(kept).st_ino == os.stat(local).st_ino  # linked, not copied
     assert m.provenance["source"] == f"local file {local}" and set(store.runnable(m)) == {"gguf"}
-    t = load_target("mine", backend="auto", threads=1, max_context=64, store=store)
+    t = load_target(store, "mine", config=SessionConfig(intra_op_threads=1, max_context=64)).session
     assert t.providers[0].startswith("memspec-native") and t.forward(t.new_cache(), [1, 2, 3]).shape[0] == 1
     with pytest.raises(ModelNotFoundError, match=r"has no variant 'q4' \(has: none: it was pulled with its GGUF "
                                                  r"alone.*memspec pull mine --variant q4"):

@@ -26,9 +26,9 @@ PALINDROME = "Write a Python function that checks whether a string is a palindro
 
 @pytest.fixture(scope="module")
 def target(qwen_store):
-    from memspec.speculation.engine import TargetModel
+    from memspec.runtime.target import load_target
 
-    return TargetModel.load(qwen_store, QWEN, "q4", SessionConfig(max_context=1024))
+    return load_target(qwen_store, QWEN, "q4", SessionConfig(max_context=1024))
 
 
 def test_teacher_forced_argmax_agrees_with_llama_cpp(qwen_store, target):

@@ -17,11 +17,15 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol, Sequence
+from typing import TYPE_CHECKING, Protocol, Sequence
 
 import numpy as np
 
 from memspec.runtime.kvcache import KVCache  # noqa: F401 (the cache every engine subclasses: part of the contract)
+
+if TYPE_CHECKING:
+    from memspec.models.store import Manifest
+    from memspec.models.tokenizer import Tokenizer
 
 
 @dataclass(frozen=True)
@@ -85,6 +89,36 @@ class BatchedPass(Protocol):
     def release(self, cache: KVCache) -> None: ...  # the request is gone: keep none of its cache
 
     def measure_pass_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> dict[int, list[float]]: ...
+
+
+@dataclass
+class TargetModel:
+    """A loaded target, as the engine takes it (memspec.runtime.target.load_target makes one): the
+    model whose output is the answer, its tokenizer and its end-of-sequence ids."""
+
+    name: str  # store name
+    variant: str  # what its engine runs: "gguf" (the native engine), "q4", "fp32", ...
+    session: Target  # the engine that runs it
+    tokenizer: "Tokenizer"
+    eos_ids: frozenset[int]
+    manifest: "Manifest | None" = None
+    plan: "memspec.runtime.plan.Plan | None" = None  # noqa: F821  (how it was loaded; None: opened by hand)
+
+    @property
+    def file_bytes(self) -> int:
+        """Size of the loaded variant's weights (its external weights too): the manifest's record,
+        else the file on disk."""
+        if self.manifest is not None and self.variant in self.manifest.variants:
+            return self.manifest.variant_bytes(self.variant)
+        return self.session.path.stat().st_size
+
+    @property
+    def vocab_size(self) -> int | None:
+        return self.session.vocab_size
+
+    @property
+    def max_context(self) -> int:
+        return self.session.max_context
 
 
 def physical_cores() -> int:

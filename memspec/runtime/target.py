@@ -1,19 +1,16 @@
-"""Opening a target on its engine, and the choice of engine.  The interface a target offers the
-layers above runtime/ is `Target` (memspec.runtime.contracts).
+"""Loading a target: what the plan (memspec.runtime.plan) names, opened on its engine, with its
+tokenizer and end-of-sequence ids.  The one entry point, used by memspec.build:
 
     from memspec.runtime import load_target
-    t = load_target(model, backend="native", threads=2)   # model: a store entry or a GGUF path
-    c = t.new_cache()
-    logits = t.forward(c, ids, keep=k)        # (k, vocab) float32, rows for the last k ids
-    c.truncate(n)
-    rows = t.forward_batch([c1, c2], [ids1, ids2], keeps=[k1, k2])   # one pass, a list of arrays
+    target = load_target(store, "smollm2-135m", config=SessionConfig(backend="native"))
+    c = target.session.new_cache()
+    logits = target.session.forward(c, ids, keep=k)   # (k, vocab) float32, rows for the last k ids
 
-Two engines implement `Target`: memspec.runtime.native_target.NativeTarget (the GGUF's blocks as
-they are, memspec's own exact kernels; CPU) and memspec.runtime.sessions.DecoderSession (a graph
-converted for ONNX Runtime; CPU or CUDA).  `[runtime] backend` picks one: "native",
-"onnxruntime", or "auto": native on a CPU where the kernels are built and the target's GGUF is in
-the store (engine_for), ONNX Runtime otherwise (a GPU, no compiler, or a target pulled without
-its GGUF).
+The interface a target offers the layers above runtime/ is `Target` (memspec.runtime.contracts);
+two engines implement it: memspec.runtime.native_target.NativeTarget (the GGUF's blocks as they
+are, memspec's own exact kernels; CPU) and memspec.runtime.sessions.DecoderSession (a graph
+converted for ONNX Runtime; CPU or CUDA).  This module alone opens them (targets, drafts and the
+batched pass), so that nothing above runtime/ imports an engine.
 """
 
 from __future__ import annotations
@@ -22,10 +19,9 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from memspec.errors import ConfigError
 from memspec.runtime.config import SessionConfig
-from memspec.runtime.contracts import BatchedPass, Target
-from memspec.runtime.plan import Plan, plan, resolve_backend
+from memspec.runtime.contracts import BatchedPass, Target, TargetModel
+from memspec.runtime.plan import Plan, plan
 
 log = logging.getLogger(__name__)
 
@@ -43,34 +39,28 @@ def open_batched(target: Target, rows: int) -> BatchedPass:
     return BatchedTarget(target, rows)
 
 
-def load_target(model, backend: str = "auto", threads: int = 0, max_context: int = 2048,
-                store=None, variant: str = "q4") -> Target:
-    """A target engine for `model`: a store entry (its Manifest, as ModelStore.get and list give
-    it, or its name; the store: `store`, else the one the entry was read from, else the default
-    one) or a GGUF file's path (native only: ONNX Runtime needs `memspec pull --gguf PATH --name
-    NAME`)."""
-    from memspec.models.store import Manifest, ModelStore, default_home
+def load_target(store, name: str, variant: str | None = None, config: SessionConfig = SessionConfig(),
+                preferred: str = "q4") -> TargetModel:
+    """The target `name` of the store, loaded as plan() says (`variant`; None: `preferred` where it
+    has it): its engine, tokenizer and end-of-sequence ids, its self-check at load said in the log."""
+    from memspec.models.tokenizer import Tokenizer
+    from memspec.runtime.memory import release_heap
 
-    config = SessionConfig(intra_op_threads=threads, max_context=max_context, backend=backend)
-    if isinstance(model, Manifest):
-        if model.role != "target":
-            raise ConfigError(f"{model.name} is a {model.role}, not a target")
-        if store is None:  # the store it was read from: its entries lie in HOME/models/NAME
-            folder = model.folder
-            store = ModelStore(folder.parent.parent if folder is not None and folder.parent.name == "models"
-                               else default_home())
-        return open_target(store, plan(store, model.name, variant, config), config)
-    path = Path(model)
-    if str(model).endswith(".gguf") or path.is_file():
-        if resolve_backend(backend, config.providers) != "native":
-            raise ConfigError(f"{model}: a GGUF file runs on the native engine only (backend = \"native\"); "
-                              f"for ONNX Runtime convert it first: memspec pull --gguf {model} --name NAME")
-        from memspec.runtime.native_target import NativeTarget
-
-        return NativeTarget(path, threads=threads, max_context=max_context)
-    if store is None:
-        store = ModelStore(default_home())
-    return open_target(store, plan(store, str(model), variant, config), config)
+    p = plan(store, name, variant, config, preferred)
+    session = open_target(store, p, config)
+    if session.rows.warning():  # the daemon's log, and stderr of `memspec generate`
+        log.warning("%s (%s): %s", name, p.variant, session.rows.warning())
+    elif session.rows.reason:
+        log.info("%s (%s): %s", name, p.variant, session.rows.reason)
+    m = p.manifest
+    folder = Path(m.folder)
+    tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
+    eos = set(m.extra.get("eos_token_ids", [])) | tok.eos_token_ids  # Qwen2.5: <|im_end|> and <|endoftext|>
+    # ONNX Runtime frees its load-time copies of the weights once it has packed them, and the
+    # tokenizer its parse of tokenizer.json, but glibc keeps the freed pages (a q4 load left
+    # 56 MiB), which would count against the memory budget and the device's shared memory.
+    release_heap()
+    return TargetModel(name, p.variant, session, tok, frozenset(eos), m, p)
 
 
 def open_draft(path: Path, engine: str, config: SessionConfig, threads: int) -> Target:
@@ -89,19 +79,19 @@ def open_draft(path: Path, engine: str, config: SessionConfig, threads: int) -> 
     return DecoderSession(path, config, spinning=False, threads=threads)
 
 
-def open_target(store, plan: Plan, config: SessionConfig) -> Target:
+def open_target(store, planned: Plan, config: SessionConfig) -> Target:
     """The target engine the plan names (memspec.runtime.plan): its GGUF on the native engine, or
     its graph in ONNX Runtime.  Files are checked against the manifest before they are parsed."""
-    if plan.engine == "native":
+    if planned.engine == "native":
         from memspec.runtime.native_target import NativeTarget
 
-        gguf = store.gguf_of(plan.manifest)  # ModelFormatError: missing or not the one pulled
+        gguf = store.gguf_of(planned.manifest)  # ModelFormatError: missing or not the one pulled
         return NativeTarget(gguf, threads=config.intra_op_threads, max_context=config.max_context)
     from memspec.runtime.sessions import DecoderSession
 
-    if plan.warning:
-        log.warning("%s: %s", plan.name, plan.warning)
-    path = plan.manifest.variant_path(plan.variant)
-    store.check_files(plan.manifest, plan.variant)  # a tampered or truncated file is refused before it is parsed
+    if planned.warning:
+        log.warning("%s: %s", planned.name, planned.warning)
+    path = planned.manifest.variant_path(planned.variant)
+    store.check_files(planned.manifest, planned.variant)  # a tampered or truncated file is refused before it is parsed
     return DecoderSession(path, config, arena=True,  # pinned: never unloaded
                           min_rows=2 if config.batch_invariant else 1, check_rows=True)

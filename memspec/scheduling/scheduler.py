@@ -318,14 +318,15 @@ def draft_kv_sizers(drafts: list, capacity: int) -> dict[str, KVSizer]:
 
 
 def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
-               names: list[str] | None = None, suffix_bytes: int = 0, **kwargs) -> Scheduler:
-    """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup
-    and the suffix draft over an index of `suffix_bytes` (0: none)."""
+               names: list[str] | None = None, suffix_bytes: int = 0, batched_bytes: int = 0, **kwargs) -> Scheduler:
+    """A scheduler over every draft in the store made for `target` (a loaded TargetModel), plus prompt
+    lookup and the suffix draft over an index of `suffix_bytes` (0: none); the target is pinned with
+    `batched_bytes` more where its batched pass holds a second copy of its weights."""
     from memspec.runtime.memory import PsutilProbe, planned_draft_footprint
     from memspec.speculation.drafts import DraftModel, PromptLookup, runnable_drafts, say_left_out, target_drafts
     from memspec.speculation.suffix import SuffixIndex
 
-    vocab = target.session.vocab_size
+    vocab = target.vocab_size
     drafts, left = runnable_drafts(target_drafts(store, target.name, names), session_config)
     say_left_out(left, session_config)
     sizes = draft_footprints(drafts, suffix_bytes)
@@ -342,7 +343,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     probe = probe or PsutilProbe()
     # the target is pinned at what the process holds now: the runtime, Python and the target
     # (with its batched graph's copy of the weights, when batching loaded one: memspec.build)
-    pinned = target.file_bytes + target.batched_bytes
+    pinned = target.file_bytes + batched_bytes
     return Scheduler(config, loader, sizes, probe, target=(target.name, max(pinned, probe.rss_bytes())),
-                     decode=target.tokenizer.decode, kv_sizers=draft_kv_sizers(drafts, target.session.max_context),
+                     decode=target.tokenizer.decode, kv_sizers=draft_kv_sizers(drafts, target.max_context),
                      variant=target.variant, **kwargs)

@@ -369,6 +369,7 @@ def runnable_drafts(drafts: list, config: SessionConfig) -> tuple[list, list]:
 
     if onnxruntime_missing() is None:
         return list(drafts), []
+    config = config or SessionConfig()
     kept = [m for m in drafts if draft_engine(m, config) == "native"]
     return kept, [m for m in drafts if m not in kept]
 
