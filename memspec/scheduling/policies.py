@@ -26,12 +26,12 @@ import json
 import logging
 import math
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Mapping
 
 from memspec.errors import ConfigError
-from memspec.request import NO_DRAFT, GenerationRequest
+from memspec.request import NO_DRAFT, GenerationRequest, PolicyName, unknown_draft
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.features import Detokenize, generation_context, request_text
 from memspec.scheduling.selector import RequestSelector
@@ -53,6 +53,18 @@ class PolicyContext:
     count: Callable[..., None]  # count(what, n=1): add to the scheduler's counters
     leased: Callable[..., RequestSelector | None]  # a request's selector over a lease on a draft (Scheduler.leased)
     decode: Detokenize  # the target's token ids -> text
+    target: str = ""  # the target's store name ("": not known), for what a policy says
+    predictor: Callable[[], object | None] = lambda: None  # memspec's predictor, loaded on first call (None: none)
+    oracle_table: Callable[[], dict[str, str]] = dict  # the oracle's {prompt: fastest draft}, loaded on first call
+
+
+@dataclass(frozen=True)
+class PolicyReport:
+    """What a policy tells the scheduler's report about itself."""
+
+    counters: dict[str, float] = field(default_factory=dict)  # added to the scheduler's counters
+    status: dict[str, dict] = field(default_factory=dict)  # its own part of Scheduler.status() (e.g. "bandit")
+    predictor: dict[str, float] = field(default_factory=dict)  # the predictor's counters, where it runs one
 
 
 class Policy:
@@ -69,12 +81,9 @@ class Policy:
     def hint(self, req: GenerationRequest) -> None:
         """A request of this policy waits in the queue (memspec preloads its draft)."""
 
-    def counters(self) -> dict[str, float]:
-        return {}
-
-    def status(self) -> dict:
-        """Its own state, for Scheduler.status()."""
-        return {}
+    def report(self) -> PolicyReport:
+        """Its counters and own state, for the scheduler's counters, status and report."""
+        return PolicyReport()
 
 
 class TargetOnly(Policy):
@@ -164,10 +173,10 @@ class Bandit(Policy):
         self.sched.ws.set_value(name, mean)
         log.debug("bandit: %s reward %.3f (raw %.2f)", name, reward, raw)
 
-    def status(self) -> dict:
+    def report(self) -> PolicyReport:
         with self._lock:
-            return {"bandit": {d: {"pulls": n, "mean_reward": round(self.rewards[d] / n, 4)}
-                               for d, n in self.pulls.items()}}
+            return PolicyReport(status={"bandit": {d: {"pulls": n, "mean_reward": round(self.rewards[d] / n, 4)}
+                                                   for d, n in self.pulls.items()}})
 
 
 # -- memspec ---------------------------------------------------------------------------------
@@ -382,21 +391,13 @@ class Memspec(Policy):
                 self.sched.count("memspec.preload_for_queue")
                 log.debug("memspec: preloading %s for a queued request", best)
 
-    def counters(self) -> dict[str, float]:
+    def report(self) -> PolicyReport:
         with self._lock:
             total, n = self.pred_err
-        return {"prediction_mean_rel_error": total / n} if n else {}
-
-    def predictor_counters(self) -> dict[str, float]:
-        with self._lock:
-            out = {"predictions": float(self.predictions)}
-            if self.pred_err[1]:
-                out["checked_predictions"] = float(self.pred_err[1])
-        return out
-
-    def status(self) -> dict:
-        with self._lock:
-            return {"values": {d: round(v, 3) for d, v in self.values.items()}}
+            predictor = {"predictions": float(self.predictions), **({"checked_predictions": float(n)} if n else {})}
+            return PolicyReport(counters={"prediction_mean_rel_error": total / n} if n else {},
+                                status={"values": {d: round(v, 3) for d, v in self.values.items()}},
+                                predictor=predictor)
 
 
 # -- oracle ----------------------------------------------------------------------------------
@@ -447,3 +448,35 @@ class Oracle(Policy):
             log.debug("oracle: prompt not in the table: target-only")
             return None
         return self.sched.leased(self.name, req, prompt, capacity, best, cancelled) if best != NO_DRAFT else None
+
+
+# -- the registry ----------------------------------------------------------------------------
+def _fixed(name: PolicyName, ctx: PolicyContext) -> Policy:
+    if name.draft not in ctx.drafts:
+        raise unknown_draft(name.draft, ctx.drafts, "policy")
+    return Fixed(ctx, name.draft)
+
+
+def _memspec(name: PolicyName, ctx: PolicyContext) -> Policy:
+    predictor = ctx.predictor()
+    if predictor is None:  # a target nobody fitted a predictor for (say your own GGUF): learn online
+        log.warning("policy 'memspec': no predictor was fitted for %s (memspec profile --model %s, then "
+                    "memspec train-predictor, or set [scheduler] predictor); the bandit chooses its drafts",
+                    ctx.target or "this target", ctx.target or "NAME")
+        return Bandit(ctx)
+    return Memspec(ctx, predictor)
+
+
+# each policy kind (memspec.request.POLICY_KINDS) -> its policy over a scheduler's context
+POLICIES: dict[str, Callable[[PolicyName, PolicyContext], Policy]] = {
+    "target-only": lambda name, ctx: TargetOnly(),
+    "fixed": _fixed,
+    "bandit": lambda name, ctx: Bandit(ctx),
+    "memspec": _memspec,
+    "oracle": lambda name, ctx: Oracle(ctx, ctx.oracle_table()),
+}
+
+
+def build_policy(name: PolicyName, ctx: PolicyContext) -> Policy:
+    """The policy `name` names, over `ctx` (ConfigError: its predictor or oracle table is missing)."""
+    return POLICIES[name.kind](name, ctx)

@@ -30,8 +30,7 @@ from memspec.request import NO_DRAFT, GenerationRequest, PolicyName, unknown_dra
 from memspec.runtime.memory import MiB, MemoryProbe, memory_budget
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.features import Detokenize
-from memspec.scheduling.policies import (Bandit, Fixed, Memspec, Oracle, Policy, PolicyContext, TargetOnly,
-                                         load_oracle_table, load_predictor)
+from memspec.scheduling.policies import Policy, PolicyContext, build_policy, load_oracle_table, load_predictor
 from memspec.scheduling.selector import RequestSelector
 from memspec.scheduling.workingset import Lease, Loader, WorkingSet
 from memspec.speculation.drafts import PROMPT_LOOKUP
@@ -75,7 +74,8 @@ class Scheduler:
         self._predictor, self._oracle_table = predictor, oracle_table
         self._policies: dict[PolicyName, Policy] = {}
         # what its policies see of it (memspec.scheduling.policies.PolicyContext)
-        self.context = PolicyContext(self.ws, config, self.drafts, self.count, self.leased, self.decode)
+        self.context = PolicyContext(self.ws, config, self.drafts, self.count, self.leased, self.decode,
+                                     self.target_name, self._load_predictor, self._load_oracle_table)
         self._policies_lock = threading.Lock()
         self.policy(self.default)  # a missing predictor or oracle table fails at start, not at the first request
         if oracle:
@@ -104,28 +104,19 @@ class Scheduler:
             return policy
 
     def _build(self, name: PolicyName) -> Policy:
-        if name.kind == "target-only":
-            return TargetOnly()
-        if name.kind == "fixed":
-            if name.draft not in self.drafts:
-                raise unknown_draft(name.draft, self.drafts, "policy")
-            return Fixed(self.context, name.draft)
-        if name.kind == "bandit":
-            return Bandit(self.context)
-        if name.kind == "memspec":
-            predictor = self._predictor or load_predictor(self.config.predictor, self.variant, self.target_name)
-            if predictor is None:  # a target nobody fitted a predictor for (say your own GGUF): learn online
-                log.warning("policy 'memspec': no predictor was fitted for %s (memspec profile --model %s, then "
-                            "memspec train-predictor, or set [scheduler] predictor); the bandit chooses its drafts",
-                            self.target_name or "this target", self.target_name or "NAME")
-                return Bandit(self.context)
-            return Memspec(self.context, predictor)
+        return build_policy(name, self.context)  # memspec.scheduling.policies.POLICIES
+
+    def _load_predictor(self):
+        """memspec's predictor: the one given, else the shipped one for the target and its variant."""
+        return self._predictor or load_predictor(self.config.predictor, self.variant, self.target_name)
+
+    def _load_oracle_table(self) -> dict[str, str]:
         if self._oracle_table is None:
             if not self.config.oracle:
                 raise ConfigError("policy 'oracle' needs a table of the fastest draft per prompt: "
                                   "set [scheduler] oracle to a JSON table or a JSONL trace file")
             self._oracle_table = load_oracle_table(self.config.oracle)
-        return Oracle(self.context, self._oracle_table)
+        return self._oracle_table
 
     def policy_for(self, req: GenerationRequest) -> PolicyName:
         """What runs this request: the draft it names, else the policy it names, else the configured one."""
@@ -233,8 +224,7 @@ class Scheduler:
         table = self.ws.status()["drafts"]
         rows = [DraftRow(n, table.get(n, {}).get("state") == "resident", int(table.get(n, {}).get("bytes", size)))
                 for n, size in sorted(self.drafts.items())]
-        memspec = self._policies.get(PolicyName("memspec"))
-        predictor = memspec.predictor_counters() if isinstance(memspec, Memspec) else {}
+        predictor = {k: v for policy in list(self._policies.values()) for k, v in policy.report().predictor.items()}
         return SourceStatus(rows, self.ws.budget, self.counters(), predictor)
 
     # -- reporting -----------------------------------------------------------------------
@@ -244,7 +234,7 @@ class Scheduler:
             stats = dict(self.stats)
         out = {**{k: float(v) for k, v in ws.items()}, **{k: float(v) for k, v in stats.items()}}
         for policy in list(self._policies.values()):
-            out.update(policy.counters())
+            out.update(policy.report().counters)
         draft = self._suffix_draft()
         if draft is not None:  # what the index holds and how often it found a match
             out.update({f"suffix.{k}": float(v) for k, v in draft.index.report().items()})
@@ -263,7 +253,7 @@ class Scheduler:
             "values": {},
         }
         for policy in list(self._policies.values()):
-            out.update(policy.status())
+            out.update(policy.report().status)
         return out
 
     def close(self) -> None:
