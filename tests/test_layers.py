@@ -15,7 +15,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "memspec"
 # lowest first; a module may import its own layer and the ones below it
 LAYERS = [
     {"memspec", "memspec.errors", "memspec.request", "memspec.config"},  # values every layer shares
-    {"memspec.models", "memspec.runtime"},  # models on disk; ONNX Runtime sessions and memory
+    {"memspec.models", "memspec.runtime"},  # models on disk; the engines behind their contracts, the planner, memory
     {"memspec.speculation"},  # sampling, drafts, the decode loop, the engine
     {"memspec.scheduling"},  # policies, working set, predictor: the engine's draft source
     {"memspec.build"},  # composition: an engine and its draft source from a config
