@@ -19,8 +19,9 @@ def onnxruntime_missing() -> str | None:
     try:
         import onnxruntime  # noqa: F401
     except ImportError as exc:  # memspec does not depend on one ONNX Runtime build: the machine picks it
-        return (f"ONNX Runtime is not installed ({exc}): pip install 'memspec[cpu]' (the onnxruntime package), or on "
-                f"a Jetson the JetPack build of onnxruntime-gpu from NVIDIA's index (not both: they replace each other)")
+        return (f"ONNX Runtime is not installed ({exc}): pip install 'memspec[cpu]' (the onnxruntime package), or "
+                f"on a Jetson the JetPack build of onnxruntime-gpu from NVIDIA's index (not both: they replace each "
+                f"other)")
     return None
 
 

@@ -25,7 +25,7 @@ from typing import Protocol
 
 import numpy as np
 
-from memspec.runtime.contracts import UNCHECKED, WARNING, RowCheck, Target  # noqa: F401 (UNCHECKED, WARNING: re-exported)
+from memspec.runtime.contracts import UNCHECKED, WARNING, RowCheck, Target  # noqa: F401 (re-exported)
 
 CONTEXT = 8  # tokens cached before the probe rows
 PROBE = 5  # probe rows: fed one at a time, in passes of 2 and 3, and in one pass of 5

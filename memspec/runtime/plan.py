@@ -42,18 +42,14 @@ class Plan:
     planned_bytes: int  # the RSS loading it should add (what budgets and loading on demand plan with)
     warning: str | None = None  # a line for the log about the variant chosen (variant_for), or None
 
-    @property
-    def profiles(self) -> tuple[str, ...]:
-        """The variants whose profiles (predictors, traces) fit it, nearest first (profiled_as)."""
-        return tuple(v for v in (self.variant, profiled_as(self.variant)) if v)
-
 
 def plan(store, name: str, asked: str | None, config: SessionConfig, preferred: str = "q4",
          field: str | None = None) -> Plan:
     """The plan for target `name` of the store as `asked` (None: `preferred` where it has it, else
     q4, else its first graph; NATIVE_VARIANT: q4 on the native engine) under `config`.  Named errors
     for anything that cannot load, naming the request's `field` where one asked (a request's "model"
-    lists the pulled targets; otherwise the store's own message stands): ModelNotFoundError (not in the store, or a variant it lacks),
+    lists the pulled targets; otherwise the store's own message stands): ModelNotFoundError (not in
+    the store, or a variant it lacks),
     InvalidRequestError (a draft, or the native engine's variant where it does not run),
     ConfigError (an engine this machine cannot run)."""
     from memspec.runtime.memory import planned_target_footprint
@@ -79,8 +75,8 @@ def plan(store, name: str, asked: str | None, config: SessionConfig, preferred: 
     from memspec.runtime.sessions import resolve_providers  # ONNX Runtime runs it: ConfigError where it is missing
 
     variant, warning = variant_for(asked, resolve_providers(config.providers), manifest.variants)
-    return Plan(name, manifest, asked, "onnxruntime", variant, planned_target_footprint(manifest.variant_bytes(variant)),
-                warning)
+    planned = planned_target_footprint(manifest.variant_bytes(variant))
+    return Plan(name, manifest, asked, "onnxruntime", variant, planned, warning)
 
 
 def _target(store, name: str, field: str):

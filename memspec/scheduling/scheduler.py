@@ -290,7 +290,8 @@ def draft_footprints(drafts: list, suffix_bytes: int = 0) -> dict[str, int]:
     from memspec.speculation.suffix import index_nbytes
 
     suffix = {SUFFIX: index_nbytes(suffix_bytes)} if suffix_bytes else {}
-    return {PROMPT_LOOKUP: 0, **suffix, **{m.name: planned_draft_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
+    planned = {m.name: planned_draft_footprint(m.total_bytes, draft_variant(m)) for m in drafts}
+    return {PROMPT_LOOKUP: 0, **suffix, **planned}
 
 
 def draft_kv_sizers(drafts: list, capacity: int) -> dict[str, KVSizer]:
