@@ -15,7 +15,8 @@ import argparse
 from collections import defaultdict
 
 from memspec.bench.policies import load_workload, teacher_forced_agreement
-from memspec.speculation.engine import Engine, TargetModel
+from memspec.runtime.target import load_target
+from memspec.speculation.engine import Engine
 from memspec.runtime.config import SessionConfig
 from memspec.models.store import ModelStore, default_home
 
@@ -30,7 +31,7 @@ def main() -> int:
     workload = load_workload(args.workload)
     for invariant in (False, True):
         config = SessionConfig(max_context=2048, batch_invariant=invariant)
-        engine = Engine(TargetModel.load(store, "smollm2-135m", args.variant, config))
+        engine = Engine(load_target(store, "smollm2-135m", args.variant, config))
         by_cat: dict[str, list[int]] = defaultdict(lambda: [0, 0])
         for w in workload:
             agree, total = teacher_forced_agreement(engine, [w["prompt"]], args.max_tokens)

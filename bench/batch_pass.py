@@ -23,7 +23,7 @@ import numpy as np
 from memspec.models.store import ModelStore
 from memspec.runtime.batch import BatchedTarget
 from memspec.runtime.config import SessionConfig
-from memspec.speculation.engine import TargetModel
+from memspec.runtime.target import load_target
 
 
 def invariance(bt: BatchedTarget, rng: np.random.Generator, n: int = 8) -> dict:
@@ -99,8 +99,8 @@ def main() -> None:
     ap.add_argument("--no-invariant", action="store_true",
                     help="batch_invariant = false (min_rows 1; no effect on a graph that pads attention itself)")
     args = ap.parse_args()
-    target = TargetModel.load(ModelStore(), args.model, args.variant,
-                              SessionConfig(batch_invariant=not args.no_invariant))
+    target = load_target(ModelStore(), args.model, args.variant,
+                         SessionConfig(batch_invariant=not args.no_invariant))
     bt = BatchedTarget(target.session, args.rows)
     print(json.dumps({"invariance": invariance(bt, np.random.default_rng(0))}, indent=1))
     print(json.dumps(cost(bt, args.repeats), indent=1))

@@ -276,7 +276,7 @@ def main() -> None:
               for label, path, config in trees}
     if llama_target is not None:
         from engines import default_llama_server
-        from memspec.runtime.target import physical_cores
+        from memspec.runtime.contracts import physical_cores
 
         starts["llama-server"] = lambda: LlamaServer(
             "llama-server", args.llama_bin or str(default_llama_server()), str(llama_gguf),

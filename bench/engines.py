@@ -588,7 +588,7 @@ def main(argv=None) -> int:
     if not 1 <= args.draft_max <= 16:
         ap.error(f"--draft-max must be 1..16 (onnxruntime-genai's range), got {args.draft_max}")
     from memspec.errors import MemspecError
-    from memspec.runtime.target import physical_cores
+    from memspec.runtime.contracts import physical_cores
 
     try:
         items, setup = prompts(args.workload, args.limit, args.config, args.model)

@@ -32,7 +32,8 @@ from memspec.models.store import ModelStore
 from memspec.request import GenerationRequest
 from memspec.runtime.costs import COSTS, CostCache
 from memspec.speculation.drafts import PROMPT_LOOKUP, PromptLookup
-from memspec.speculation.engine import Engine, TargetModel
+from memspec.runtime.target import load_target
+from memspec.speculation.engine import Engine
 from memspec.speculation.sources import DraftPool
 from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
 
@@ -99,8 +100,8 @@ def main() -> int:
     args = ap.parse_args()
     config = load_config(args.config)
     store = ModelStore(config.store_home)
-    target = TargetModel.load(store, args.model or config.model.target, args.variant or config.model.variant,
-                              config.runtime)
+    target = load_target(store, args.model or config.model.target, args.variant or config.model.variant,
+                         config.runtime)
     engine = Engine(target, config.limits, spec=config.speculative, costs=CostCache(store.home / COSTS))
     cost_s = engine.calibrate()  # the cost controller's table: measured (or read from the store) before any timing
     vocab, suffix_bytes = target.session.vocab_size, max(config.speculative.suffix_mb, 1) << 20

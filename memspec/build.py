@@ -13,7 +13,9 @@ DRAFT_SOURCES = ("scheduler", "pool", "none")
 
 
 def build_engine(config: Config, variant: str | None = None, drafts: str = "scheduler", serving: bool = False):
-    """The target from the store named by the config, with its drafts.
+    """The target from the store named by the config, with its drafts, composed in order: the plan
+    and the load (memspec.runtime.target.load_target: engine, variant, tokenizer, EOS ids), the
+    batched pass, the draft source, the engine.
 
     drafts="scheduler": a Scheduler ([scheduler] in the config) owns the drafts and picks each
     request's draft; "pool": every draft made for the target is loaded up front and a request
@@ -24,31 +26,50 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
     row were timed).
     """
     from memspec.models.store import ModelStore
-    from memspec.runtime.target import batching_on, open_batched
-    from memspec.speculation.drafts import load_pool
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.runtime.costs import COSTS, CostCache
+    from memspec.runtime.plan import batching_on
+    from memspec.runtime.target import load_target, open_batched
+    from memspec.speculation.engine import Engine
     from memspec.speculation.sources import DraftPool
 
     if drafts not in DRAFT_SOURCES:
         raise ValueError(f"drafts must be one of {', '.join(DRAFT_SOURCES)}, got {drafts!r}")
     store = ModelStore(config.store_home)
-    target = TargetModel.load(store, config.model.target, variant or config.model.variant, config.runtime)
+    target = load_target(store, config.model.target, variant or config.model.variant, config.runtime)
     spec = config.speculative
     limits = spec.draft_limits()
     batched = None
     if serving and batching_on(config.runtime.batching, target.variant):  # before the scheduler pins the target
         batched = open_batched(target.session, config.server.max_concurrent)
-        target.batched_bytes = batched.weight_bytes
     if drafts == "scheduler":
         from memspec.scheduling.scheduler import from_store
 
-        source = from_store(config.scheduler, store, target, config.runtime, limits, suffix_bytes=spec.suffix_mb << 20)
+        source = from_store(config.scheduler, store, target, config.runtime, limits, suffix_bytes=spec.suffix_mb << 20,
+                            batched_bytes=batched.weight_bytes if batched is not None else 0)
     elif drafts == "pool":
-        source = DraftPool(load_pool(store, target.name, target.session.vocab_size, config.runtime, limits=limits,
+        source = DraftPool(load_pool(store, target.name, target.vocab_size, config.runtime, limits=limits,
                                      suffix_bytes=spec.suffix_mb << 20))
     else:
         source = DraftPool()
-    from memspec.runtime.costs import COSTS, CostCache
-
     return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS),
                   batched=batched, prefix_cache_bytes=config.runtime.prefix_cache_mb << 20)
+
+
+def load_pool(store, target_name: str, target_vocab: int, config, names: list[str] | None = None,
+              limits=None, suffix_bytes: int = 0) -> dict:
+    """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
+    in the store made for `target_name` (or only `names`): the fixed pool's proposers by name."""
+    from memspec.speculation.config import DraftLimits
+    from memspec.speculation.drafts import PROMPT_LOOKUP, DraftModel, PromptLookup, runnable_drafts, say_left_out, \
+        target_drafts
+    from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
+
+    limits = limits or DraftLimits()
+    pool = {PROMPT_LOOKUP: PromptLookup(target_vocab, loop_tokens=limits.loop_tokens)}
+    if suffix_bytes:
+        pool[SUFFIX] = SuffixDraft(SuffixIndex(suffix_bytes), target_vocab, loop_tokens=limits.loop_tokens)
+    drafts, left = runnable_drafts(target_drafts(store, target_name, names), config)
+    say_left_out(left, config)
+    for m in drafts:
+        pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
+    return pool

@@ -5,7 +5,7 @@
     sys.exit(0 if report["ok"] else 1)
 
 Each section reads what another module owns: the kernel path (memspec.runtime.kernels), the engine a
-target runs on (memspec.runtime.target.engine_for), the exactness self-check every target runs at load
+target runs on (memspec.runtime.plan.engine_for), the exactness self-check every target runs at load
 (`Target.rows`, memspec.runtime.invariance), the providers (memspec.runtime.sessions), the memory
 probes and the budget (memspec.runtime.memory).  What is its own: the GPU probe, the memory-bandwidth
 probe, and the decode limit it implies (a decoded token reads every weight once: bandwidth / bytes
@@ -148,7 +148,7 @@ def os_name(release: Path = Path("/etc/os-release")) -> str:
 
 def system_section() -> dict:
     from memspec.runtime.costs import cpu_name
-    from memspec.runtime.target import physical_cores
+    from memspec.runtime.contracts import physical_cores
 
     return {"os": os_name(), "machine": platform.machine(), "cpu": cpu_name(), "physical_cores": physical_cores(),
             "logical_cores": os.cpu_count() or 1, "python": platform.python_version()}
@@ -226,14 +226,15 @@ def gpu_section(run: Callable[[list[str]], str | None] = _run_quietly, root: Pat
 
 def gpu_variant(config: Config, manifest) -> dict:
     """What the default target would run on a GPU (CUDA in ONNX Runtime): the variant loading it there
-    picks (memspec.runtime.sessions.variant_for), whether the store has it, and a note where that is
+    picks (memspec.runtime.plan.variant_for), whether the store has it, and a note where that is
     not the fast one."""
     from memspec.runtime.config import GPU_PROVIDERS
+    from memspec.runtime.config import onnxruntime_missing
+    from memspec.runtime.plan import variant_for
 
-    try:
-        from memspec.runtime.sessions import variant_for
-    except MemspecError as exc:  # no ONNX Runtime: nothing runs on a GPU
-        return {"variant": None, "pulled": False, "note": str(exc)}
+    missing = onnxruntime_missing()
+    if missing:  # no ONNX Runtime: nothing runs on a GPU
+        return {"variant": None, "pulled": False, "note": missing}
     have = manifest.variants if manifest is not None else {}
     variant, note = variant_for(config.model.variant, [GPU_PROVIDERS[1]], have)
     return {"variant": variant, "pulled": variant in have, "note": note}
@@ -262,7 +263,7 @@ def target_rows(store, config: Config, bandwidth: float) -> list[dict]:
     """Each pulled target: the engine it runs on here, the bytes a token reads (the native engine: the
     GGUF's weights, bytes_per_token; ONNX Runtime: its graph's file) and the decode limit they imply."""
     from memspec.runtime.config import NATIVE_VARIANT
-    from memspec.runtime.target import engine_for
+    from memspec.runtime.plan import engine_for
 
     rows = []
     for m in (m for m in store.list() if m.role == "target"):
@@ -294,13 +295,16 @@ def target_rows(store, config: Config, bandwidth: float) -> list[dict]:
 def load_on(store, manifest, config: Config, engine: str) -> tuple[object | None, dict]:
     """The default target loaded on `engine`, with its self-check's verdict (None and the reason when
     that engine cannot run it here)."""
+    from memspec.runtime.plan import plan
     from memspec.runtime.target import open_target
 
     row = {"engine": engine, "variant": None, "exact": None, "pad_rows": None, "max_diff": None, "reason": None,
            "load_s": None, "error": None}
     t0 = time.perf_counter()
     try:
-        target, variant = open_target(store, manifest, config.model.variant, _engine_config(config, engine))
+        runtime = _engine_config(config, engine)
+        p = plan(store, manifest.name, config.model.variant, runtime)
+        target, variant = open_target(store, p, runtime), p.variant
     except (MemspecError, ImportError) as exc:  # ImportError: the kernels or ONNX Runtime are missing
         return None, dict(row, error=str(exc))
     except Exception as exc:  # noqa: BLE001 (ONNX Runtime's own errors, a kernel's)
@@ -369,7 +373,7 @@ def examine(config: Config, speed: bool = False, probe_seconds: float | None = N
 def check_default(report: dict, store, manifest, config: Config, speed: bool) -> None:
     """The default target's part of the report: its engine and footprint, its self-check on each engine,
     whether it fits the memory budget, and with `speed` its decode rate."""
-    from memspec.runtime.target import engine_for, planned_footprint
+    from memspec.runtime.plan import engine_for, plan
 
     default, memory, problems = report["default_target"], report["memory"], report["problems"]
     name, variant = manifest.name, config.model.variant
@@ -378,7 +382,7 @@ def check_default(report: dict, store, manifest, config: Config, speed: bool) ->
     except MemspecError as exc:  # e.g. backend = "native" without the kernels
         problems.append(f"{name} cannot run as configured: {exc}")
     try:
-        default["footprint_bytes"] = planned_footprint(store, manifest, variant, config.runtime)
+        default["footprint_bytes"] = plan(store, name, variant, config.runtime).planned_bytes
     except (MemspecError, KeyError):  # no file to size it by: the load below says why
         pass
     served = None

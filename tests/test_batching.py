@@ -191,16 +191,17 @@ def test_long_prompts_are_prefilled_in_chunks(tiny):
 
 def test_engine_batched_greedy_is_solo_token_for_token(model_store):
     """The real q4 target, real drafts: concurrent requests with cancellations through
-    Engine(batch_slots=3) give every finished greedy request its solo answer."""
-    from memspec.speculation.drafts import load_pool
-    from memspec.speculation.engine import Engine, TargetModel
+    Engine(batched=open_batched(target, 3)) give every finished greedy request its solo answer."""
+    from memspec.build import load_pool
+    from memspec.runtime.target import load_target, open_batched
+    from memspec.speculation.engine import Engine
     from memspec.speculation.sources import DraftPool
 
     cfg = SessionConfig(max_context=256, backend="onnxruntime")  # the batched graph (the native pass: test_native_target)
-    target = TargetModel.load(model_store, "smollm2-135m", "q4", cfg)
+    target = load_target(model_store, "smollm2-135m", "q4", cfg)
     pool = DraftPool(load_pool(model_store, "smollm2-135m", target.session.vocab_size, cfg))
     solo = Engine(target, drafts=pool)
-    batched = Engine(target, drafts=pool, batch_slots=3)
+    batched = Engine(target, drafts=pool, batched=open_batched(target.session, 3))
     prompts = ["Write a Python function that reverses a list.", "What is 12 * 13?",
                "Name three colors.", "Tell me a joke about cats.", "Summarise: the sky is blue today.",
                "Convert to JSON: name Bob, age 4."]
@@ -233,7 +234,7 @@ def test_engine_batched_greedy_is_solo_token_for_token(model_store):
     from memspec.serving.backend import _resident
 
     rows = {m["role"]: m["bytes"] for m in _resident(batched)}
-    assert rows["batched"] == target.batched_bytes == batched.batch.target.weight_bytes > 0.9 * target.file_bytes
+    assert rows["batched"] == batched.batch.target.weight_bytes > 0.9 * target.file_bytes
     batched.close()
 
 
@@ -241,15 +242,16 @@ def test_engine_batched_greedy_is_solo_token_for_token(model_store):
 def test_engine_greedy_with_output_controls_is_target_only_with_drafts_and_under_batching(model_store, backend):
     """Penalties and logit_bias on the real q4 target, on either engine: every draft's greedy answer is
     the target-only answer under the same controls, alone and with requests sharing batched passes."""
-    from memspec.speculation.drafts import load_pool
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.build import load_pool
+    from memspec.runtime.target import load_target, open_batched
+    from memspec.speculation.engine import Engine
     from memspec.speculation.sources import DraftPool
 
     cfg = SessionConfig(max_context=256, backend=backend)
-    target = TargetModel.load(model_store, "smollm2-135m", "q4", cfg)
+    target = load_target(model_store, "smollm2-135m", "q4", cfg)
     pool = DraftPool(load_pool(model_store, "smollm2-135m", target.session.vocab_size, cfg))
     solo = Engine(target, drafts=pool)
-    batched = Engine(target, drafts=pool, batch_slots=3)
+    batched = Engine(target, drafts=pool, batched=open_batched(target.session, 3))
     the = target.tokenizer.encode(" the")[0]
     controls = SamplingParams(frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.2,
                               logit_bias=((the, -100.0), (target.tokenizer.encode(" very")[0], 2.0)))

@@ -134,9 +134,10 @@ def test_the_engine_calibrates_from_the_stores_costs_once(model_store, tmp_path,
     """A second engine on the same target file and machine reads the first one's curve instead of
     spending its first request measuring; the key names the file, so another file measures anew."""
     from memspec.runtime.config import SessionConfig
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.runtime.target import load_target
+    from memspec.speculation.engine import Engine
 
-    target = TargetModel.load(model_store, "smollm2-135m", "q4", SessionConfig(max_context=256))
+    target = load_target(model_store, "smollm2-135m", "q4", SessionConfig(max_context=256))
     measured = []
     real = target.session.measure_step_costs
     monkeypatch.setattr(target.session, "measure_step_costs", lambda k: measured.append(k) or real(k))
@@ -158,10 +159,12 @@ def test_the_batched_pass_cost_table_is_kept_beside_the_solo_curve(model_store, 
     """Under batching the cost controller also needs a pass of b rows for b = 1..slots: measured once
     into the store's cost file, then read back by the next engine, row for row."""
     from memspec.runtime.config import SessionConfig
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.runtime.target import load_target, open_batched
+    from memspec.speculation.engine import Engine
 
-    target = TargetModel.load(model_store, "smollm2-135m", "q4", SessionConfig(max_context=256))
-    first = Engine(target, costs=CostCache(tmp_path / "costs.json", contention=quiet), batch_slots=2)
+    target = load_target(model_store, "smollm2-135m", "q4", SessionConfig(max_context=256))
+    first = Engine(target, costs=CostCache(tmp_path / "costs.json", contention=quiet),
+                   batched=open_batched(target.session, 2))
     try:
         first.calibrate()
         table = first.pass_cost_s
@@ -169,7 +172,8 @@ def test_the_batched_pass_cost_table_is_kept_beside_the_solo_curve(model_store, 
         assert table[1] == first.verify_cost_s  # the native pass of one row is the target's forward: not timed twice
     finally:
         first.close()
-    second = Engine(target, costs=CostCache(tmp_path / "costs.json", contention=quiet), batch_slots=2)
+    second = Engine(target, costs=CostCache(tmp_path / "costs.json", contention=quiet),
+                   batched=open_batched(target.session, 2))
     try:
         again = lambda *a, **kw: (_ for _ in ()).throw(AssertionError("measured again"))  # noqa: E731
         monkeypatch.setattr(second.batch.target, "measure_pass_costs", again)

@@ -55,9 +55,9 @@ def test_loading_the_target_leaves_no_freed_heap_behind(model_store):
     """ONNX Runtime frees its load-time copies of the weights once it has packed them; the load
     hands those pages back (a trim right after a q4 load used to release 56 MiB), so the memory
     budget and the device see only what stays resident."""
-    from memspec.speculation.engine import TargetModel
+    from memspec.runtime.target import load_target
 
-    target = TargetModel.load(model_store, "smollm2-135m", "q4")
+    target = load_target(model_store, "smollm2-135m", "q4")
     probe = PsutilProbe()
     before = probe.rss_bytes()
     release_heap()

@@ -12,6 +12,7 @@ import pytest
 
 from memspec.errors import ContextOverflowError, ModelFormatError
 from memspec.runtime import kernels
+from memspec.runtime.target import open_batched
 
 pytestmark = pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)  # test_native_build.py
 IDS = [(31 * i + 7) % 49152 for i in range(48)]
@@ -147,12 +148,13 @@ from test_q4_agreement import assert_every_draft_keeps_target_only_output  # noq
 @pytest.fixture(scope="module")
 def native_engine(model_store):
     from memspec.runtime.config import SessionConfig
-    from memspec.speculation.drafts import load_pool
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.build import load_pool
+    from memspec.runtime.target import load_target
+    from memspec.speculation.engine import Engine
     from memspec.speculation.sources import DraftPool
 
     config = SessionConfig(max_context=512, backend="native", intra_op_threads=2)
-    target = TargetModel.load(model_store, "smollm2-135m", "q4", config)
+    target = load_target(model_store, "smollm2-135m", "q4", config)
     return Engine(target, drafts=DraftPool(load_pool(model_store, "smollm2-135m", 49152, config)))
 
 
@@ -171,7 +173,7 @@ def test_speculative_output_is_target_only_output_with_every_draft(native_engine
 
 
 def test_batched_requests_get_their_solo_tokens_greedy_or_sampled(native_engine):
-    """Engine(batch_slots=3) on the native target: requests arriving at random, with different
+    """Engine(batched=open_batched(target, 3)) on the native target: requests arriving at random, with different
     drafts (or none), greedy and seeded sampling, one cancelled mid-batch, share passes of several
     rows and each gets exactly its solo tokens; the passes hold no copy of the weights."""
     import threading
@@ -183,7 +185,8 @@ def test_batched_requests_get_their_solo_tokens_greedy_or_sampled(native_engine)
 
     step = SpecConfig(gamma=3, controller="step")  # draft lengths that do not depend on timing
     solo = Engine(native_engine.target, drafts=native_engine.drafts, spec=step)
-    batched = Engine(native_engine.target, drafts=native_engine.drafts, spec=step, batch_slots=3)
+    batched = Engine(native_engine.target, drafts=native_engine.drafts, spec=step,
+                     batched=open_batched(native_engine.target.session, 3))
     prompts = ["Write a Python function that reverses a list.", "What is 12 * 13?", "Name three colors.",
                "Tell me a joke about cats.", "Summarise: the sky is blue today.", "Convert to JSON: name Bob."]
     drafts = ["draft-code", "draft-math", "none", "draft-chat", "prompt-lookup", "draft-general"]
@@ -213,7 +216,7 @@ def test_batched_requests_get_their_solo_tokens_greedy_or_sampled(native_engine)
     rep = batched.batch.report()
     assert rep["slots_in_use"] == 0 and sum(v for k, v in rep.items() if k.startswith("rows_")) == rep["passes"]
     assert rep.get("rows_2", 0) + rep.get("rows_3", 0) > 0, rep
-    assert batched.batch.target.weight_bytes == 0 and native_engine.target.batched_bytes == 0
+    assert batched.batch.target.weight_bytes == 0
     batched.batch.close()
 
 
@@ -268,7 +271,8 @@ def test_a_prompt_that_starts_like_an_earlier_one_reuses_it_and_no_token_changes
     rep = reuse.prefixes.report()
     assert rep["hits"] == 3 and rep["entries"] >= 1 and 0 < rep["bytes"] <= 16 << 20
 
-    batched = Engine(native_engine.target, drafts=native_engine.drafts, spec=step, batch_slots=3,
+    batched = Engine(native_engine.target, drafts=native_engine.drafts, spec=step,
+                     batched=open_batched(native_engine.target.session, 3),
                      prefix_cache_bytes=16 << 20)
     out: dict[int, object] = {}
     threads = [threading.Thread(target=lambda i=i: out.__setitem__(i, batched.generate(reqs[i])))
@@ -305,48 +309,47 @@ def test_only_the_daemons_engine_batches(model_store):
         daemon.close()
 
 
-def test_load_target_takes_a_gguf_path_or_a_store_name(gguf_path, model_store):
+def test_load_target_opens_a_store_target_on_the_engine_its_plan_names(gguf_path, model_store):
     from memspec.runtime import load_target
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.native_target import NativeTarget
 
-    t = load_target(gguf_path, backend="native", threads=2)
+    t = NativeTarget(gguf_path, threads=2)
     c = t.new_cache()
     logits = t.forward(c, IDS[:5], keep=2)
     assert logits.shape == (2, 49152) and c.length == 5
     c.truncate(3)
     rows = t.forward_batch([c, t.new_cache()], [IDS[3:5], IDS[:4]], keeps=[2, 1])
     assert np.array_equal(rows[0], logits) and rows[1].shape == (1, 49152)
-    named = load_target("smollm2-135m", backend="native", threads=2, store=model_store)
-    assert named.path == t.path
-    entry = model_store.get("smollm2-135m")  # the store entry itself, as ModelStore.get and list give it
-    for target in (load_target(entry, backend="native", threads=2),
-                   load_target(entry, backend="native", threads=2, store=model_store)):
-        assert target.path == t.path
-        assert np.array_equal(target.forward(target.new_cache(), IDS[:5], keep=2), logits)
+    target = load_target(model_store, "smollm2-135m", config=SessionConfig(backend="native", intra_op_threads=2))
+    assert (target.plan.engine, target.variant, target.plan.asked) == ("native", "gguf", "q4")
+    assert target.session.path == t.path and target.session.threads == 2
+    assert np.array_equal(target.session.forward(target.session.new_cache(), IDS[:5], keep=2), logits)
+    assert target.tokenizer.decode(target.tokenizer.encode("Hello")) == "Hello" and target.eos_ids
 
 
 def test_load_target_refuses_a_store_entry_that_is_not_a_target(model_store):
-    from memspec.errors import ConfigError
+    from memspec.errors import InvalidRequestError
     from memspec.runtime import load_target
+    from memspec.runtime.config import SessionConfig
 
     drafts = [m for m in model_store.list() if m.role == "draft"]  # the shipped drafts at least
-    with pytest.raises(ConfigError, match=f"{drafts[0].name} is a draft, not a target"):
-        load_target(drafts[0], backend="native")
+    with pytest.raises(InvalidRequestError, match=f"'{drafts[0].name}' is a draft; name a target"):
+        load_target(model_store, drafts[0].name, config=SessionConfig(backend="native"))
 
 
 def test_a_backend_that_cannot_run_is_a_config_error(gguf_path, model_store):
     from memspec.errors import ConfigError
-    from memspec.runtime import load_target
     from memspec.runtime.batch import BatchedTarget
-    from memspec.runtime.target import resolve_backend
+    from memspec.runtime.native_target import NativeTarget
+    from memspec.runtime.plan import resolve_backend
 
     with pytest.raises(ConfigError, match="'tpu' is not an engine; choose one of auto, native, onnxruntime"):
         resolve_backend("tpu", ("auto",))
     with pytest.raises(ConfigError, match="runs on the CPU; providers CUDAExecutionProvider ask for a GPU"):
         resolve_backend("native", ("CUDAExecutionProvider",))
-    with pytest.raises(ConfigError, match="a GGUF file runs on the native engine only"):
-        load_target(gguf_path, backend="onnxruntime")
     with pytest.raises(ConfigError, match="BatchedTarget batches an ONNX Runtime session"):
-        BatchedTarget(load_target(gguf_path, backend="native"), rows=2)
+        BatchedTarget(NativeTarget(gguf_path), rows=2)
 
 
 def test_auto_runs_the_target_on_a_gpu_that_onnx_runtime_reports(monkeypatch):
@@ -355,7 +358,7 @@ def test_auto_runs_the_target_on_a_gpu_that_onnx_runtime_reports(monkeypatch):
     import onnxruntime as ort
 
     from memspec.runtime.config import SessionConfig
-    from memspec.runtime.target import needs_onnx, on_gpu, resolve_backend
+    from memspec.runtime.plan import needs_onnx, on_gpu, resolve_backend
 
     monkeypatch.setattr(kernels, "available", lambda: True)
     cpu_only = ["CPUExecutionProvider"]
@@ -409,14 +412,17 @@ def test_loading_on_demand_plans_each_engine_at_its_own_footprint(model_store):
     engine, the graph's session (1.75x its file at the load's peak) for ONNX Runtime."""
     from memspec.runtime.config import SessionConfig
     from memspec.runtime.memory import planned_target_footprint
-    from memspec.runtime.target import NATIVE_FOOTPRINT_PER_FILE_BYTE, planned_footprint
+    from memspec.runtime.plan import NATIVE_FOOTPRINT_PER_FILE_BYTE, plan
 
     m = model_store.get("smollm2-135m")
     gguf = model_store.gguf_of(m).stat().st_size
-    native = planned_footprint(model_store, m, "q4", SessionConfig(backend="native"))
-    assert native == int(gguf * NATIVE_FOOTPRINT_PER_FILE_BYTE)
-    onnx = planned_footprint(model_store, m, "q4", SessionConfig(backend="onnxruntime"))
-    assert onnx == planned_target_footprint(m.variant_bytes("q4")) > native
+    native = plan(model_store, "smollm2-135m", "q4", SessionConfig(backend="native"))
+    assert (native.engine, native.variant, native.asked) == ("native", "gguf", "q4")
+    assert native.planned_bytes == int(gguf * NATIVE_FOOTPRINT_PER_FILE_BYTE)
+    cpu = SessionConfig(backend="onnxruntime", providers=("CPUExecutionProvider",))
+    onnx = plan(model_store, "smollm2-135m", "q4", cpu)
+    assert (onnx.engine, onnx.variant) == ("onnxruntime", "q4")
+    assert onnx.planned_bytes == planned_target_footprint(m.variant_bytes("q4")) > native.planned_bytes
 
 
 def test_the_readme_quick_start_answers_right_on_the_default_target(native_engine):

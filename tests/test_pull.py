@@ -469,7 +469,8 @@ def test_a_gguf_alone_is_a_target_the_native_engine_runs(tmp_path, gguf_path, mo
     from memspec.cli import main
     from memspec.runtime import kernels
     from memspec.runtime.config import SessionConfig
-    from memspec.runtime.target import load_target, open_target
+    from memspec.runtime.plan import plan
+    from memspec.runtime.target import load_target
 
     if not kernels.available():
         pytest.skip(kernels.NOT_BUILT)
@@ -485,11 +486,11 @@ def test_a_gguf_alone_is_a_target_the_native_engine_runs(tmp_path, gguf_path, mo
     assert kept.parent == store.downloads_dir and kept.name == f"mine-{m.provenance['gguf_sha256'][:16]}.gguf"
     assert os.stat(kept).st_ino == os.stat(local).st_ino  # linked, not copied
     assert m.provenance["source"] == f"local file {local}" and set(store.runnable(m)) == {"gguf"}
-    t = load_target("mine", backend="auto", threads=1, max_context=64, store=store)
+    t = load_target(store, "mine", config=SessionConfig(intra_op_threads=1, max_context=64)).session
     assert t.providers[0].startswith("memspec-native") and t.forward(t.new_cache(), [1, 2, 3]).shape[0] == 1
     with pytest.raises(ModelNotFoundError, match=r"has no variant 'q4' \(has: none: it was pulled with its GGUF "
                                                  r"alone.*memspec pull mine --variant q4"):
-        open_target(store, m, "q4", SessionConfig(backend="onnxruntime", max_context=64))
+        plan(store, "mine", "q4", SessionConfig(backend="onnxruntime", max_context=64))
     said.clear()  # up to date: nothing converted, nothing copied
     assert import_gguf(store, local, "mine", progress=said.append).variants == {}
     assert said == ["mine: up to date (gguf)"]

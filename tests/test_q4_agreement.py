@@ -18,7 +18,9 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from memspec.speculation.engine import Engine, TargetModel
+from memspec.runtime.target import load_target
+
+from memspec.speculation.engine import Engine
 from memspec.speculation.sources import DraftPool
 from memspec.request import GenerationRequest
 from memspec.runtime.config import SessionConfig
@@ -35,7 +37,7 @@ PROMPTS = [
 def q4(model_store):
     """One-row target steps (`batch_invariant = false`)."""
     config = SessionConfig(max_context=512, batch_invariant=False)
-    return Engine(TargetModel.load(model_store, "smollm2-135m", "q4", config))
+    return Engine(load_target(model_store, "smollm2-135m", "q4", config))
 
 
 def teacher_forced_agreement(engine) -> tuple[float, int]:
@@ -55,7 +57,7 @@ def test_q4_verification_agrees_with_single_token_decoding(q4):
 @pytest.fixture(scope="module")
 def q4_invariant(model_store):
     """The default runtime config (`batch_invariant = true`): what the daemon runs."""
-    return Engine(TargetModel.load(model_store, "smollm2-135m", "q4", SessionConfig(max_context=512)))
+    return Engine(load_target(model_store, "smollm2-135m", "q4", SessionConfig(max_context=512)))
 
 
 def exact_or_reported(engine) -> bool:
@@ -79,7 +81,7 @@ def test_batch_invariant_q4_verification_agrees_with_decoding(q4_invariant):
 
 
 def test_batch_invariant_q4_speculative_output_is_target_only_output(q4_invariant, model_store):
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
 
     if not exact_or_reported(q4_invariant):
         return
@@ -97,7 +99,7 @@ def assert_every_draft_keeps_target_only_output(engine, max_tokens: int) -> None
 
 
 def test_q4_speculative_sequences_differ_only_at_near_ties(q4, model_store):
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
 
     q4.drafts = DraftPool(load_pool(model_store, "smollm2-135m", 49152, SessionConfig(max_context=512)))
     s = q4.target.session

@@ -26,9 +26,9 @@ PALINDROME = "Write a Python function that checks whether a string is a palindro
 
 @pytest.fixture(scope="module")
 def target(qwen_store):
-    from memspec.speculation.engine import TargetModel
+    from memspec.runtime.target import load_target
 
-    return TargetModel.load(qwen_store, QWEN, "q4", SessionConfig(max_context=1024))
+    return load_target(qwen_store, QWEN, "q4", SessionConfig(max_context=1024))
 
 
 def test_teacher_forced_argmax_agrees_with_llama_cpp(qwen_store, target):
@@ -87,7 +87,7 @@ def test_prompt_lookup_speculation_is_token_identical_to_target_only(target):
 def test_the_sibling_draft_speculates_losslessly_and_is_accepted(qwen_draft_store, target):
     """The 0.5B cut to 32k ids and 4-bit (memspec pull qwen2.5-coder-0.5b-draft) drafting for the
     1.5B, greedy: exactly the 1.5B's own tokens, with most of its proposals accepted on code."""
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
     from memspec.speculation.engine import Engine
     from memspec.speculation.sources import DraftPool
 

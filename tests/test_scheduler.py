@@ -476,3 +476,30 @@ def test_the_drafts_a_request_may_name_before_a_load_include_the_suffix_draft_wh
     off = draft_names(store, "qwen2.5-coder-1.5b", suffix=False)
     with pytest.raises(InvalidRequestError, match="suffix"):
         check_draft_names(GenerationRequest(prompt="x", draft="suffix"), off)
+
+
+def test_every_policy_kind_has_a_builder_and_reports_through_the_registry():
+    """The scheduler builds policies by the registry (memspec.scheduling.policies.POLICIES) over a
+    frozen context, and reads each one's report: it knows no policy class by name."""
+    import dataclasses
+
+    from memspec.request import POLICY_KINDS
+    from memspec.scheduling.policies import POLICIES, Bandit, Memspec, PolicyReport
+
+    assert set(POLICIES) == set(POLICY_KINDS)
+    sched, *_ = make("memspec", predictor=StandInPredictor({"draft-code": 50.0}), oracle={"hello": "draft-math"})
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sched.context.ws = None
+    memspec = sched.policy(PolicyName("memspec"))
+    assert isinstance(memspec, Memspec) and memspec.sched is sched.context
+    assert sched.policy(PolicyName("oracle")).table == {"hello": "draft-math"}
+    sel = sched.selector(req(), [1, 2, 3], 64)
+    run_steps(sel, 4)
+    sel.close()
+    assert sched.report().predictor["predictions"] >= 1  # the memspec policy's own report, unnamed by the scheduler
+    assert set(memspec.report().status) == {"values"} and set(sched.status()["values"]) <= set(SIZES)
+    assert sched.policy(PolicyName("target-only")).report() == PolicyReport()
+    plain, *_ = make("memspec")  # no predictor fitted: the bandit chooses, and no predictor is reported
+    assert isinstance(plain.policy(PolicyName("memspec")), Bandit) and plain.report().predictor == {}
+    with pytest.raises(ConfigError, match="policy 'oracle' needs a table"):
+        plain.policy(PolicyName("oracle"))

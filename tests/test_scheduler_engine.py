@@ -12,7 +12,8 @@ import pytest
 
 from fakes import FakeProbe, MiB
 from memspec.speculation.drafts import DraftModel, PromptLookup, Proposal
-from memspec.speculation.engine import Engine, TargetModel
+from memspec.runtime.target import load_target
+from memspec.speculation.engine import Engine
 from memspec.request import GenerationRequest
 from memspec.runtime.memory import request_kv_bytes
 from memspec.scheduling.config import SchedulerConfig
@@ -52,7 +53,7 @@ class PressureAfter(FakeProbe):
 
 @pytest.fixture(scope="module")
 def target(model_store):
-    return TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=256))
+    return load_target(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=256))
 
 
 def engine_with(target, policy, probe=None, floor_mb=0, budget_mb=0):

@@ -500,7 +500,7 @@ def test_a_target_pulled_with_its_gguf_alone_loads_on_the_native_engine(h, tmp_p
     """No ONNX graph, only the GGUF (a pull where the native engine runs targets): it loads as q4, planned
     at the mapped file's footprint, and is listed with its GGUF."""
     from memspec.runtime import kernels
-    from memspec.runtime.target import NATIVE_FOOTPRINT_PER_FILE_BYTE
+    from memspec.runtime.plan import NATIVE_FOOTPRINT_PER_FILE_BYTE
 
     if not kernels.available():
         pytest.skip(kernels.NOT_BUILT)
@@ -625,7 +625,8 @@ def test_batching_is_auto_by_default_takes_a_bool_and_refuses_anything_else(tmp_
     or true/false as said."""
     from memspec.config import load_config
     from memspec.errors import ConfigError
-    from memspec.runtime.target import NATIVE_VARIANT, batching_on
+    from memspec.runtime.config import NATIVE_VARIANT
+    from memspec.runtime.plan import batching_on
 
     cfg = tmp_path / "m.toml"
     assert load_config(None).runtime.batching == "auto"

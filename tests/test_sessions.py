@@ -7,7 +7,8 @@ import pytest
 
 from memspec.errors import ContextOverflowError, ModelFormatError
 from memspec.runtime.config import SessionConfig
-from memspec.runtime.sessions import DecoderSession, variant_for
+from memspec.runtime.plan import variant_for
+from memspec.runtime.sessions import DecoderSession
 
 # A chat-formatted prompt and the start of its answer (greedy fp32 output).
 IDS = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 3365, 3511, 308, 34519, 28, 7018, 411, 407,

@@ -306,10 +306,11 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def fp32_engine(model_store):
-    from memspec.speculation.drafts import load_pool
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.build import load_pool
+    from memspec.runtime.target import load_target
+    from memspec.speculation.engine import Engine
 
-    target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
+    target = load_target(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
     pool = load_pool(model_store, "smollm2-135m", target.session.vocab_size, SessionConfig(max_context=512))
     pool["self"] = DraftModel("self", target.session, np.arange(49152), 49152, DraftLimits(0.0, np.inf))
     # the step controller keeps drafting with "self" (as costly as the target), so whole runs,
@@ -373,9 +374,10 @@ def test_zero_acceptance_still_exact(fp32_engine):
 
 
 def test_context_limit_mid_run(model_store):
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.runtime.target import load_target
+    from memspec.speculation.engine import Engine
 
-    target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=48))
+    target = load_target(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=48))
     e = Engine(target, drafts=DraftPool({"self": DraftModel("self", target.session, np.arange(49152), 49152,
                                                             DraftLimits(0.0, np.inf))}),
                spec=SpecConfig(controller="step"))
@@ -392,7 +394,7 @@ def test_every_draft_is_exact_where_onnx_runtime_runs_it(fp32_engine, model_stor
     backend = "onnxruntime") their graph is built from the GGUF at first load: the output is the
     target's all the same."""
     from memspec.models.store import ModelStore
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
     from memspec.speculation.engine import Engine
 
     store = ModelStore(tmp_path, shipped=model_store.shipped)  # the graphs are built into this home

@@ -298,9 +298,10 @@ REPEAT = "Rewrite this sentence in the passive voice: The committee approved the
 @pytest.fixture(scope="module")
 def smollm(model_store):
     from memspec.runtime.config import SessionConfig
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.runtime.target import load_target
+    from memspec.speculation.engine import Engine
 
-    target = TargetModel.load(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
+    target = load_target(model_store, "smollm2-135m", "fp32", SessionConfig(max_context=512))
     plain = Engine(target, drafts=DraftPool())
     draft = SuffixDraft(SuffixIndex(1 << 20), target.session.vocab_size)
     return plain, Engine(target, drafts=DraftPool({SUFFIX: draft}), spec=SpecConfig(controller="step")), draft

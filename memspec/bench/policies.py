@@ -374,7 +374,8 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     import dataclasses
 
     from memspec.speculation.drafts import target_drafts
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.runtime.target import load_target
+    from memspec.speculation.engine import Engine
     from memspec.runtime.costs import COSTS, CostCache
     from memspec.runtime.memory import request_kv_bytes
     from memspec.scheduling.policies import load_predictor
@@ -383,7 +384,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
 
     config = args.config
     store = ModelStore(config.store_home)
-    target = TargetModel.load(store, config.model.target, args.variant or config.model.variant, config.runtime)
+    target = load_target(store, config.model.target, args.variant or config.model.variant, config.runtime)
     engine = Engine(target, config.limits, spec=spec, costs=CostCache(store.home / COSTS))  # as build_engine
     suffix_bytes = spec.suffix_mb << 20  # each policy's scheduler starts its own index: none sees another's runs
     sizes = draft_sizes(store, target, suffix_bytes)

@@ -290,10 +290,10 @@ def _provenance(gguf: Path, source: Source | None, gguf_sha: str, local: Path | 
 
 def graphs_here(defaults: tuple[str, ...], runtime: SessionConfig | None = None) -> tuple[str, ...]:
     """The ONNX graphs a pull with no --variant builds: `defaults` where ONNX Runtime runs targets
-    under `runtime` on this machine (runtime.target.needs_onnx: a GPU, no native kernels, or backend =
+    under `runtime` on this machine (runtime.plan.needs_onnx: a GPU, no native kernels, or backend =
     "onnxruntime"), with q4f16 beside q4 where that is on a GPU (the graph CUDA runs q4 from: sessions.variant_for); none where the
     native engine runs the GGUF as it is, which is then all a target needs."""
-    from memspec.runtime.target import needs_onnx, on_gpu
+    from memspec.runtime.plan import needs_onnx, on_gpu
 
     runtime = runtime or SessionConfig()
     if not needs_onnx(runtime):

@@ -3,9 +3,9 @@ and memory accounting.  `load_target` (memspec.runtime.target) is the entry poin
 import stays light (the config and the light CLI paths import memspec.runtime.config)."""
 
 
-def load_target(model, backend: str = "auto", threads: int = 0, max_context: int = 2048, store=None,
-                variant: str = "q4"):
-    """memspec.runtime.target.load_target: a Target for a store entry's name or a GGUF path."""
+def load_target(store, name: str, variant: str | None = None, config=None, preferred: str = "q4"):
+    """memspec.runtime.target.load_target: the store target `name`, planned, opened, with its tokenizer."""
+    from memspec.runtime.config import SessionConfig
     from memspec.runtime.target import load_target as load
 
-    return load(model, backend, threads, max_context, store, variant)
+    return load(store, name, variant, config or SessionConfig(), preferred)

@@ -37,7 +37,7 @@ are).
 Memory: the batched graph is a second ONNX Runtime session with its own copy of the target's
 weights (`weight_bytes`), beside the target's session, which still serves prefill and lone
 passes.  memspec.build loads it before the draft source so that the pinned target's bytes count
-it (TargetModel.batched_bytes), and status lists it as the target's "batched" row.
+it (scheduling.scheduler.from_store: batched_bytes), and status lists it as the target's "batched" row.
 """
 
 from __future__ import annotations

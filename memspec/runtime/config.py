@@ -14,6 +14,17 @@ GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")  # ONNX R
 NATIVE_VARIANT = "gguf"  # what status and the store call a native target's variant: the GGUF file itself
 
 
+def onnxruntime_missing() -> str | None:
+    """None where ONNX Runtime imports, else what to install (the one message memspec gives)."""
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError as exc:  # memspec does not depend on one ONNX Runtime build: the machine picks it
+        return (f"ONNX Runtime is not installed ({exc}): pip install 'memspec[cpu]' (the onnxruntime package), or "
+                f"on a Jetson the JetPack build of onnxruntime-gpu from NVIDIA's index (not both: they replace each "
+                f"other)")
+    return None
+
+
 @dataclass(frozen=True)
 class SessionConfig:
     """How ONNX Runtime runs a model."""
@@ -34,7 +45,7 @@ class SessionConfig:
     #                         max_concurrent rows (memspec.speculation.batching; CPU only): the native
     #                         engine batches its own passes; ONNX Runtime loads a second, batched graph
     #                         of the target.  "auto": on for the native engine, off for ONNX Runtime
-    #                         (runtime.target.batching_on)
+    #                         (runtime.plan.batching_on)
     batch_invariant: bool = True  # target passes of one token run as two, so that target-only
     #                                decoding and multi-token verification use the same kernels and
     #                                greedy speculative output is target-only output token for token

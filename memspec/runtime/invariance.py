@@ -21,43 +21,28 @@ log, `memspec generate`, GetStatus / `memspec status` and `/metrics`.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from memspec.runtime.sessions import DecoderSession
+from memspec.runtime.contracts import UNCHECKED, WARNING, RowCheck, Target  # noqa: F401 (re-exported)
 
 CONTEXT = 8  # tokens cached before the probe rows
 PROBE = 5  # probe rows: fed one at a time, in passes of 2 and 3, and in one pass of 5
-WARNING = "speculative output may differ from target-only output on this CPU"
 
 
-@dataclass(frozen=True)
-class RowCheck:
-    """What the self-check found, with the padding the session settled on."""
+class Padded(Target, Protocol):
+    """A target whose one-token passes can be padded to more rows (ONNX Runtime's sessions)."""
 
-    exact: bool  # every probe row's logits bit-identical in 1-, 2-, 3- and 5-row passes
-    pad_rows: int  # tokens a pass is padded to (1: the graph pads attention only; 2: whole passes)
-    max_diff: float  # largest logit difference between pass sizes, with the padding in force (0.0: exact)
-    reason: str  # why: "" when exact as the graph is; else what differs (or differed, unpadded)
-    checked: bool = True  # False: no probe ran (a session not asked to check), nothing is known
-
-    def warning(self) -> str | None:
-        """The one line the daemon and the CLI say where the target is not exact, else None."""
-        return None if self.exact or not self.checked else f"{WARNING}: {self.reason}"
+    pad_rows: int  # tokens a pass is padded to
 
 
-UNCHECKED = RowCheck(exact=False, pad_rows=1, max_diff=0.0, reason="not checked", checked=False)
-
-
-def _probe_ids(session: "DecoderSession") -> list[int]:
+def _probe_ids(session: Target) -> list[int]:
     vocab = session.vocab_size or 1000
     return [(31 * i + 7) % vocab for i in range(CONTEXT + PROBE)]
 
 
-def row_differences(session: "DecoderSession") -> dict[str, float]:
+def row_differences(session: Target) -> dict[str, float]:
     """{pass sizes: largest logit difference} between the probe rows' logits computed one token a
     pass (what target-only decoding runs), in passes of 2 and 3, and in one pass of all 5 (what
     verification runs), each after the same cached context, with the session's padding as it is.
@@ -79,7 +64,7 @@ def row_differences(session: "DecoderSession") -> dict[str, float]:
             f"2+3 and {PROBE}": float(np.abs(passes((2, 3)) - whole).max())}
 
 
-def check(target) -> RowCheck:
+def check(target: Target) -> RowCheck:
     """The probe on a target with no padding to choose (memspec.runtime.native_target, exact by
     construction): checked all the same, since nothing is assumed."""
     diffs = row_differences(target)
@@ -91,7 +76,7 @@ def check(target) -> RowCheck:
                                             f"report, with `python bench/row_invariance.py`'s output)")
 
 
-def settle(session: "DecoderSession", escalate: bool) -> RowCheck:
+def settle(session: Padded, escalate: bool) -> RowCheck:
     """Probe the session; if it is not exact and `escalate` (the caller asked for exactness), pad
     every one-token pass to two rows and probe again.  Leaves session.pad_rows at what holds."""
     first = row_differences(session)

@@ -185,7 +185,7 @@ def reclaim() -> None:
 FOOTPRINT_PER_FILE_BYTE = {"q8": 2.0, "q4": 2.0, "fp32": 3.5, "gguf": 1.25}
 
 
-def planned_footprint(file_bytes: int, variant: str = "fp32") -> int:
+def planned_draft_footprint(file_bytes: int, variant: str = "fp32") -> int:
     """The RSS a draft of `file_bytes` stored as `variant` should add when loaded (what budgets plan with)."""
     return int(file_bytes * FOOTPRINT_PER_FILE_BYTE.get(variant, max(FOOTPRINT_PER_FILE_BYTE.values())))
 

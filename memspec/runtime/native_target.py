@@ -28,9 +28,9 @@ from memspec.errors import ModelFormatError
 from memspec.models.gguf import TensorInfo, decoder_config, read_layout
 from memspec.runtime import kernels
 from memspec.runtime.costs import cost_key, step_costs
-from memspec.runtime.invariance import UNCHECKED, RowCheck, check
+from memspec.runtime.contracts import UNCHECKED, RowCheck, physical_cores
+from memspec.runtime.invariance import check
 from memspec.runtime.kvcache import KVCache, committed_as_written, kv_cache_nbytes
-from memspec.runtime.target import physical_cores
 
 LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.weight", "attn_output.weight",
                  "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_norm.weight", "ffn_gate.weight",

@@ -19,23 +19,21 @@ Two graph layouts are understood, read from the model's own inputs:
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Iterable, Sequence
+from typing import Sequence
 
 import numpy as np
 
 from memspec.errors import ConfigError, ModelFormatError
+from memspec.runtime.config import onnxruntime_missing
 
 try:
     import onnxruntime as ort
-except ImportError as exc:  # memspec does not depend on one ONNX Runtime build: the machine picks it
-    raise ConfigError(
-        f"ONNX Runtime is not installed ({exc}): pip install 'memspec[cpu]' (the onnxruntime package), or on a "
-        f"Jetson the JetPack build of onnxruntime-gpu from NVIDIA's index (not both: they replace each other)"
-    ) from None
-from memspec.runtime.config import GPU_PROVIDERS, SessionConfig
-from memspec.runtime.invariance import UNCHECKED, RowCheck, settle
+except ImportError:  # memspec does not depend on one ONNX Runtime build: the machine picks it
+    raise ConfigError(onnxruntime_missing()) from None
+from memspec.runtime.config import SessionConfig
+from memspec.runtime.contracts import UNCHECKED, RowCheck, physical_cores
+from memspec.runtime.invariance import settle
 from memspec.runtime.kvcache import PAGE, KVCache, kv_cache_nbytes  # noqa: F401 (PAGE: re-exported)
-from memspec.runtime.target import physical_cores
 
 PREFERRED_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider", "CPUExecutionProvider")
 
@@ -53,21 +51,6 @@ def resolve_providers(wanted: Sequence[str]) -> list[str]:
             f"(available: {', '.join(available)})"
         )
     return list(wanted)
-
-
-def variant_for(variant: str, providers: Sequence[str], available: Iterable[str]) -> tuple[str, str | None]:
-    """The variant to load for `variant` on `providers`, and a warning for the log, or None.
-
-    On CUDA, ONNX Runtime's GroupQueryAttention runs in float16/bfloat16 only, so a float32 graph
-    would put every layer's attention on the CPU: q4 is served from its float16-activation twin,
-    q4f16, where the store has it."""
-    available = set(available)
-    if variant != "q4" or not providers or providers[0] not in GPU_PROVIDERS:
-        return variant, None
-    if "q4f16" in available:
-        return "q4f16", None
-    return variant, (f"{providers[0]} with the float32 q4 graph: its attention will run on the CPU; "
-                     f"build the CUDA variant with `memspec pull --variant q4f16 NAME`")
 
 
 KV_TYPES = {"tensor(float)": np.float32, "tensor(float16)": np.float16}

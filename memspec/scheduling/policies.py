@@ -26,21 +26,45 @@ import json
 import logging
 import math
 import threading
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Callable
+from typing import Callable, Mapping
 
 from memspec.errors import ConfigError
-from memspec.request import NO_DRAFT, GenerationRequest
-from memspec.scheduling.features import generation_context, request_text
+from memspec.request import NO_DRAFT, GenerationRequest, PolicyName, unknown_draft
+from memspec.scheduling.config import SchedulerConfig
+from memspec.scheduling.features import Detokenize, generation_context, request_text
 from memspec.scheduling.selector import RequestSelector
+from memspec.scheduling.workingset import WorkingSet
 from memspec.speculation.metrics import SpecMetrics
-
-if TYPE_CHECKING:
-    from memspec.scheduling.scheduler import Scheduler
 
 log = logging.getLogger("memspec.scheduler")
 
 SWITCH_EVIDENCE_TOKENS = 16  # memspec trusts a request's own rate on its draft once this many tokens ran on it
+
+
+@dataclass(frozen=True)
+class PolicyContext:
+    """What a policy may use of the scheduler that runs it, and no more (the scheduler makes one)."""
+
+    ws: WorkingSet  # the resident drafts: leased, fetched, preloaded
+    config: SchedulerConfig
+    drafts: Mapping[str, int]  # every draft it may use -> declared bytes
+    count: Callable[..., None]  # count(what, n=1): add to the scheduler's counters
+    leased: Callable[..., RequestSelector | None]  # a request's selector over a lease on a draft (Scheduler.leased)
+    decode: Detokenize  # the target's token ids -> text
+    target: str = ""  # the target's store name ("": not known), for what a policy says
+    predictor: Callable[[], object | None] = lambda: None  # memspec's predictor, loaded on first call (None: none)
+    oracle_table: Callable[[], dict[str, str]] = dict  # the oracle's {prompt: fastest draft}, loaded on first call
+
+
+@dataclass(frozen=True)
+class PolicyReport:
+    """What a policy tells the scheduler's report about itself."""
+
+    counters: dict[str, float] = field(default_factory=dict)  # added to the scheduler's counters
+    status: dict[str, dict] = field(default_factory=dict)  # its own part of Scheduler.status() (e.g. "bandit")
+    predictor: dict[str, float] = field(default_factory=dict)  # the predictor's counters, where it runs one
 
 
 class Policy:
@@ -57,12 +81,9 @@ class Policy:
     def hint(self, req: GenerationRequest) -> None:
         """A request of this policy waits in the queue (memspec preloads its draft)."""
 
-    def counters(self) -> dict[str, float]:
-        return {}
-
-    def status(self) -> dict:
-        """Its own state, for Scheduler.status()."""
-        return {}
+    def report(self) -> PolicyReport:
+        """Its counters and own state, for the scheduler's counters, status and report."""
+        return PolicyReport()
 
 
 class TargetOnly(Policy):
@@ -76,7 +97,7 @@ class TargetOnly(Policy):
 class Fixed(Policy):
     """One draft for the whole request."""
 
-    def __init__(self, sched: "Scheduler", draft: str):
+    def __init__(self, sched: PolicyContext, draft: str):
         self.sched, self.draft, self.name = sched, draft, f"fixed:{draft}"
 
     def start(self, req, prompt, capacity, cancelled):
@@ -110,7 +131,7 @@ def request_reward(metrics: SpecMetrics, kind: str) -> float:
 class Bandit(Policy):
     name = "bandit"
 
-    def __init__(self, sched: "Scheduler"):
+    def __init__(self, sched: PolicyContext):
         self.sched = sched
         self.pulls: dict[str, int] = {}  # draft -> requests it finished
         self.rewards: dict[str, float] = {}  # draft -> sum of its scaled rewards
@@ -152,10 +173,10 @@ class Bandit(Policy):
         self.sched.ws.set_value(name, mean)
         log.debug("bandit: %s reward %.3f (raw %.2f)", name, reward, raw)
 
-    def status(self) -> dict:
+    def report(self) -> PolicyReport:
         with self._lock:
-            return {"bandit": {d: {"pulls": n, "mean_reward": round(self.rewards[d] / n, 4)}
-                               for d, n in self.pulls.items()}}
+            return PolicyReport(status={"bandit": {d: {"pulls": n, "mean_reward": round(self.rewards[d] / n, 4)}
+                                                   for d, n in self.pulls.items()}})
 
 
 # -- memspec ---------------------------------------------------------------------------------
@@ -180,7 +201,7 @@ def predictor_file(path: str, variant: str = "", target: str = "") -> Path | Non
 
     if path:
         return Path(path)
-    from memspec.runtime.target import profiled_as
+    from memspec.runtime.plan import profiled_as
 
     nearest = [v for v in (variant, profiled_as(variant)) if v]  # its own variant's, else the nearest one's
     for name in ([f"predictor-{target}-{v}.json" for v in nearest] + [f"predictor-{target}.json"] if target else ()):
@@ -219,7 +240,7 @@ def load_predictor(path: str, variant: str = "", target: str = ""):
     pred = Predictor.load(file)
     fitted = str(pred.info.get("target") or "")  # "name:variant" of the traces it was fitted on
     if variant and ":" in fitted and fitted.rsplit(":", 1)[1] != variant:
-        from memspec.runtime.target import NATIVE_VARIANT
+        from memspec.runtime.config import NATIVE_VARIANT
 
         # the native engine runs the q4 variant as NATIVE_VARIANT: `memspec profile` on the default engine traces it
         profile = "memspec profile" if variant == NATIVE_VARIANT else f"memspec profile --variant {variant}"
@@ -231,7 +252,7 @@ def load_predictor(path: str, variant: str = "", target: str = ""):
 class Memspec(Policy):
     name = "memspec"
 
-    def __init__(self, sched: "Scheduler", predictor):
+    def __init__(self, sched: PolicyContext, predictor):
         self.sched, self.predictor = sched, predictor
         self.values: dict[str, float] = {}  # draft -> expected gain over target-only (EMA), for eviction
         self.pred_err = [0.0, 0]  # sum of |observed - predicted| / predicted, checks
@@ -370,21 +391,13 @@ class Memspec(Policy):
                 self.sched.count("memspec.preload_for_queue")
                 log.debug("memspec: preloading %s for a queued request", best)
 
-    def counters(self) -> dict[str, float]:
+    def report(self) -> PolicyReport:
         with self._lock:
             total, n = self.pred_err
-        return {"prediction_mean_rel_error": total / n} if n else {}
-
-    def predictor_counters(self) -> dict[str, float]:
-        with self._lock:
-            out = {"predictions": float(self.predictions)}
-            if self.pred_err[1]:
-                out["checked_predictions"] = float(self.pred_err[1])
-        return out
-
-    def status(self) -> dict:
-        with self._lock:
-            return {"values": {d: round(v, 3) for d, v in self.values.items()}}
+            predictor = {"predictions": float(self.predictions), **({"checked_predictions": float(n)} if n else {})}
+            return PolicyReport(counters={"prediction_mean_rel_error": total / n} if n else {},
+                                status={"values": {d: round(v, 3) for d, v in self.values.items()}},
+                                predictor=predictor)
 
 
 # -- oracle ----------------------------------------------------------------------------------
@@ -425,7 +438,7 @@ def load_oracle_table(path: str | Path) -> dict[str, str]:
 class Oracle(Policy):
     name = "oracle"
 
-    def __init__(self, sched: "Scheduler", table: dict[str, str]):
+    def __init__(self, sched: PolicyContext, table: dict[str, str]):
         self.sched, self.table = sched, table  # {prompt text: fastest draft}
 
     def start(self, req, prompt, capacity, cancelled):
@@ -435,3 +448,35 @@ class Oracle(Policy):
             log.debug("oracle: prompt not in the table: target-only")
             return None
         return self.sched.leased(self.name, req, prompt, capacity, best, cancelled) if best != NO_DRAFT else None
+
+
+# -- the registry ----------------------------------------------------------------------------
+def _fixed(name: PolicyName, ctx: PolicyContext) -> Policy:
+    if name.draft not in ctx.drafts:
+        raise unknown_draft(name.draft, ctx.drafts, "policy")
+    return Fixed(ctx, name.draft)
+
+
+def _memspec(name: PolicyName, ctx: PolicyContext) -> Policy:
+    predictor = ctx.predictor()
+    if predictor is None:  # a target nobody fitted a predictor for (say your own GGUF): learn online
+        log.warning("policy 'memspec': no predictor was fitted for %s (memspec profile --model %s, then "
+                    "memspec train-predictor, or set [scheduler] predictor); the bandit chooses its drafts",
+                    ctx.target or "this target", ctx.target or "NAME")
+        return Bandit(ctx)
+    return Memspec(ctx, predictor)
+
+
+# each policy kind (memspec.request.POLICY_KINDS) -> its policy over a scheduler's context
+POLICIES: dict[str, Callable[[PolicyName, PolicyContext], Policy]] = {
+    "target-only": lambda name, ctx: TargetOnly(),
+    "fixed": _fixed,
+    "bandit": lambda name, ctx: Bandit(ctx),
+    "memspec": _memspec,
+    "oracle": lambda name, ctx: Oracle(ctx, ctx.oracle_table()),
+}
+
+
+def build_policy(name: PolicyName, ctx: PolicyContext) -> Policy:
+    """The policy `name` names, over `ctx` (ConfigError: its predictor or oracle table is missing)."""
+    return POLICIES[name.kind](name, ctx)

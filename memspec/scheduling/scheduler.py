@@ -30,8 +30,7 @@ from memspec.request import NO_DRAFT, GenerationRequest, PolicyName, unknown_dra
 from memspec.runtime.memory import MiB, MemoryProbe, memory_budget
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.features import Detokenize
-from memspec.scheduling.policies import (Bandit, Fixed, Memspec, Oracle, Policy, TargetOnly, load_oracle_table,
-                                         load_predictor)
+from memspec.scheduling.policies import Policy, PolicyContext, build_policy, load_oracle_table, load_predictor
 from memspec.scheduling.selector import RequestSelector
 from memspec.scheduling.workingset import Lease, Loader, WorkingSet
 from memspec.speculation.drafts import PROMPT_LOOKUP
@@ -74,6 +73,9 @@ class Scheduler:
         self._stats_lock = threading.Lock()
         self._predictor, self._oracle_table = predictor, oracle_table
         self._policies: dict[PolicyName, Policy] = {}
+        # what its policies see of it (memspec.scheduling.policies.PolicyContext)
+        self.context = PolicyContext(self.ws, config, self.drafts, self.count, self.leased, self.decode,
+                                     self.target_name, self._load_predictor, self._load_oracle_table)
         self._policies_lock = threading.Lock()
         self.policy(self.default)  # a missing predictor or oracle table fails at start, not at the first request
         if oracle:
@@ -102,28 +104,19 @@ class Scheduler:
             return policy
 
     def _build(self, name: PolicyName) -> Policy:
-        if name.kind == "target-only":
-            return TargetOnly()
-        if name.kind == "fixed":
-            if name.draft not in self.drafts:
-                raise unknown_draft(name.draft, self.drafts, "policy")
-            return Fixed(self, name.draft)
-        if name.kind == "bandit":
-            return Bandit(self)
-        if name.kind == "memspec":
-            predictor = self._predictor or load_predictor(self.config.predictor, self.variant, self.target_name)
-            if predictor is None:  # a target nobody fitted a predictor for (say your own GGUF): learn online
-                log.warning("policy 'memspec': no predictor was fitted for %s (memspec profile --model %s, then "
-                            "memspec train-predictor, or set [scheduler] predictor); the bandit chooses its drafts",
-                            self.target_name or "this target", self.target_name or "NAME")
-                return Bandit(self)
-            return Memspec(self, predictor)
+        return build_policy(name, self.context)  # memspec.scheduling.policies.POLICIES
+
+    def _load_predictor(self):
+        """memspec's predictor: the one given, else the shipped one for the target and its variant."""
+        return self._predictor or load_predictor(self.config.predictor, self.variant, self.target_name)
+
+    def _load_oracle_table(self) -> dict[str, str]:
         if self._oracle_table is None:
             if not self.config.oracle:
                 raise ConfigError("policy 'oracle' needs a table of the fastest draft per prompt: "
                                   "set [scheduler] oracle to a JSON table or a JSONL trace file")
             self._oracle_table = load_oracle_table(self.config.oracle)
-        return Oracle(self, self._oracle_table)
+        return self._oracle_table
 
     def policy_for(self, req: GenerationRequest) -> PolicyName:
         """What runs this request: the draft it names, else the policy it names, else the configured one."""
@@ -231,8 +224,7 @@ class Scheduler:
         table = self.ws.status()["drafts"]
         rows = [DraftRow(n, table.get(n, {}).get("state") == "resident", int(table.get(n, {}).get("bytes", size)))
                 for n, size in sorted(self.drafts.items())]
-        memspec = self._policies.get(PolicyName("memspec"))
-        predictor = memspec.predictor_counters() if isinstance(memspec, Memspec) else {}
+        predictor = {k: v for policy in list(self._policies.values()) for k, v in policy.report().predictor.items()}
         return SourceStatus(rows, self.ws.budget, self.counters(), predictor)
 
     # -- reporting -----------------------------------------------------------------------
@@ -242,7 +234,7 @@ class Scheduler:
             stats = dict(self.stats)
         out = {**{k: float(v) for k, v in ws.items()}, **{k: float(v) for k, v in stats.items()}}
         for policy in list(self._policies.values()):
-            out.update(policy.counters())
+            out.update(policy.report().counters)
         draft = self._suffix_draft()
         if draft is not None:  # what the index holds and how often it found a match
             out.update({f"suffix.{k}": float(v) for k, v in draft.index.report().items()})
@@ -261,7 +253,7 @@ class Scheduler:
             "values": {},
         }
         for policy in list(self._policies.values()):
-            out.update(policy.status())
+            out.update(policy.report().status)
         return out
 
     def close(self) -> None:
@@ -279,24 +271,27 @@ def check_draft_names(req: GenerationRequest, drafts) -> None:
         raise unknown_draft(req.policy.draft, drafts, "policy")
 
 
-def draft_names(store, target_name: str, suffix: bool = True) -> list[str]:
+def draft_names(store, target_name: str, suffix: bool = True, session_config=None) -> list[str]:
     """The drafts a request for `target_name` may name, from the store alone (before the target
     loads): what from_store's scheduler offers, prompt lookup, the suffix draft (where
-    `[speculative] suffix_mb` keeps one) and every draft made for it."""
+    `[speculative] suffix_mb` keeps one) and every draft made for it (that runs here under
+    `session_config`, where given: memspec.speculation.drafts.runnable_drafts)."""
     from memspec.speculation.drafts import target_drafts
 
-    return [PROMPT_LOOKUP, *([SUFFIX] if suffix else []), *(m.name for m in target_drafts(store, target_name))]
+    return [PROMPT_LOOKUP, *([SUFFIX] if suffix else []),
+            *(m.name for m in target_drafts(store, target_name, config=session_config))]
 
 
 def draft_footprints(drafts: list, suffix_bytes: int = 0) -> dict[str, int]:
     """Every draft (manifests) with the RSS footprint budgets plan it at, plus prompt lookup (0)
     and, when `suffix_bytes` > 0, the suffix draft at its index's bytes."""
-    from memspec.runtime.memory import planned_footprint
+    from memspec.runtime.memory import planned_draft_footprint
     from memspec.speculation.drafts import draft_variant
     from memspec.speculation.suffix import index_nbytes
 
     suffix = {SUFFIX: index_nbytes(suffix_bytes)} if suffix_bytes else {}
-    return {PROMPT_LOOKUP: 0, **suffix, **{m.name: planned_footprint(m.total_bytes, draft_variant(m)) for m in drafts}}
+    planned = {m.name: planned_draft_footprint(m.total_bytes, draft_variant(m)) for m in drafts}
+    return {PROMPT_LOOKUP: 0, **suffix, **planned}
 
 
 def draft_kv_sizers(drafts: list, capacity: int) -> dict[str, KVSizer]:
@@ -314,15 +309,17 @@ def draft_kv_sizers(drafts: list, capacity: int) -> dict[str, KVSizer]:
 
 
 def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
-               names: list[str] | None = None, suffix_bytes: int = 0, **kwargs) -> Scheduler:
-    """A scheduler over every draft in the store made for `target` (a TargetModel), plus prompt lookup
-    and the suffix draft over an index of `suffix_bytes` (0: none)."""
-    from memspec.runtime.memory import PsutilProbe, planned_footprint
-    from memspec.speculation.drafts import DraftModel, PromptLookup, target_drafts
+               names: list[str] | None = None, suffix_bytes: int = 0, batched_bytes: int = 0, **kwargs) -> Scheduler:
+    """A scheduler over every draft in the store made for `target` (a loaded TargetModel), plus prompt
+    lookup and the suffix draft over an index of `suffix_bytes` (0: none); the target is pinned with
+    `batched_bytes` more where its batched pass holds a second copy of its weights."""
+    from memspec.runtime.memory import PsutilProbe, planned_draft_footprint
+    from memspec.speculation.drafts import DraftModel, PromptLookup, runnable_drafts, say_left_out, target_drafts
     from memspec.speculation.suffix import SuffixIndex
 
-    vocab = target.session.vocab_size
-    drafts = target_drafts(store, target.name, names)
+    vocab = target.vocab_size
+    drafts, left = runnable_drafts(target_drafts(store, target.name, names), session_config)
+    say_left_out(left, session_config)
     sizes = draft_footprints(drafts, suffix_bytes)
 
     def loader(name: str):
@@ -332,12 +329,12 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
             d = SuffixDraft(SuffixIndex(suffix_bytes), vocab, loop_tokens=draft_limits.loop_tokens)
             return d, d.nbytes
         d = DraftModel.load(store, name, vocab, session_config, draft_limits)
-        return d, planned_footprint(d.nbytes, d.variant)
+        return d, planned_draft_footprint(d.nbytes, d.variant)
 
     probe = probe or PsutilProbe()
     # the target is pinned at what the process holds now: the runtime, Python and the target
     # (with its batched graph's copy of the weights, when batching loaded one: memspec.build)
-    pinned = target.file_bytes + target.batched_bytes
+    pinned = target.file_bytes + batched_bytes
     return Scheduler(config, loader, sizes, probe, target=(target.name, max(pinned, probe.rss_bytes())),
-                     decode=target.tokenizer.decode, kv_sizers=draft_kv_sizers(drafts, target.session.max_context),
+                     decode=target.tokenizer.decode, kv_sizers=draft_kv_sizers(drafts, target.max_context),
                      variant=target.variant, **kwargs)

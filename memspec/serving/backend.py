@@ -26,7 +26,7 @@ from memspec.errors import ConfigError, InvalidRequestError, ModelNotFoundError,
 from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, SpecStats, parse_keep_alive,
                              quote, validate)
 from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget
-from memspec.runtime.target import NATIVE_VARIANT, engine_for, planned_footprint
+from memspec.runtime.plan import plan
 from memspec.scheduling.scheduler import check_draft_names
 from memspec.scheduling.targets import TargetLease, TargetSet
 from memspec.serving.status import DraftStatus, ModelsStatus, ResidentModel, TargetStatus, from_dict
@@ -184,35 +184,12 @@ class EngineBackend:
 
     # -- the store: what a name may load as ----------------------------------------------
     def _plan(self, name: str, variant: str | None, field: str = "model") -> tuple[str, int]:
-        """(variant, planned bytes) of target `name`: the variant asked for, else the configured one
-        where it has it, else q4, else its first; named errors for anything that is not a target,
-        naming the request's `field` ("model"; LoadModel's "name" keeps the store's own message)."""
-        try:
-            manifest = self.store.get(name)
-        except ModelNotFoundError:
-            if field != "model":
-                raise
-            pulled = ", ".join(m.name for m in self.store.list() if m.role == "target") or "none"
-            raise ModelNotFoundError(f"model: {quote(name)} is not in the store; the pulled targets are {pulled} "
-                                     f"(`memspec pull NAME` adds one)") from None
-        if manifest.role != "target":
-            raise InvalidRequestError(f"{field}: {quote(name)} is a {manifest.role}; name a target, and pick a draft "
-                                      f"with \"draft\" (drafts are loaded with their target)")
-        have = sorted(manifest.variants)
-        native = engine_for(self.store, manifest, "q4", self.config.runtime) == "native"
-        if variant == NATIVE_VARIANT:  # what status lists a native target as: the q4 blocks, run as they are
-            if not native:
-                raise InvalidRequestError(f"variant: {NATIVE_VARIANT!r} is the native engine's, which does not run "
-                                          f"{quote(name)} here ([runtime] backend = "
-                                          f"{quote(self.config.runtime.backend)}); ask for one of "
-                                          f"{', '.join(have) or 'its ONNX variants, once pulled'}")
-            variant = "q4"
-        # the configured variant where it has it, else q4 (a target pulled with its GGUF alone runs as
-        # q4 on the native engine), else its first graph
-        variant = variant or next((v for v in (self.config.model.variant, "q4", *have) if v in have), "q4")
-        if not (native and variant == "q4"):
-            manifest.variant_path(variant)  # ModelNotFoundError names the variants it has
-        return variant, planned_footprint(self.store, manifest, variant, self.config.runtime)
+        """(variant, planned bytes) of target `name` (memspec.runtime.plan.plan): the variant asked
+        for, else the configured one where it has it, else q4, else its first; named errors for
+        anything that is not a target, naming the request's `field` ("model"; LoadModel's "name"
+        keeps the store's own message)."""
+        p = plan(self.store, name, variant, self.config.runtime, self.config.model.variant, field)
+        return p.asked, p.planned_bytes
 
     def _load_engine(self, name: str, variant: str) -> ServingEngine:
         """What the TargetSet's loader thread runs: the engine of `name`, calibrated, with the limits now."""

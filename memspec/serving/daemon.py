@@ -153,7 +153,7 @@ class Daemon:
         self.notifier = notifier or Notifier()
         store = ModelStore(config.store_home)
         self.backend = EngineBackend(config, loader, store, drafts_of=functools.partial(
-            draft_names, store, suffix=config.speculative.suffix_mb > 0))
+            draft_names, store, suffix=config.speculative.suffix_mb > 0, session_config=config.runtime))
         self.admission = Admission(admission_config(config.server), PsutilProbe().available_bytes)  # cgroup-aware
         self.servicer = MemSpecServicer(self.backend, self.admission, listen=str(self.address))
         self.max_workers = config.server.max_concurrent + config.server.max_queue + SPARE_WORKERS

@@ -31,7 +31,7 @@ from typing import Callable, Sequence
 import numpy as np
 
 from memspec.errors import ContextOverflowError
-from memspec.runtime.batch import BatchedTarget
+from memspec.runtime.contracts import BatchedPass
 from memspec.runtime.kvcache import KVCache
 
 Clock = Callable[[], float]
@@ -107,7 +107,7 @@ class Slot:
 class BatchLoop:
     """The thread that owns the batched target (module docstring)."""
 
-    def __init__(self, target: BatchedTarget, max_wait_s: float = 0.02, prefill_chunk: int = 256,
+    def __init__(self, target: BatchedPass, max_wait_s: float = 0.02, prefill_chunk: int = 256,
                  clock: Clock = time.perf_counter):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk: {prefill_chunk} is out of range; at least 1")

@@ -15,8 +15,8 @@ tokens are rolled back and a fully accepted run is completed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
+import logging
 import os
 import threading
 import time
@@ -30,11 +30,13 @@ from memspec.speculation import sampling
 from memspec.errors import ConfigError, ModelFormatError
 from memspec.request import SamplingParams
 from memspec.runtime.config import LARGE_DRAFT_BYTES, SessionConfig
-from memspec.runtime.target import Target
+from memspec.runtime.contracts import Target
+from memspec.runtime.target import open_draft
 from memspec.speculation.config import DraftLimits
 from memspec.speculation.logits import IDENTITY, LogitsShaper, allowed_prefix, is_identity
 from memspec.models.store import Manifest, ModelStore
 
+log = logging.getLogger(__name__)
 PROMPT_LOOKUP = "prompt-lookup"
 LOOKUP_MAX_NGRAM = 8  # a model draft's lookup prefers the longest earlier match up to this many tokens
 FEED_MIN_TOKENS = 8  # a catch-up at least this long is timed (a shorter one is mostly fixed cost)
@@ -126,7 +128,7 @@ def draft_engine(m: Manifest, config: SessionConfig) -> str:
     """"native" or "onnxruntime": the engine that runs draft `m` under `config`.  A GGUF draft runs
     natively wherever the engine `config` gives the drafts (their providers, else the target's)
     is the native one, or "auto" would be on this CPU; an ONNX-only draft runs in ONNX Runtime."""
-    from memspec.runtime.target import resolve_backend
+    from memspec.runtime.plan import resolve_backend
 
     if GGUF_VARIANT not in m.variants:
         return "onnxruntime"
@@ -191,7 +193,7 @@ def target_to_draft(to_target: np.ndarray, target_vocab: int) -> np.ndarray:
 class DraftModel:
     """An ONNX draft and the map between its vocabulary and the target's."""
 
-    def __init__(self, name: str, session: DecoderSession, to_target: np.ndarray, target_vocab: int,
+    def __init__(self, name: str, session: Target, to_target: np.ndarray, target_vocab: int,
                  limits: DraftLimits = DraftLimits(), manifest: Manifest | None = None):
         self.name = name
         self.session = session
@@ -216,19 +218,12 @@ class DraftModel:
         to_target = read_vocab_map(m, target_vocab)
         threads = draft_threads(config, m.variant_bytes(variant))
         if draft_engine(m, config) == "native":
-            from memspec.runtime.native_target import NativeTarget
-
-            try:  # a draft only proposes: its rows need no invariance check
-                session = NativeTarget(m.variant_path(variant), threads=threads, max_context=config.max_context,
-                                       check_rows=False)
+            try:
+                session = open_draft(m.variant_path(variant), "native", config, threads)
             except ModelFormatError as exc:
                 raise ModelFormatError(f"draft {name!r}: {exc}") from None
         else:
-            from memspec.runtime.sessions import DecoderSession
-
-            if config.draft_providers:
-                config = dataclasses.replace(config, providers=config.draft_providers)
-            session = DecoderSession(draft_graph(store, m), config, spinning=False, threads=threads)
+            session = open_draft(draft_graph(store, m), "onnxruntime", config, threads)
         if session.vocab_size not in (None, len(to_target)):
             raise ModelFormatError(
                 f"draft {name!r}: the model has {session.vocab_size} logits but its map has {len(to_target)} ids"
@@ -398,22 +393,33 @@ class PromptLookupState:
         pass
 
 
-def target_drafts(store: ModelStore, target_name: str, names: list[str] | None = None) -> list:
-    """The manifests of every draft in the store made for `target_name` (or only `names`)."""
-    return [m for m in store.list() if m.role == "draft" and m.extra.get("target") == target_name
-            and (names is None or m.name in names)]
+def target_drafts(store: ModelStore, target_name: str, names: list[str] | None = None,
+                  config: SessionConfig | None = None) -> list:
+    """The manifests of every draft in the store made for `target_name` (or only `names`); with
+    `config`, only those this machine runs (runnable_drafts)."""
+    drafts = [m for m in store.list() if m.role == "draft" and m.extra.get("target") == target_name
+              and (names is None or m.name in names)]
+    return drafts if config is None else runnable_drafts(drafts, config)[0]
 
 
-def load_pool(store: ModelStore, target_name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
-              names: list[str] | None = None, limits: DraftLimits = DraftLimits(),
-              suffix_bytes: int = 0) -> dict[str, Proposer]:
-    """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
-    in the store made for `target_name` (or only `names`)."""
-    from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex  # it builds on this module
+def runnable_drafts(drafts: list, config: SessionConfig) -> tuple[list, list]:
+    """(the drafts this machine runs, those it cannot): without ONNX Runtime installed, a draft that
+    would run in it (an ONNX-only draft, or drafts given GPU providers) cannot; a GGUF draft on the
+    native engine, prompt lookup and the suffix draft need none."""
+    from memspec.runtime.config import onnxruntime_missing
 
-    pool: dict[str, Proposer] = {PROMPT_LOOKUP: PromptLookup(target_vocab, loop_tokens=limits.loop_tokens)}
-    if suffix_bytes:
-        pool[SUFFIX] = SuffixDraft(SuffixIndex(suffix_bytes), target_vocab, loop_tokens=limits.loop_tokens)
-    for m in target_drafts(store, target_name, names):
-        pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
-    return pool
+    if onnxruntime_missing() is None:
+        return list(drafts), []
+    config = config or SessionConfig()
+    kept = [m for m in drafts if draft_engine(m, config) == "native"]
+    return kept, [m for m in drafts if m not in kept]
+
+
+def say_left_out(left: list, config: SessionConfig) -> None:
+    """The one log line for the drafts runnable_drafts left out, where any were."""
+    if left:
+        from memspec.runtime.config import onnxruntime_missing
+
+        log.warning("drafts %s need ONNX Runtime and are left out; this machine drafts with GGUF drafts on the "
+                    "native engine, prompt lookup and the suffix draft (%s)", ", ".join(m.name for m in left),
+                    onnxruntime_missing())

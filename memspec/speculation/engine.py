@@ -13,23 +13,18 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Callable, Iterator
 
 import numpy as np
 
 from memspec.errors import ContextOverflowError, InvalidRequestError
-from memspec.models.store import Manifest, ModelStore
-from memspec.models.tokenizer import Tokenizer
 from memspec.request import (Chunk, Completion, GenerationRequest, Limits, Timings, TokenLogprob, check_logit_bias,
                              validate)
-from memspec.runtime.config import SessionConfig
+from memspec.runtime.contracts import BatchedPass, TargetModel  # noqa: F401 (TargetModel: re-exported)
 from memspec.runtime.costs import CostCache, pass_costs
-from memspec.runtime.memory import release_heap, request_kv_bytes
+from memspec.runtime.memory import request_kv_bytes
 from memspec.runtime.kvcache import KVCache
 from memspec.runtime.prefixes import PrefixCache
-from memspec.runtime.target import Target, open_target
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
 from memspec.speculation.logits import LogitsShaper, for_sampling
@@ -42,72 +37,24 @@ Clock = Callable[[], float]
 log = logging.getLogger(__name__)
 
 
-@dataclass
-class TargetModel:
-    """The model whose output is the answer: session, tokenizer, end-of-sequence ids."""
-
-    name: str  # store name
-    variant: str  # "fp32", "q4", ...
-    session: Target  # the engine that runs it (memspec.runtime.target)
-    tokenizer: Tokenizer
-    eos_ids: frozenset[int]
-    manifest: Manifest | None = None
-    # bytes of the ragged batched graph's own copy of the weights ([runtime] batching), else 0;
-    # memspec.build sets it before the scheduler pins the target, so the budget counts both copies
-    batched_bytes: int = 0
-
-    @property
-    def file_bytes(self) -> int:
-        """Size of the loaded variant's weights (its external weights too): the manifest's record,
-        else the file on disk."""
-        if self.manifest is not None and self.variant in self.manifest.variants:
-            return self.manifest.variant_bytes(self.variant)
-        return self.session.path.stat().st_size
-
-    @classmethod
-    def load(cls, store: ModelStore, name: str, variant: str, config: SessionConfig = SessionConfig()) -> "TargetModel":
-        """The target named `name`, on the engine `config.backend` picks (memspec.runtime.target):
-        `variant` of its ONNX graphs, or its GGUF as it is on the native engine."""
-        m = store.get(name)
-        folder = Path(m.folder)
-        session, variant = open_target(store, m, variant, config)
-        if session.rows.warning():  # the daemon's log, and stderr of `memspec generate`
-            log.warning("%s (%s): %s", name, variant, session.rows.warning())
-        elif session.rows.reason:
-            log.info("%s (%s): %s", name, variant, session.rows.reason)
-        tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
-        eos = set(m.extra.get("eos_token_ids", [])) | tok.eos_token_ids  # Qwen2.5: <|im_end|> and <|endoftext|>
-        # ONNX Runtime frees its load-time copies of the weights once it has packed them, and the
-        # tokenizer its parse of tokenizer.json, but glibc keeps the freed pages (a q4 load left
-        # 56 MiB), which would count against the memory budget and the device's shared memory.
-        release_heap()
-        return cls(name, variant, session, tok, frozenset(eos), m)
-
-
 class Engine:
     """Runs requests against one target, each with the draft its `drafts` source gives it: a
     fixed pool (DraftPool), or the scheduler (memspec.build makes either from a config)."""
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
                  drafts: DraftSource | None = None, spec: SpecConfig = SpecConfig(),
-                 costs: CostCache | None = None, batch_slots: int = 0, batched=None, prefix_cache_bytes: int = 0):
-        """batch_slots > 0: concurrent requests share one batched target pass over up to that many
-        rows (memspec.speculation.batching); 0: each request runs its own passes.  batched: that
-        pass already opened (memspec.runtime.target.open_batched; memspec.build opens it first, so
-        that the budget counts any copy of the weights it holds), instead of opening it here.
+                 costs: CostCache | None = None, batched: BatchedPass | None = None, prefix_cache_bytes: int = 0):
+        """batched: one target pass over several requests' rows (memspec.runtime.target.open_batched;
+        memspec.build opens it, before the draft source, so that the budget counts any copy of the
+        weights it holds): concurrent requests share it; None: each request runs its own passes.
         prefix_cache_bytes > 0: keep recent prompts' K/V up to that many bytes, for prompts that
         start the same way (memspec.runtime.prefixes), where the target's rows allow it."""
         self.target = target
         self.batch = None
-        if batched is None and batch_slots > 0:
-            from memspec.runtime.target import open_batched
-
-            batched = open_batched(target.session, batch_slots)
         if batched is not None:
             from memspec.speculation.batching import BatchLoop
 
             self.batch = BatchLoop(batched)
-            target.batched_bytes = batched.weight_bytes
         self.pass_cost_s: dict[int, list[float]] | None = None  # batched: [b][k] = a pass of b rows x k
         self.limits = limits
         self.clock = clock
