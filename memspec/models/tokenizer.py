@@ -359,6 +359,10 @@ class Tokenizer:
         """Ids of control tokens (``<|im_start|>``, ``<|im_end|>``, ...)."""
         return self._special_ids
 
+    def to_json(self) -> str:
+        """The tokenizer as HF ``tokenizer.json`` text (the grammar matcher builds its own from it)."""
+        return self._hf.to_str()
+
     def encode(self, text: str) -> list[int]:
         """Tokenize ``text``; special tokens written in the text are matched whole. No BOS."""
         if not isinstance(text, str):
