@@ -32,6 +32,7 @@ class Limits:
         """The largest request these limits let through, as protobuf bytes (UTF-8 is at most
         4 bytes a character): what the server's max_receive_message_length is set to."""
         text = max(self.max_prompt_chars, self.max_chat_chars + self.max_messages * 16)  # 16: a role
+        text += self.max_prompt_chars  # a schema or grammar (Constraint) is held to a prompt's length
         return 4 * (text + self.max_stop * self.max_stop_chars + 2 * self.max_name_chars) + 64 * 1024
 
 
@@ -73,6 +74,19 @@ class PolicyName:
         return f"fixed:{self.draft}" if self.kind == "fixed" else self.kind
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the answer must match (memspec.speculation.grammar compiles and enforces it)."""
+
+    kind: str  # one of CONSTRAINT_KINDS: "json_schema": text is a JSON schema; "json_object": any
+    #            JSON object (text unused); "grammar": text is a Lark or GBNF (llama.cpp) grammar
+    text: str = ""
+    field: str = "response_format"  # the request field it came from, which its errors name
+
+
 def quote(text: str, limit: int = 64) -> str:
     """A client's string as an error or a log line shows it: repr'd, and no more than `limit`
     characters of it, so that a huge field cannot flood the log or overflow gRPC's metadata."""
@@ -104,6 +118,7 @@ class GenerationRequest:
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives
     model: str | None = None  # the target to answer (a store name); None: the daemon's default target
     keep_alive: float | None = None  # seconds its target stays loaded once idle; 0: unload now; None: default
+    constraint: Constraint | None = None  # the answer must match this schema or grammar; None: free text
 
 
 KEEP_FOREVER = math.inf  # keep_alive of a target that is never unloaded for being idle
@@ -167,6 +182,14 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
     for name, value in (("draft", req.draft), ("policy", req.policy and req.policy.draft), ("model", req.model)):
         if value and len(value) > limits.max_name_chars:
             raise _bad(name, f"a name of {len(value)} characters; at most {limits.max_name_chars}")
+    c = req.constraint
+    if c is not None:
+        if c.kind not in CONSTRAINT_KINDS:
+            raise _bad(c.field, f"{quote(c.kind, 32)} is not one of {', '.join(CONSTRAINT_KINDS)}")
+        if c.kind != "json_object" and not c.text.strip():
+            raise _bad(c.field, "is empty")
+        if len(c.text) > limits.max_prompt_chars:
+            raise _bad(c.field, f"{len(c.text)} characters; at most {limits.max_prompt_chars}")
     if not 1 <= req.max_tokens <= limits.max_tokens:
         raise _bad("max_tokens", f"{req.max_tokens} is out of range; allowed 1..{limits.max_tokens}")
     s = req.sampling

@@ -31,6 +31,7 @@ from memspec.runtime.prefixes import PrefixCache
 from memspec.runtime.target import Target, open_target
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
+from memspec.speculation.grammar import GrammarMask, Grammars
 from memspec.speculation.metrics import SpecMetrics
 from memspec.speculation.sources import DraftPool, DraftSource
 from memspec.speculation.speculative import NoDraft, speculative_steps
@@ -114,6 +115,9 @@ class Engine:
         self.verify_cost_s: list[float] | None = None  # [k] = seconds of a k-token target pass (measured once)
         self.costs = costs  # where measured curves outlive the process (the store's costs.json), or None
         self._calibrate_lock = threading.Lock()
+        # compiles requests' constraints (memspec.speculation.grammar); its tokenizer is built on first use
+        self.grammars = Grammars(target.tokenizer, target.session.vocab_size or target.tokenizer.vocab_size,
+                                 target.eos_ids)
         self.prefixes: PrefixCache | None = None  # recent prompts' K/V (None: off, or the target is not exact)
         if prefix_cache_bytes > 0 and getattr(target.session, "prefix_reuse", False):
             self.prefixes = PrefixCache(prefix_cache_bytes)
@@ -246,6 +250,8 @@ class Engine:
         """Validate `req` fully (limits, draft, policy, context) and return its prompt ids."""
         validate(req, self.limits)
         self.drafts.check(req)  # an unknown draft or policy is refused before any work
+        if req.constraint is not None:  # a schema or grammar llguidance refuses is the client's error
+            self.grammars.compile(req.constraint)
         return self.prompt_ids(req)
 
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int:
