@@ -20,9 +20,11 @@ from typing import Callable, Iterator
 import numpy as np
 
 from memspec.errors import ContextOverflowError, InvalidRequestError
+from memspec.models import tools
 from memspec.models.store import Manifest, ModelStore
 from memspec.models.tokenizer import Tokenizer
 from memspec.request import Chunk, Completion, GenerationRequest, Limits, TokenLogprob, validate
+from memspec.request import Constraint
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.costs import CostCache, pass_costs
 from memspec.runtime.memory import release_heap, request_kv_bytes
@@ -189,12 +191,13 @@ class Engine:
     # -- prompt ---------------------------------------------------------------
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
         tok = self.target.tokenizer
-        if req.messages is not None:
-            text = tok.apply_chat_template([{"role": r, "content": c} for r, c in req.messages])
-        elif req.raw:
+        if req.raw:
             text = req.prompt
         else:
-            text = tok.apply_chat_template([{"role": "user", "content": req.prompt}])
+            turns = [{"role": r, "content": c} for r, c in req.messages or (("user", req.prompt),)]
+            listed = [tools.tool_json(t) for t in req.tools] if req.tool_choice != "none" else []
+            knows = tok.template_knows_tools
+            text = tok.apply_chat_template(tools.prompt_turns(turns, listed, knows), tools=listed if knows else None)
         ids = tok.encode(text)
         if not ids:
             raise InvalidRequestError("prompt: encodes to no tokens")
@@ -205,6 +208,14 @@ class Engine:
                 f"(at least one token must be left to generate)"
             )
         return ids
+
+    @staticmethod
+    def constraint(req: GenerationRequest) -> Constraint | None:
+        """What the answer must match: the request's schema or grammar, or a forced tool call's shape."""
+        forced = req.forced_tool
+        if forced is not None:
+            return Constraint("grammar", tools.call_grammar(req.tools, forced or None), field="tool_choice")
+        return req.constraint
 
     # -- decode loops ------------------------------------------------------------
     def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: np.random.Generator,
@@ -250,8 +261,11 @@ class Engine:
         """Validate `req` fully (limits, draft, policy, context) and return its prompt ids."""
         validate(req, self.limits)
         self.drafts.check(req)  # an unknown draft or policy is refused before any work
-        if req.constraint is not None:  # a schema or grammar llguidance refuses is the client's error
-            self.grammars.compile(req.constraint)
+        for i, t in enumerate(req.tools):  # a schema llguidance refuses is the client's error, forced or not
+            self.grammars.compile(Constraint("json_schema", t.parameters, field=f"tools[{i}].function.parameters"))
+        constraint = self.constraint(req)
+        if constraint is not None:
+            self.grammars.compile(constraint)
         return self.prompt_ids(req)
 
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int:
