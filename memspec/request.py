@@ -13,6 +13,8 @@ FINISH_REASONS = ("stop", "length", "eos", "cancelled")
 NO_DRAFT = "none"  # the draft a request names for target-only decoding
 POLICY_KINDS = ("target-only", "fixed", "bandit", "memspec", "oracle")
 MAX_TOP_LOGPROBS = 20  # most alternatives a request may ask for at each position (OpenAI's limit)
+MAX_LOGIT_BIAS = 1024  # most token ids one request may bias
+MAX_REPETITION_PENALTY = 100.0  # a larger one only flattens the same tokens further
 POLICY_FORMS = ("target-only", "fixed:<draft>", "bandit", "memspec", "oracle")  # what a policy may be written as
 
 
@@ -42,6 +44,12 @@ class SamplingParams:
     top_k: int = 0  # 0 = off; otherwise keep the k most likely tokens
     top_p: float = 1.0  # nucleus mass in (0, 1]
     seed: int | None = None  # seeds the request's own generator
+    min_p: float = 0.0  # in [0, 1]; after temperature, drop tokens below min_p x the top probability
+    # the logits controls (memspec.speculation.logits applies them at every position, drafts included):
+    frequency_penalty: float = 0.0  # [-2, 2]; logit -= this x times the token was generated
+    presence_penalty: float = 0.0  # [-2, 2]; logit -= this once the token was generated
+    repetition_penalty: float = 1.0  # > 0 (1 = off); prompt and generated tokens: logit / it if > 0, else x it
+    logit_bias: tuple[tuple[int, float], ...] = ()  # ((token id, bias in [-100, 100]), ...) added to the logits
 
     @property
     def greedy(self) -> bool:
@@ -224,6 +232,16 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
         raise _bad("top_p", f"{s.top_p} is out of range; allowed (0, 1]")
     if s.seed is not None and not 0 <= s.seed < 2**64:
         raise _bad("seed", f"{s.seed} is out of range; allowed 0..2^64-1")
+    if not 0.0 <= s.min_p <= 1.0:
+        raise _bad("min_p", f"{s.min_p} is out of range; allowed [0, 1]")
+    for name in ("frequency_penalty", "presence_penalty"):
+        value = getattr(s, name)
+        if not -2.0 <= value <= 2.0:
+            raise _bad(name, f"{value} is out of range; allowed [-2, 2]")
+    if not 0.0 < s.repetition_penalty <= MAX_REPETITION_PENALTY:
+        raise _bad("repetition_penalty", f"{s.repetition_penalty} is out of range; allowed (0, "
+                                         f"{MAX_REPETITION_PENALTY:g}] (1 = off)")
+    check_logit_bias(s.logit_bias)
     if req.logprobs is not None and not 0 <= req.logprobs <= MAX_TOP_LOGPROBS:
         raise _bad("top_logprobs", f"{req.logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
     if len(req.stop) > limits.max_stop:
@@ -258,6 +276,24 @@ def _check_tools(req: GenerationRequest, limits: Limits) -> None:
                                                     f"({', '.join(sorted(names))})")
         if req.constraint is not None:
             raise _bad("tool_choice", f"a forced call has its own shape; it cannot be combined with {req.constraint.field}")
+
+
+def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab: int | None = None) -> None:
+    """logit_bias: at most MAX_LOGIT_BIAS distinct token ids (in 0..vocab-1 where vocab is known),
+    each with a bias in [-100, 100]."""
+    if len(bias) > MAX_LOGIT_BIAS:
+        raise _bad("logit_bias", f"{len(bias)} entries; at most {MAX_LOGIT_BIAS}")
+    seen = set()
+    for token, value in bias:
+        if isinstance(token, bool) or not isinstance(token, int) or token < 0:
+            raise _bad("logit_bias", f"key {quote(str(token), 32)} is not a token id (a non-negative integer)")
+        if vocab is not None and token >= vocab:
+            raise _bad("logit_bias", f"token id {token} is outside the vocabulary (0..{vocab - 1})")
+        if token in seen:
+            raise _bad("logit_bias", f"token id {token} is given twice")
+        seen.add(token)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not -100.0 <= value <= 100.0:
+            raise _bad("logit_bias", f"bias {value!r} of token {token} is out of range; allowed [-100, 100]")
 
 
 def _check_text(name: str, text: str, limits: Limits, allow_empty: bool = False) -> None:

@@ -31,7 +31,7 @@ class Broken:
     def begin(self, capacity):
         return self
 
-    def propose(self, context, k, params, rng):
+    def propose(self, context, k, params, rng, shaper=None):
         raise RuntimeError("draft failed")
 
     def close(self):

@@ -236,7 +236,7 @@ def test_the_cost_controller_does_not_count_a_drafts_prefill_as_its_per_token_co
         def __init__(self):
             self.first = True
 
-        def propose(self, context, k, params, rng):
+        def propose(self, context, k, params, rng, shaper=None):
             setup = 1.0 if self.first else 0.0
             self.first = False
             now[0] += setup + 0.0001 * k
@@ -355,7 +355,7 @@ def test_zero_acceptance_still_exact(fp32_engine):
         def begin(self, capacity):
             return self
 
-        def propose(self, context, k, params, rng):
+        def propose(self, context, k, params, rng, shaper=None):
             from memspec.speculation.drafts import Proposal
             return Proposal([0] * k, None, [0.0] * k)
 
@@ -504,7 +504,7 @@ def test_a_pool_draft_that_raises_is_given_up_and_the_output_is_unchanged(fp32_e
         def begin(self, capacity):
             return self
 
-        def propose(self, context, k, params, rng):
+        def propose(self, context, k, params, rng, shaper=None):
             raise ValueError("corrupt draft weights")
 
         def close(self):
@@ -518,3 +518,129 @@ def test_a_pool_draft_that_raises_is_given_up_and_the_output_is_unchanged(fp32_e
     finally:
         del e.drafts.proposers["raising"]
     assert r.token_ids == base.token_ids and r.stats["draft_failures"] == 1 and r.stats["num_drafts"] == 0
+
+
+# -- output controls under speculation (memspec.speculation.logits) ---------------------------
+CONTROLS = SamplingParams(frequency_penalty=1.5, presence_penalty=0.5, repetition_penalty=1.3,
+                          logit_bias=((2, 0.8), (7, -1.0)))
+
+
+def shaped_target_only(target, prompt, params, n, capacity=64):
+    """One-token decoding under the request's shaper: each row shaped after the tokens before it."""
+    from memspec.speculation.logits import for_sampling
+
+    shaper, c = for_sampling(params, prompt), target.new_cache(capacity)
+    row = target.forward(c, prompt, keep=1)[-1]
+    out = []
+    while True:
+        out.append(int(shaper.shape(row).argmax()))
+        shaper.push(out[-1])
+        if len(out) >= n or c.length >= c.capacity:
+            return out
+        row = target.forward(c, [out[-1]], keep=1)[-1]
+
+
+def shaped_speculative(target, draft_state, params, gamma=4):
+    from memspec.speculation.logits import for_sampling
+
+    m = SpecMetrics()
+    got = []
+    for committed in speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft_state), params,
+                                       np.random.default_rng(0), SpecConfig(gamma=gamma, adaptive=False), m,
+                                       shaper=for_sampling(params, PROMPT)):
+        got.extend(committed)
+    return got, m
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_speculative_with_penalties_and_bias_equals_shaped_target_only(tiny, gamma):
+    target, draft = tiny
+    got, m = shaped_speculative(target, draft.begin(64), CONTROLS, gamma)
+    assert got == shaped_target_only(target, PROMPT, CONTROLS, len(got))
+    assert got != greedy_target_only(target, PROMPT, len(got))  # the controls changed the answer
+    assert m.num_accepted_tokens > 0
+
+
+def test_penalty_state_advanced_once_per_step_is_caught(tiny, monkeypatch):
+    """The classic bug: penalties counted per step (the committed run seen only after the step) instead
+    of per token.  A draft that is the target itself has every token accepted, so it must show."""
+    import memspec.speculation.speculative as spec
+
+    target, _ = tiny
+    same = DraftModel("self", target, np.arange(V), V,  # the model only: no lookup proposals
+                      DraftLimits(p_min=0.0, max_entropy=np.inf, loop_tokens=0, lookup_ngram=0))
+    want = shaped_target_only(target, PROMPT, CONTROLS, 40)
+    got, m = shaped_speculative(target, same.begin(64), CONTROLS)
+    assert got[:40] == want and m.num_accepted_tokens == m.num_draft_tokens > 0  # the draft proposes shaped too
+
+    def rows_at_step_start(shaper, rows, draft):
+        return np.stack([shaper.shape(r) for r in rows])
+
+    def push_committed_after_the_step(shaper, k, n, token):
+        shaper.push(token)  # the accepted drafts never counted
+
+    monkeypatch.setattr(spec, "verify_rows", rows_at_step_start)
+    monkeypatch.setattr(spec, "settle", push_committed_after_the_step)
+    got, _ = shaped_speculative(target, same.begin(64), CONTROLS)
+    assert got[:40] != want
+
+
+def exact_shaped_second_token_distribution(target, params, prompt=PROMPT):
+    """P(t2) = sum_t1 P(t1) P(t2 | t1) under the request's shaper (t1 pushed before t2's row)."""
+    from memspec.speculation.logits import for_sampling
+
+    def probs(row, shaper):
+        return sampling.probabilities(shaper.shape(row), params.temperature, params.top_k, params.top_p, params.min_p)
+
+    shaper, c = for_sampling(params, prompt), target.new_cache()
+    p1 = probs(target.forward(c, prompt, keep=1)[-1], shaper)
+    p2 = np.zeros(V)
+    for t1 in np.nonzero(p1)[0]:
+        c.truncate(len(prompt))
+        shaper.push(int(t1))
+        p2 += p1[t1] * probs(target.forward(c, [int(t1)], keep=1)[-1], shaper)
+        shaper.pop(1)
+    return p2
+
+
+def shaped_second_token_counts(tiny, params, n=2000):
+    from memspec.speculation.logits import for_sampling
+
+    target, draft = tiny
+    rng = np.random.default_rng(11)
+    counts = np.zeros(V, dtype=np.int64)
+    for _ in range(n):
+        steps = speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)), params, rng,
+                                  SpecConfig(gamma=3, adaptive=False), SpecMetrics(),
+                                  shaper=for_sampling(params, PROMPT))
+        next(steps)
+        counts[next(steps)[0]] += 1
+        steps.close()
+    return counts, exact_shaped_second_token_distribution(target, params)
+
+
+SAMPLED_CONTROLS = SamplingParams(temperature=1.0, min_p=0.2, frequency_penalty=2.0, presence_penalty=1.0,
+                                  repetition_penalty=1.5, logit_bias=((9, 1.5),), seed=0)
+
+
+def test_speculative_sampling_with_penalties_and_min_p_matches_the_shaped_target(tiny):
+    counts, p2 = shaped_second_token_counts(tiny, SAMPLED_CONTROLS)
+    from dataclasses import replace
+
+    target = tiny[0]
+    assert np.abs(p2 - exact_shaped_second_token_distribution(target, replace(SAMPLED_CONTROLS, min_p=0.0))).max() > 0.01
+    assert np.abs(p2 - exact_second_token_distribution(target, SAMPLED_CONTROLS)).max() > 0.05  # penalties bite
+    assert chi_square_p(counts, p2) > 1e-3
+
+
+def test_verifying_on_unshaped_rows_fails_the_chi_square(tiny, monkeypatch):
+    import memspec.speculation.speculative as spec
+
+    def raw_rows(shaper, rows, draft):
+        for t in draft:
+            shaper.push(int(t))
+        return rows
+
+    monkeypatch.setattr(spec, "verify_rows", raw_rows)
+    counts, p2 = shaped_second_token_counts(tiny, SAMPLED_CONTROLS)
+    assert counts[p2 == 0].sum() > 0 or chi_square_p(counts, p2) < 1e-6

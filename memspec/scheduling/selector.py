@@ -16,6 +16,7 @@ from typing import Callable
 
 from memspec.request import NO_DRAFT, GenerationRequest
 from memspec.scheduling.workingset import Lease, WorkingSet
+from memspec.speculation.logits import IDENTITY
 from memspec.speculation.metrics import SpecMetrics
 
 log = logging.getLogger("memspec.scheduler")
@@ -27,8 +28,8 @@ class _Watched:
     def __init__(self, state, entropies: deque):
         self.state, self.entropies = state, entropies
 
-    def propose(self, context, k, params, rng):
-        prop = self.state.propose(context, k, params, rng)
+    def propose(self, context, k, params, rng, shaper=IDENTITY):
+        prop = self.state.propose(context, k, params, rng, shaper)
         self.entropies.extend(prop.entropy)
         return prop
 

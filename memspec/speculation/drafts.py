@@ -32,6 +32,7 @@ from memspec.request import SamplingParams
 from memspec.runtime.config import LARGE_DRAFT_BYTES, SessionConfig
 from memspec.runtime.target import Target
 from memspec.speculation.config import DraftLimits
+from memspec.speculation.logits import IDENTITY, LogitsShaper, allowed_prefix, is_identity
 from memspec.models.store import Manifest, ModelStore
 
 PROMPT_LOOKUP = "prompt-lookup"
@@ -49,7 +50,8 @@ class Proposal:
 
 
 class DraftState(Protocol):
-    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal: ...
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
+                shaper: LogitsShaper = IDENTITY) -> Proposal: ...  # under the request's shaper, left as found
 
     def close(self) -> None: ...
 
@@ -277,7 +279,8 @@ class ModelDraftState:
         self.cached.extend(feed)
         return logits, setup
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
+                shaper: LogitsShaper = IDENTITY) -> Proposal:
         k = min(k, self.cache.capacity - len(context))
         if k <= 0:
             return Proposal([], None, [])
@@ -285,12 +288,14 @@ class ModelDraftState:
         seen = (loop_continuation(context, k, lim.loop_tokens)
                 or ngram_continuation(context, k, lim.lookup_ngram, LOOKUP_MAX_NGRAM))
         if seen:  # the model does not run; its cache catches up when it next does
-            return deterministic_proposal(seen, self.d.target_vocab, params)
+            return deterministic_proposal(seen, self.d.target_vocab, params, shaper)
         logits, setup = self._catch_up(context)
+        if not is_identity(shaper):
+            return self._propose_shaped(logits, setup, k, params, rng, shaper)
         tokens, qs, ents = [], [], []
         for i in range(k):
             probs = sampling.probabilities(logits, 1.0) if params.greedy else sampling.probabilities(
-                logits, params.temperature, params.top_k, params.top_p)
+                logits, params.temperature, params.top_k, params.top_p, params.min_p)
             ent = float(-(probs * np.log(np.maximum(probs, 1e-30))).sum())
             if i > 0 and (probs.max() < self.d.limits.p_min or ent > self.d.limits.max_entropy):
                 break  # the draft is unsure: stop and let the target verify what we have
@@ -306,12 +311,47 @@ class ModelDraftState:
                 self.cached.append(tokens[-1])
         return Proposal(tokens, np.stack(qs) if qs else None, ents, setup)
 
+    def _propose_shaped(self, logits: np.ndarray, setup: float, k: int, params: SamplingParams,
+                        rng: np.random.Generator, shaper: LogitsShaper) -> Proposal:
+        """propose() under a shaper: each draft row is put in the target's vocabulary (-inf where the
+        draft has no token) and shaped with the tokens proposed before it, so that q is the
+        distribution each token was really drawn from.  The pushed tokens are popped at the end."""
+        tokens, qs, ents = [], [], []
+        row = np.full(self.d.target_vocab, -np.inf, dtype=np.float32)
+        try:
+            for i in range(k):
+                row[self.d.to_target] = logits
+                z = shaper.shape(row)
+                if not np.isfinite(z.max()):
+                    break  # the shaper forbids every token this draft has
+                probs = sampling.probabilities(z, 1.0) if params.greedy else sampling.probabilities(
+                    z, params.temperature, params.top_k, params.top_p, params.min_p)
+                ent = float(-(probs * np.log(np.maximum(probs, 1e-30))).sum())
+                if i > 0 and (probs.max() < self.d.limits.p_min or ent > self.d.limits.max_entropy):
+                    break  # the draft is unsure: stop and let the target verify what we have
+                tid = int(np.argmax(probs)) if params.greedy else sampling.sample(probs, rng)
+                shaper.push(tid)
+                tokens.append(tid)
+                ents.append(ent)
+                if not params.greedy:
+                    qs.append(probs)
+                if i + 1 < k:
+                    logits = self.d.session.forward(self.cache, [int(self.d.to_draft[tid])], keep=1)[-1]
+                    self.cached.append(tid)
+        finally:
+            shaper.pop(len(tokens))
+        return Proposal(tokens, np.stack(qs) if qs else None, ents, setup)
+
     def close(self) -> None:
         self.cache = None
 
 
-def deterministic_proposal(tokens: list[int], target_vocab: int, params: SamplingParams) -> Proposal:
-    """Tokens proposed without a distribution: when sampling, q is one-hot on each of them."""
+def deterministic_proposal(tokens: list[int], target_vocab: int, params: SamplingParams,
+                           shaper: LogitsShaper = IDENTITY) -> Proposal:
+    """Tokens proposed without a distribution: when sampling, q is one-hot on each of them.  Under a
+    shaper they stop before the first token it forbids (no target row could accept it)."""
+    if not is_identity(shaper):
+        tokens = allowed_prefix(shaper, tokens, target_vocab)
     q = None
     if tokens and not params.greedy:
         q = np.zeros((len(tokens), target_vocab))
@@ -350,8 +390,9 @@ class PromptLookupState:
         return (loop_continuation(context, k, self.pl.loop_tokens)
                 or ngram_continuation(context, k, self.pl.min_ngram, self.pl.max_ngram))
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
-        return deterministic_proposal(self.find(context, k), self.pl.target_vocab, params)
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
+                shaper: LogitsShaper = IDENTITY) -> Proposal:
+        return deterministic_proposal(self.find(context, k), self.pl.target_vocab, params, shaper)
 
     def close(self) -> None:
         pass

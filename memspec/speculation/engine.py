@@ -23,7 +23,7 @@ from memspec.errors import ContextOverflowError, InvalidRequestError
 from memspec.models import tools
 from memspec.models.store import Manifest, ModelStore
 from memspec.models.tokenizer import Tokenizer
-from memspec.request import Chunk, Completion, GenerationRequest, Limits, TokenLogprob, validate
+from memspec.request import Chunk, Completion, GenerationRequest, Limits, TokenLogprob, check_logit_bias, validate
 from memspec.request import Constraint
 from memspec.runtime.config import SessionConfig
 from memspec.runtime.costs import CostCache, pass_costs
@@ -34,6 +34,7 @@ from memspec.runtime.target import Target, open_target
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
 from memspec.speculation.grammar import GrammarMask, Grammars
+from memspec.speculation.logits import IDENTITY, LogitsShaper, compose, for_sampling
 from memspec.speculation.metrics import SpecMetrics
 from memspec.speculation.sources import DraftPool, DraftSource
 from memspec.speculation.speculative import NoDraft, speculative_steps
@@ -220,15 +221,19 @@ class Engine:
     # -- decode loops ------------------------------------------------------------
     def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: np.random.Generator,
               metrics: SpecMetrics, cancelled: Callable[[], bool] = lambda: False,
-              on_rows: Callable[[np.ndarray], None] | None = None) -> Iterator[list[int]]:
-        """The decode loop for this request: speculative when a draft is chosen, else target only."""
+              on_rows: Callable[[np.ndarray], None] | None = None,
+              grammar: GrammarMask | None = None) -> Iterator[list[int]]:
+        """The decode loop for this request: speculative when a draft is chosen, else target only.
+        grammar: the mask of the request's constraint (self.grammars.mask), which the caller reads
+        to end the answer once the grammar is complete."""
         select = self.drafts.selector(req, prompt, cache.capacity, cancelled)
         costs = self._verify_costs() if select is not None else None
         select = select or NoDraft()
         slot = self.batch.join() if self.batch is not None else None
         context = list(prompt)  # what the cache holds at each yield: context[:cache.length]
+        # a shaped request runs the same loop on a batch slot: only the target pass is shared
         steps = speculative_steps(slot or self.target.session, cache, prompt, select, req.sampling, rng,
-                                  self.spec, metrics, self.clock, costs, on_rows)
+                                  self.spec, metrics, self.clock, costs, on_rows, self.shaper(req, prompt, grammar))
         try:
             for committed in steps:
                 if self.prefixes is not None and len(context) == len(prompt):
@@ -246,6 +251,18 @@ class Engine:
                 slot.leave()
                 self.batch.release(cache)
 
+    def shaper(self, req: GenerationRequest, prompt: list[int], grammar: GrammarMask | None = None) -> LogitsShaper:
+        """The request's logits shaper (memspec.speculation.logits): its sampling controls, then its
+        grammar's mask (last, so that nothing raises a forbidden token again); IDENTITY when it asks
+        for none.  Batched requests run the same loop on a slot, so the mask holds there too."""
+        return compose(for_sampling(req.sampling, prompt), grammar if grammar is not None else IDENTITY)
+
+    @property
+    def vocab_size(self) -> int:
+        """Token ids a request may name (logit_bias): the tokenizer's, within the target's logits."""
+        n = self.target.tokenizer.vocab_size
+        return min(n, self.target.session.vocab_size or n)
+
     def _keep(self, context: list[int], cache: KVCache) -> None:
         """The finished request's prompt and answer, for the next turn of its conversation, and its
         committed tokens for the drafts that learn from what the daemon saw (the suffix draft)."""
@@ -260,6 +277,7 @@ class Engine:
     def check(self, req: GenerationRequest) -> list[int]:
         """Validate `req` fully (limits, draft, policy, context) and return its prompt ids."""
         validate(req, self.limits)
+        check_logit_bias(req.sampling.logit_bias, self.vocab_size)
         self.drafts.check(req)  # an unknown draft or policy is refused before any work
         for i, t in enumerate(req.tools):  # a schema llguidance refuses is the client's error, forced or not
             self.grammars.compile(Constraint("json_schema", t.parameters, field=f"tools[{i}].function.parameters"))
@@ -299,16 +317,18 @@ class Engine:
         finish = "length"
         rows: list[np.ndarray] = []  # logits rows of the step just committed (only when logprobs are asked)
         on_rows = (lambda r: rows.append(r.copy())) if req.logprobs is not None else None
+        constraint = self.constraint(req)
+        grammar = self.grammars.mask(constraint) if constraint is not None else None
         steps = self.steps(cache, prompt, req, rng, metrics, cancel.is_set if cancel is not None else lambda: False,
-                           on_rows)
+                           on_rows, grammar)
         try:
             for committed in steps:
                 if t_first is None:
                     t_first = self.clock()
                 new, finish_now = self._accept(committed, out, req)
                 piece = stops.feed(detok.add(new)) if new else ""
-                if stops.hit:
-                    finish_now = "stop"
+                if stops.hit or (finish_now is None and grammar is not None and grammar.done):
+                    finish_now = "stop"  # a stop string, or a complete grammar (it admits only an end token)
                 text.append(piece)
                 logprobs = self._logprobs(rows.pop(), new, req.logprobs) if rows else None
                 yield Chunk(piece, new, logprobs)

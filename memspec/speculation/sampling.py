@@ -20,12 +20,15 @@ def log_probs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple
     return float(z[token] - lse), [(int(i), float(z[i] - lse)) for i in top]
 
 
-def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0) -> np.ndarray:
+def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                  min_p: float = 0.0) -> np.ndarray:
     """The (V,) float64 distribution that sampling draws from.
 
     temperature > 0 scales the logits; top_k > 0 keeps the k most likely tokens;
-    top_p < 1 keeps the smallest set whose mass reaches top_p.  Filtered tokens
-    get probability 0 and the rest are renormalised.
+    top_p < 1 keeps the smallest set whose mass reaches top_p; min_p > 0 then keeps
+    the tokens at least min_p times as likely as the most likely one (llama.cpp's
+    order: top_k, top_p, min_p; all after temperature here).  Filtered tokens get
+    probability 0 and the rest are renormalised.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
@@ -44,14 +47,18 @@ def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p:
         mask[keep] = True
         p = np.where(mask, p, 0.0)
         p /= p.sum()
+    if min_p > 0.0:  # a ratio to the top: the same before or after top_p's renormalisation
+        p = np.where(p >= min_p * p.max(), p, 0.0)
+        p /= p.sum()
     return p
 
 
-def pick(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator) -> int:
+def pick(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator,
+         min_p: float = 0.0) -> int:
     """The next token from a (V,) row: argmax when temperature is 0, else a draw from the filtered distribution."""
     if temperature == 0.0:
         return greedy(logits)
-    return sample(probabilities(logits, temperature, top_k, top_p), rng)
+    return sample(probabilities(logits, temperature, top_k, top_p, min_p), rng)
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:

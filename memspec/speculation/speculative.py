@@ -10,6 +10,11 @@ Per step, with the target cache holding every committed token but the last:
 The draft state re-syncs itself from the committed context at its next
 proposal, so rejected draft tokens are dropped and after a full acceptance the
 draft catches up on dk and the bonus token.
+
+A request's output controls (penalties, logit_bias, a grammar) are its logits shaper
+(memspec.speculation.logits): the draft proposes under it, every verified row is shaped with
+the tokens before its position, and it rolls back what was rejected.  With none asked the
+shaper is IDENTITY and the loop never calls it.
 """
 
 from __future__ import annotations
@@ -23,6 +28,7 @@ import numpy as np
 from memspec.speculation import sampling
 from memspec.speculation.config import DraftLimits, SpecConfig
 from memspec.speculation.drafts import DraftState, Proposal
+from memspec.speculation.logits import IDENTITY, LogitsShaper, is_identity, settle, verify_rows
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import SamplingParams
 from memspec.runtime.kvcache import KVCache
@@ -165,14 +171,15 @@ class FixedDraft:
 
 
 def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, context: list[int], k: int,
-             params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics) -> Proposal:
+             params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics,
+             shaper: LogitsShaper) -> Proposal:
     """The draft's proposal of k tokens; none when there is no draft, or when it raises (a broken
     draft must not fail the request: the selector gives it up and the request goes on target-only,
     which changes nothing in the output)."""
     if draft is None or k <= 0:
         return Proposal([], None, [])
     try:
-        return draft.propose(context, k, params, rng)
+        return draft.propose(context, k, params, rng, shaper)  # leaves the shaper as it found it
     except Exception as exc:
         log.warning("draft %s failed mid-request (%s: %s): target-only for the rest of it",
                     name, type(exc).__name__, exc)
@@ -185,7 +192,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
                       params: SamplingParams, rng: np.random.Generator, cfg: SpecConfig, metrics: SpecMetrics,
                       clock: Callable[[], float] = time.perf_counter,
                       verify_cost_s: list[float] | Callable[[], list[float]] | None = None,
-                      on_rows: Callable[[np.ndarray], None] | None = None) -> Iterator[list[int]]:
+                      on_rows: Callable[[np.ndarray], None] | None = None,
+                      shaper: LogitsShaper = IDENTITY) -> Iterator[list[int]]:
     """Yield the token ids committed at each step (1 .. k+1 per step).
 
     verify_cost_s[k]: measured seconds of a target pass over k tokens (index 0 unused), for the
@@ -194,7 +202,10 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     before each yield with the target's logits rows that predicted the committed tokens,
     (n_committed, V); the rows are the session's buffer, valid only during the call (logprobs).
     `cache` may hold the prompt's first tokens already (memspec.runtime.prefixes): only the rest is fed.
+    shaper: the request's logits shaper, built for `prompt` with nothing pushed yet (the logits
+    rows given to on_rows stay the raw ones).
     """
+    shaped = not is_identity(shaper)
     live = verify_cost_s if callable(verify_cost_s) else None
     if live is not None:
         verify_cost_s = live()
@@ -202,7 +213,10 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     verify_cost_s1 = verify_cost_s[1] if verify_cost_s else 0.0
     logits = target.forward(cache, prompt[cache.length:], keep=1)[-1]  # a cache may start with a reused prefix
     context = list(prompt)
-    first = sampling.pick(logits, params.temperature, params.top_k, params.top_p, rng)
+    first = sampling.pick(shaper.shape(logits) if shaped else logits, params.temperature, params.top_k,
+                          params.top_p, rng, params.min_p)
+    if shaped:
+        shaper.push(first)
     context.append(first)
     if on_rows is not None:
         on_rows(logits[None, :])
@@ -223,15 +237,19 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
                 ctl.verify_cost, ctl.target_step_s = [c / now[1] for c in now], now[1]
             gamma = ctl.next()
         k = min(gamma, cache.capacity - cache.length - 1)
-        prop = _propose(select, draft_name, draft, context, k, params, rng, metrics)
+        prop = _propose(select, draft_name, draft, context, k, params, rng, metrics, shaper)
         t1 = clock()
         feed = [context[-1], *prop.tokens]
         rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)
+        decide = verify_rows(shaper, rows, prop.tokens) if shaped else rows  # (k+1, V)
         if params.greedy:
-            n, nxt = sampling.verify_greedy(rows.argmax(axis=-1), np.asarray(prop.tokens, dtype=np.int64))
+            n, nxt = sampling.verify_greedy(decide.argmax(axis=-1), np.asarray(prop.tokens, dtype=np.int64))
         else:
-            p = np.stack([sampling.probabilities(r, params.temperature, params.top_k, params.top_p) for r in rows])
+            p = np.stack([sampling.probabilities(r, params.temperature, params.top_k, params.top_p, params.min_p)
+                          for r in decide])
             n, nxt = sampling.verify_sampled(p, prop.q, np.asarray(prop.tokens, dtype=np.int64), rng)
+        if shaped:  # once per token: the rejected drafts come off, the recovered or bonus token goes on
+            settle(shaper, len(prop.tokens), n, nxt)
         t2 = clock()
         cache.truncate(cache.length - len(feed) + 1 + n)  # keep `last` and the accepted drafts
         committed = [*prop.tokens[:n], nxt]

@@ -38,6 +38,7 @@ import numpy as np
 from memspec.request import SamplingParams
 from memspec.speculation.config import DraftLimits
 from memspec.speculation.drafts import Proposal, deterministic_proposal, loop_continuation
+from memspec.speculation.logits import IDENTITY, LogitsShaper
 
 SUFFIX = "suffix"
 SEP = -1  # ends each sequence in the ring; no token id equals it
@@ -307,8 +308,9 @@ class SuffixState:
         match = Match(length, np.concatenate([m.rows for m in both]), np.concatenate([m.valid for m in both]))
         return vote(match, min(k, max(1, int(self.d.spec_factor * length))), self.d.min_prob)
 
-    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator) -> Proposal:
-        return deterministic_proposal(self.find(context, k), self.d.target_vocab, params)
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
+                shaper: LogitsShaper = IDENTITY) -> Proposal:
+        return deterministic_proposal(self.find(context, k), self.d.target_vocab, params, shaper)
 
     def close(self) -> None:
         pass

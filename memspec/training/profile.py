@@ -31,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 from memspec.speculation.drafts import PROMPT_LOOKUP, Proposal
+from memspec.speculation.logits import IDENTITY
 from memspec.speculation.suffix import SUFFIX
 from memspec.scheduling.features import TAIL_CHARS, generation_context, request_text
 from memspec.speculation.metrics import SpecMetrics
@@ -61,8 +62,8 @@ class _Recorder:
     def __call__(self, context, metrics):
         return (self.name, self) if self.state is not None else (None, None)
 
-    def propose(self, context, k, params, rng) -> Proposal:
-        prop = self.state.propose(context, k, params, rng)
+    def propose(self, context, k, params, rng, shaper=IDENTITY) -> Proposal:
+        prop = self.state.propose(context, k, params, rng, shaper)
         self.entropy = prop.entropy
         return prop
 
