@@ -50,6 +50,21 @@ def test_the_mask_follows_the_grammar_and_rolls_back(grammars):
     assert allowed(g) == [2]
 
 
+def test_end_tokens_a_draft_proposes_roll_back_with_the_rest(grammars):
+    """A draft may propose the end token where the grammar is complete, and more after it; the
+    verification rolls them back with the tokens before them."""
+    g = grammars.mask(Constraint("grammar", 'start: "ab" "c"*', field="grammar"))
+    for t in (1, 2, 0):
+        g.push(t)
+    assert allowed(g) == [0] and g.done  # after the end: only the end
+    g.push(0)
+    g.pop(3)
+    assert allowed(g) == [2]  # after 'a' again
+    g.push(2)
+    g.push(3)
+    assert allowed(g) == [0, 3] and not g.done
+
+
 def test_a_complete_grammar_is_done(grammars):
     g = grammars.mask(Constraint("grammar", 'root ::= "ab" | "cd"', field="grammar"))  # GBNF, as llama.cpp's
     for t in (3, 4):  # 'c', 'd'
@@ -104,3 +119,93 @@ def test_a_json_answer_walks_through_the_schema_on_smollm(model_store):
     assert g.done
     g.pop(len(answer))
     assert not g.allowed()[tok.encode("[")[0]]  # an object, nothing else
+
+
+# -- the grammar in the speculative loop, on tiny ONNX models over the 16 letters ----------------
+PROMPT = [3, 1, 4, 1, 5]
+SMALL = 'start: /[a-e]/ /[c-h]/ /[a-o]*/'  # t1 in a..e (ids 1-5), t2 in c..h (ids 3-8), then anything
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    from tiny_models import build_tiny
+
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.sessions import DecoderSession
+    from memspec.speculation.drafts import DraftModel
+
+    d = tmp_path_factory.mktemp("tiny")
+    cfg = SessionConfig(max_context=64, intra_op_threads=1)
+    target = DecoderSession(build_tiny(d / "target.onnx", seed=1, scale=0.1, vocab=V), cfg)
+    draft = DecoderSession(build_tiny(d / "draft.onnx", seed=2, scale=0.1, vocab=V), cfg)
+    return target, DraftModel("tiny-draft", draft, np.arange(V), V)
+
+
+def run(tiny, grammars, params, draft: bool, rng, gamma=3, grammar=SMALL):
+    """The loop under the grammar's mask: a generator of committed steps."""
+    from memspec.speculation.config import SpecConfig
+    from memspec.speculation.metrics import SpecMetrics
+    from memspec.speculation.speculative import FixedDraft, NoDraft, speculative_steps
+
+    target, d = tiny
+    select = FixedDraft("d", d.begin(64)) if draft else NoDraft()
+    mask = grammars.mask(Constraint("grammar", grammar, field="grammar"))
+    return speculative_steps(target, target.new_cache(), PROMPT, select, params, rng, SpecConfig(gamma=gamma, adaptive=False),
+                             SpecMetrics(), shaper=mask), mask
+
+
+@pytest.mark.parametrize("gamma", [1, 4])
+def test_greedy_under_a_grammar_is_the_targets_own_under_it(tiny, grammars, gamma):
+    """The draft proposes under the mask and a rejection rolls it back: the output is token for
+    token the masked target's argmax, one position at a time."""
+    from memspec.request import SamplingParams
+
+    grammar = 'start: /[a-e]/ /[c-h]/ ("ab" | "cd" | /[f-o]/)*'
+    got = []
+    steps, _ = run(tiny, grammars, SamplingParams(), True, np.random.default_rng(0), gamma, grammar)
+    for committed in steps:
+        got.extend(committed)
+        if len(got) >= 30:
+            break
+    steps.close()
+    target = tiny[0]
+    want, c = [], target.new_cache(64)
+    ref = grammars.mask(Constraint("grammar", grammar, field="grammar"))
+    row = target.forward(c, PROMPT, keep=1)[-1]
+    while len(want) < len(got):
+        t = int(ref.shape(row).argmax())
+        want.append(t)
+        ref.push(t)
+        row = target.forward(c, [t], keep=1)[-1]
+    assert got[:len(want)] == want
+    assert want[0] in range(1, 6) and want[1] in range(3, 9)
+
+
+def test_sampling_under_a_grammar_keeps_the_masked_distribution(tiny, grammars):
+    """The second token, drafted and verified under the mask, is distributed as
+    P(t2) = sum_t1 Pm(t1) Pm(t2 | t1), Pm the target's distribution masked and renormalised."""
+    from test_sampling import chi_square_p
+
+    from memspec.request import SamplingParams
+    from memspec.speculation import sampling
+
+    params = SamplingParams(temperature=1.0)
+    target = tiny[0]
+    c = target.new_cache()
+    m1 = grammars.mask(Constraint("grammar", SMALL, field="grammar"))
+    p1 = sampling.probabilities(m1.shape(target.forward(c, PROMPT, keep=1)[-1]), 1.0)
+    p2 = np.zeros(V)
+    for t1 in np.nonzero(p1)[0]:
+        c.truncate(len(PROMPT))
+        m1.push(int(t1))
+        p2 += p1[t1] * sampling.probabilities(m1.shape(target.forward(c, [int(t1)], keep=1)[-1]), 1.0)
+        m1.pop(1)
+    rng = np.random.default_rng(7)
+    counts = np.zeros(V, dtype=np.int64)
+    for _ in range(1500):
+        steps, _ = run(tiny, grammars, params, True, rng)
+        next(steps)
+        counts[next(steps)[0]] += 1  # the first token the draft-and-verify step commits
+        steps.close()
+    assert set(np.nonzero(p2)[0]) == set(range(3, 9))
+    assert chi_square_p(counts, p2) > 1e-3

@@ -93,19 +93,30 @@ class Grammars:
         matcher = llguidance.LLMatcher(self.ll_tokenizer(), self.compile(c), log_level=0)
         if matcher.is_error():
             raise InvalidRequestError(f"{c.field}: {_first_line(matcher.get_error())}")
-        return GrammarMask(matcher, self.vocab)
+        return GrammarMask(matcher, self.vocab, self.eos_ids)
 
 
 class GrammarMask:
-    """One request's matcher as a logits shaper (the module docstring)."""
+    """One request's matcher as a logits shaper (the module docstring).
 
-    def __init__(self, matcher: llguidance.LLMatcher, vocab: int):
+    An end token is not given to the matcher: a draft may propose it, and tokens after it, which
+    are then verified and rolled back, and llguidance does not count a consumed end token as one
+    it can roll back.  The mask counts the end tokens pushed on top of the matcher itself, and
+    admits only end tokens after one."""
+
+    def __init__(self, matcher: llguidance.LLMatcher, vocab: int, eos_ids: Iterable[int]):
         self.matcher = matcher
         self.vocab = vocab
+        self.eos_ids = np.asarray(sorted(eos_ids), dtype=np.int64)
+        self.ended = 0  # end tokens pushed on top of what the matcher consumed
         self.bits = np.zeros((vocab + 31) // 32, dtype=np.int32)  # one bit a token, as llguidance writes it
 
     def allowed(self) -> np.ndarray:
         """(vocab,) bool: the tokens the grammar admits next."""
+        if self.ended:
+            out = np.zeros(self.vocab, dtype=bool)
+            out[self.eos_ids] = True
+            return out
         self.matcher.unsafe_compute_mask_ptr(self.bits.ctypes.data, self.bits.nbytes)
         return np.unpackbits(self.bits.view(np.uint8), bitorder="little", count=self.vocab).view(bool)
 
@@ -116,15 +127,21 @@ class GrammarMask:
         return np.where(allowed, row, np.float32(-np.inf)).astype(np.float32, copy=False)
 
     def push(self, token: int) -> None:
-        if not self.matcher.consume_token(token):
+        if token in self.eos_ids and (self.ended or self.matcher.is_accepting()):
+            self.ended += 1
+            return
+        if self.ended or not self.matcher.consume_token(token):
             raise RuntimeError(f"the grammar refused token {token}, which its mask allowed: "
                                f"{_first_line(self.matcher.get_error())}")
 
     def pop(self, n: int) -> None:
+        ends = min(n, self.ended)
+        self.ended -= ends
+        n -= ends
         if n and not self.matcher.rollback(n):
             raise RuntimeError(f"the grammar could not roll back {n} tokens: {_first_line(self.matcher.get_error())}")
 
     @property
     def done(self) -> bool:
         """The grammar is complete and admits nothing but an end token."""
-        return self.matcher.is_stopped() and not self.matcher.is_error()
+        return self.ended > 0 or (self.matcher.is_stopped() and not self.matcher.is_error())
