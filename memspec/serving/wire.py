@@ -21,8 +21,8 @@ from memspec.errors import (
     CancelledError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelNotFoundError, NotLoadedError,
     OverloadedError, RemoteError, UnavailableError,
 )
-from memspec.request import (Chunk, Completion, GenerationRequest, PolicyName, SamplingParams, format_keep_alive,
-                             parse_keep_alive)
+from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, PolicyName, SamplingParams,
+                             format_keep_alive, parse_keep_alive)
 
 pb2, pb2_grpc = proto.load()
 
@@ -183,7 +183,18 @@ def request_from_pb(m, max_tokens_limit: int | None = None) -> GenerationRequest
         policy=PolicyName.parse(m.policy) if m.HasField("policy") else None,
         model=_opt(m, "model", None) or None,
         keep_alive=parse_keep_alive(m.keep_alive) if m.HasField("keep_alive") else None,
+        constraint=constraint_from_pb(m),
     )
+
+
+def constraint_from_pb(m) -> Constraint | None:
+    """The request's json_schema, json_object or grammar (at most one of them) as a Constraint."""
+    given = [Constraint(name, getattr(m, name), field=name) for name in ("json_schema", "grammar") if m.HasField(name)]
+    if m.json_object:
+        given.append(Constraint("json_object", field="json_object"))
+    if len(given) > 1:
+        raise InvalidRequestError(f"{given[1].field}: give at most one of json_schema, json_object and grammar")
+    return given[0] if given else None
 
 
 def _text_fields(req: GenerationRequest) -> Iterable[tuple[str, object]]:
@@ -196,6 +207,8 @@ def _text_fields(req: GenerationRequest) -> Iterable[tuple[str, object]]:
     yield "draft", req.draft
     yield "model", req.model
     yield "policy", str(req.policy) if req.policy is not None else None
+    if req.constraint is not None:
+        yield req.constraint.field, req.constraint.text
 
 
 def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
@@ -221,6 +234,12 @@ def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
                         ("model", req.model), ("keep_alive", keep_alive)):
         if value is not None:
             setattr(m, name, value)
+    c = req.constraint
+    if c is not None:  # the wire names the kind by its field
+        if c.kind == "json_object":
+            m.json_object = True
+        else:
+            setattr(m, c.kind, c.text)
     if default_max_tokens:
         m.ClearField("max_tokens")
     return m
