@@ -209,3 +209,40 @@ def test_sampling_under_a_grammar_keeps_the_masked_distribution(tiny, grammars):
         steps.close()
     assert set(np.nonzero(p2)[0]) == set(range(3, 9))
     assert chi_square_p(counts, p2) > 1e-3
+
+
+def test_batched_requests_under_schemas_get_their_solo_answers(model_store):
+    """Continuous batching shares only the target pass: each request's loop runs its own mask, so
+    constrained requests batched together (a free one beside them) answer as they do alone."""
+    import threading
+
+    from memspec.request import GenerationRequest
+    from memspec.runtime.config import SessionConfig
+    from memspec.speculation.drafts import load_pool
+    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.speculation.sources import DraftPool
+
+    cfg = SessionConfig(max_context=256, backend="onnxruntime")  # the batched graph
+    target = TargetModel.load(model_store, "smollm2-135m", "q4", cfg)
+    pool = DraftPool(load_pool(model_store, "smollm2-135m", target.session.vocab_size, cfg))
+    solo, batched = Engine(target, drafts=pool), Engine(target, drafts=pool, batch_slots=3)
+    colors = {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
+                                                          "minItems": 1, "maxItems": 3}}, "required": ["colors"]}
+    reqs = [GenerationRequest(prompt="Name some colors as JSON.", max_tokens=24, draft="draft-chat",
+                              constraint=Constraint("json_schema", json.dumps(colors))),
+            GenerationRequest(prompt="Is water wet?", max_tokens=8, draft="prompt-lookup",
+                              constraint=Constraint("grammar", 'root ::= ("yes" | "no") "!"', field="grammar")),
+            GenerationRequest(prompt="A person as JSON.", max_tokens=24, draft="none", constraint=Constraint("json_object")),
+            GenerationRequest(prompt="Name three colors.", max_tokens=16, draft="draft-chat")]
+    expected = [solo.generate(r) for r in reqs]
+    got = {}
+    threads = [threading.Thread(target=lambda i=i: got.__setitem__(i, batched.generate(reqs[i])))
+               for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i].token_ids for i in range(len(reqs))] == [e.token_ids for e in expected]
+    assert json.loads(expected[0].text)["colors"] and expected[1].text in ("yes!", "no!")
+    assert batched.batch.report()["passes"] > 0
+    batched.close()
