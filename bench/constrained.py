@@ -111,7 +111,8 @@ def main() -> None:
             print(f"{args.model} draft={draft:<14} schema={mode:<19}  accepted/drafted "
                   f"{rate:<18} decode {tokens / decode_s:6.1f} tok/s", flush=True)
     if seconds:
-        print(f"mask per shaped row ({target.session.vocab_size} logits): median {statistics.median(seconds) * 1e6:.0f} us, "
+        print(f"mask per shaped row ({target.session.vocab_size} logits): "
+              f"median {statistics.median(seconds) * 1e6:.0f} us, "
               f"p90 {sorted(seconds)[int(0.9 * len(seconds))] * 1e6:.0f} us over {len(seconds)} rows")
     engine.close()
 

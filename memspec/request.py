@@ -275,7 +275,8 @@ def _check_tools(req: GenerationRequest, limits: Limits) -> None:
             raise _bad("tool_choice.function.name", f"{quote(forced, 32)} is not one of the tools "
                                                     f"({', '.join(sorted(names))})")
         if req.constraint is not None:
-            raise _bad("tool_choice", f"a forced call has its own shape; it cannot be combined with {req.constraint.field}")
+            raise _bad("tool_choice", f"a forced call has its own shape; it cannot be combined with "
+                                      f"{req.constraint.field}")
 
 
 def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab: int | None = None) -> None:

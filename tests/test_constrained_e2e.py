@@ -109,8 +109,8 @@ def test_answers_validate_against_the_schema_and_drafts_change_nothing(sdk, name
 
 
 def test_json_mode_streams_what_it_answers_and_grpc_agrees(sdk, grpc_client):
-    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Give a JSON object with a name and an age."}], max_tokens=64,
-               response_format={"type": "json_object"})
+    ask = dict(model=MODEL, messages=[{"role": "user", "content": "Give a JSON object with a name and an age."}],
+               max_tokens=64, response_format={"type": "json_object"})
     whole = sdk.chat.completions.create(**ask).choices[0]
     streamed = "".join(c.choices[0].delta.content or "" for c in sdk.chat.completions.create(**ask, stream=True)
                        if c.choices)
@@ -171,7 +171,8 @@ BAD = [  # (what, extra request fields, the param the 400 names, a word of its m
      "response_format.json_schema.schema", "strin"),
     ("a keyword llguidance does not implement", dict(response_format=schema_format("x", {"not": {"type": "string"}})),
      "response_format.json_schema.schema", "Unimplemented"),
-    ("a grammar that does not parse", dict(extra_body={"grammar": "root ::= undefined_rule"}), "grammar", "undefined_rule"),
+    ("a grammar that does not parse", dict(extra_body={"grammar": "root ::= undefined_rule"}), "grammar",
+     "undefined_rule"),
     ("a tool without a name", dict(tools=[{"type": "function", "function": {"parameters": {}}}]),
      "tools[0].function.name", "required"),
     ("a tool with an invalid schema", dict(tools=[{"type": "function", "function": {

@@ -150,8 +150,9 @@ def run(tiny, grammars, params, draft: bool, rng, gamma=3, grammar=SMALL):
     target, d = tiny
     select = FixedDraft("d", d.begin(64)) if draft else NoDraft()
     mask = grammars.mask(Constraint("grammar", grammar, field="grammar"))
-    return speculative_steps(target, target.new_cache(), PROMPT, select, params, rng, SpecConfig(gamma=gamma, adaptive=False),
-                             SpecMetrics(), shaper=mask), mask
+    cfg = SpecConfig(gamma=gamma, adaptive=False)
+    return speculative_steps(target, target.new_cache(), PROMPT, select, params, rng, cfg, SpecMetrics(),
+                             shaper=mask), mask
 
 
 @pytest.mark.parametrize("gamma", [1, 4])
@@ -232,7 +233,8 @@ def test_batched_requests_under_schemas_get_their_solo_answers(model_store):
                               constraint=Constraint("json_schema", json.dumps(colors))),
             GenerationRequest(prompt="Is water wet?", max_tokens=8, draft="prompt-lookup",
                               constraint=Constraint("grammar", 'root ::= ("yes" | "no") "!"', field="grammar")),
-            GenerationRequest(prompt="A person as JSON.", max_tokens=24, draft="none", constraint=Constraint("json_object")),
+            GenerationRequest(prompt="A person as JSON.", max_tokens=24, draft="none",
+                              constraint=Constraint("json_object")),
             GenerationRequest(prompt="Name three colors.", max_tokens=16, draft="draft-chat")]
     expected = [solo.generate(r) for r in reqs]
     got = {}

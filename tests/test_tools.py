@@ -100,7 +100,8 @@ def test_tool_requests_are_checked_at_the_boundary():
                        (dict(tools=(WEATHER, WEATHER)), r"tools\[1\]\.function\.name: 'get_weather' is given twice"),
                        (dict(tool_choice="function:nope"), r"tool_choice\.function\.name: 'nope' is not one of"),
                        (dict(tool_choice="sometimes"), "tool_choice"),
-                       (dict(tool_choice="required", constraint=Constraint("json_object")), "tool_choice: .*response_format")]:
+                       (dict(tool_choice="required", constraint=Constraint("json_object")),
+                        "tool_choice: .*response_format")]:
         with pytest.raises(InvalidRequestError, match=f"^{field}"):
             validate(GenerationRequest(**{**ask, **bad}))
     with pytest.raises(InvalidRequestError, match="^tool_choice: 'required' needs tools"):

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from memspec.errors import INTERNAL, InvalidRequestError, status_of
-from memspec.models.tools import CallStream, ToolCall, call_text, parse_calls
+from memspec.models.tools import ToolCall, call_text, parse_calls
 from memspec.request import (MAX_TOP_LOGPROBS, TOOL_CHOICES, Constraint, GenerationRequest, PolicyName, SamplingParams,
                              Tool, parse_keep_alive, quote)
 
@@ -164,7 +164,8 @@ def _constraint(body: dict) -> Constraint | None:
             if schema is None:  # a name and no schema: any JSON object
                 c = Constraint("json_object", field="response_format.json_schema.schema")
             elif not isinstance(schema, dict):
-                raise _bad("response_format.json_schema.schema", f"must be an object (a JSON schema), got {_kind(schema)}")
+                raise _bad("response_format.json_schema.schema",
+                           f"must be an object (a JSON schema), got {_kind(schema)}")
             else:
                 c = Constraint("json_schema", json.dumps(schema), field="response_format.json_schema.schema")
         elif kind == "json_object":
@@ -225,8 +226,9 @@ def _common(body: Any, known: set[str]) -> tuple[str | None, bool, bool, tuple[s
         raise _bad("stream_options", "applies only with \"stream\": true")
     include_usage = _bool(options, "include_usage")
     shared = {"model", "stream", "stream_options", "n", "best_of", "max_tokens", "max_completion_tokens",
-              "temperature", "top_p", "top_k", "seed", "stop", "tools", "tool_choice", "function_call", "response_format",
-              "echo", "logprobs", "top_logprobs", "keep_alive", "grammar", EXTENSION, *_REFUSED, *_ZERO, *_NEUTRAL, *HARMLESS}
+              "temperature", "top_p", "top_k", "seed", "stop", "tools", "tool_choice", "function_call",
+              "response_format", "grammar", "echo", "logprobs", "top_logprobs", "keep_alive", EXTENSION, *_REFUSED,
+              *_ZERO, *_NEUTRAL, *HARMLESS}
     ignored = tuple(sorted(set(body) - shared - known))
     return model, stream, include_usage, ignored
 
@@ -271,7 +273,8 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ApiRequest:
         if m.get("tool_calls") is not None:  # the calls an assistant made, written as the model writes them
             if role != "assistant":
                 raise _bad(f"messages[{i}].tool_calls", "only an assistant message makes tool calls")
-            content = "\n".join([content] * bool(content) + _history_calls(m["tool_calls"], f"messages[{i}].tool_calls"))
+            calls = _history_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            content = "\n".join([content] * bool(content) + calls)
         turns.append((ROLES[role], content))
     logprobs = None
     if _bool(body, "logprobs"):
@@ -292,7 +295,8 @@ def _tools(body: dict) -> tuple[tuple[Tool, ...], str]:
     if value is None:
         value = []
     if not isinstance(value, list):
-        raise _bad("tools", f"must be an array of {{\"type\": \"function\", \"function\": {{...}}}}, got {_kind(value)}")
+        raise _bad("tools", f"must be an array of {{\"type\": \"function\", \"function\": {{...}}}}, "
+                            f"got {_kind(value)}")
     out = []
     for i, t in enumerate(value):
         where = f"tools[{i}]"
