@@ -98,7 +98,10 @@ def _request(args, messages=None):
         messages=tuple(messages) if messages else None,
         raw=getattr(args, "raw", False),
         max_tokens=args.max_tokens if args.max_tokens is not None else 256,
-        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed),
+        sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
+                                min_p=args.min_p, frequency_penalty=args.frequency_penalty,
+                                presence_penalty=args.presence_penalty, repetition_penalty=args.repetition_penalty,
+                                logit_bias=_logit_bias(args.logit_bias or ())),
         stop=tuple(args.stop or ()),
         draft=getattr(args, "draft", None),
         policy=PolicyName.parse(args.policy) if getattr(args, "policy", None) else None,
@@ -130,6 +133,21 @@ def _constraint(args):
             raise CLIError(f"--json-schema: {path} is not JSON: {exc}") from None
         return Constraint("json_schema", text, field="--json-schema")
     return Constraint("grammar", text, field="--grammar")
+
+
+def _logit_bias(items) -> tuple[tuple[int, float], ...]:
+    """--logit-bias TOKEN=BIAS, repeated, as ((id, bias), ...); ranges and ids are checked with the request."""
+    out = []
+    for item in items:
+        token, eq, bias = item.partition("=")
+        try:
+            if not eq:
+                raise ValueError
+            out.append((int(token), float(bias)))
+        except ValueError:
+            raise CLIError(f"--logit-bias takes TOKEN=BIAS (a token id and a number, e.g. 198=-100), got {item!r}; "
+                           f"the HTTP API's POST /tokenize gives a text's ids") from None
+    return tuple(out)
 
 
 def load_engine(config, variant: str | None = None, serving: bool = False):
@@ -412,6 +430,17 @@ def _sampling_options(g: argparse.ArgumentParser) -> None:
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0)
     g.add_argument("--seed", type=int, default=None)
+    g.add_argument("--min-p", type=float, default=0.0,
+                   help="drop tokens below this times the top probability, after temperature (0 = off)")
+    g.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtract this per time a token was generated (OpenAI's; 0 = off)")
+    g.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="[-2, 2]: subtract this once a token was generated (OpenAI's; 0 = off)")
+    g.add_argument("--repetition-penalty", type=float, default=1.0,
+                   help="> 0: divide a positive logit (multiply a negative one) of every prompt or generated "
+                        "token by this (1 = off)")
+    g.add_argument("--logit-bias", action="append", metavar="TOKEN=BIAS",
+                   help="add BIAS in [-100, 100] to token id TOKEN's logit (repeatable)")
     g.add_argument("--stop", action="append", help="stop string (repeatable)")
     g.add_argument("--draft", help='force a draft: a draft model, "prompt-lookup" or "suffix" ("none" = target only)')
     g.add_argument("--policy", help="draft-selection policy")

@@ -313,7 +313,7 @@ def _check_text(name: str, text: str, limits: Limits, allow_empty: bool = False)
 @dataclass(frozen=True)
 class TokenLogprob:
     """A committed token's log-probability under the target (raw logits: before temperature,
-    top-k and top-p), and the most likely tokens at its position."""
+    top-k, top-p, min_p, penalties and logit_bias), and the most likely tokens at its position."""
 
     token_id: int
     token: bytes  # its bytes (part of a UTF-8 character for a byte token)

@@ -3,6 +3,7 @@ exactly their solo output, greedy or sampled, whatever joins or leaves around th
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -233,4 +234,46 @@ def test_engine_batched_greedy_is_solo_token_for_token(model_store):
 
     rows = {m["role"]: m["bytes"] for m in _resident(batched)}
     assert rows["batched"] == target.batched_bytes == batched.batch.target.weight_bytes > 0.9 * target.file_bytes
+    batched.close()
+
+
+@pytest.mark.parametrize("backend", ["onnxruntime", "native"])
+def test_engine_greedy_with_output_controls_is_target_only_with_drafts_and_under_batching(model_store, backend):
+    """Penalties and logit_bias on the real q4 target, on either engine: every draft's greedy answer is
+    the target-only answer under the same controls, alone and with requests sharing batched passes."""
+    from memspec.speculation.drafts import load_pool
+    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.speculation.sources import DraftPool
+
+    cfg = SessionConfig(max_context=256, backend=backend)
+    target = TargetModel.load(model_store, "smollm2-135m", "q4", cfg)
+    pool = DraftPool(load_pool(model_store, "smollm2-135m", target.session.vocab_size, cfg))
+    solo = Engine(target, drafts=pool)
+    batched = Engine(target, drafts=pool, batch_slots=3)
+    the = target.tokenizer.encode(" the")[0]
+    controls = SamplingParams(frequency_penalty=0.8, presence_penalty=0.4, repetition_penalty=1.2,
+                              logit_bias=((the, -100.0), (target.tokenizer.encode(" very")[0], 2.0)))
+    prompts = ["Write a Python function that reverses a list.", "Tell me about the history of the city of Paris.",
+               "List the planets of the solar system."]
+    drafts = ["draft-code", "draft-chat", "prompt-lookup"]
+    reqs = [GenerationRequest(prompt=p, max_tokens=32, draft=d, sampling=controls) for p, d in zip(prompts, drafts)]
+    expected = [solo.generate(dataclasses.replace(r, draft="none")).token_ids for r in reqs]
+    plain = [solo.generate(dataclasses.replace(r, draft="none", sampling=SamplingParams())).token_ids for r in reqs]
+    assert all(the not in e for e in expected) and any(the in p for p in plain)  # the bias held, and mattered
+    assert expected != plain
+    accepted = 0
+    for r, want in zip(reqs, expected):
+        done = solo.generate(r)
+        assert done.token_ids == want, f"{r.draft}: speculation changed the controlled answer"
+        accepted += done.stats["num_accepted_tokens"]
+    assert accepted > 0  # the drafts proposed under the controls, and the target took some
+    got: dict[int, object] = {}
+    threads = [threading.Thread(target=lambda i=i: got.setdefault(i, batched.generate(reqs[i])))
+               for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(120)
+    assert [got[i].token_ids for i in range(len(reqs))] == expected
+    assert sum(n for b, n in batched.batch.stats.rows.items() if b > 1) > 0  # passes were shared
     batched.close()

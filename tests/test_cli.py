@@ -115,6 +115,12 @@ def test_generate_json_keys(home):
     (["generate", "--local", "--temperature", "9", "hi"], "temperature: 9.0 is out of range"),
     (["generate", "--local", "--top-p", "0", "hi"], "top_p: 0.0 is out of range"),
     (["generate", "--local", "--draft", "no-such-draft", "hi"], "unknown draft 'no-such-draft'"),
+    (["generate", "--local", "--frequency-penalty", "2.5", "hi"], "frequency_penalty: 2.5 is out of range"),
+    (["generate", "--local", "--repetition-penalty", "0", "hi"], "repetition_penalty: 0.0 is out of range"),
+    (["generate", "--local", "--min-p", "1.5", "hi"], "min_p: 1.5 is out of range"),
+    (["generate", "--local", "--logit-bias", "hello", "hi"], "--logit-bias takes TOKEN=BIAS"),
+    (["generate", "--local", "--logit-bias", "49152=1", "hi"], "logit_bias: token id 49152 is outside the vocab"),
+    (["generate", "--local", "--logit-bias", "5=101", "hi"], "logit_bias: bias 101.0 of token 5 is out of range"),
 ])
 def test_bad_generate_arguments(home, args, message):
     r = memspec(*args, home=home)

@@ -277,8 +277,24 @@ BAD = [  # (name, path, body or raw text, headers, status, param, code)
     ("a grammar and JSON mode", CHAT, chat(grammar='root ::= "a"', response_format={"type": "json_object"}), None,
      400, "grammar", None),
     ("a grammar that is not text", CHAT, chat(grammar=5), None, 400, "grammar", None),
-    ("a penalty", CHAT, chat(frequency_penalty=0.5), None, 400, "frequency_penalty", None),
-    ("logit_bias", CHAT, chat(logit_bias={"5": 1}), None, 400, "logit_bias", None),
+    ("a penalty out of range", CHAT, chat(frequency_penalty=2.5), None, 400, "frequency_penalty", None),
+    ("a penalty a string", CHAT, chat(presence_penalty="high"), None, 400, "presence_penalty", None),
+    ("repetition_penalty 0", CHAT, chat(repetition_penalty=0), None, 400, "repetition_penalty", None),
+    ("min_p over 1", "/v1/completions", {"prompt": "a b", "min_p": 1.5}, None, 400, "min_p", None),
+    ("logit_bias not an object", CHAT, chat(logit_bias=[5, 1]), None, 400, "logit_bias", None),
+    ("logit_bias a word as key", CHAT, chat(logit_bias={"hello": 1}), None, 400, "logit_bias", None),
+    ("logit_bias a negative id", CHAT, chat(logit_bias={"-5": 1}), None, 400, "logit_bias", None),
+    ("logit_bias over 100", CHAT, chat(logit_bias={"5": 101}), None, 400, "logit_bias", None),
+    ("logit_bias a string bias", CHAT, chat(logit_bias={"5": "1"}), None, 400, "logit_bias", None),
+    ("tokenize without content", "/tokenize", {"text": "hi"}, None, 400, "content", None),
+    ("tokenize a number", "/tokenize", {"content": 5}, None, 400, "content", None),
+    ("tokenize add_special a string", "/tokenize", {"content": "hi", "add_special": "yes"}, None, 400,
+     "add_special", None),
+    ("tokenize malformed JSON", "/tokenize", '{"content": ', None, 400, None, None),
+    ("detokenize without tokens", "/detokenize", {"content": "hi"}, None, 400, "tokens", None),
+    ("detokenize a string id", "/detokenize", {"tokens": [1, "2"]}, None, 400, "tokens[1]", None),
+    ("detokenize an unknown model", "/detokenize", {"tokens": [1], "model": "gpt-4o"}, None, 404, "model",
+     "model_not_found"),
     ("stream not a boolean", CHAT, chat(stream="yes"), None, 400, "stream", None),
     ("stream_options without stream", CHAT, chat(stream_options={"include_usage": True}), None, 400,
      "stream_options", None),
@@ -618,3 +634,17 @@ def test_a_stream_hears_how_the_load_of_its_target_goes_in_sse_comments(f, monke
     threading.Timer(0.3, gate.set).start()
     status, _, out = f.post({**chat("a b", max_tokens=2), "model": "other"})
     assert status == 200 and out["choices"][0]["message"]["content"] == "b a "
+
+
+def test_output_controls_reach_the_request_from_both_endpoints():
+    from memspec.request import SamplingParams
+    from memspec.serving import openai
+
+    controls = dict(frequency_penalty=0.5, presence_penalty=-1, repetition_penalty=1.2, min_p=0.05,
+                    logit_bias={"5": -100, "7": 3})
+    want = SamplingParams(frequency_penalty=0.5, presence_penalty=-1.0, repetition_penalty=1.2, min_p=0.05,
+                          logit_bias=((5, -100.0), (7, 3.0)))
+    api = openai.parse_chat(chat(**controls), 50)
+    assert api.request.sampling == want and api.ignored == ()  # min_p is no longer ignored
+    api = openai.parse_completion({"prompt": "a", **controls}, 50)
+    assert api.request.sampling == want and api.ignored == ()

@@ -179,3 +179,49 @@ def test_logprobs_are_the_targets_and_greedy_picks_the_top_one(sdk):
     assert [(e.token, round(e.logprob, 4)) for e in tokens] == [(e.token, round(e.logprob, 4)) for e in entries]
     text = sdk.completions.create(model=MODEL, prompt="The capital of France is", max_tokens=5, logprobs=2)
     assert len(text.choices[0].logprobs.tokens) == 5 and len(text.choices[0].logprobs.top_logprobs[0]) == 2
+
+
+def post(base: str, path: str, body) -> tuple[int, dict]:
+    import urllib.error
+    from urllib.request import Request
+
+    req = Request(f"{base}{path}", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"})
+    try:
+        with urlopen(req, timeout=60) as r:
+            return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as err:
+        return err.code, json.loads(err.read())
+
+
+def test_tokenize_and_detokenize_round_trip_and_refuse_bad_input(base, sdk):
+    text = "Hello, world! <|im_end|> ünïcode"
+    status, out = post(base, "/tokenize", {"content": text, "add_special": True})
+    assert status == 200 and all(isinstance(t, int) for t in out["tokens"]) and 2 in out["tokens"]  # <|im_end|>
+    assert post(base, "/detokenize", {"tokens": out["tokens"]}) == (200, {"content": text})
+    assert post(base, "/tokenize", {"content": text, "model": MODEL}) == (200, out)
+    status, err = post(base, "/detokenize", {"tokens": [1, 49152]})
+    assert status == 400 and err["error"]["param"] == "tokens[1]"
+    assert "outside the vocabulary" in err["error"]["message"]
+    status, err = post(base, "/tokenize", {"content": "hi", "model": "gpt-4o"})
+    assert status == 404 and err["error"]["param"] == "model"
+    assert sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2).choices  # still serving
+
+
+def test_penalties_and_logit_bias_through_the_sdk_are_the_grpc_answer(base, sdk, grpc_client):
+    plain = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24).choices[0].message.content
+    first = post(base, "/tokenize", {"content": plain.split()[0]})[1]["tokens"][0]  # ban the answer's first token
+    out = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, frequency_penalty=1.0,
+                                      presence_penalty=0.5, logit_bias={str(first): -100},
+                                      extra_body={"repetition_penalty": 1.2, "min_p": 0.05})
+    text = out.choices[0].message.content
+    req = GenerationRequest(messages=tuple((m["role"], m["content"]) for m in QUESTION), max_tokens=24,
+                            sampling=SamplingParams(frequency_penalty=1.0, presence_penalty=0.5,
+                                                    repetition_penalty=1.2, min_p=0.05,
+                                                    logit_bias=((first, -100.0),)))
+    assert text != plain and text == grpc_text(grpc_client, req)
+    assert first not in post(base, "/tokenize", {"content": text})[1]["tokens"][:1]
+    assert "num_accepted_tokens" in out.model_extra["memspec"]  # speculation still reported
+    status, err = post(base, "/v1/chat/completions",
+                       {"model": MODEL, "messages": QUESTION, "logit_bias": {"49152": 1}})
+    assert status == 400 and err["error"]["param"] == "logit_bias"
+    assert "outside the vocabulary" in err["error"]["message"]

@@ -70,3 +70,32 @@ def test_keep_alive_reads_as_ollama_reads_it(value, seconds):
 def test_a_keep_alive_that_is_no_duration_names_the_field(value):
     with pytest.raises(InvalidRequestError, match=r"^keep_alive: "):
         parse_keep_alive(value)
+
+
+# -- output controls ------------------------------------------------------------------------------
+@pytest.mark.parametrize("sampling,field", [
+    (dict(frequency_penalty=2.01), "frequency_penalty"), (dict(frequency_penalty=float("nan")), "frequency_penalty"),
+    (dict(presence_penalty=-2.5), "presence_penalty"),
+    (dict(repetition_penalty=0.0), "repetition_penalty"), (dict(repetition_penalty=-1.0), "repetition_penalty"),
+    (dict(repetition_penalty=1e9), "repetition_penalty"),
+    (dict(min_p=-0.1), "min_p"), (dict(min_p=1.01), "min_p"), (dict(min_p=float("nan")), "min_p"),
+    (dict(logit_bias=((5, 100.5),)), "logit_bias"), (dict(logit_bias=((5, float("nan")),)), "logit_bias"),
+    (dict(logit_bias=((-1, 1.0),)), "logit_bias"), (dict(logit_bias=(("5", 1.0),)), "logit_bias"),
+    (dict(logit_bias=((5, 1.0), (5, 2.0))), "logit_bias"), (dict(logit_bias=((5, "big"),)), "logit_bias"),
+])
+def test_an_output_control_out_of_range_names_its_field(sampling, field):
+    from memspec.request import GenerationRequest, SamplingParams, validate
+
+    with pytest.raises(InvalidRequestError, match=rf"^{field}: "):
+        validate(GenerationRequest(prompt="hi", sampling=SamplingParams(**sampling)))
+
+
+def test_output_controls_in_range_pass_and_logit_bias_ids_are_checked_against_the_vocabulary():
+    from memspec.request import GenerationRequest, SamplingParams, check_logit_bias, validate
+
+    ok = SamplingParams(frequency_penalty=-2.0, presence_penalty=2.0, repetition_penalty=1.3, min_p=1.0,
+                        logit_bias=((0, -100.0), (49151, 100)))
+    validate(GenerationRequest(prompt="hi", sampling=ok))
+    check_logit_bias(ok.logit_bias, 49152)
+    with pytest.raises(InvalidRequestError, match=r"logit_bias: token id 49151 is outside the vocabulary \(0..49150\)"):
+        check_logit_bias(ok.logit_bias, 49151)

@@ -1064,3 +1064,29 @@ def test_status_and_models_into_a_closed_pipe_end_quietly(h, tmp_path):
         finally:
             os.close(w)
         assert p.returncode == 141 and "Traceback" not in p.stderr and "BrokenPipe" not in p.stderr, p.stderr
+
+
+def test_output_controls_cross_the_wire_and_unset_ones_stay_unset():
+    from memspec.request import SamplingParams
+
+    s = SamplingParams(temperature=0.5, min_p=0.1, frequency_penalty=1.0, presence_penalty=-0.5,
+                       repetition_penalty=1.1, logit_bias=((3, -100.0), (9, 2.5)))
+    m = wire.request_to_pb(GenerationRequest(prompt="hi", sampling=s))
+    assert wire.request_from_pb(wire.pb2.GenerateRequest.FromString(m.SerializeToString())).sampling == s
+    plain = wire.request_to_pb(GenerationRequest(prompt="hi"))
+    assert not any(plain.HasField(f) for f in ("min_p", "frequency_penalty", "presence_penalty",
+                                               "repetition_penalty")) and not plain.logit_bias
+    with pytest.raises(InvalidRequestError, match="^logit_bias: token id 3 is given twice"):
+        wire.request_to_pb(GenerationRequest(prompt="hi", sampling=SamplingParams(logit_bias=((3, 1.0), (3, 2.0)))))
+
+
+def test_out_of_range_controls_are_invalid_argument_and_the_daemon_keeps_serving(h):
+    from memspec.request import SamplingParams
+
+    for bad, field in ((SamplingParams(presence_penalty=3.0), "presence_penalty"),
+                       (SamplingParams(min_p=-1.0), "min_p"),
+                       (SamplingParams(logit_bias=((2, -101.0),)), "logit_bias")):
+        with pytest.raises(InvalidRequestError, match=f"^{field}: "):
+            list(h.client.stream(GenerationRequest(prompt="a b", max_tokens=2, sampling=bad)))
+    done = list(h.client.generate("a b", max_tokens=2, frequency_penalty=1.0, logit_bias={1: 5.0}))[-1]
+    assert done.finish_reason == "length"

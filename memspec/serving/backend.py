@@ -17,9 +17,11 @@ import logging
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable, Iterator, Protocol
 
 from memspec.config import Config
+from memspec.models.tokenizer import Tokenizer
 from memspec.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnavailableError
 from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, parse_keep_alive, quote,
                              validate)
@@ -90,6 +92,24 @@ class Backend(Protocol):
     def hint(self, req: GenerationRequest) -> None: ...  # a checked request will wait in the queue
     def resident_bytes(self) -> int: ...
     def models(self) -> list[dict]: ...
+    def tokenizer(self, name: str | None) -> Tokenizer: ...  # a target's (None: the default target's)
+    def tokenizer(self, name: str | None) -> Tokenizer:
+        """Target `name`'s tokenizer (None: the default target's): the loaded engine's, else read from
+        the store (no weights are loaded to tokenize); the errors of a request naming that model."""
+        name = name or self.config.model.target
+        engine = dict(self.targets.engines()).get(name)
+        if engine is not None:
+            return engine.target.tokenizer
+        with self._count_lock:
+            tok = self._tokenizers.get(name)
+        if tok is None:
+            self._plan(name, None)  # not in the store, or a draft: named as a request's "model"
+            folder = Path(self.store.get(name).folder)
+            tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
+            with self._count_lock:
+                self._tokenizers[name] = tok
+        return tok
+
     def load(self, name: str, variant: str | None) -> dict: ...
     def unload(self, name: str) -> int: ...
     def status(self) -> dict: ...
@@ -142,6 +162,7 @@ class EngineBackend:
     _config_lock: threading.Lock = field(default_factory=threading.Lock)  # config and engine limits (SIGHUP)
     _count_lock: threading.Lock = field(default_factory=threading.Lock)
     _drafts: dict[str, DraftCounters] = field(default_factory=dict)  # draft name -> counters
+    _tokenizers: dict[str, Tokenizer] = field(default_factory=dict)  # targets not loaded: read from the store
 
     def __post_init__(self):
         probe = self.probe or PsutilProbe()
@@ -261,6 +282,23 @@ class EngineBackend:
             "source": m.provenance.get("source", ""), "resident": m.name in resident,
             "resident_variant": resident.get(m.name, ""),
         } for m in self.store.list()]
+
+    def tokenizer(self, name: str | None) -> Tokenizer:
+        """Target `name`'s tokenizer (None: the default target's): the loaded engine's, else read from
+        the store (no weights are loaded to tokenize); the errors of a request naming that model."""
+        name = name or self.config.model.target
+        engine = dict(self.targets.engines()).get(name)
+        if engine is not None:
+            return engine.target.tokenizer
+        with self._count_lock:
+            tok = self._tokenizers.get(name)
+        if tok is None:
+            self._plan(name, None)  # not in the store, or a draft: named as a request's "model"
+            folder = Path(self.store.get(name).folder)
+            tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
+            with self._count_lock:
+                self._tokenizers[name] = tok
+        return tok
 
     def load(self, name: str, variant: str | None) -> dict:
         """LoadModel: make `name` resident (kept until told otherwise) and the default target."""

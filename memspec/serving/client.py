@@ -102,7 +102,9 @@ class Client:
     def generate(self, prompt: str, *, raw: bool = False, max_tokens: int | None = None, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
                  draft: str | None = None, policy: str | None = None, model: str | None = None,
-                 keep_alive: float | str | None = None, timeout: float | None = None) -> Iterator[Chunk | Completion]:
+                 keep_alive: float | str | None = None, timeout: float | None = None, min_p: float = 0.0,
+                 frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
+                 logit_bias: Mapping[int, float] | None = None) -> Iterator[Chunk | Completion]:
         """Generate for one prompt (wrapped in the chat template unless raw).
 
         Args:
@@ -114,6 +116,8 @@ class Client:
             keep_alive: how long that target stays loaded once idle: seconds or a duration
                 ("5m"); 0 = unload after the answer; negative = keep (None: the target's own).
             timeout: deadline in seconds for the whole stream (its target's load included).
+            min_p, frequency_penalty, presence_penalty, repetition_penalty: sampling controls
+                (see GenerateRequest); logit_bias: {token id: bias in [-100, 100]}.
         Returns:
             an iterator of Chunk, then one Completion (see `stream`).
         Raises:
@@ -121,14 +125,17 @@ class Client:
         """
         return self.stream(GenerationRequest(
             prompt=prompt, raw=raw, max_tokens=max_tokens or 0,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            sampling=_sampling(temperature, top_k, top_p, seed, min_p, frequency_penalty, presence_penalty,
+                               repetition_penalty, logit_bias),
             stop=tuple(stop), draft=draft, policy=_policy(policy), model=model,
             keep_alive=_keep_alive(keep_alive)), timeout, max_tokens is None)
 
     def chat(self, messages: Sequence[Message], *, max_tokens: int | None = None, temperature: float = 0.0,
              top_p: float = 1.0, top_k: int = 0, seed: int | None = None, stop: Sequence[str] = (),
              draft: str | None = None, policy: str | None = None, model: str | None = None,
-             keep_alive: float | str | None = None, timeout: float | None = None) -> Iterator[Chunk | Completion]:
+             keep_alive: float | str | None = None, timeout: float | None = None, min_p: float = 0.0,
+             frequency_penalty: float = 0.0, presence_penalty: float = 0.0, repetition_penalty: float = 1.0,
+             logit_bias: Mapping[int, float] | None = None) -> Iterator[Chunk | Completion]:
         """Generate the next assistant turn of a chat.
 
         Args:
@@ -148,7 +155,8 @@ class Client:
                 raise InvalidRequestError(f"messages[{i}]: expected (role, content) or a dict with both ({exc})") from None
         return self.stream(GenerationRequest(
             messages=tuple(turns), max_tokens=max_tokens or 0,
-            sampling=SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed),
+            sampling=_sampling(temperature, top_k, top_p, seed, min_p, frequency_penalty, presence_penalty,
+                               repetition_penalty, logit_bias),
             stop=tuple(stop), draft=draft, policy=_policy(policy), model=model,
             keep_alive=_keep_alive(keep_alive)), timeout, max_tokens is None)
 
@@ -224,6 +232,17 @@ def wait_until_serving(address: str, alive: Callable[[], bool], timeout: float, 
             pass
         time.sleep(poll)
     return False
+
+
+def _sampling(temperature: float, top_k: int, top_p: float, seed: int | None, min_p: float, frequency_penalty: float,
+              presence_penalty: float, repetition_penalty: float,
+              logit_bias: Mapping[int, float] | None) -> SamplingParams:
+    """generate()'s and chat()'s sampling arguments as SamplingParams (the daemon checks the ranges)."""
+    if logit_bias is not None and not isinstance(logit_bias, Mapping):
+        raise InvalidRequestError(f"logit_bias: must be a mapping of token id to bias, got {type(logit_bias).__name__}")
+    return SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p, seed=seed, min_p=min_p,
+                          frequency_penalty=frequency_penalty, presence_penalty=presence_penalty,
+                          repetition_penalty=repetition_penalty, logit_bias=tuple((logit_bias or {}).items()))
 
 
 def _policy(text: str | None) -> PolicyName | None:

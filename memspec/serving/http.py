@@ -4,6 +4,7 @@
     GET  /v1/models             GET  /v1/models/{id}
     GET  /health                200 while serving, 503 while starting or draining
     GET  /metrics               Prometheus text (memspec.serving.prometheus)
+    POST /tokenize              POST /detokenize        (llama-server's: text <-> a target's token ids)
 
 It runs inside the daemon (uvicorn on its own thread and event loop; Starlette
 routes) and generates through the same Service as gRPC, so admission, limits,
@@ -153,7 +154,9 @@ class Api:
                   Route("/v1/models", self.models, methods=["GET"]),
                   Route("/v1/models/{model:path}", self.model, methods=["GET"]),
                   Route("/health", self.health, methods=["GET"]),
-                  Route("/metrics", self.prometheus, methods=["GET"])]
+                  Route("/metrics", self.prometheus, methods=["GET"]),
+                  Route("/tokenize", self.tokenize, methods=["POST"]),
+                  Route("/detokenize", self.detokenize, methods=["POST"])]
         self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
                                                                 Exception: self._internal})
 
@@ -174,7 +177,7 @@ class Api:
             msg = f"{request.method} is not allowed on {request.url.path}; use {exc.headers.get('Allow', '')}"
         else:
             msg = (f"no route {request.method} {quote(request.url.path)}; the API has POST /v1/chat/completions, "
-                   f"POST /v1/completions, GET /v1/models, GET /health, GET /metrics")
+                   f"POST /v1/completions, GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize")
         body = {"error": {"message": msg, "type": "invalid_request_error", "param": None,
                           "code": "method_not_allowed" if exc.status_code == 405 else "not_found"}}
         return JSONResponse(body, exc.status_code, headers=exc.headers)
@@ -222,6 +225,40 @@ class Api:
         except MemspecError as exc:
             return self._error(exc)
         return JSONResponse(openai.model(rows[0], self.created))
+
+    async def tokenize(self, request: Request) -> JSONResponse:
+        return await self._tokens(request, lambda body: self._tokenize(openai.parse_tokenize(body, self._max_chars())))
+
+    async def detokenize(self, request: Request) -> JSONResponse:
+        return await self._tokens(request, lambda body: self._detokenize(*openai.parse_detokenize(body)))
+
+    def _max_chars(self) -> int:
+        limits = self.backend.config.limits
+        return max(limits.max_prompt_chars, limits.max_chat_chars)
+
+    def _tokenize(self, req: openai.TokenizeRequest) -> dict:
+        return openai.tokenize(self.backend.tokenizer(req.model), req)
+
+    def _detokenize(self, model: str | None, tokens: list[int]) -> dict:
+        return openai.detokenize(self.backend.tokenizer(model), tokens)
+
+    async def _tokens(self, request: Request, answer: Callable[[Any], dict]) -> JSONResponse:
+        """A /tokenize or /detokenize call: auth, the body as JSON within the request limit, then answer(body)."""
+        limit = body_limit(self.backend.config.limits)
+        try:
+            self._authorize(request)
+            body = await self._body(request, limit)
+            if body is None:
+                raise RequestTooLargeError(f"body: larger than {limit} bytes")
+            try:
+                data = json.loads(body)
+            except (UnicodeDecodeError, ValueError) as exc:
+                raise InvalidRequestError(f"body: is not valid JSON ({exc})") from None
+            return JSONResponse(await asyncio.to_thread(answer, data))
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except MemspecError as exc:
+            return self._error(exc)
 
     # -- generation ------------------------------------------------------------------------------
     async def chat(self, request: Request) -> Response:

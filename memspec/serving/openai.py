@@ -4,7 +4,7 @@ One parse function per endpoint turns a decoded JSON body into an `ApiRequest`
 (memspec's GenerationRequest plus what only HTTP needs: stream, usage, logprobs),
 checking each field's type and naming it when it is wrong; ranges are checked
 once, by memspec.request.validate, with the same field names.  Fields memspec
-cannot honour (n > 1, penalties) are refused with
+cannot honour (n > 1, the legacy functions) are refused with
 the field's name; fields it does not know are ignored, listed in `ignored` for a
 debug log.  The builders below make the responses and the streamed chunks.
 """
@@ -31,11 +31,10 @@ HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", 
             "reasoning_effort", "web_search_options", "audio"}
 _REFUSED = {
     "functions": "the legacy functions are not supported; give tools",
-    "logit_bias": "logit_bias is not supported",
     "suffix": "suffix (insertion) is not supported",
 }
-_ZERO = {"frequency_penalty": 0.0, "presence_penalty": 0.0}  # penalties: only their neutral value
-_NEUTRAL = {"repetition_penalty": 1.0}
+# sampling fields beyond OpenAI's own that vLLM and llama-server take at the top level too
+_CONTROLS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias")
 _REQ = GenerationRequest()
 _SAMPLING = SamplingParams()
 
@@ -118,6 +117,19 @@ def _stop(body: dict) -> tuple[str, ...]:
     raise _bad("stop", f"must be a string or an array of strings, got {_kind(value)}")
 
 
+def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
+    """OpenAI's logit_bias, {"token id": bias}, as ((id, bias), ...); the JSON types are checked here,
+    the ranges by memspec.request and the vocabulary by the engine."""
+    out = []
+    for key, value in _object(body, "logit_bias").items():
+        if not re.fullmatch(r"[0-9]{1,12}", key):
+            raise _bad("logit_bias", f"key {quote(key, 32)} is not a token id (a non-negative integer)")
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise _bad("logit_bias", f"the bias of token {key} must be a number, got {_kind(value)}")
+        out.append((int(key), float(value)))
+    return tuple(out)
+
+
 def _refuse_unsupported(body: dict) -> None:
     """400 for what memspec cannot do, naming the field, rather than an answer that ignores it."""
     n = _int(body, "n", 1)
@@ -129,9 +141,6 @@ def _refuse_unsupported(body: dict) -> None:
     for name, why in _REFUSED.items():
         if body.get(name) not in (None, [], {}, ""):
             raise _bad(name, why)
-    for name, neutral in {**_ZERO, **_NEUTRAL}.items():
-        if _number(body, name, neutral) != neutral:
-            raise _bad(name, f"penalties are not supported; leave it out or {neutral:g}")
     if body.get("function_call") not in (None, "none", "auto"):
         raise _bad("function_call", "the legacy function_call is not supported; give tool_choice")
     if _bool(body, "echo"):
@@ -201,7 +210,12 @@ def _sampling_and_options(body: dict, limits_max_tokens: int) -> dict:
         max_tokens=max_tokens,
         sampling=SamplingParams(temperature=_number(body, "temperature", _SAMPLING.temperature),
                                 top_k=top_k,
-                                top_p=_number(body, "top_p", _SAMPLING.top_p), seed=seed),
+                                top_p=_number(body, "top_p", _SAMPLING.top_p), seed=seed,
+                                min_p=_number(body, "min_p", _SAMPLING.min_p),
+                                frequency_penalty=_number(body, "frequency_penalty", _SAMPLING.frequency_penalty),
+                                presence_penalty=_number(body, "presence_penalty", _SAMPLING.presence_penalty),
+                                repetition_penalty=_number(body, "repetition_penalty", _SAMPLING.repetition_penalty),
+                                logit_bias=_logit_bias(body)),
         stop=_stop(body),
         constraint=_constraint(body),
         draft=None if draft is None else _text(draft, f"{EXTENSION}.draft"),
@@ -228,7 +242,7 @@ def _common(body: Any, known: set[str]) -> tuple[str | None, bool, bool, tuple[s
     shared = {"model", "stream", "stream_options", "n", "best_of", "max_tokens", "max_completion_tokens",
               "temperature", "top_p", "top_k", "seed", "stop", "tools", "tool_choice", "function_call",
               "response_format", "grammar", "echo", "logprobs", "top_logprobs", "keep_alive", EXTENSION, *_REFUSED,
-              *_ZERO, *_NEUTRAL, *HARMLESS}
+              *_CONTROLS, *HARMLESS}
     ignored = tuple(sorted(set(body) - shared - known))
     return model, stream, include_usage, ignored
 
@@ -366,6 +380,51 @@ def parse_completion(body: Any, max_tokens_limit: int) -> ApiRequest:
     req = GenerationRequest(prompt=prompt, raw=True, logprobs=logprobs,
                             **_sampling_and_options(body, max_tokens_limit))
     return ApiRequest("text", model, req, stream, include_usage, logprobs, ignored)
+
+
+# -- llama-server's /tokenize and /detokenize ----------------------------------------------------
+@dataclass(frozen=True)
+class TokenizeRequest:
+    model: str | None  # the target whose tokenizer; None: the daemon's default target
+    content: str
+    add_special: bool = False  # llama-server's: add the model's BOS.  Checked, and a no-op: memspec's
+    #                            tokenizer refuses models that add one (memspec.models.tokenizer)
+
+
+def parse_tokenize(body: Any, max_chars: int) -> TokenizeRequest:
+    """POST /tokenize {"content": str, "add_special": bool?, "model": str?}."""
+    if not isinstance(body, dict):
+        raise _bad("body", f"must be a JSON object, got {_kind(body)}")
+    content = _text(body.get("content"), "content")
+    if len(content) > max_chars:
+        raise _bad("content", f"{len(content)} characters; at most {max_chars}")
+    return TokenizeRequest(_model(body), content, _bool(body, "add_special"))
+
+
+def parse_detokenize(body: Any) -> tuple[str | None, list[int]]:
+    """POST /detokenize {"tokens": [int], "model": str?} -> (model, ids); the vocabulary is checked
+    against the tokenizer (detokenize)."""
+    if not isinstance(body, dict):
+        raise _bad("body", f"must be a JSON object, got {_kind(body)}")
+    tokens = body.get("tokens")
+    if not isinstance(tokens, list):
+        raise _bad("tokens", f"must be an array of token ids, got {_kind(tokens)}")
+    for i, t in enumerate(tokens):
+        if isinstance(t, bool) or not isinstance(t, int):
+            raise _bad(f"tokens[{i}]", f"must be a token id (an integer), got {_kind(t)}")
+    return _model(body), tokens
+
+
+def tokenize(tok, req: TokenizeRequest) -> dict:
+    """The content's ids, as a prompt's are encoded (special tokens written in it match whole)."""
+    return {"tokens": tok.encode(req.content)}
+
+
+def detokenize(tok, tokens: list[int]) -> dict:
+    for i, t in enumerate(tokens):
+        if not 0 <= t < tok.vocab_size:
+            raise _bad(f"tokens[{i}]", f"token id {t} is outside the vocabulary (0..{tok.vocab_size - 1})")
+    return {"content": tok.decode(tokens)}
 
 
 # -- errors ------------------------------------------------------------------------------------

@@ -177,6 +177,11 @@ def request_from_pb(m, max_tokens_limit: int | None = None) -> GenerationRequest
             top_k=_opt(m, "top_k", _SAMPLING.top_k),
             top_p=_opt(m, "top_p", _SAMPLING.top_p),
             seed=_opt(m, "seed", None),
+            min_p=_opt(m, "min_p", _SAMPLING.min_p),
+            frequency_penalty=_opt(m, "frequency_penalty", _SAMPLING.frequency_penalty),
+            presence_penalty=_opt(m, "presence_penalty", _SAMPLING.presence_penalty),
+            repetition_penalty=_opt(m, "repetition_penalty", _SAMPLING.repetition_penalty),
+            logit_bias=tuple(sorted(m.logit_bias.items())),
         ),
         stop=tuple(m.stop),
         draft=_opt(m, "draft", None),
@@ -228,6 +233,10 @@ def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
         messages=[pb2.ChatMessage(role=r, content=c) for r, c in req.messages or ()], raw=req.raw,
         max_tokens=req.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(req.stop),
     )
+    for name in ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
+        if getattr(s, name) != getattr(_SAMPLING, name):  # unset: an older daemon sees no field it lacks
+            setattr(m, name, getattr(s, name))
+    _logit_bias_to_pb(s.logit_bias, m)
     policy = str(req.policy) if req.policy is not None else None
     keep_alive = format_keep_alive(req.keep_alive) if req.keep_alive is not None else None
     for name, value in (("prompt", req.prompt), ("seed", s.seed), ("draft", req.draft), ("policy", policy),
@@ -243,6 +252,20 @@ def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
     if default_max_tokens:
         m.ClearField("max_tokens")
     return m
+
+
+def _logit_bias_to_pb(bias: tuple[tuple[int, float], ...], m) -> None:
+    """logit_bias into the message's map: a duplicate id or one no int64 holds is refused here,
+    naming the field, rather than lost or crashing protobuf."""
+    for token, value in bias:
+        if isinstance(token, bool) or not isinstance(token, int) or not -2**63 <= token < 2**63:
+            raise InvalidRequestError(f"logit_bias: key {token!r} is not a token id (a non-negative integer)")
+        if token in m.logit_bias:
+            raise InvalidRequestError(f"logit_bias: token id {token} is given twice")
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise InvalidRequestError(f"logit_bias: the bias of token {token} must be a number, "
+                                      f"got {type(value).__name__}")
+        m.logit_bias[token] = value
 
 
 def chunk_to_pb(chunk: Chunk):

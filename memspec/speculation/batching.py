@@ -6,8 +6,9 @@
     slot.leave()                            # finished or cancelled: its row is free at the next pass
 
 Each request still runs its own decode loop (memspec.speculation.speculative) on its own
-thread, with its own draft, verification rule and seeded generator; only the target pass is
-shared.  A slot's `forward` is what the loop calls `target.forward`: it queues the row and waits.
+thread, with its own draft, verification rule, seeded generator and logits shaper (its
+penalties, logit_bias: memspec.speculation.logits); only the target pass is shared.  A slot's
+`forward` is what the loop calls `target.forward`: it queues the row and waits.
 The loop thread runs a pass as soon as every joined slot has queued one (each has drafted), or
 when the first queued row has waited `max_wait_s` (a slot that is still drafting, or waiting for
 its draft to load, does not hold the others up longer than that).  Like llama.cpp's server slots,

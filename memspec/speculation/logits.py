@@ -163,15 +163,17 @@ class Penalties:
 
     def __init__(self, prompt: Sequence[int], frequency: float = 0.0, presence: float = 0.0, repetition: float = 1.0):
         self.frequency, self.presence, self.repetition = frequency, presence, repetition
-        self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64)) if repetition != 1.0 else None
+        self.prompt_ids = np.unique(np.asarray(prompt, dtype=np.int64))  # (P,) distinct prompt tokens
+        self.in_prompt = set(self.prompt_ids.tolist())
         self.counts: Counter[int] = Counter()  # generated token -> times pushed
         self.stack: list[int] = []
 
     def shape(self, row: np.ndarray) -> np.ndarray:
         out = row.astype(np.float32, copy=True)
         gen = np.fromiter(self.counts.keys(), dtype=np.int64, count=len(self.counts))
-        if self.prompt_ids is not None:
-            ids = np.union1d(self.prompt_ids, gen)
+        if self.repetition != 1.0:  # each seen token once: the prompt's, then generated ones it lacks
+            fresh = [t for t in self.counts if t not in self.in_prompt]
+            ids = np.concatenate([self.prompt_ids, np.asarray(fresh, dtype=np.int64)])
             z = out[ids]
             out[ids] = np.where(z > 0, z / self.repetition, z * self.repetition)
         if len(gen) and (self.frequency or self.presence):
