@@ -61,6 +61,25 @@ def grammar_text(c: Constraint) -> str:
     raise InvalidRequestError(f"{c.field}: unknown constraint kind {c.kind!r}")
 
 
+class _Vocabulary:
+    """The tokenizer as llguidance's TokenizerWrapper reads it: every id's bytes, the special ids,
+    and encode.  Built from memspec's own byte table rather than tokenizer.json, so that the two
+    agree on what is text: llguidance takes every added token of a tokenizer.json as special (as
+    bytes it never matches), while Qwen2.5's <tool_call> is an added token that the model writes
+    as text, and a forced call's grammar must match it."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab: int, eos_ids: list[int]):
+        n = tokenizer.vocab_size
+        self.tokens = [tokenizer.token_bytes(i) if i < n else b"" for i in range(vocab)]  # ids past it: never
+        self.special_token_ids = sorted(tokenizer.special_token_ids)
+        self.eos_token_id = eos_ids[0] if eos_ids else tokenizer.eos_token_id
+        self.bos_token_id = tokenizer.bos_token_id
+        self.tokenizer = tokenizer
+
+    def __call__(self, text: bytes) -> list[int]:
+        return self.tokenizer.encode(text.decode("utf-8", errors="replace"))
+
+
 class Grammars:
     """Compiles constraints for one target: its tokenizer, its logits' width, its end tokens."""
 
@@ -75,8 +94,8 @@ class Grammars:
         """llguidance's view of the tokenizer, built on first use (about a second for 150k tokens)."""
         with self._lock:
             if self._ll is None:
-                self._ll = llguidance.LLTokenizer(self.tokenizer.to_json(), n_vocab=self.vocab,
-                                                  eos_token=self.eos_ids)
+                wrapper = llguidance.TokenizerWrapper(_Vocabulary(self.tokenizer, self.vocab, self.eos_ids))
+                self._ll = llguidance.LLTokenizer(wrapper, n_vocab=self.vocab, eos_token=self.eos_ids)
             return self._ll
 
     def compile(self, c: Constraint) -> str:
