@@ -163,6 +163,32 @@ def test_stream_is_sse_framed_with_role_chunks_finish_usage_and_done(f):
     assert chunks[-1]["memspec"]["model"] == "tiny"
 
 
+def test_a_call_the_answer_makes_is_read_out_whole_and_streamed(f):
+    """tool_choice auto: the fake engine answers the words reversed, here "Sure, <tool_call> {...}
+    </tool_call>"; the call comes back as tool_calls, whole and as streamed deltas."""
+    call = json.dumps({"name": "f", "arguments": {"a": 1}}, separators=(",", ":"))
+    ask = chat(f"</tool_call> {call} <tool_call> Sure,", max_tokens=4,
+               tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    status, _, out = f.post(ask)
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure,"
+    [whole] = choice["message"]["tool_calls"]
+    assert whole["type"] == "function" and whole["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    events = sse_events(read_all(raw_stream(f.port, {**ask, "stream": True})).partition(b"\r\n\r\n")[2])
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    deltas = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    ids = [d["id"] for d in deltas if "id" in d]  # one id, given once (each answer names its own calls)
+    assert {d["index"] for d in deltas} == {0} and len(ids) == 1 and ids[0].startswith("call_")
+    assert "".join(d["function"].get("name", "") for d in deltas) == "f"
+    assert "".join(d["function"]["arguments"] for d in deltas) == whole["function"]["arguments"]
+    assert "".join(c["delta"].get("content") or "" for c in chunks).strip() == "Sure,"
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    status, _, out = f.post({**ask, "tool_choice": "none"})  # no tools: the text as it is
+    assert out["choices"][0]["message"]["content"].startswith("Sure, <tool_call>")
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_stream_without_include_usage_has_no_usage_chunk(f):
     events = sse_events(read_all(raw_stream(f.port, {"prompt": "a b", "max_tokens": 2, "stream": True},
                                             path="/v1/completions")).partition(b"\r\n\r\n")[2])
