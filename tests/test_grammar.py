@@ -248,3 +248,7 @@ def test_batched_requests_under_schemas_get_their_solo_answers(model_store):
     assert json.loads(expected[0].text)["colors"] and expected[1].text in ("yes!", "no!")
     assert batched.batch.report()["passes"] > 0
     batched.close()
+    # a grammar complete on the last token max_tokens allows is a finished answer, not a cut one
+    short = solo.generate(GenerationRequest(prompt="Is water wet?", max_tokens=1, constraint=Constraint(
+        "grammar", 'root ::= "yes" | "no"', field="grammar")))
+    assert short.text in ("yes", "no") and short.finish_reason == "stop"

@@ -327,7 +327,7 @@ class Engine:
                     t_first = self.clock()
                 new, finish_now = self._accept(committed, out, req)
                 piece = stops.feed(detok.add(new)) if new else ""
-                if stops.hit or (finish_now is None and grammar is not None and grammar.done):
+                if stops.hit or (finish_now in (None, "length") and grammar is not None and grammar.done):
                     finish_now = "stop"  # a stop string, or a complete grammar (it admits only an end token)
                 text.append(piece)
                 logprobs = self._logprobs(rows.pop(), new, req.logprobs) if rows else None
