@@ -196,3 +196,18 @@ def test_bad_schemas_and_grammars_are_invalid_argument_on_grpc(grpc_client, fiel
                                         timeout=60))
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT and info.value.details().startswith(f"{field}: ")
     assert grpc_text(grpc_client, GenerationRequest(prompt="hi", max_tokens=2))  # still serving
+
+
+def test_a_forced_call_over_grpc_is_the_http_call(sdk, grpc_client):
+    """gRPC carries tools and tool_choice too; the answer's text is the call as the model writes it."""
+    from memspec.models.tools import parse_calls
+    from memspec.request import Tool
+
+    fn = WEATHER["function"]
+    req = GenerationRequest(messages=(("user", ASK_WEATHER[0]["content"]),), max_tokens=64,
+                            tools=(Tool(fn["name"], fn["description"], json.dumps(fn["parameters"])),),
+                            tool_choice="function:get_weather")
+    content, calls = parse_calls(grpc_text(grpc_client, req))
+    http = sdk.chat.completions.create(model=MODEL, messages=ASK_WEATHER, max_tokens=64, tools=[WEATHER],
+                                       tool_choice="required").choices[0].message.tool_calls[0].function
+    assert content == "" and [(c.name, c.arguments) for c in calls] == [(http.name, http.arguments)]

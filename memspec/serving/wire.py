@@ -21,7 +21,7 @@ from memspec.errors import (
     CancelledError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelNotFoundError, NotLoadedError,
     OverloadedError, RemoteError, UnavailableError,
 )
-from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, PolicyName, SamplingParams,
+from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, PolicyName, SamplingParams, Tool,
                              format_keep_alive, parse_keep_alive)
 
 pb2, pb2_grpc = proto.load()
@@ -29,6 +29,7 @@ pb2, pb2_grpc = proto.load()
 SERVICE = pb2.DESCRIPTOR.services_by_name["MemSpec"].full_name  # "memspec.v1.MemSpec"
 ERROR_KEY = "memspec-error"  # trailing metadata: the memspec exception's class name
 _REQ = GenerationRequest()
+_TOOL = Tool("")
 _SAMPLING = SamplingParams()
 
 # -- errors <-> status codes: memspec.errors.STATUS, the one table -----------------------
@@ -189,6 +190,8 @@ def request_from_pb(m, max_tokens_limit: int | None = None) -> GenerationRequest
         model=_opt(m, "model", None) or None,
         keep_alive=parse_keep_alive(m.keep_alive) if m.HasField("keep_alive") else None,
         constraint=constraint_from_pb(m),
+        tools=tuple(Tool(t.name, t.description, t.parameters or _TOOL.parameters) for t in m.tools),
+        tool_choice=_opt(m, "tool_choice", _REQ.tool_choice),
     )
 
 
@@ -214,6 +217,11 @@ def _text_fields(req: GenerationRequest) -> Iterable[tuple[str, object]]:
     yield "policy", str(req.policy) if req.policy is not None else None
     if req.constraint is not None:
         yield req.constraint.field, req.constraint.text
+    for i, t in enumerate(req.tools):
+        yield f"tools[{i}].name", t.name
+        yield f"tools[{i}].description", t.description
+        yield f"tools[{i}].parameters", t.parameters
+    yield "tool_choice", req.tool_choice
 
 
 def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
@@ -243,6 +251,9 @@ def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
                         ("model", req.model), ("keep_alive", keep_alive)):
         if value is not None:
             setattr(m, name, value)
+    m.tools.extend(pb2.Tool(name=t.name, description=t.description, parameters=t.parameters) for t in req.tools)
+    if req.tool_choice != _REQ.tool_choice:
+        m.tool_choice = req.tool_choice
     c = req.constraint
     if c is not None:  # the wire names the kind by its field
         if c.kind == "json_object":
