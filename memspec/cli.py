@@ -107,7 +107,34 @@ def _request(args, messages=None):
         stop=tuple(args.stop or ()),
         draft=getattr(args, "draft", None),
         policy=PolicyName.parse(args.policy) if getattr(args, "policy", None) else None,
+        constraint=_constraint(args),
     )
+
+
+def _constraint(args):
+    """--json-schema FILE or --grammar FILE (Lark or GBNF) as the request's Constraint."""
+    from pathlib import Path
+
+    from memspec.request import Constraint
+
+    given = [(flag, path) for flag, path in (("--json-schema", getattr(args, "json_schema", None)),
+                                             ("--grammar", getattr(args, "grammar", None))) if path]
+    if len(given) > 1:
+        raise CLIError("give --json-schema or --grammar, not both")
+    if not given:
+        return None
+    flag, path = given[0]
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise CLIError(f"{flag}: cannot read {path}: {exc}") from None
+    if flag == "--json-schema":
+        try:
+            json.loads(text)
+        except ValueError as exc:
+            raise CLIError(f"--json-schema: {path} is not JSON: {exc}") from None
+        return Constraint("json_schema", text, field="--json-schema")
+    return Constraint("grammar", text, field="--grammar")
 
 
 def _logit_bias(items) -> tuple[tuple[int, float], ...]:
@@ -497,6 +524,9 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
                                    "--local skips it.")
     g.add_argument("prompt", help="the prompt (chat template applied unless --raw)")
     g.add_argument("--raw", action="store_true", help="send the prompt without the chat template")
+    g.add_argument("--json-schema", metavar="FILE",
+                   help="the answer is JSON valid against this JSON schema (constrained decoding)")
+    g.add_argument("--grammar", metavar="FILE", help="the answer matches this Lark or GBNF (llama.cpp) grammar")
     _sampling_options(g)
     g.set_defaults(func=cmd_generate)
 

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 from memspec.errors import InvalidRequestError
 
-ROLES = ("system", "user", "assistant")
+ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool's result (memspec.models.tools)
 FINISH_REASONS = ("stop", "length", "eos", "cancelled")
 NO_DRAFT = "none"  # the draft a request names for target-only decoding
 POLICY_KINDS = ("target-only", "fixed", "bandit", "memspec", "oracle")
@@ -36,6 +36,7 @@ class Limits:
         """The largest request these limits let through, as protobuf bytes (UTF-8 is at most
         4 bytes a character): what the server's max_receive_message_length is set to."""
         text = max(self.max_prompt_chars, self.max_chat_chars + self.max_messages * 16)  # 16: a role
+        text += self.max_prompt_chars  # a schema or grammar (Constraint) is held to a prompt's length
         return 4 * (text + self.max_stop * self.max_stop_chars + 2 * self.max_name_chars) + 64 * 1024
 
 
@@ -83,6 +84,32 @@ class PolicyName:
         return f"fixed:{self.draft}" if self.kind == "fixed" else self.kind
 
 
+CONSTRAINT_KINDS = ("json_schema", "json_object", "grammar")
+
+
+@dataclass(frozen=True)
+class Constraint:
+    """What the answer must match (memspec.speculation.grammar compiles and enforces it)."""
+
+    kind: str  # one of CONSTRAINT_KINDS: "json_schema": text is a JSON schema; "json_object": any
+    #            JSON object (text unused); "grammar": text is a Lark or GBNF (llama.cpp) grammar
+    text: str = ""
+    field: str = "response_format"  # the request field it came from, which its errors name
+
+
+TOOL_CHOICES = ("auto", "none", "required")  # or "function:<name>": that tool must be called
+_TOOL_NAME = re.compile(r"[A-Za-z0-9_-]{1,64}")  # OpenAI's rule for a function's name
+
+
+@dataclass(frozen=True)
+class Tool:
+    """A function the model may call (OpenAI's tools[i].function)."""
+
+    name: str
+    description: str = ""
+    parameters: str = '{"type": "object", "properties": {}}'  # its arguments' JSON schema, as JSON text
+
+
 def quote(text: str, limit: int = 64) -> str:
     """A client's string as an error or a log line shows it: repr'd, and no more than `limit`
     characters of it, so that a huge field cannot flood the log or overflow gRPC's metadata."""
@@ -114,6 +141,16 @@ class GenerationRequest:
     logprobs: int | None = None  # report each token's log-probability and this many top alternatives
     model: str | None = None  # the target to answer (a store name); None: the daemon's default target
     keep_alive: float | None = None  # seconds its target stays loaded once idle; 0: unload now; None: default
+    constraint: Constraint | None = None  # the answer must match this schema or grammar; None: free text
+    tools: tuple[Tool, ...] = ()  # functions the model may call (listed in the prompt; memspec.models.tools)
+    tool_choice: str = "auto"  # one of TOOL_CHOICES, or "function:<name>" (a call of that tool is forced)
+
+    @property
+    def forced_tool(self) -> str | None:
+        """The tool a forced call must name: "" for any ("required"), None when no call is forced."""
+        if self.tool_choice == "required":
+            return ""
+        return self.tool_choice.partition(":")[2] if self.tool_choice.startswith("function:") else None
 
 
 KEEP_FOREVER = math.inf  # keep_alive of a target that is never unloaded for being idle
@@ -177,6 +214,15 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
     for name, value in (("draft", req.draft), ("policy", req.policy and req.policy.draft), ("model", req.model)):
         if value and len(value) > limits.max_name_chars:
             raise _bad(name, f"a name of {len(value)} characters; at most {limits.max_name_chars}")
+    c = req.constraint
+    if c is not None:
+        if c.kind not in CONSTRAINT_KINDS:
+            raise _bad(c.field, f"{quote(c.kind, 32)} is not one of {', '.join(CONSTRAINT_KINDS)}")
+        if c.kind != "json_object" and not c.text.strip():
+            raise _bad(c.field, "is empty")
+        if len(c.text) > limits.max_prompt_chars:
+            raise _bad(c.field, f"{len(c.text)} characters; at most {limits.max_prompt_chars}")
+    _check_tools(req, limits)
     if not 1 <= req.max_tokens <= limits.max_tokens:
         raise _bad("max_tokens", f"{req.max_tokens} is out of range; allowed 1..{limits.max_tokens}")
     s = req.sampling
@@ -205,6 +251,34 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
     for i, st in enumerate(req.stop):
         if not st or len(st) > limits.max_stop_chars:
             raise _bad(f"stop[{i}]", f"length {len(st)}; allowed 1..{limits.max_stop_chars} characters")
+
+
+def _check_tools(req: GenerationRequest, limits: Limits) -> None:
+    """Tool names (OpenAI's rule, no two alike) and tool_choice; each schema is compiled by the engine."""
+    names = set()
+    for i, t in enumerate(req.tools):
+        if not isinstance(t.name, str) or not _TOOL_NAME.fullmatch(t.name):
+            raise _bad(f"tools[{i}].function.name", f"{quote(str(t.name), 32)} is not a name of 1..64 letters, "
+                                                    f"digits, '_' or '-'")
+        if t.name in names:
+            raise _bad(f"tools[{i}].function.name", f"{quote(t.name)} is given twice")
+        names.add(t.name)
+    if sum(len(t.description) + len(t.parameters) for t in req.tools) > limits.max_chat_chars:
+        raise _bad("tools", f"more than {limits.max_chat_chars} characters of descriptions and schemas")
+    choice, forced = req.tool_choice, req.forced_tool
+    if choice not in TOOL_CHOICES and not forced:
+        raise _bad("tool_choice", f"{quote(choice, 32)} is not one of {', '.join(TOOL_CHOICES)} or a function")
+    if req.tools and req.raw:
+        raise _bad("tools", "tools are listed in the chat template; a raw prompt has none")
+    if forced is not None:
+        if not req.tools:
+            raise _bad("tool_choice", f"{quote(choice, 32)} needs tools to call")
+        if forced and forced not in names:
+            raise _bad("tool_choice.function.name", f"{quote(forced, 32)} is not one of the tools "
+                                                    f"({', '.join(sorted(names))})")
+        if req.constraint is not None:
+            raise _bad("tool_choice", f"a forced call has its own shape; it cannot be combined with "
+                                      f"{req.constraint.field}")
 
 
 def check_logit_bias(bias: tuple[tuple[int, float], ...], vocab: int | None = None) -> None:

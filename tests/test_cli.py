@@ -129,6 +129,27 @@ def test_bad_generate_arguments(home, args, message):
     assert "Traceback" not in r.stderr
 
 
+def test_generate_under_a_schema_or_a_grammar(home, tmp_path):
+    schema = tmp_path / "s.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"answer": {"enum": ["yes", "no"]}},
+                                  "required": ["answer"], "additionalProperties": False}))
+    r = memspec("generate", "--local", "--json", "--json-schema", str(schema), "Is the sky blue?", home=home)
+    assert r.returncode == 0, r.stderr
+    out = json.loads(r.stdout)
+    assert json.loads(out["text"])["answer"] in ("yes", "no") and out["finish_reason"] == "stop"
+    grammar = tmp_path / "g.gbnf"
+    grammar.write_text('root ::= "Paris" | "London"\n')
+    r = memspec("generate", "--local", "--json", "--grammar", str(grammar), "Capital of France?", home=home)
+    assert r.returncode == 0 and json.loads(r.stdout)["text"] in ("Paris", "London"), r.stderr
+    bad = tmp_path / "bad.gbnf"
+    bad.write_text("root ::= nope\n")
+    for args, message in [(["--grammar", str(bad)], "--grammar: "), (["--json-schema", str(bad)], "is not JSON"),
+                          (["--json-schema", str(tmp_path / "none.json")], "cannot read"),
+                          (["--grammar", str(grammar), "--json-schema", str(schema)], "not both")]:
+        r = memspec("generate", "--local", *args, "hi", home=home)
+        assert r.returncode != 0 and message in r.stderr and "Traceback" not in r.stderr, r.stderr
+
+
 def test_prompt_longer_than_context(home, tmp_path):
     cfg = tmp_path / "small.toml"
     cfg.write_text("[runtime]\nmax_context = 64\n")

@@ -163,6 +163,32 @@ def test_stream_is_sse_framed_with_role_chunks_finish_usage_and_done(f):
     assert chunks[-1]["memspec"]["model"] == "tiny"
 
 
+def test_a_call_the_answer_makes_is_read_out_whole_and_streamed(f):
+    """tool_choice auto: the fake engine answers the words reversed, here "Sure, <tool_call> {...}
+    </tool_call>"; the call comes back as tool_calls, whole and as streamed deltas."""
+    call = json.dumps({"name": "f", "arguments": {"a": 1}}, separators=(",", ":"))
+    ask = chat(f"</tool_call> {call} <tool_call> Sure,", max_tokens=4,
+               tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    status, _, out = f.post(ask)
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Sure,"
+    [whole] = choice["message"]["tool_calls"]
+    assert whole["type"] == "function" and whole["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    events = sse_events(read_all(raw_stream(f.port, {**ask, "stream": True})).partition(b"\r\n\r\n")[2])
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    deltas = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    ids = [d["id"] for d in deltas if "id" in d]  # one id, given once (each answer names its own calls)
+    assert {d["index"] for d in deltas} == {0} and len(ids) == 1 and ids[0].startswith("call_")
+    assert "".join(d["function"].get("name", "") for d in deltas) == "f"
+    assert "".join(d["function"]["arguments"] for d in deltas) == whole["function"]["arguments"]
+    assert "".join(c["delta"].get("content") or "" for c in chunks).strip() == "Sure,"
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+    status, _, out = f.post({**ask, "tool_choice": "none"})  # no tools: the text as it is
+    assert out["choices"][0]["message"]["content"].startswith("Sure, <tool_call>")
+    assert out["choices"][0]["finish_reason"] == "length"
+
+
 def test_a_stream_without_include_usage_has_no_usage_chunk(f):
     events = sse_events(read_all(raw_stream(f.port, {"prompt": "a b", "max_tokens": 2, "stream": True},
                                             path="/v1/completions")).partition(b"\r\n\r\n")[2])
@@ -238,7 +264,7 @@ BAD = [  # (name, path, body or raw text, headers, status, param, code)
     ("no messages", CHAT, {"model": "tiny"}, None, 400, "messages", None),
     ("messages not an array", CHAT, {"messages": "hi"}, None, 400, "messages", None),
     ("a message not an object", CHAT, {"messages": ["hi"]}, None, 400, "messages[0]", None),
-    ("a tool role", CHAT, {"messages": [{"role": "tool", "content": "x"}]}, None, 400, "messages[0].role", None),
+    ("an unknown role", CHAT, {"messages": [{"role": "robot", "content": "x"}]}, None, 400, "messages[0].role", None),
     ("an image part", CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
      None, 400, "messages[0].content[0].type", None),
     ("content a number", CHAT, {"messages": [{"role": "user", "content": 5}]}, None, 400, "messages[0].content",
@@ -254,8 +280,29 @@ BAD = [  # (name, path, body or raw text, headers, status, param, code)
     ("stop a number", CHAT, chat(stop=5), None, 400, "stop", None),
     ("too many stops", CHAT, chat(stop=list("abcdefghi")), None, 400, "stop", None),
     ("n = 2", CHAT, chat(n=2), None, 400, "n", None),
-    ("tools", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}]), None, 400, "tools", None),
-    ("JSON mode", CHAT, chat(response_format={"type": "json_object"}), None, 400, "response_format", None),
+    ("a tool without a name", CHAT, chat(tools=[{"type": "function", "function": {"description": "f"}}]), None, 400,
+     "tools[0].function.name", None),
+    ("a tool name with a space", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), None, 400,
+     "tools[0].function.name", None),
+    ("a forced call of no such tool", CHAT, chat(tools=[{"type": "function", "function": {"name": "f"}}],
+     tool_choice={"type": "function", "function": {"name": "g"}}), None, 400, "tool_choice.function.name", None),
+    ("tool_choice required without tools", CHAT, chat(tool_choice="required"), None, 400, "tool_choice", None),
+    ("a tool call from a user", CHAT, {"messages": [{"role": "user", "content": "x", "tool_calls": []}]}, None, 400,
+     "messages[0].tool_calls", None),
+    ("tool call arguments that are no JSON", CHAT, {"messages": [{"role": "assistant", "tool_calls": [
+        {"type": "function", "function": {"name": "f", "arguments": "{"}}]}, {"role": "user", "content": "x"}]},
+     None, 400, "messages[0].tool_calls[0].function.arguments", None),
+    ("tools on /v1/completions", "/v1/completions", {"prompt": "a", "tools": [{"type": "function",
+     "function": {"name": "f"}}]}, None, 400, "tools", None),
+    ("an unknown response format", CHAT, chat(response_format={"type": "yaml"}), None, 400, "response_format.type",
+     None),
+    ("a JSON schema without a name", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "schema": {"type": "object"}}}), None, 400, "response_format.json_schema.name", None),
+    ("a JSON schema that is a string", CHAT, chat(response_format={"type": "json_schema", "json_schema": {
+        "name": "x", "schema": "object"}}), None, 400, "response_format.json_schema.schema", None),
+    ("a grammar and JSON mode", CHAT, chat(grammar='root ::= "a"', response_format={"type": "json_object"}), None,
+     400, "grammar", None),
+    ("a grammar that is not text", CHAT, chat(grammar=5), None, 400, "grammar", None),
     ("a penalty out of range", CHAT, chat(frequency_penalty=2.5), None, 400, "frequency_penalty", None),
     ("a penalty a string", CHAT, chat(presence_penalty="high"), None, 400, "presence_penalty", None),
     ("repetition_penalty 0", CHAT, chat(repetition_penalty=0), None, 400, "repetition_penalty", None),

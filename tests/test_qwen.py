@@ -102,6 +102,34 @@ def test_the_sibling_draft_speculates_losslessly_and_is_accepted(qwen_draft_stor
     assert s.num_draft_tokens > 0 and s.num_accepted_tokens >= 0.5 * s.num_draft_tokens, s
 
 
+def test_a_schema_and_a_forced_tool_call_with_the_sibling_draft(qwen_draft_store, target):
+    """The 1.5B under a JSON schema and under a forced tool call (Qwen2.5's own tools template),
+    the sibling draft (a vocabulary of 32k mapped ids) proposing under the same mask: the 1.5B's
+    own answer, valid against the schema, and a call that parses."""
+    from memspec.models import tools
+    from memspec.request import Constraint, Tool
+    from memspec.speculation.drafts import load_pool
+    from memspec.speculation.engine import Engine
+    from memspec.speculation.sources import DraftPool
+
+    engine = Engine(target, drafts=DraftPool(load_pool(qwen_draft_store, QWEN, target.session.vocab_size,
+                                                       names=[QWEN_DRAFT])))
+    schema = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 30},
+                                               "args": {"type": "array", "items": {"type": "string"}, "maxItems": 3}},
+              "required": ["name", "args"], "additionalProperties": False}
+    req = dict(prompt="Describe the signature of a Python function that checks palindromes, as JSON.", max_tokens=40,
+               constraint=Constraint("json_schema", json.dumps(schema)))
+    alone = engine.generate(GenerationRequest(draft=NO_DRAFT, **req))
+    drafted = engine.generate(GenerationRequest(draft=QWEN_DRAFT, **req))
+    assert drafted.token_ids == alone.token_ids and alone.finish_reason == "stop", alone.text
+    assert set(json.loads(alone.text)) == {"name", "args"}
+    weather = Tool("get_weather", "The weather in a city", json.dumps({
+        "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}))
+    call = engine.generate(GenerationRequest(messages=(("user", "What is the weather in Oslo?"),), max_tokens=40,
+                                             tools=(weather,), tool_choice="required", draft=QWEN_DRAFT))
+    assert call.finish_reason == "stop" and tools.parse_calls(call.text)[1][0].name == "get_weather", call.text
+
+
 def _memspec(*args: str, home: Path) -> subprocess.CompletedProcess:
     import os
 

@@ -32,7 +32,7 @@ from memspec.errors import (
     RemoteError, UnavailableError,
 )
 from memspec.serving.notify import Notifier
-from memspec.request import Chunk, Completion, GenerationRequest, Limits, SpecStats, Timings, validate
+from memspec.request import Chunk, Completion, Constraint, GenerationRequest, Limits, SpecStats, Timings, Tool, validate
 from memspec.serving.status import DraftStatus, Status
 from memspec.serving.server import MemSpecServicer, create_server
 from memspec.speculation.sources import DraftPool, DraftRow, SourceStatus
@@ -239,6 +239,14 @@ def test_request_fields_round_trip_through_the_wire():
     assert wire.request_from_pb(wire.request_to_pb(req)) == req
     chat = GenerationRequest(messages=(("user", "x"),))
     assert wire.request_from_pb(wire.request_to_pb(chat)) == chat
+    tools = GenerationRequest(messages=(("user", "x"), ("assistant", "<tool_call>..."), ("tool", "{}")),
+                              tools=(Tool("f", "does f", '{"type": "object"}'), Tool("g")), tool_choice="function:g",
+                              constraint=None)
+    assert wire.request_from_pb(wire.request_to_pb(tools)) == tools
+    for c in (Constraint("json_schema", "{}", field="json_schema"), Constraint("json_object", field="json_object"),
+              Constraint("grammar", 'root ::= "a"', field="grammar")):
+        req = GenerationRequest(prompt="x", constraint=c)
+        assert wire.request_from_pb(wire.request_to_pb(req)) == req
     assert wire.request_from_pb(wire.pb2.GenerateRequest(prompt="x")) == GenerationRequest(prompt="x")
     with pytest.raises(InvalidRequestError, match="policy: unknown policy 'fastest'; known: target-only, fixed:<draft>"):
         wire.request_from_pb(wire.pb2.GenerateRequest(prompt="x", policy="fastest"))  # parsed once, here
@@ -263,6 +271,10 @@ BAD = [
     ({"prompt": "hi", "stop": [""]}, "stop[0]"),
     ({"prompt": "hi", "draft": "nope"}, "draft"),
     ({"prompt": "hi", "policy": "nope"}, "policy"),
+    ({"prompt": "hi", "json_schema": "{}", "grammar": 'root ::= "a"'}, "grammar"),  # at most one
+    ({"prompt": "hi", "tools": [wire.pb2.Tool(description="no name")]}, "tools[0].function.name"),
+    ({"prompt": "hi", "tools": [wire.pb2.Tool(name="f")], "tool_choice": "function:g"}, "tool_choice.function.name"),
+    ({"prompt": "hi", "tool_choice": "required"}, "tool_choice"),
 ]
 
 

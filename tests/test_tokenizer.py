@@ -172,7 +172,7 @@ def test_chat_template_default_system(tokenizer: Tokenizer) -> None:
 @pytest.mark.parametrize(
     ("messages", "match"),
     [
-        ([{"role": "tool", "content": "x"}], r"role 'tool'; allowed roles: system, user, assistant"),
+        ([{"role": "robot", "content": "x"}], r"role 'robot'; allowed roles: system, user, assistant, tool"),
         ([{"content": "x"}], r"messages\[0\] has role None"),
         ([{"role": "user", "content": 3}], r"\['content'\] must be str, got int"),
         ([], "non-empty list"),
@@ -364,7 +364,7 @@ def test_qwen_chat_template_multi_turn(qwen_chat: Tokenizer) -> None:
 
 def test_qwen_chat_template_tools_branch_renders_in_sandbox(qwen_chat: Tokenizer) -> None:
     tool = {"name": "add", "parameters": {"a": "int"}}
-    text = qwen_chat._chat_template().render(  # noqa: SLF001 - memspec passes no tools; the branch must still compile
+    text = qwen_chat._chat_template().render(  # noqa: SLF001 - the branch memspec's tools take
         messages=[{"role": "user", "content": "1+2"}], tools=[tool], add_generation_prompt=True)
     assert text.startswith(f"<|im_start|>system\n{QWEN_SYSTEM}\n\n# Tools\n")
     assert '\n{"name": "add", "parameters": {"a": "int"}}\n</tools>' in text

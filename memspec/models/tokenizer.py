@@ -38,7 +38,7 @@ __all__ = [
     "write_tokenizer_files",
 ]
 
-ALLOWED_ROLES: tuple[str, ...] = ("system", "user", "assistant")
+ALLOWED_ROLES: tuple[str, ...] = ("system", "user", "assistant", "tool")
 
 # llama.cpp token types (enum llama_token_type).
 _TOKEN_TYPE_CONTROL = 3
@@ -359,6 +359,10 @@ class Tokenizer:
         """Ids of control tokens (``<|im_start|>``, ``<|im_end|>``, ...)."""
         return self._special_ids
 
+    def to_json(self) -> str:
+        """The tokenizer as HF ``tokenizer.json`` text (the grammar matcher builds its own from it)."""
+        return self._hf.to_str()
+
     def encode(self, text: str) -> list[int]:
         """Tokenize ``text``; special tokens written in the text are matched whole. No BOS."""
         if not isinstance(text, str):
@@ -380,12 +384,20 @@ class Tokenizer:
         """A fresh :class:`IncrementalDetokenizer` over this tokenizer."""
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
-    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
-        """Render ``messages`` with the model's own (GGUF) chat template."""
+    @property
+    def template_knows_tools(self) -> bool:
+        """The chat template renders a `tools` list and tool turns itself (Qwen2.5's does)."""
+        return "tools" in (self._config.get("chat_template") or "")
+
+    def apply_chat_template(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True,
+                            tools: Sequence[Mapping[str, Any]] | None = None) -> str:
+        """Render ``messages`` with the model's own (GGUF) chat template; ``tools``: the functions
+        it may call, for a template that lists them (:attr:`template_knows_tools`)."""
         _validate_messages(messages)
         try:
             return self._chat_template().render(
                 messages=[dict(m) for m in messages],
+                tools=list(tools) if tools else None,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self._config.get("bos_token") or "",
                 eos_token=self._config.get("eos_token") or "",

@@ -42,6 +42,7 @@ from memspec.errors import (
     AuthError, CancelledError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError,
     ModelNotFoundError, RequestTooLargeError,
 )
+from memspec.models.tools import CallStream
 from memspec.request import quote
 from memspec.serving import openai, prometheus
 from memspec.serving.address import LOOPBACK_HOSTS
@@ -451,6 +452,7 @@ class Reply:
 
     async def _events(self):
         api, model = self.api, self.fields.get("model", "")
+        calls = CallStream() if api.tools else None  # text that may be a tool call is held until it is whole
         try:
             if api.kind == "chat":
                 yield _sse(openai.chunk(api, self.id, self.created, model, None, role=True))
@@ -462,16 +464,36 @@ class Reply:
                     c = item.completion
                     if c.finish_reason == "cancelled":
                         raise self._ended_early()
-                    yield _sse(openai.chunk(api, self.id, self.created, item.model, None,
-                                            finish=openai.finish_reason(c)))
+                    finish = openai.finish_reason(c)
+                    if calls is not None:
+                        rest = calls.flush()
+                        if rest:
+                            yield _sse(openai.chunk(api, self.id, self.created, model, rest))
+                        finish = openai.TOOL_CALLS if calls.calls else finish
+                    yield _sse(openai.chunk(api, self.id, self.created, item.model, None, finish=finish))
                     if api.include_usage:
                         yield _sse(openai.usage_chunk(api, self.id, self.created, item))
                     break
-                if item.text or item.logprobs:
+                if calls is not None:
+                    for data in self._split(calls, item, model):
+                        yield data
+                elif item.text or item.logprobs:
                     yield _sse(openai.chunk(api, self.id, self.created, model, item.text, self._logprobs(item)))
         except Exception as exc:  # noqa: BLE001 - after the 200, an error is an event
             yield _sse(openai.error(_deadline(exc, self.expired))[1])
         yield b"data: [DONE]\n\n"
+
+
+    def _split(self, calls: CallStream, item, model: str) -> Iterator[bytes]:
+        """A chunk of an answer that may call tools: its content (and logprobs), then each call it completes."""
+        pieces = calls.feed(item.text)
+        text = "".join(p for p in pieces if isinstance(p, str))
+        if text or item.logprobs:
+            yield _sse(openai.chunk(self.api, self.id, self.created, model, text, self._logprobs(item)))
+        found = [p for p in pieces if not isinstance(p, str)]
+        for index, call in enumerate(found, start=calls.calls - len(found)):  # calls: found so far, these too
+            for c in openai.tool_call_chunks(self.api, self.id, self.created, model, index, call):
+                yield _sse(c)
 
 
 # -- the server thread ------------------------------------------------------------------------------

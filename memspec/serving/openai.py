@@ -4,30 +4,33 @@ One parse function per endpoint turns a decoded JSON body into an `ApiRequest`
 (memspec's GenerationRequest plus what only HTTP needs: stream, usage, logprobs),
 checking each field's type and naming it when it is wrong; ranges are checked
 once, by memspec.request.validate, with the same field names.  Fields memspec
-cannot honour (n > 1, tools, a JSON response format) are refused with
+cannot honour (n > 1, the legacy functions) are refused with
 the field's name; fields it does not know are ignored, listed in `ignored` for a
 debug log.  The builders below make the responses and the streamed chunks.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import dataclass
 from typing import Any
 
 from memspec.errors import INTERNAL, InvalidRequestError, status_of
-from memspec.request import MAX_TOP_LOGPROBS, GenerationRequest, PolicyName, SamplingParams, parse_keep_alive, quote
+from memspec.models.tools import ToolCall, call_text, parse_calls
+from memspec.request import (MAX_TOP_LOGPROBS, TOOL_CHOICES, Constraint, GenerationRequest, PolicyName, SamplingParams,
+                             Tool, parse_keep_alive, quote)
 
 EXTENSION = "memspec"  # the object that carries memspec's own options: draft, policy, top_k
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "stop"}  # memspec -> OpenAI
+TOOL_CALLS = "tool_calls"  # the finish reason of an answer that calls tools
 
 # Known fields that change nothing here (or that only OpenAI's own service uses).
 HARMLESS = {"user", "metadata", "store", "service_tier", "parallel_tool_calls", "prediction", "modalities",
             "reasoning_effort", "web_search_options", "audio"}
 _REFUSED = {
-    "tools": "tool calls are not supported",
-    "functions": "function calls are not supported",
+    "functions": "the legacy functions are not supported; give tools",
     "suffix": "suffix (insertion) is not supported",
 }
 # sampling fields beyond OpenAI's own that vLLM and llama-server take at the top level too
@@ -47,6 +50,7 @@ class ApiRequest:
     include_usage: bool = False  # stream_options.include_usage: a last chunk with usage
     logprobs: int | None = None  # None: off; k: the chosen token's log-probability and the k most likely
     ignored: tuple[str, ...] = ()  # fields memspec does not know
+    tools: bool = False  # the answer may call tools: calls are read out of it (memspec.models.tools)
 
 
 def _bad(name: str, msg: str) -> InvalidRequestError:
@@ -137,16 +141,53 @@ def _refuse_unsupported(body: dict) -> None:
     for name, why in _REFUSED.items():
         if body.get(name) not in (None, [], {}, ""):
             raise _bad(name, why)
-    choice = body.get("tool_choice", body.get("function_call"))
-    if choice not in (None, "none", "auto"):
-        raise _bad("tool_choice", "tool calls are not supported")
-    fmt = body.get("response_format")
-    if fmt is not None:
-        kind = fmt.get("type") if isinstance(fmt, dict) else fmt
-        if kind != "text":
-            raise _bad("response_format", f"{quote(str(kind), 32)} is not supported; only {{\"type\": \"text\"}}")
+    if body.get("function_call") not in (None, "none", "auto"):
+        raise _bad("function_call", "the legacy function_call is not supported; give tool_choice")
     if _bool(body, "echo"):
         raise _bad("echo", "echoing the prompt is not supported")
+
+
+FORMATS = ("text", "json_object", "json_schema")  # response_format.type
+
+
+def _constraint(body: dict) -> Constraint | None:
+    """response_format (OpenAI's JSON mode and structured outputs) or grammar (llama-server's GBNF,
+    Lark too) as the request's Constraint; None for free text."""
+    fmt, grammar = body.get("response_format"), body.get("grammar")
+    c = None
+    if fmt is not None:
+        if not isinstance(fmt, dict):
+            raise _bad("response_format", f"must be an object like {{\"type\": \"json_object\"}}, got {_kind(fmt)}")
+        kind = fmt.get("type")
+        if kind not in FORMATS:
+            shown = quote(kind, 32) if isinstance(kind, str) else _kind(kind)
+            raise _bad("response_format.type", f"{shown} is not one of {', '.join(FORMATS)}")
+        if kind == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict):
+                raise _bad("response_format.json_schema", f"must be an object with name and schema, got {_kind(spec)}")
+            name = spec.get("name")
+            if not isinstance(name, str) or not name:
+                raise _bad("response_format.json_schema.name", "is required: a name for the schema")
+            schema = spec.get("schema")
+            if schema is None:  # a name and no schema: any JSON object
+                c = Constraint("json_object", field="response_format.json_schema.schema")
+            elif not isinstance(schema, dict):
+                raise _bad("response_format.json_schema.schema",
+                           f"must be an object (a JSON schema), got {_kind(schema)}")
+            else:
+                c = Constraint("json_schema", json.dumps(schema), field="response_format.json_schema.schema")
+        elif kind == "json_object":
+            schema = fmt.get("schema")  # llama-server's extension: JSON mode with a schema
+            if schema is not None and not isinstance(schema, dict):
+                raise _bad("response_format.schema", f"must be an object (a JSON schema), got {_kind(schema)}")
+            c = (Constraint("json_schema", json.dumps(schema), field="response_format.schema") if schema is not None
+                 else Constraint("json_object", field="response_format"))
+    if grammar is not None:
+        if c is not None:
+            raise _bad("grammar", "give either grammar or a JSON response_format, not both")
+        c = Constraint("grammar", _text(grammar, "grammar"), field="grammar")
+    return c
 
 
 def _sampling_and_options(body: dict, limits_max_tokens: int) -> dict:
@@ -176,6 +217,7 @@ def _sampling_and_options(body: dict, limits_max_tokens: int) -> dict:
                                 repetition_penalty=_number(body, "repetition_penalty", _SAMPLING.repetition_penalty),
                                 logit_bias=_logit_bias(body)),
         stop=_stop(body),
+        constraint=_constraint(body),
         draft=None if draft is None else _text(draft, f"{EXTENSION}.draft"),
         policy=None if policy is None else PolicyName.parse(_text(policy, f"{EXTENSION}.policy"),
                                                               f"{EXTENSION}.policy"),
@@ -198,8 +240,9 @@ def _common(body: Any, known: set[str]) -> tuple[str | None, bool, bool, tuple[s
         raise _bad("stream_options", "applies only with \"stream\": true")
     include_usage = _bool(options, "include_usage")
     shared = {"model", "stream", "stream_options", "n", "best_of", "max_tokens", "max_completion_tokens",
-              "temperature", "top_p", "top_k", "seed", "stop", "tool_choice", "function_call", "response_format",
-              "echo", "logprobs", "top_logprobs", "keep_alive", EXTENSION, *_REFUSED, *_CONTROLS, *HARMLESS}
+              "temperature", "top_p", "top_k", "seed", "stop", "tools", "tool_choice", "function_call",
+              "response_format", "grammar", "echo", "logprobs", "top_logprobs", "keep_alive", EXTENSION, *_REFUSED,
+              *_CONTROLS, *HARMLESS}
     ignored = tuple(sorted(set(body) - shared - known))
     return model, stream, include_usage, ignored
 
@@ -223,7 +266,7 @@ def _content(value: Any, name: str) -> str:
     return "".join(out)
 
 
-ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant"}
+ROLES = {"system": "system", "developer": "system", "user": "user", "assistant": "assistant", "tool": "tool"}
 
 
 def parse_chat(body: Any, max_tokens_limit: int) -> ApiRequest:
@@ -239,10 +282,14 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ApiRequest:
         role = m.get("role")
         if role not in ROLES:
             shown = quote(role, 32) if isinstance(role, str) else _kind(role)
-            raise _bad(f"messages[{i}].role", f"{shown} is not one of system, user, assistant (or developer)")
-        if m.get("tool_calls"):
-            raise _bad(f"messages[{i}].tool_calls", "tool calls are not supported")
-        turns.append((ROLES[role], _content(m.get("content"), f"messages[{i}].content")))
+            raise _bad(f"messages[{i}].role", f"{shown} is not one of system, user, assistant, tool (or developer)")
+        content = _content(m.get("content"), f"messages[{i}].content")
+        if m.get("tool_calls") is not None:  # the calls an assistant made, written as the model writes them
+            if role != "assistant":
+                raise _bad(f"messages[{i}].tool_calls", "only an assistant message makes tool calls")
+            calls = _history_calls(m["tool_calls"], f"messages[{i}].tool_calls")
+            content = "\n".join([content] * bool(content) + calls)
+        turns.append((ROLES[role], content))
     logprobs = None
     if _bool(body, "logprobs"):
         logprobs = _int(body, "top_logprobs", 0)
@@ -250,8 +297,69 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ApiRequest:
             raise _bad("top_logprobs", f"{logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
     elif body.get("top_logprobs") is not None:
         raise _bad("top_logprobs", "needs \"logprobs\": true")
-    req = GenerationRequest(messages=tuple(turns), logprobs=logprobs, **_sampling_and_options(body, max_tokens_limit))
-    return ApiRequest("chat", model, req, stream, include_usage, logprobs, ignored)
+    tools, choice = _tools(body)
+    req = GenerationRequest(messages=tuple(turns), logprobs=logprobs, tools=tools, tool_choice=choice,
+                            **_sampling_and_options(body, max_tokens_limit))
+    return ApiRequest("chat", model, req, stream, include_usage, logprobs, ignored, bool(tools) and choice != "none")
+
+
+def _tools(body: dict) -> tuple[tuple[Tool, ...], str]:
+    """tools and tool_choice: the functions, and "auto", "none", "required" or "function:<name>"."""
+    value = body.get("tools")
+    if value is None:
+        value = []
+    if not isinstance(value, list):
+        raise _bad("tools", f"must be an array of {{\"type\": \"function\", \"function\": {{...}}}}, "
+                            f"got {_kind(value)}")
+    out = []
+    for i, t in enumerate(value):
+        where = f"tools[{i}]"
+        if not isinstance(t, dict) or t.get("type", "function") != "function":
+            raise _bad(f"{where}.type", "only function tools are supported: {\"type\": \"function\", ...}")
+        fn = t.get("function")
+        if not isinstance(fn, dict):
+            raise _bad(f"{where}.function", f"must be an object with a name, got {_kind(fn)}")
+        name = fn.get("name")
+        if not isinstance(name, str) or not name:
+            raise _bad(f"{where}.function.name", "is required")
+        params = fn.get("parameters", {"type": "object", "properties": {}})
+        if not isinstance(params, dict):
+            raise _bad(f"{where}.function.parameters", f"must be an object (a JSON schema), got {_kind(params)}")
+        description = fn.get("description") or ""
+        out.append(Tool(name, _text(description, f"{where}.function.description"), json.dumps(params)))
+    choice = body.get("tool_choice")
+    if choice is None:
+        return tuple(out), "auto"
+    if isinstance(choice, dict):
+        name = (choice.get("function") or {}).get("name") if isinstance(choice.get("function"), dict) else None
+        if choice.get("type") != "function" or not isinstance(name, str):
+            raise _bad("tool_choice", "must be \"auto\", \"none\", \"required\" or "
+                                      "{\"type\": \"function\", \"function\": {\"name\": ...}}")
+        return tuple(out), f"function:{name}"
+    if choice not in TOOL_CHOICES:
+        shown = quote(choice, 32) if isinstance(choice, str) else _kind(choice)
+        raise _bad("tool_choice", f"{shown} is not one of {', '.join(TOOL_CHOICES)} or a function")
+    return tuple(out), choice
+
+
+def _history_calls(value: Any, where: str) -> list[str]:
+    """An assistant's tool_calls in the history, each as the model writes a call."""
+    if not isinstance(value, list):
+        raise _bad(where, f"must be an array, got {_kind(value)}")
+    out = []
+    for j, call in enumerate(value):
+        fn = call.get("function") if isinstance(call, dict) else None
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise _bad(f"{where}[{j}].function.name", "is required")
+        args = fn.get("arguments", "{}")
+        try:
+            parsed = json.loads(args) if isinstance(args, str) else args
+        except ValueError:
+            raise _bad(f"{where}[{j}].function.arguments", "is not JSON") from None
+        if not isinstance(parsed, dict):
+            raise _bad(f"{where}[{j}].function.arguments", "must be a JSON object")
+        out.append(call_text(fn["name"], json.dumps(parsed)))
+    return out
 
 
 def parse_completion(body: Any, max_tokens_limit: int) -> ApiRequest:
@@ -264,6 +372,8 @@ def parse_completion(body: Any, max_tokens_limit: int) -> ApiRequest:
                                  "supported)")
         prompt = prompt[0]
     prompt = _text(prompt, "prompt")
+    if body.get("tools") or body.get("tool_choice") not in (None, "none", "auto"):
+        raise _bad("tools", "tools apply to /v1/chat/completions")
     logprobs = _int(body, "logprobs", None)
     if logprobs is not None and not 0 <= logprobs <= MAX_TOP_LOGPROBS:
         raise _bad("logprobs", f"{logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
@@ -375,9 +485,14 @@ def response(api: ApiRequest, rid: str, created: int, final, text: str, logprobs
     """The whole (non-streamed) answer."""
     c = final.completion
     if api.kind == "chat":
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "logprobs": {"content": logprobs} if logprobs is not None else None,
-                  "finish_reason": finish_reason(c)}
+        message, finish = {"role": "assistant", "content": text}, finish_reason(c)
+        content, calls = parse_calls(text) if api.tools else (text, [])
+        if calls:
+            message = {"role": "assistant", "content": content or None,
+                       "tool_calls": [tool_call(rid, i, call) for i, call in enumerate(calls)]}
+            finish = TOOL_CALLS
+        choice = {"index": 0, "message": message,
+                  "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish}
         obj = "chat.completion"
     else:
         choice = {"index": 0, "text": text, "logprobs": text_logprobs(logprobs) if logprobs is not None else None,
@@ -400,6 +515,22 @@ def chunk(api: ApiRequest, rid: str, created: int, model: str, text: str | None,
                   "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
+
+
+def tool_call(rid: str, index: int, call: ToolCall) -> dict:
+    """One entry of a message's tool_calls; its id is the answer's id and the call's index."""
+    return {"id": f"call_{rid.rpartition('-')[2][:20]}_{index}", "type": "function",
+            "function": {"name": call.name, "arguments": call.arguments}}
+
+
+def tool_call_chunks(api: ApiRequest, rid: str, created: int, model: str, index: int, call: ToolCall) -> list[dict]:
+    """A streamed call, as OpenAI streams one: its id and name first, then its arguments."""
+    whole = tool_call(rid, index, call)
+    head = {"index": index, "id": whole["id"], "type": "function", "function": {"name": call.name, "arguments": ""}}
+    tail = {"index": index, "function": {"arguments": call.arguments}}
+    return [{"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
+             "choices": [{"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]}
+            for d in (head, tail)]
 
 
 def usage_chunk(api: ApiRequest, rid: str, created: int, final) -> dict:

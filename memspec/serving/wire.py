@@ -21,14 +21,15 @@ from memspec.errors import (
     CancelledError, DeadlineExceededError, InvalidRequestError, MemspecError, ModelNotFoundError, NotLoadedError,
     OverloadedError, RemoteError, UnavailableError,
 )
-from memspec.request import (Chunk, Completion, GenerationRequest, PolicyName, SamplingParams, SpecStats, Timings,
-                             format_keep_alive, parse_keep_alive)
+from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, PolicyName, SamplingParams, SpecStats,
+                             Timings, Tool, format_keep_alive, parse_keep_alive)
 
 pb2, pb2_grpc = proto.load()
 
 SERVICE = pb2.DESCRIPTOR.services_by_name["MemSpec"].full_name  # "memspec.v1.MemSpec"
 ERROR_KEY = "memspec-error"  # trailing metadata: the memspec exception's class name
 _REQ = GenerationRequest()
+_TOOL = Tool("")
 _SAMPLING = SamplingParams()
 
 # -- errors <-> status codes: memspec.errors.STATUS, the one table -----------------------
@@ -188,7 +189,20 @@ def request_from_pb(m, max_tokens_limit: int | None = None) -> GenerationRequest
         policy=PolicyName.parse(m.policy) if m.HasField("policy") else None,
         model=_opt(m, "model", None) or None,
         keep_alive=parse_keep_alive(m.keep_alive) if m.HasField("keep_alive") else None,
+        constraint=constraint_from_pb(m),
+        tools=tuple(Tool(t.name, t.description, t.parameters or _TOOL.parameters) for t in m.tools),
+        tool_choice=_opt(m, "tool_choice", _REQ.tool_choice),
     )
+
+
+def constraint_from_pb(m) -> Constraint | None:
+    """The request's json_schema, json_object or grammar (at most one of them) as a Constraint."""
+    given = [Constraint(name, getattr(m, name), field=name) for name in ("json_schema", "grammar") if m.HasField(name)]
+    if m.json_object:
+        given.append(Constraint("json_object", field="json_object"))
+    if len(given) > 1:
+        raise InvalidRequestError(f"{given[1].field}: give at most one of json_schema, json_object and grammar")
+    return given[0] if given else None
 
 
 def _text_fields(req: GenerationRequest) -> Iterable[tuple[str, object]]:
@@ -201,6 +215,13 @@ def _text_fields(req: GenerationRequest) -> Iterable[tuple[str, object]]:
     yield "draft", req.draft
     yield "model", req.model
     yield "policy", str(req.policy) if req.policy is not None else None
+    if req.constraint is not None:
+        yield req.constraint.field, req.constraint.text
+    for i, t in enumerate(req.tools):
+        yield f"tools[{i}].name", t.name
+        yield f"tools[{i}].description", t.description
+        yield f"tools[{i}].parameters", t.parameters
+    yield "tool_choice", req.tool_choice
 
 
 def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
@@ -230,6 +251,15 @@ def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
                         ("model", req.model), ("keep_alive", keep_alive)):
         if value is not None:
             setattr(m, name, value)
+    m.tools.extend(pb2.Tool(name=t.name, description=t.description, parameters=t.parameters) for t in req.tools)
+    if req.tool_choice != _REQ.tool_choice:
+        m.tool_choice = req.tool_choice
+    c = req.constraint
+    if c is not None:  # the wire names the kind by its field
+        if c.kind == "json_object":
+            m.json_object = True
+        else:
+            setattr(m, c.kind, c.text)
     if default_max_tokens:
         m.ClearField("max_tokens")
     return m

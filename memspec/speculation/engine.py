@@ -18,8 +18,9 @@ from typing import Callable, Iterator
 import numpy as np
 
 from memspec.errors import ContextOverflowError, InvalidRequestError
-from memspec.request import (Chunk, Completion, GenerationRequest, Limits, Timings, TokenLogprob, check_logit_bias,
-                             validate)
+from memspec.models import tools
+from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, Limits, Timings, TokenLogprob,
+                             check_logit_bias, validate)
 from memspec.runtime.contracts import BatchedPass, TargetModel  # noqa: F401 (TargetModel: re-exported)
 from memspec.runtime.costs import CostCache, pass_costs
 from memspec.runtime.memory import request_kv_bytes
@@ -27,7 +28,8 @@ from memspec.runtime.kvcache import KVCache
 from memspec.runtime.prefixes import PrefixCache
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
-from memspec.speculation.logits import LogitsShaper, for_sampling
+from memspec.speculation.grammar import GrammarMask, Grammars
+from memspec.speculation.logits import IDENTITY, LogitsShaper, compose, for_sampling
 from memspec.speculation.metrics import SpecMetrics
 from memspec.speculation.sources import DraftPool, DraftSource
 from memspec.speculation.speculative import NoDraft, speculative_steps
@@ -63,6 +65,9 @@ class Engine:
         self.verify_cost_s: list[float] | None = None  # [k] = seconds of a k-token target pass (measured once)
         self.costs = costs  # where measured curves outlive the process (the store's costs.json), or None
         self._calibrate_lock = threading.Lock()
+        # compiles requests' constraints (memspec.speculation.grammar); its tokenizer is built on first use
+        self.grammars = Grammars(target.tokenizer, target.session.vocab_size or target.tokenizer.vocab_size,
+                                 target.eos_ids)
         self.prefixes: PrefixCache | None = None  # recent prompts' K/V (None: off, or the target is not exact)
         if prefix_cache_bytes > 0 and getattr(target.session, "prefix_reuse", False):
             self.prefixes = PrefixCache(prefix_cache_bytes)
@@ -134,12 +139,13 @@ class Engine:
     # -- prompt ---------------------------------------------------------------
     def prompt_ids(self, req: GenerationRequest) -> list[int]:
         tok = self.target.tokenizer
-        if req.messages is not None:
-            text = tok.apply_chat_template([{"role": r, "content": c} for r, c in req.messages])
-        elif req.raw:
+        if req.raw:
             text = req.prompt
         else:
-            text = tok.apply_chat_template([{"role": "user", "content": req.prompt}])
+            turns = [{"role": r, "content": c} for r, c in req.messages or (("user", req.prompt),)]
+            listed = [tools.tool_json(t) for t in req.tools] if req.tool_choice != "none" else []
+            knows = tok.template_knows_tools
+            text = tok.apply_chat_template(tools.prompt_turns(turns, listed, knows), tools=listed if knows else None)
         ids = tok.encode(text)
         if not ids:
             raise InvalidRequestError("prompt: encodes to no tokens")
@@ -151,11 +157,22 @@ class Engine:
             )
         return ids
 
+    @staticmethod
+    def constraint(req: GenerationRequest) -> Constraint | None:
+        """What the answer must match: the request's schema or grammar, or a forced tool call's shape."""
+        forced = req.forced_tool
+        if forced is not None:
+            return Constraint("grammar", tools.call_grammar(req.tools, forced or None), field="tool_choice")
+        return req.constraint
+
     # -- decode loops ------------------------------------------------------------
     def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: np.random.Generator,
               metrics: SpecMetrics, cancelled: Callable[[], bool] = lambda: False,
-              on_rows: Callable[[np.ndarray], None] | None = None) -> Iterator[list[int]]:
-        """The decode loop for this request: speculative when a draft is chosen, else target only."""
+              on_rows: Callable[[np.ndarray], None] | None = None,
+              grammar: GrammarMask | None = None) -> Iterator[list[int]]:
+        """The decode loop for this request: speculative when a draft is chosen, else target only.
+        grammar: the mask of the request's constraint (self.grammars.mask), which the caller reads
+        to end the answer once the grammar is complete."""
         select = self.drafts.selector(req, prompt, cache.capacity, cancelled)
         costs = self._verify_costs() if select is not None else None
         select = select or NoDraft()
@@ -163,7 +180,7 @@ class Engine:
         context = list(prompt)  # what the cache holds at each yield: context[:cache.length]
         # a shaped request runs the same loop on a batch slot: only the target pass is shared
         steps = speculative_steps(slot or self.target.session, cache, prompt, select, req.sampling, rng,
-                                  self.spec, metrics, self.clock, costs, on_rows, self.shaper(req, prompt))
+                                  self.spec, metrics, self.clock, costs, on_rows, self.shaper(req, prompt, grammar))
         try:
             for committed in steps:
                 if self.prefixes is not None and len(context) == len(prompt):
@@ -181,10 +198,11 @@ class Engine:
                 slot.leave()
                 self.batch.release(cache)
 
-    def shaper(self, req: GenerationRequest, prompt: list[int]) -> LogitsShaper:
-        """The request's logits shaper (memspec.speculation.logits): its sampling controls, composed
-        with any further control (a grammar) here; IDENTITY when it asks for none."""
-        return for_sampling(req.sampling, prompt)
+    def shaper(self, req: GenerationRequest, prompt: list[int], grammar: GrammarMask | None = None) -> LogitsShaper:
+        """The request's logits shaper (memspec.speculation.logits): its sampling controls, then its
+        grammar's mask (last, so that nothing raises a forbidden token again); IDENTITY when it asks
+        for none.  Batched requests run the same loop on a slot, so the mask holds there too."""
+        return compose(for_sampling(req.sampling, prompt), grammar if grammar is not None else IDENTITY)
 
     @property
     def vocab_size(self) -> int:
@@ -208,6 +226,11 @@ class Engine:
         validate(req, self.limits)
         check_logit_bias(req.sampling.logit_bias, self.vocab_size)
         self.drafts.check(req)  # an unknown draft or policy is refused before any work
+        for i, t in enumerate(req.tools):  # a schema llguidance refuses is the client's error, forced or not
+            self.grammars.compile(Constraint("json_schema", t.parameters, field=f"tools[{i}].function.parameters"))
+        constraint = self.constraint(req)
+        if constraint is not None:
+            self.grammars.compile(constraint)
         return self.prompt_ids(req)
 
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int:
@@ -241,16 +264,18 @@ class Engine:
         finish = "length"
         rows: list[np.ndarray] = []  # logits rows of the step just committed (only when logprobs are asked)
         on_rows = (lambda r: rows.append(r.copy())) if req.logprobs is not None else None
+        constraint = self.constraint(req)
+        grammar = self.grammars.mask(constraint) if constraint is not None else None
         steps = self.steps(cache, prompt, req, rng, metrics, cancel.is_set if cancel is not None else lambda: False,
-                           on_rows)
+                           on_rows, grammar)
         try:
             for committed in steps:
                 if t_first is None:
                     t_first = self.clock()
                 new, finish_now = self._accept(committed, out, req)
                 piece = stops.feed(detok.add(new)) if new else ""
-                if stops.hit:
-                    finish_now = "stop"
+                if stops.hit or (finish_now in (None, "length") and grammar is not None and grammar.done):
+                    finish_now = "stop"  # a stop string, or a complete grammar (it admits only an end token)
                 text.append(piece)
                 logprobs = self._logprobs(rows.pop(), new, req.logprobs) if rows else None
                 yield Chunk(piece, new, logprobs)
