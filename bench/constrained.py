@@ -15,14 +15,15 @@ import json
 import statistics
 import time
 
+from memspec.build import load_pool
 from memspec.models.store import ModelStore
 from memspec.request import Constraint, GenerationRequest
 from memspec.runtime.config import SessionConfig
+from memspec.runtime.target import load_target
 from memspec.speculation import grammar
 from memspec.speculation import drafts as drafts_mod
-from memspec.speculation.drafts import load_pool
 from memspec.speculation.logits import IDENTITY, allowed_prefix
-from memspec.speculation.engine import Engine, TargetModel
+from memspec.speculation.engine import Engine
 from memspec.speculation.sources import DraftPool
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20},
@@ -83,7 +84,7 @@ def main() -> None:
     args = ap.parse_args()
     store = ModelStore()
     cfg = SessionConfig(max_context=512)
-    target = TargetModel.load(store, args.model, args.variant, cfg)
+    target = load_target(store, args.model, args.variant, cfg)
     pool = load_pool(store, args.model, target.session.vocab_size, cfg, names=[d for d in args.drafts.split(",")])
     engine = Engine(target, drafts=DraftPool(pool))
     seconds = timed_masks()

@@ -219,14 +219,15 @@ def test_batched_requests_under_schemas_get_their_solo_answers(model_store):
 
     from memspec.request import GenerationRequest
     from memspec.runtime.config import SessionConfig
-    from memspec.speculation.drafts import load_pool
-    from memspec.speculation.engine import Engine, TargetModel
+    from memspec.build import load_pool
+    from memspec.runtime.target import load_target, open_batched
+    from memspec.speculation.engine import Engine
     from memspec.speculation.sources import DraftPool
 
     cfg = SessionConfig(max_context=256, backend="onnxruntime")  # the batched graph
-    target = TargetModel.load(model_store, "smollm2-135m", "q4", cfg)
+    target = load_target(model_store, "smollm2-135m", "q4", cfg)
     pool = DraftPool(load_pool(model_store, "smollm2-135m", target.session.vocab_size, cfg))
-    solo, batched = Engine(target, drafts=pool), Engine(target, drafts=pool, batch_slots=3)
+    solo, batched = Engine(target, drafts=pool), Engine(target, drafts=pool, batched=open_batched(target.session, 3))
     colors = {"type": "object", "properties": {"colors": {"type": "array", "items": {"enum": ["red", "green", "blue"]},
                                                           "minItems": 1, "maxItems": 3}}, "required": ["colors"]}
     reqs = [GenerationRequest(prompt="Name some colors as JSON.", max_tokens=24, draft="draft-chat",

@@ -108,7 +108,7 @@ def test_a_schema_and_a_forced_tool_call_with_the_sibling_draft(qwen_draft_store
     own answer, valid against the schema, and a call that parses."""
     from memspec.models import tools
     from memspec.request import Constraint, Tool
-    from memspec.speculation.drafts import load_pool
+    from memspec.build import load_pool
     from memspec.speculation.engine import Engine
     from memspec.speculation.sources import DraftPool
 
