@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from memspec.speculation import sampling
+from memspec.speculation import sampling, tree
 from memspec.speculation.config import DraftLimits, SpecConfig
 from memspec.speculation.drafts import DraftState, Proposal
 from memspec.speculation.metrics import SpecMetrics
@@ -210,6 +210,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     gamma = cfg.gamma
     controllers: dict[str, CostController] = {}  # per draft: acceptance differs from draft to draft
     use_cost = cfg.adaptive and cfg.controller == "cost" and verify_cost is not None
+    # token trees where the target takes them (its own word: the loop does not know the engine)
+    planner = tree.Planner() if cfg.trees and use_cost and getattr(target, "trees", False) else None
     while cache.length < cache.capacity:  # the pending last token must fit
         t0 = clock()
         draft_name, draft = select(context, metrics)
@@ -225,6 +227,23 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         k = min(gamma, cache.capacity - cache.length - 1)
         prop = _propose(select, draft_name, draft, context, k, params, rng, metrics)
         t1 = clock()
+        branches = planner.choose(draft_name, prop, ctl.alpha, ctl.verify_cost, ctl.draft_cost,
+                                  cache.capacity - cache.length) if planner and ctl else []
+        if branches:  # the chain and its branches in one pass (memspec.speculation.tree)
+            step = tree.verify(target, cache, context[-1], prop, branches, params, rng)
+            t2 = clock()
+            committed = step.committed
+            context.extend(committed)
+            planner.observe(draft_name, prop, step.main, committed[step.main])
+            metrics.record_step(draft_name, len(prop.tokens), len(committed) - 1, len(committed), t1 - t0, t2 - t1)
+            metrics.record_tree(sum(len(b.tokens) for b in branches), len(committed) - 1 - step.main)
+            rows_fed, g = len(prop.tokens) + 1 + sum(len(b.tokens) for b in branches), len(prop.tokens)
+            ctl.observe(g, step.main, max(t1 - t0 - prop.setup_s, 0.0),  # the pass's seconds as a chain's
+                        None if live is not None else (t2 - t1) * ctl.verify_cost[g + 1] / ctl.verify_cost[rows_fed])
+            if on_rows is not None:
+                on_rows(step.rows)
+            yield committed
+            continue
         feed = [context[-1], *prop.tokens]
         rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)
         if params.greedy:
@@ -236,6 +255,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         cache.truncate(cache.length - len(feed) + 1 + n)  # keep `last` and the accepted drafts
         committed = [*prop.tokens[:n], nxt]
         context.extend(committed)
+        if planner is not None and draft_name is not None:
+            planner.observe(draft_name, prop, n, nxt)  # what the draft's alternatives would have won
         metrics.record_step(draft_name, len(prop.tokens), n, len(committed), t1 - t0, t2 - t1)
         if ctl is not None:  # a long catch-up (the draft's prefill) is no cost of the tokens it drafts
             ctl.observe(len(prop.tokens), n, max(t1 - t0 - prop.setup_s, 0.0),
