@@ -10,6 +10,10 @@ Per step, with the target cache holding every committed token but the last:
 The draft state re-syncs itself from the committed context at its next
 proposal, so rejected draft tokens are dropped and after a full acceptance the
 draft catches up on dk and the bonus token.
+
+Where the target takes token trees and `[speculative] trees` is on, a step may
+feed the draft's alternatives beside its chain in the same pass
+(memspec.speculation.tree); the cache then keeps the committed path.
 """
 
 from __future__ import annotations
