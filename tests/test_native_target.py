@@ -92,11 +92,13 @@ def test_keeping_a_branch_of_a_tree_leaves_the_cache_of_that_chain(native):
     """After a pass that accepts a branch that is not the first (its K/V in later slots), the kept
     path's K/V lie at the committed positions: the next pass's logits are a chain-only run's."""
     ctx, ids, parents = IDS[:11], [IDS[11], 101, 102, 103, 201, 202, 301], [-1, 0, 1, 2, 0, 4, 1]
-    for path, chain in (([0, 4, 5], [IDS[11], 201, 202]), ([0, 1, 6], [IDS[11], 101, 301]), ([0, 1, 2], IDS[11:12] + [101, 102]), ([0], IDS[11:12])):
+    kept = {(0, 4, 5): [201, 202], (0, 1, 6): [101, 301], (0, 1, 2): [101, 102], (0,): []}  # path: its drafts
+    for path, drafts in kept.items():
+        chain = [IDS[11], *drafts]
         c = native.new_cache()
         native.forward(c, ctx)
         native.forward_tree(c, ids, parents)
-        c.keep_path(11, path)
+        c.keep_path(11, list(path))
         assert c.length == 11 + len(path)
         got = native.forward(c, IDS[30:34], keep=4)
         assert np.array_equal(got, whole(native, ctx + chain + IDS[30:34])[-4:]), path

@@ -205,7 +205,8 @@ def tree_engine(model_store):
     target = TargetModel.load(model_store, "smollm2-135m", "q4", config)
     engine = Engine(target, drafts=DraftPool(load_pool(model_store, "smollm2-135m", 49152, config)),
                     spec=SpecConfig(trees=True, gamma_max=5))
-    engine.verify_cost_s = [0.0] + [0.01 * (1.0 + 0.01 * k) for k in range(10)]  # rows cheap: trees wherever they may win
+    # rows nearly free: trees wherever a branch may win a token
+    engine.verify_cost_s = [0.0] + [0.01 * (1.0 + 0.01 * k) for k in range(10)]
     yield engine
     engine.close()
 
@@ -221,3 +222,35 @@ def test_greedy_with_trees_is_target_only_with_every_kind_of_draft(tree_engine):
             won[name] = [a + b for a, b in zip(won.get(name, [0, 0]), (r.stats["tree_steps"], r.stats["tree_tokens"]))]
     assert all(steps > 0 for steps, _ in won.values()), won
     assert sum(tokens for _, tokens in won.values()) > 0, won  # some branch won a token
+
+
+def test_a_target_that_takes_no_trees_gets_chains(tmp_path):
+    """ONNX Runtime's target says it takes chains only: trees on changes nothing there."""
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.sessions import DecoderSession
+    from memspec.speculation.drafts import PromptLookup
+    from tiny_models import build_tiny
+
+    target = DecoderSession(build_tiny(tmp_path / "t.onnx", seed=1, scale=0.1, vocab=V),
+                            SessionConfig(max_context=64, intra_op_threads=1))
+    assert target.trees is False
+    metrics = SpecMetrics()
+    steps = speculative_steps(target, target.new_cache(), [1, 2, 3, 1, 2, 3, 1, 2],
+                              FixedDraft("pl", PromptLookup(V).begin(64)), GREEDY, None, SpecConfig(trees=True),
+                              metrics, verify_cost_s=FLAT)
+    for _, _ in zip(range(10), steps):
+        pass
+    assert metrics.num_drafts > 0 and metrics.tree_steps == 0
+
+
+def test_the_planner_learns_from_the_position_the_chain_stopped_at():
+    planner = tree.Planner()
+    prop = Proposal([1, 2, 3], None, [0.0] * 3, alternatives=[[[4], [5]], [[6]]])
+    planner.observe("d", prop, 1, 6)  # d2 rejected, the target's token was its alternative
+    planner.observe("d", prop, 0, 5)  # d1 rejected, the target's token its 3rd choice
+    planner.observe("d", prop, 2, 9)  # no alternatives offered at the third position: nothing learnt
+    planner.observe("d", prop, 3, 9)  # all accepted: nothing learnt
+    s = planner.stats["d"]
+    prior = tree.AltStats()
+    assert s.beta(0) > prior.beta(0) and s.beta(1) > prior.beta(1)
+    assert s.hits[0] == pytest.approx(prior.hits[0] * 0.95 ** 2 + 1 * 0.95)  # a hit, then a miss
