@@ -104,7 +104,7 @@ def main() -> None:
                 drafted += r.stats.get("num_draft_tokens", 0)
                 accepted += r.stats.get("num_accepted_tokens", 0)
                 tokens += len(r.token_ids) - 1
-                decode_s += r.timings["decode_ms"] / 1e3
+                decode_s += r.timings.decode_ms / 1e3
             restore()
             drafted += cut[0]
             rate = f"{accepted}/{drafted} = {accepted / drafted:.2f}" if drafted else "-"

@@ -372,6 +372,9 @@ class SpecStats:
     itl_cv: float = 0.0  # its coefficient of variation
     drafts_used: Mapping[str, int] = field(default_factory=dict)  # draft name -> steps it proposed tokens in
     draft_failures: int = 0  # drafts that raised and were given up (the request went on target-only)
+    tree_steps: int = 0  # steps verified as a token tree (memspec.speculation.tree)
+    tree_rows: int = 0  # rows those passes added to their chains (the branches' tokens)
+    tree_tokens: int = 0  # tokens committed through a branch, beyond what the chain alone would have
 
     @property
     def draft(self) -> str:

@@ -57,7 +57,7 @@ class FakeState:
         self.p = proposer
         self.closed = False
 
-    def propose(self, context, k, params, rng, shaper=None):
+    def propose(self, context, k, params, rng, shaper=None, alternatives=False):
         assert not self.closed, f"{self.p.name}: propose after close"
         toks = list(self.p.tokens[:k])
         return Proposal(toks, None, [self.p.entropy] * len(toks))

@@ -60,6 +60,69 @@ def test_a_row_is_the_same_fed_alone_in_chunks_or_among_other_sequences(gguf_pat
             assert np.array_equal(got, want)
 
 
+TREES = [  # parents of each node, node 0 the root: the shapes a verify pass takes, and odd ones
+    [-1, 0, 1, 2, 0],  # a chain of 3 drafts and an alternative to the first
+    [-1, 0, 1, 2, 3, 0, 1, 2],  # an alternative at each of the first three positions
+    [-1, 0, 0, 0, 1, 4, 5, 2, 7],  # three first tokens, chains under two of them
+    [-1, 0, 1, 1, 2, 3, 4, 5, 3, 1],  # branches deep in the tree
+]
+
+
+@pytest.mark.parametrize("context", [0, 1, 9, 37])
+def test_every_row_of_a_tree_pass_is_its_chain_fed_alone(native, context):
+    """Node i's logits in one tree pass: bit for bit the last row of the chain root .. i fed alone
+    after the same context, at an empty cache and at full ones."""
+    rng = np.random.default_rng(context)
+    for parents in TREES:
+        ctx = list(map(int, rng.integers(0, 49152, context)))
+        ids = list(map(int, rng.integers(0, 49152, len(parents))))
+        c = native.new_cache()
+        if ctx:
+            native.forward(c, ctx)
+        rows = native.forward_tree(c, ids, parents)
+        assert rows.shape == (len(ids), 49152) and c.length == context + len(ids)
+        for i in range(len(ids)):
+            chain, node = [], i
+            while node >= 0:
+                chain.insert(0, ids[node])
+                node = parents[node]
+            assert np.array_equal(rows[i], whole(native, ctx + chain)[-1]), (parents, i)
+
+
+def test_keeping_a_branch_of_a_tree_leaves_the_cache_of_that_chain(native):
+    """After a pass that accepts a branch that is not the first (its K/V in later slots), the kept
+    path's K/V lie at the committed positions: the next pass's logits are a chain-only run's."""
+    ctx, ids, parents = IDS[:11], [IDS[11], 101, 102, 103, 201, 202, 301], [-1, 0, 1, 2, 0, 4, 1]
+    kept = {(0, 4, 5): [201, 202], (0, 1, 6): [101, 301], (0, 1, 2): [101, 102], (0,): []}  # path: its drafts
+    for path, drafts in kept.items():
+        chain = [IDS[11], *drafts]
+        c = native.new_cache()
+        native.forward(c, ctx)
+        native.forward_tree(c, ids, parents)
+        c.keep_path(11, list(path))
+        assert c.length == 11 + len(path)
+        got = native.forward(c, IDS[30:34], keep=4)
+        assert np.array_equal(got, whole(native, ctx + chain + IDS[30:34])[-4:]), path
+
+
+def test_a_bad_tree_is_a_clear_error_and_the_target_keeps_working(native):
+    c = native.new_cache()
+    native.forward(c, IDS[:4])
+    for parents in ([0, 0], [-1, 1], [-1, 0, 3], [-1, -1]):
+        with pytest.raises(ValueError, match="tree"):
+            native.forward_tree(c, [1] * len(parents), parents)
+    with pytest.raises(ValueError, match="parent"):  # the extension's own check: a parent a row after its child
+        native.model.forward([c.data], [c.capacity], np.asarray([1, 2], np.int32), np.asarray([4, 5], np.int32),
+                             np.asarray([0, 0], np.int32), np.asarray([1], np.int32),
+                             np.empty((1, 49152), np.float32), np.asarray([1, -1], np.int32))
+    native.forward_tree(c, [1, 2, 3], [-1, 0, 0])
+    for path in ([1], [0, 2, 1], [0, 3]):
+        with pytest.raises(ValueError, match="path"):
+            c.keep_path(4, path)
+    c.keep_path(4, [0, 2])
+    assert c.length == 6 and np.array_equal(native.forward(c, [9]), whole(native, IDS[:4] + [1, 3, 9])[-1:])
+
+
 def test_rollback_overwrites_rejected_tokens(native):
     c = native.new_cache()
     native.forward(c, IDS[:20])

@@ -32,7 +32,7 @@ class Broken:
     def begin(self, capacity):
         return self
 
-    def propose(self, context, k, params, rng, shaper=None):
+    def propose(self, context, k, params, rng, shaper=None, alternatives=False):
         raise RuntimeError("draft failed")
 
     def close(self):

@@ -236,7 +236,7 @@ def test_the_cost_controller_does_not_count_a_drafts_prefill_as_its_per_token_co
         def __init__(self):
             self.first = True
 
-        def propose(self, context, k, params, rng, shaper=None):
+        def propose(self, context, k, params, rng, shaper=None, alternatives=False):
             setup = 1.0 if self.first else 0.0
             self.first = False
             now[0] += setup + 0.0001 * k
@@ -356,7 +356,7 @@ def test_zero_acceptance_still_exact(fp32_engine):
         def begin(self, capacity):
             return self
 
-        def propose(self, context, k, params, rng, shaper=None):
+        def propose(self, context, k, params, rng, shaper=None, alternatives=False):
             from memspec.speculation.drafts import Proposal
             return Proposal([0] * k, None, [0.0] * k)
 
@@ -506,7 +506,7 @@ def test_a_pool_draft_that_raises_is_given_up_and_the_output_is_unchanged(fp32_e
         def begin(self, capacity):
             return self
 
-        def propose(self, context, k, params, rng, shaper=None):
+        def propose(self, context, k, params, rng, shaper=None, alternatives=False):
             raise ValueError("corrupt draft weights")
 
         def close(self):

@@ -45,6 +45,8 @@ class Tally:
     num_drafts: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    tree_rows: int = 0  # rows token trees added to their chains (memspec.speculation.tree)
+    tree_tokens: int = 0  # tokens their branches won
     mismatches: int = 0
     per_request_tps: list[float] = field(default_factory=list)
 
@@ -56,11 +58,14 @@ class Tally:
         self.num_drafts += s.num_drafts
         self.num_draft_tokens += s.num_draft_tokens
         self.num_accepted_tokens += s.num_accepted_tokens
+        self.tree_rows += s.tree_rows
+        self.tree_tokens += s.tree_tokens
         self.mismatches += int(mismatch)
         self.per_request_tps.append(len(completion.token_ids) / max(completion.timings.total_ms / 1e3, 1e-9))
 
     def merge(self, other: "Tally") -> None:
-        for k in ("requests", "tokens", "seconds", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "mismatches"):
+        for k in ("requests", "tokens", "seconds", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "tree_rows",
+                  "tree_tokens", "mismatches"):
             setattr(self, k, getattr(self, k) + getattr(other, k))
         self.per_request_tps += other.per_request_tps
 
@@ -71,6 +76,11 @@ class Tally:
     @property
     def mean_acceptance_length(self) -> float:
         return 1.0 + self.num_accepted_tokens / self.num_drafts if self.num_drafts else 1.0
+
+    @property
+    def rows_per_pass(self) -> float:
+        """Rows of a drafting step's verify pass: the last token, the drafts, a tree's branches."""
+        return (self.num_drafts + self.num_draft_tokens + self.tree_rows) / self.num_drafts if self.num_drafts else 1.0
 
 
 def load_workload(path: str | None) -> list[dict]:
@@ -180,6 +190,7 @@ def _row(policy: str, category: str, t: Tally, base: Tally) -> dict:
         "wasted_draft_tokens": t.num_draft_tokens - t.num_accepted_tokens,
         "num_drafts": t.num_drafts, "num_draft_tokens": t.num_draft_tokens,
         "num_accepted_tokens": t.num_accepted_tokens, "mismatches_vs_target": t.mismatches,
+        "rows_per_pass": round(t.rows_per_pass, 3), "tree_rows": t.tree_rows, "tree_tokens": t.tree_tokens,
     }
 
 
@@ -194,11 +205,12 @@ def print_table(rows: list[dict], out=sys.stdout) -> None:
         print(f"{p:<{w}}" + "".join(
             f"{cell[(p, c)]['mean_acceptance_length']:>8.2f} ({cell[(p, c)]['speedup_vs_target']:.2f}x)" for c in cats
         ), file=out)
-    print(f"\n{'policy':<{w}} {'tok/s':>8} {'speedup':>8} {'accept len':>10} {'wasted':>8} {'mismatch':>8}", file=out)
+    print(f"\n{'policy':<{w}} {'tok/s':>8} {'speedup':>8} {'accept len':>10} {'rows/pass':>9} {'wasted':>8} "
+          f"{'mismatch':>8}", file=out)
     for p in pols:
         r = cell[(p, "all")]
         print(f"{p:<{w}} {r['tok_per_s']:>8.1f} {r['speedup_vs_target']:>7.2f}x {r['mean_acceptance_length']:>10.2f} "
-              f"{r['wasted_draft_tokens']:>8} {r['mismatches_vs_target']:>8}", file=out)
+              f"{r['rows_per_pass']:>9.2f} {r['wasted_draft_tokens']:>8} {r['mismatches_vs_target']:>8}", file=out)
 
 
 def write_png(rows: list[dict], path: str) -> bool:
@@ -454,6 +466,8 @@ def add_arguments(b) -> None:
     b.add_argument("--shuffle", type=int, metavar="SEED", help="shuffle the request order with this seed")
     b.add_argument("--gamma", type=int, help="initial draft length (default from config: 5)")
     b.add_argument("--fixed-gamma", action="store_true", help="do not adapt the draft length")
+    b.add_argument("--trees", choices=("on", "off"),
+                   help="verify token trees where the target takes them (default from config: [speculative] trees)")
     b.add_argument("--budget-mb", type=int, metavar="N",
                    help="memory budget of the process: runtime and target, resident drafts, KV caches "
                         "(scheduling policies; default: the process once warm, one request's KV caches and "
@@ -525,6 +539,8 @@ def _spec(args, spec):
         spec = dataclasses.replace(spec, gamma=args.gamma)
     if args.fixed_gamma:
         spec = dataclasses.replace(spec, adaptive=False)
+    if getattr(args, "trees", None):
+        spec = dataclasses.replace(spec, trees=args.trees == "on")
     return spec
 
 

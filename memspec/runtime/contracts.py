@@ -59,6 +59,7 @@ class Target(Protocol):
     threads: int  # CPU threads a pass runs on
     rows: RowCheck  # the self-check at load: is a row's result the same at any row count?
     prefix_reuse: bool  # may a prompt start from another's stored K/V (memspec.runtime.prefixes)?
+    trees: bool  # may a pass verify a token tree (forward_tree, then the cache's keep_path)? native only
 
     def new_cache(self, capacity: int | None = None) -> KVCache: ...
 

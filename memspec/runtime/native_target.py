@@ -5,6 +5,8 @@
     logits = t.forward(c, ids, keep=k)                          # (k, V) float32, rows for the last k ids
     c.truncate(n)                                               # roll back to n committed tokens
     rows = t.forward_batch([c1, c2], [ids1, ids2], keeps=[k1, k2])   # one pass; a list of (k_i, V)
+    rows = t.forward_tree(c, ids, parents)                      # a token tree: (n, V), every node's row
+    c.keep_path(start, path)                                    # keep one root-to-node path of it
 
 The file is memory-mapped and its blocks are computed on where they lie (memspec/runtime/native/:
 the C extension memspec.runtime._native): no conversion, no second copy.  The matrices the CPU's
@@ -66,6 +68,21 @@ class NativeCache(KVCache):
         self.data[:, :, :, :n, :] = kv[:, :, :, :n, :]
         self.length = n
 
+    def keep_path(self, start: int, path: Sequence[int]) -> None:
+        """After a tree pass fed at `start` (NativeTarget.forward_tree): keep the nodes of `path` (node
+        indices, the root first, each the parent of the next) as the committed positions start,
+        start + 1, ..., moving each node's K/V from its slot start + index to start + depth.  An
+        index is never below its depth and grows along the path, so no move overwrites a slot a later
+        one reads.  The other nodes' slots are written over by the next pass."""
+        if not path or path[0] != 0 or list(path) != sorted(set(path)) or not 0 <= start < start + path[-1] + 1 \
+                <= self.length:
+            raise ValueError(f"a tree path must start at the root (0) and go down by increasing node indices "
+                             f"within the {self.length - start} nodes fed at {start}; got {list(path)}")
+        for depth, node in enumerate(path):
+            if node != depth:
+                self.data[:, :, :, start + depth, :] = self.data[:, :, :, start + node, :]
+        self.length = start + len(path)
+
 
 class NativeTarget:
     """A decoder over one memory-mapped GGUF, run by memspec's own kernels."""
@@ -73,6 +90,8 @@ class NativeTarget:
     # a position's K/V and logits are the same whatever shared its pass, so a prompt may start from
     # another request's stored prefix (memspec.runtime.prefixes)
     prefix_reuse = True
+    # a pass may verify a token tree (forward_tree): each node's row is exact by construction
+    trees = True
 
     def __init__(self, path: str | Path, threads: int = 0, max_context: int = 2048, isa: str | None = None,
                  check_rows: bool = True):
@@ -178,6 +197,31 @@ class NativeTarget:
         for cache, feed in zip(caches, feeds):
             cache.length += len(feed)
         return [logits[s: s + k] for s, k in spans]
+
+    def forward_tree(self, cache: NativeCache, ids: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+        """One pass over a token tree after the committed tokens: node i feeds ids[i] under node
+        parents[i] (-1 for the root, node 0; every other parent an earlier node).  Node i sits at
+        position cache.length + its depth and attends the committed tokens, then its ancestors and
+        itself: its logits are, bit for bit, those of the chain root .. i fed alone (model.h).
+        Returns every node's logits, (n, V) float32; cache.length advances by n (slot cache.length + i
+        holds node i's K/V until keep_path keeps one path)."""
+        n = len(ids)
+        if n != len(parents) or n < 1 or parents[0] != -1 or any(not 0 <= a < i for i, a in enumerate(parents) if i):
+            raise ValueError(f"a token tree is a root (parent -1) and nodes each under an earlier one; got parents "
+                             f"{list(parents)} for {n} ids")
+        cache.check_room(n)
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary (0..{self.vocab_size - 1})")
+        depth = [0] * n
+        for i in range(1, n):
+            depth[i] = depth[parents[i]] + 1
+        logits = np.empty((n, self.vocab_size), dtype=np.float32)
+        i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+        self.model.forward([cache.data], [cache.capacity], i32(ids), i32([cache.length + d for d in depth]),
+                           i32([0] * n), i32(range(n)), logits, i32(parents))
+        cache.length += n
+        return logits
 
 
 class NativeBatch:

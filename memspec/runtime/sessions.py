@@ -99,6 +99,7 @@ class DecoderSession:
     # exact reuse needs a row's K/V to be the same at any row count, which ONNX Runtime's kernels
     # are not everywhere (memspec.runtime.invariance); its caches offer no prefix copy either
     prefix_reuse = False
+    trees = False  # its attention takes chains only: drafts are verified as chains (NativeTarget.forward_tree)
 
     def __init__(self, path: str | Path, config: SessionConfig = SessionConfig(), arena: bool = False,
                  threads: int | None = None, min_rows: int = 1, spinning: bool = True, check_rows: bool = False):

@@ -80,6 +80,8 @@ def _bucket(n: int) -> int:
 class Slot:
     """One request's place in the batch; `forward` stands in for DecoderSession.forward."""
 
+    trees = False  # a batched pass takes chains only (the loop verifies drafts as chains)
+
     def __init__(self, loop: "BatchLoop"):
         self._loop = loop
         self.left = False

@@ -35,6 +35,9 @@ class SpecConfig:
     #                           acceptance seen so far and the target's measured verification cost (0 =
     #                           a plain target step when drafting does not pay); "step": +1 after a full
     #                           acceptance, -1 after a rejection
+    trees: bool = False  # where the target takes token trees (the native engine), verify the draft's alternatives
+    #                      at the first positions beside its chain when the cost model says they pay
+    #                      (memspec.speculation.tree); false: chains only
     suffix_mb: int = 4  # the suffix draft's index of recent prompts and answers, per target, counted in the
     #                     memory budget (memspec.speculation.suffix); 0 = no suffix draft
 

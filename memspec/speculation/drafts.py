@@ -20,6 +20,7 @@ import logging
 import os
 import threading
 import time
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -40,6 +41,8 @@ log = logging.getLogger(__name__)
 PROMPT_LOOKUP = "prompt-lookup"
 LOOKUP_MAX_NGRAM = 8  # a model draft's lookup prefers the longest earlier match up to this many tokens
 FEED_MIN_TOKENS = 8  # a catch-up at least this long is timed (a shorter one is mostly fixed cost)
+ALT_POSITIONS = 3  # positions at which a draft offers its alternatives (Proposal.alternatives) ...
+ALT_WIDTH = 2  # ... and how many at each (memspec.speculation.tree)
 
 
 @dataclass
@@ -49,11 +52,17 @@ class Proposal:
     entropy: list[float]  # (k,) draft entropy at each position (nats)
     setup_s: float = 0.0  # seconds of a catch-up of FEED_MIN_TOKENS or more (the prompt's prefill, a
     #                       switch to this draft): spent once, not a cost of each token it drafts
+    # [i]: other continuations where tokens[i] stands, best first, each a list of tokens whose first
+    # replaces tokens[i] (the draft's next choices there; prompt lookup: other earlier occurrences);
+    # for the first positions only, or none (memspec.speculation.tree verifies them as branches)
+    alternatives: list[list[list[int]]] = dataclasses.field(default_factory=list)
 
 
 class DraftState(Protocol):
+    # under the request's shaper, left as found; alternatives: also offer Proposal.alternatives (token
+    # trees on, no shaper): they cost extra work, so a draft computes them only when asked
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
-                shaper: LogitsShaper = IDENTITY) -> Proposal: ...  # under the request's shaper, left as found
+                shaper: LogitsShaper = IDENTITY, alternatives: bool = False) -> Proposal: ...
 
     def close(self) -> None: ...
 
@@ -87,6 +96,46 @@ def loop_continuation(context: list[int], k: int, min_tokens: int, max_period: i
         if context[n - m:] == context[n - m - p:n - p]:
             return [context[n - p + j % p] for j in range(k)]
     return []
+
+
+def top_alternatives(probs: np.ndarray, chosen: int, width: int = ALT_WIDTH) -> list[int]:
+    """The `width` most likely ids of a (V,) distribution other than `chosen`, best first, those of
+    probability above 0 only (argmax after argmax, each masked and restored: a tenth of argpartition's
+    time on a 150k vocabulary)."""
+    out, held = [], [(chosen, probs[chosen])]
+    probs[chosen] = -1.0
+    for _ in range(width):
+        i = int(np.argmax(probs))
+        if probs[i] <= 0.0:
+            break
+        out.append(i)
+        held.append((i, probs[i]))
+        probs[i] = -1.0
+    for i, v in held:
+        probs[i] = v
+    return out
+
+
+def ngram_alternatives(context: list[int], first: int, k: int, min_ngram: int, max_ngram: int,
+                       width: int = ALT_WIDTH) -> list[list[int]]:
+    """Up to `width` other continuations of the context's last n-gram (longest n first, the latest
+    occurrence first), each up to `k` tokens and none starting with `first` or with another's first
+    token: where ngram_continuation's guess is wrong, what else followed the same words."""
+    if min_ngram < 1 or k <= 0:
+        return []
+    arr = np.asarray(context)
+    L = len(arr)
+    out, firsts = [], {first}
+    for n in range(min(max_ngram, L - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[: L - 1], n)
+        for hit in np.nonzero((windows == arr[L - n:]).all(axis=1))[0][::-1]:
+            start = int(hit) + n
+            if int(arr[start]) not in firsts:
+                firsts.add(int(arr[start]))
+                out.append(arr[start: start + k].tolist())
+                if len(out) == width:
+                    return out
+    return out
 
 
 def ngram_continuation(context: list[int], k: int, min_ngram: int, max_ngram: int) -> list[int]:
@@ -275,7 +324,7 @@ class ModelDraftState:
         return logits, setup
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
-                shaper: LogitsShaper = IDENTITY) -> Proposal:
+                shaper: LogitsShaper = IDENTITY, alternatives: bool = False) -> Proposal:
         k = min(k, self.cache.capacity - len(context))
         if k <= 0:
             return Proposal([], None, [])
@@ -283,11 +332,14 @@ class ModelDraftState:
         seen = (loop_continuation(context, k, lim.loop_tokens)
                 or ngram_continuation(context, k, lim.lookup_ngram, LOOKUP_MAX_NGRAM))
         if seen:  # the model does not run; its cache catches up when it next does
-            return deterministic_proposal(seen, self.d.target_vocab, params, shaper)
+            prop = deterministic_proposal(seen, self.d.target_vocab, params, shaper)
+            if alternatives and is_identity(shaper):  # other earlier occurrences, for a token tree
+                prop.alternatives = [ngram_alternatives(context, seen[0], k, lim.lookup_ngram, LOOKUP_MAX_NGRAM)]
+            return prop
         logits, setup = self._catch_up(context)
         if not is_identity(shaper):
             return self._propose_shaped(logits, setup, k, params, rng, shaper)
-        tokens, qs, ents = [], [], []
+        tokens, qs, ents, alts = [], [], [], []
         for i in range(k):
             probs = sampling.probabilities(logits, 1.0) if params.greedy else sampling.probabilities(
                 logits, params.temperature, params.top_k, params.top_p, params.min_p)
@@ -301,10 +353,12 @@ class ModelDraftState:
                 q = np.zeros(self.d.target_vocab)
                 q[self.d.to_target] = probs
                 qs.append(q)
+            if alternatives and i < ALT_POSITIONS:  # its next choices here, for a token tree
+                alts.append([[int(self.d.to_target[a])] for a in top_alternatives(probs, did)])
             if i + 1 < k:
                 logits = self.d.session.forward(self.cache, [did], keep=1)[-1]
                 self.cached.append(tokens[-1])
-        return Proposal(tokens, np.stack(qs) if qs else None, ents, setup)
+        return Proposal(tokens, np.stack(qs) if qs else None, ents, setup, alts)
 
     def _propose_shaped(self, logits: np.ndarray, setup: float, k: int, params: SamplingParams,
                         rng: np.random.Generator, shaper: LogitsShaper) -> Proposal:
@@ -386,8 +440,12 @@ class PromptLookupState:
                 or ngram_continuation(context, k, self.pl.min_ngram, self.pl.max_ngram))
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
-                shaper: LogitsShaper = IDENTITY) -> Proposal:
-        return deterministic_proposal(self.find(context, k), self.pl.target_vocab, params, shaper)
+                shaper: LogitsShaper = IDENTITY, alternatives: bool = False) -> Proposal:
+        prop = deterministic_proposal(self.find(context, k), self.pl.target_vocab, params, shaper)
+        if prop.tokens and alternatives and is_identity(shaper):  # other earlier occurrences, for a tree
+            prop.alternatives = [ngram_alternatives(context, prop.tokens[0], len(prop.tokens), self.pl.min_ngram,
+                                                    self.pl.max_ngram)]
+        return prop
 
     def close(self) -> None:
         pass

@@ -36,6 +36,7 @@ from memspec.speculation.speculative import NoDraft, speculative_steps
 from memspec.speculation.stopping import StopMatcher
 
 Clock = Callable[[], float]
+TREE_ROWS = 4  # rows a token tree may add to the longest chain: the cost curve is measured that far
 log = logging.getLogger(__name__)
 
 
@@ -79,7 +80,10 @@ class Engine:
             return None
         with self._calibrate_lock:
             if self.verify_cost_s is None:
-                session, max_k = self.target.session, self.spec.gamma_max + 1
+                session = self.target.session
+                # a token tree's branches add rows to the longest chain (memspec.speculation.tree)
+                max_k = self.spec.gamma_max + 1 + (TREE_ROWS if self.spec.trees and getattr(session, "trees", False)
+                                                   else 0)
                 self.verify_cost_s = self._measured(session.cost_key(max_k),
                                                     lambda: session.measure_step_costs(max_k), "one-request pass costs")
             if self.batch is not None and self.pass_cost_s is None:
@@ -237,7 +241,8 @@ class Engine:
         """The KV memory this request may touch (memory.request_kv_bytes): what admission checks
         against free memory and what the draft source reserves in its budget while it runs."""
         return request_kv_bytes(len(prompt) + req.max_tokens, self.target.session.cache_nbytes,
-                                self.drafts.draft_kv_sizers(req), slack=self.spec.gamma_max + 1)
+                                self.drafts.draft_kv_sizers(req),
+                                slack=self.spec.gamma_max + 1 + (TREE_ROWS if self.spec.trees else 0))
 
     def stream(self, req: GenerationRequest, cancel: threading.Event | None = None,
                prompt: list[int] | None = None) -> Iterator[Chunk | Completion]:

@@ -25,6 +25,15 @@ class SpecMetrics:
     token_latencies_s: list[float] = field(default_factory=list)  # inter-token latency of each committed token
     drafts_used: dict[str, int] = field(default_factory=dict)  # draft name -> steps it proposed tokens in
     draft_failures: int = 0  # drafts that raised and were given up (the request went on target-only)
+    tree_steps: int = 0  # steps verified as a token tree (memspec.speculation.tree)
+    tree_rows: int = 0  # rows those passes added to their chains (the branches' tokens)
+    tree_tokens: int = 0  # tokens committed through a branch, beyond what the chain alone would have
+
+    def record_tree(self, branch_rows: int, won: int) -> None:
+        """A step verified as a tree: its branches' rows, and the tokens they won over the chain."""
+        self.tree_steps += 1
+        self.tree_rows += branch_rows
+        self.tree_tokens += won
 
     def record_step(self, draft_name: str | None, n_drafted: int, n_accepted: int, n_committed: int,
                     draft_s: float, verify_s: float) -> None:
@@ -77,4 +86,7 @@ class SpecMetrics:
             itl_cv=round(float(lat.std() / mean), 4) if lat.size and mean > 0 else 0.0,
             drafts_used=dict(self.drafts_used),
             draft_failures=self.draft_failures,
+            tree_steps=self.tree_steps,
+            tree_rows=self.tree_rows,
+            tree_tokens=self.tree_tokens,
         )

@@ -15,6 +15,11 @@ A request's output controls (penalties, logit_bias, a grammar) are its logits sh
 (memspec.speculation.logits): the draft proposes under it, every verified row is shaped with
 the tokens before its position, and it rolls back what was rejected.  With none asked the
 shaper is IDENTITY and the loop never calls it.
+
+Where the target takes token trees and `[speculative] trees` is on, a step may
+feed the draft's alternatives beside its chain in the same pass
+(memspec.speculation.tree); the cache then keeps the committed path.  A request with
+output controls runs chains (the tree walk does not shape its rows).
 """
 
 from __future__ import annotations
@@ -25,7 +30,7 @@ from typing import Callable, Iterator, Protocol
 
 import numpy as np
 
-from memspec.speculation import sampling
+from memspec.speculation import sampling, tree
 from memspec.speculation.config import DraftLimits, SpecConfig
 from memspec.speculation.drafts import DraftState, Proposal
 from memspec.speculation.logits import IDENTITY, LogitsShaper, is_identity, settle, verify_rows
@@ -172,13 +177,15 @@ class FixedDraft:
 
 def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, context: list[int], k: int,
              params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics,
-             shaper: LogitsShaper) -> Proposal:
+             shaper: LogitsShaper, alternatives: bool = False) -> Proposal:
     """The draft's proposal of k tokens; none when there is no draft, or when it raises (a broken
     draft must not fail the request: the selector gives it up and the request goes on target-only,
     which changes nothing in the output)."""
     if draft is None or k <= 0:
         return Proposal([], None, [])
     try:
+        if alternatives:  # token trees: the draft's next choices too
+            return draft.propose(context, k, params, rng, shaper, alternatives=True)
         return draft.propose(context, k, params, rng, shaper)  # leaves the shaper as it found it
     except Exception as exc:
         log.warning("draft %s failed mid-request (%s: %s): target-only for the rest of it",
@@ -224,6 +231,10 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     gamma = cfg.gamma
     controllers: dict[str, CostController] = {}  # per draft: acceptance differs from draft to draft
     use_cost = cfg.adaptive and cfg.controller == "cost" and verify_cost is not None
+    # token trees where the target takes them (its own word: the loop does not know the engine)
+    # (a request with output controls runs chains: the tree walk does not shape its rows)
+    planner = (tree.Planner() if cfg.trees and use_cost and getattr(target, "trees", False) and is_identity(shaper)
+               else None)
     while cache.length < cache.capacity:  # the pending last token must fit
         t0 = clock()
         draft_name, draft = select(context, metrics)
@@ -237,8 +248,25 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
                 ctl.verify_cost, ctl.target_step_s = [c / now[1] for c in now], now[1]
             gamma = ctl.next()
         k = min(gamma, cache.capacity - cache.length - 1)
-        prop = _propose(select, draft_name, draft, context, k, params, rng, metrics, shaper)
+        prop = _propose(select, draft_name, draft, context, k, params, rng, metrics, shaper, planner is not None)
         t1 = clock()
+        branches = planner.choose(draft_name, prop, ctl.alpha, ctl.verify_cost, ctl.draft_cost,
+                                  cache.capacity - cache.length) if planner and ctl else []
+        if branches:  # the chain and its branches in one pass (memspec.speculation.tree)
+            step = tree.verify(target, cache, context[-1], prop, branches, params, rng)
+            t2 = clock()
+            committed = step.committed
+            context.extend(committed)
+            planner.observe(draft_name, prop, step.main, committed[step.main])
+            metrics.record_step(draft_name, len(prop.tokens), len(committed) - 1, len(committed), t1 - t0, t2 - t1)
+            metrics.record_tree(sum(len(b.tokens) for b in branches), len(committed) - 1 - step.main)
+            rows_fed, g = len(prop.tokens) + 1 + sum(len(b.tokens) for b in branches), len(prop.tokens)
+            ctl.observe(g, step.main, max(t1 - t0 - prop.setup_s, 0.0),  # the pass's seconds as a chain's
+                        None if live is not None else (t2 - t1) * ctl.verify_cost[g + 1] / ctl.verify_cost[rows_fed])
+            if on_rows is not None:
+                on_rows(step.rows)
+            yield committed
+            continue
         feed = [context[-1], *prop.tokens]
         rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)
         decide = verify_rows(shaper, rows, prop.tokens) if shaped else rows  # (k+1, V)
@@ -254,6 +282,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         cache.truncate(cache.length - len(feed) + 1 + n)  # keep `last` and the accepted drafts
         committed = [*prop.tokens[:n], nxt]
         context.extend(committed)
+        if planner is not None and draft_name is not None:
+            planner.observe(draft_name, prop, n, nxt)  # what the draft's alternatives would have won
         metrics.record_step(draft_name, len(prop.tokens), n, len(committed), t1 - t0, t2 - t1)
         if ctl is not None:  # a long catch-up (the draft's prefill) is no cost of the tokens it drafts
             ctl.observe(len(prop.tokens), n, max(t1 - t0 - prop.setup_s, 0.0),

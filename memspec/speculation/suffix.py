@@ -309,7 +309,7 @@ class SuffixState:
         return vote(match, min(k, max(1, int(self.d.spec_factor * length))), self.d.min_prob)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
-                shaper: LogitsShaper = IDENTITY) -> Proposal:
+                shaper: LogitsShaper = IDENTITY, alternatives: bool = False) -> Proposal:
         return deterministic_proposal(self.find(context, k), self.d.target_vocab, params, shaper)
 
     def close(self) -> None:

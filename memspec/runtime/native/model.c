@@ -106,6 +106,7 @@ struct pass {
     float *scores;                              /* (threads, UNIT_QUERIES, stride): attention weights */
     int longest, stride;                        /* the longest context, and it rounded up to ATTN_PAD */
     int *order;                                 /* (T): rows by sequence */
+    int *root, *slot;                           /* (T): each row's tree root (itself without a tree), cache slot */
     struct unit *units;                         /* attention's units (plan_attention) */
     int n_units;
     atomic_int next_unit;                       /* the next unit a thread takes */
@@ -270,25 +271,76 @@ static void softmax_queries(const struct model *m, const struct attn_query *qs, 
     }
 }
 
-/* One unit: every query's scores over positions 0..pos of its sequence's cache, softmax, the
- * weighted values, scaled by 1/sum. */
+/* Whether row a is row t or one of its ancestors in a tree (parents come before children). */
+static int on_path(const struct batch *b, int a, int t) {
+    while (t > a && b->parent[t] >= 0) t = b->parent[t];
+    return t == a;
+}
+
+/* A tree's keys past its root: for each tree row a of the unit's sequence, in the batch's order
+ * (an ancestor before its descendants, so each query's keys come in position order), the queries
+ * whose row is a or descends from it get a's score at w[pos[a]] (which = 0: scores), or add a's
+ * weighted value to their output (mix).  One key per call: a query's arithmetic on a key is the
+ * same whatever else a call holds (attention.h), and mix adds each key in turn, so a query's sums
+ * are those of one call over its keys in order. */
+static void attend_tree(struct pass *p, const struct unit *u, struct attn_query *qs, int nq, const int *rows,
+                        int which) {
+    const struct model *m = p->m;
+    const struct batch *b = p->b;
+    int hd = m->head_dim, s = b->seq[rows[0]];
+    const struct kv *c = &b->caches[s];
+    struct attn_query one[UNIT_QUERIES];
+    float scratch[UNIT_QUERIES][ATTN_PAD];
+    for (int a = 0; a < b->t; a++) {
+        if (b->seq[a] != s || b->parent[a] < 0) continue;
+        int k = 0, at[UNIT_QUERIES];
+        for (int i = 0; i < nq; i++)
+            if (on_path(b, a, rows[i])) {
+                one[k] = which == 0 ? (struct attn_query){qs[i].q, 1, scratch[k], NULL}
+                                    : (struct attn_query){qs[i].q, 1, qs[i].w + b->pos[a], qs[i].out};
+                at[k++] = i;
+            }
+        if (!k) continue;
+        const uint16_t *kv = c->data + kv_at(m, c, p->layer, which, u->g, p->slot[a]);
+        if (which == 0) {
+            m->attn->scores(one, k, kv, hd, 1.0f / sqrtf((float)hd));
+            for (int j = 0; j < k; j++) qs[at[j]].w[b->pos[a]] = scratch[j][0];
+        } else {
+            m->attn->mix(one, k, kv, hd);
+        }
+    }
+}
+
+/* One unit: every query's scores over positions 0..pos of its sequence's cache (a tree row: its
+ * root's and those before, then its ancestors' slots: attend_tree), softmax, the weighted values,
+ * scaled by 1/sum. */
 static void attend(struct pass *p, const struct unit *u, struct attn_query *qs, float *w) {
     const struct model *m = p->m;
     const struct batch *b = p->b;
-    int nh = m->n_heads, hd = m->head_dim, nq = 0;
+    int nh = m->n_heads, hd = m->head_dim, nq = 0, tree = 0;
+    int rows[UNIT_QUERIES], base[UNIT_QUERIES]; /* each query's row, and the positions it reads from slot 0 on */
     const struct kv *c = &b->caches[b->seq[p->order[u->r0]]];
     for (int r = u->r0; r < u->r1; r++) {
         int t = p->order[r];
+        tree |= p->root[t] != t;
         for (int h = u->h0; h < u->h1; h++, nq++) {
             size_t at = (size_t)t * nh * hd + (size_t)h * hd;
-            qs[nq] = (struct attn_query){p->q + at, b->pos[t] + 1, w + (size_t)nq * p->stride, p->att + at};
+            rows[nq] = t, base[nq] = b->pos[p->root[t]] + 1;
+            qs[nq] = (struct attn_query){p->q + at, base[nq], w + (size_t)nq * p->stride, p->att + at};
             memset(qs[nq].out, 0, sizeof(float) * hd);
         }
     }
     float sums[UNIT_QUERIES];
     m->attn->scores(qs, nq, c->data + kv_at(m, c, p->layer, 0, u->g, 0), hd, 1.0f / sqrtf((float)hd));
+    if (tree) {
+        attend_tree(p, u, qs, nq, rows, 0);
+        for (int i = 0; i < nq; i++) qs[i].n = b->pos[rows[i]] + 1;
+    }
     softmax_queries(m, qs, nq, sums);
+    if (tree)
+        for (int i = 0; i < nq; i++) qs[i].n = base[i];
     m->attn->mix(qs, nq, c->data + kv_at(m, c, p->layer, 1, u->g, 0), hd);
+    if (tree) attend_tree(p, u, qs, nq, rows, 1);
     for (int i = 0; i < nq; i++) {
         float inv = 1.0f / sums[i];
         for (int d = 0; d < hd; d++) qs[i].out[d] *= inv;
@@ -332,8 +384,8 @@ static void qkv_out(void *arg, int i, int n) {
         rope(k, kvh, hd, p->rot + (size_t)t * hd, m->rope_neox);
         struct kv *c = &b->caches[b->seq[t]];
         for (int g = 0; g < kvh; g++) {
-            uint16_t *kd = c->data + kv_at(m, c, p->layer, 0, g, b->pos[t]);
-            uint16_t *vd = c->data + kv_at(m, c, p->layer, 1, g, b->pos[t]);
+            uint16_t *kd = c->data + kv_at(m, c, p->layer, 0, g, p->slot[t]);
+            uint16_t *vd = c->data + kv_at(m, c, p->layer, 1, g, p->slot[t]);
             m->fops->to_f16(k + g * hd, kd, hd);
             m->fops->to_f16(v + g * hd, vd, hd);
         }
@@ -384,11 +436,24 @@ static int layer_forward(struct pass *p) {
     return stage(p, NULL, p->g, T, F, wd, o_out, 1, NULL); /* added at the next layer's attn_in */
 }
 
-static int check_batch(const struct model *m, const struct batch *b) {
+/* The batch's checks, and each row's tree root and cache slot (struct batch). */
+static int check_batch(const struct model *m, const struct batch *b, int *root, int *slot) {
     if (b->t < 1 || b->s < 1 || b->n_keep < 0 || b->n_keep > b->t) return -2;
     for (int t = 0; t < b->t; t++) {
         if (b->ids[t] < 0 || b->ids[t] >= m->vocab || b->seq[t] < 0 || b->seq[t] >= b->s) return -2;
         if (b->pos[t] < 0 || b->pos[t] >= b->caches[b->seq[t]].capacity) return -2;
+        int a = b->parent ? b->parent[t] : -1;
+        root[t] = t, slot[t] = b->pos[t];
+        if (a >= 0) { /* a tree row: after its parent, and the rows since its root are the tree's */
+            if (a >= t || b->seq[a] != b->seq[t] || b->pos[t] != b->pos[a] + 1 || root[t - 1] != root[a]) return -2;
+            root[t] = root[a], slot[t] = b->pos[root[t]] + (t - root[t]);
+            if (slot[t] >= b->caches[b->seq[t]].capacity) return -2;
+        } else if (a != -1) {
+            return -2;
+        } else if (b->parent) {
+            for (int e = 0; e < t; e++) /* a row that attends its cache: none of its sequence's trees before it */
+                if (b->seq[e] == b->seq[t] && root[e] != e) return -2;
+        }
     }
     for (int j = 0; j < b->n_keep; j++)
         if (b->keep[j] < 0 || b->keep[j] >= b->t) return -2;
@@ -410,11 +475,17 @@ static void embed_row(const struct tensor *e, int id, float *out) {
 }
 
 int model_forward(const struct model *m, const struct batch *b) {
-    int rc = check_batch(m, b);
-    if (rc) return rc;
     int T = b->t, H = m->hidden, hd = m->head_dim, F = m->ffn;
     int qd = m->n_heads * hd, kd = m->n_kv_heads * hd, threads = pool_threads(m->pool);
     struct pass p = {.m = m, .b = b};
+    if (T < 1) return -2;
+    if (!(p.root = malloc(sizeof(int) * 2 * (size_t)T))) return -1;
+    p.slot = p.root + T;
+    int rc = check_batch(m, b, p.root, p.slot);
+    if (rc) {
+        free(p.root);
+        return rc;
+    }
     for (int t = 0; t < T; t++) p.longest = b->pos[t] + 1 > p.longest ? b->pos[t] + 1 : p.longest;
     p.stride = (p.longest + ATTN_PAD - 1) / ATTN_PAD * ATTN_PAD;
     size_t floats = (size_t)T * (3 * H + 2 * qd + 2 * kd + 2 * F + hd) + (size_t)threads * UNIT_QUERIES * p.stride;
@@ -424,6 +495,7 @@ int model_forward(const struct model *m, const struct batch *b) {
         free(arena);
         free(p.order);
         free(p.units);
+        free(p.root);
         return -1;
     }
     float *at = arena;
@@ -460,5 +532,6 @@ int model_forward(const struct model *m, const struct batch *b) {
     free(arena);
     free(p.order);
     free(p.units);
+    free(p.root);
     return rc;
 }

@@ -43,10 +43,19 @@ struct kv {
 
 /* One pass.  Row t feeds token ids[t] of sequence seq[t] at position pos[t]; a sequence's rows
  * come in increasing positions and every position below them is in its cache already (or fed
- * earlier in this pass).  logits (n_keep, vocab) for rows keep[0..n_keep-1]. */
+ * earlier in this pass).  logits (n_keep, vocab) for rows keep[0..n_keep-1].
+ *
+ * A token tree: parent (NULL: none) gives each row its parent row in the pass, or -1 for a row
+ * that attends its cache's positions 0..pos[t] (every row without a tree).  A tree is a root (-1)
+ * and the rows after it whose parents lead back to it, in the batch's order (a parent before its
+ * children); a tree row sits at its parent's position + 1, its key and value go to slot
+ * pos[root] + (t - root) of the cache, and it attends positions 0..pos[root] and then its
+ * ancestors' slots and its own, in position order: the keys the same tokens fed as one chain
+ * would attend, in the same order, so its logits are that chain's bit for bit.  A sequence's
+ * trees come after its chain rows. */
 struct batch {
     int t, s, n_keep;
-    const int32_t *ids, *pos, *seq, *keep;
+    const int32_t *ids, *pos, *seq, *keep, *parent;
     struct kv *caches; /* s of them */
     float *logits;
 };

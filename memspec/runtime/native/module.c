@@ -482,22 +482,24 @@ static int get_ints(PyObject *obj, Py_buffer *b, const char *what, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(forward_doc,
-"forward(caches, capacities, ids, pos, seq, keep, logits)\n\n"
+"forward(caches, capacities, ids, pos, seq, keep, logits, parent=None)\n\n"
 "One pass: row t feeds ids[t] of sequence seq[t] at position pos[t] (int32 arrays of T), its key and\n"
 "value written into caches[seq[t]] (writable float16 buffers of n_layers*2*n_kv_heads*capacity*head_dim\n"
 "values); logits (len(keep), vocab) float32 receives the rows keep[j].  The GIL is released while it\n"
-"runs.  ValueError on a bad batch.");
+"runs.  parent (int32 of T, optional): a token tree, each row's parent row or -1 (model.h's struct\n"
+"batch).  ValueError on a bad batch.");
 
 static PyObject *model_forward_py(ModelObject *self, PyObject *args) {
-    PyObject *caches, *caps, *ids_o, *pos_o, *seq_o, *keep_o, *logits_o;
-    if (!PyArg_ParseTuple(args, "OOOOOOO", &caches, &caps, &ids_o, &pos_o, &seq_o, &keep_o, &logits_o)) return NULL;
+    PyObject *caches, *caps, *ids_o, *pos_o, *seq_o, *keep_o, *logits_o, *parent_o = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOOOO|O", &caches, &caps, &ids_o, &pos_o, &seq_o, &keep_o, &logits_o, &parent_o))
+        return NULL;
     struct model *m = &self->m;
     Py_ssize_t s = PySequence_Check(caches) ? PySequence_Size(caches) : -1;
     if (s < 1 || !PySequence_Check(caps) || PySequence_Size(caps) != s) {
         PyErr_SetString(PyExc_ValueError, "caches and capacities must be sequences of one or more, of equal length");
         return NULL;
     }
-    Py_buffer ids, pos, seq, keep, logits;
+    Py_buffer ids, pos, seq, keep, logits, parent;
     Py_buffer *bufs = calloc((size_t)s, sizeof(Py_buffer));
     struct kv *kvs = calloc((size_t)s, sizeof(struct kv));
     int held = 0, have = 0;
@@ -536,8 +538,12 @@ static PyObject *model_forward_py(ModelObject *self, PyObject *args) {
     have = 4;
     if (get_matrix(logits_o, &logits, PyBUF_WRITABLE, "logits", keep.shape[0], m->vocab)) goto done;
     have = 5;
-    struct batch b = {(int)ids.shape[0], (int)s, (int)keep.shape[0], ids.buf, pos.buf, seq.buf, keep.buf, kvs,
-                      logits.buf};
+    if (parent_o != Py_None) {
+        if (get_ints(parent_o, &parent, "parent", ids.shape[0])) goto done;
+        have = 6;
+    }
+    struct batch b = {(int)ids.shape[0], (int)s, (int)keep.shape[0], ids.buf, pos.buf, seq.buf, keep.buf,
+                      have == 6 ? parent.buf : NULL, kvs, logits.buf};
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->lock);
@@ -547,12 +553,14 @@ static PyObject *model_forward_py(ModelObject *self, PyObject *args) {
     if (rc == -1) PyErr_NoMemory();
     else if (rc == -2)
         PyErr_SetString(PyExc_ValueError, "a bad batch: a token id outside the vocabulary, a position outside its "
-                        "cache, a sequence or kept row out of range, or no rows");
+                        "cache, a sequence or kept row out of range, no rows, or a tree row whose parent is not an earlier row of its "
+                        "tree one position before it");
     else {
         Py_INCREF(Py_None);
         result = Py_None;
     }
 done:
+    if (have >= 6) PyBuffer_Release(&parent);
     if (have >= 5) PyBuffer_Release(&logits);
     if (have >= 4) PyBuffer_Release(&keep);
     if (have >= 3) PyBuffer_Release(&seq);
