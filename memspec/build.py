@@ -55,7 +55,7 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
                   batched=batched, prefix_cache_bytes=config.runtime.prefix_cache_mb << 20)
 
 
-def load_pool(store, target_name: str, target_vocab: int, config, names: list[str] | None = None,
+def load_pool(store, target_name: str, target_vocab: int, config=None, names: list[str] | None = None,
               limits=None, suffix_bytes: int = 0) -> dict:
     """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
     in the store made for `target_name` (or only `names`): the fixed pool's proposers by name."""
@@ -64,7 +64,9 @@ def load_pool(store, target_name: str, target_vocab: int, config, names: list[st
         target_drafts
     from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
 
-    limits = limits or DraftLimits()
+    from memspec.runtime.config import SessionConfig
+
+    config, limits = config or SessionConfig(), limits or DraftLimits()
     pool = {PROMPT_LOOKUP: PromptLookup(target_vocab, loop_tokens=limits.loop_tokens)}
     if suffix_bytes:
         pool[SUFFIX] = SuffixDraft(SuffixIndex(suffix_bytes), target_vocab, loop_tokens=limits.loop_tokens)

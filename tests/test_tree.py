@@ -251,7 +251,7 @@ def test_the_planner_learns_from_the_position_the_chain_stopped_at():
     planner.observe("d", prop, 0, 5)  # d1 rejected, the target's token its 3rd choice
     planner.observe("d", prop, 2, 9)  # no alternatives offered at the third position: nothing learnt
     planner.observe("d", prop, 3, 9)  # all accepted: nothing learnt
-    s = planner.stats.d
+    s = planner.stats["d"]
     prior = tree.AltStats()
     assert s.beta(0) > prior.beta(0) and s.beta(1) > prior.beta(1)
     assert s.hits[0] == pytest.approx(prior.hits[0] * 0.95 ** 2 + 1 * 0.95)  # a hit, then a miss
