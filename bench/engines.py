@@ -13,6 +13,9 @@ tokenized by memspec, whose tokenizer matches llama.cpp's) and decodes greedily 
                      on the configured engine ([runtime] backend, "auto": native on a CPU) and the
                      scheduler's drafts, picked per request and step by its policy
   target-only        the same target, no drafts
+  NAME@CHECKOUT      any of the memspec engines run from another checkout of memspec (its own
+                     worker and package, native kernels built in place): a change against main,
+                     side by side in one interleaved run
   memspec-native, target-only-native, memspec-onnxruntime, target-only-onnxruntime
                      the same two with [runtime] backend = "native" (memspec's own kernels on the
                      GGUF itself, memspec.runtime.native_target) or "onnxruntime" (the q4 graph)
@@ -381,13 +384,27 @@ def worker_main(name: str, setup: dict) -> int:
     return 0
 
 
+def split_checkout(name: str) -> tuple[str, Path | None]:
+    """"memspec@PATH" -> ("memspec", PATH): a memspec engine run from another checkout of memspec
+    (its own bench/engines.py worker, its package first on the path), to compare two versions of the
+    code side by side in one interleaved run; a plain name -> (name, None)."""
+    base, at, path = name.partition("@")
+    return (base, Path(path).expanduser().resolve()) if at else (name, None)
+
+
 class Engine:
     """The parent's handle on one worker process."""
 
     def __init__(self, name: str, setup: dict):
         self.name = name
-        self.proc = subprocess.Popen([sys.executable, __file__, "--worker", name, "--setup", json.dumps(setup)],
-                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+        base, checkout = split_checkout(name)
+        script, env = Path(__file__), None
+        if checkout is not None:  # that checkout's worker and package (its native kernels built in place)
+            script = checkout / "bench" / "engines.py"
+            env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(checkout),
+                                                                              os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen([sys.executable, str(script), "--worker", base, "--setup", json.dumps(setup)],
+                                     stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
         self.info = self._read()
         self.peak_rss_mb = self.info.get("rss_mb", 0.0)
 
@@ -566,7 +583,9 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=3,
                     help="rounds over the workload (each prompt on every engine in turn)")
     ap.add_argument("--threads", type=int, default=None, help="threads per engine (default: physical cores)")
-    ap.add_argument("--engines", default=",".join(ENGINES), help=f"comma-separated, from {', '.join(ENGINES)}")
+    ap.add_argument("--engines", default=",".join(ENGINES),
+                    help=f"comma-separated, from {', '.join(ENGINES)}; a memspec engine may be NAME@CHECKOUT: "
+                         "run from another checkout of memspec (say, main before a change), side by side")
     ap.add_argument("--config", help="memspec TOML config for the memspec engines")
     ap.add_argument("--model", metavar="NAME", help="target from the store (default: the config's [model] target)")
     ap.add_argument("--draft-max", type=int, default=4, help="draft tokens a round for the -spec engines (1-16)")
@@ -580,9 +599,14 @@ def main(argv=None) -> int:
     if args.worker:
         return worker_main(args.worker, json.loads(args.setup))
     names = [n.strip() for n in args.engines.split(",") if n.strip()]
-    bad = [n for n in names if n not in ENGINES]
+    bad = [n for n in names if split_checkout(n)[0] not in ENGINES]
     if bad or not names:
         ap.error(f"--engines: unknown {', '.join(bad) or '(none given)'}; choose from {', '.join(ENGINES)}")
+    for n in names:
+        base, checkout = split_checkout(n)
+        if checkout is not None and (base not in MEMSPEC or not (checkout / "bench" / "engines.py").is_file()):
+            ap.error(f"--engines: {n}: NAME@CHECKOUT takes a memspec engine and a memspec checkout "
+                     f"(a folder with bench/engines.py)")
     if args.max_tokens < 1 or args.rounds < 1 or (args.limit is not None and args.limit < 1):
         ap.error("--max-tokens, --rounds and --limit must be at least 1")
     if not 1 <= args.draft_max <= 16:

@@ -311,6 +311,27 @@ def test_engines_bench_runs_each_engine_in_its_own_process(model_store, tmp_path
     assert bad.returncode == 2 and "unknown ollama" in bad.stderr
 
 
+def test_an_engine_from_another_checkout_runs_beside_this_ones(model_store, tmp_path):
+    """NAME@CHECKOUT: a memspec engine from another checkout (here this one again, through its own
+    path), side by side with this one's: the way a change is compared with main end to end."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    out = tmp_path / "ab.json"
+    r = subprocess.run([sys.executable, str(root / "bench" / "engines.py"), "--limit", "1", "--max-tokens", "5",
+                        "--rounds", "1", "--threads", "1", "--engines", f"target-only,target-only@{root}",
+                        "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stderr[-2000:]
+    rows = {row["engine"]: row for row in json.loads(out.read_text())["rows"]}
+    assert rows[f"target-only@{root}"]["same_output_as_target_only"] == 1
+    for bad, says in (([f"llama.cpp@{root}"]), "takes a memspec engine"), (["memspec@" + str(tmp_path)], "checkout"):
+        got = subprocess.run([sys.executable, str(root / "bench" / "engines.py"), "--engines", ",".join(bad)],
+                             capture_output=True, text=True)
+        assert got.returncode == 2 and says in got.stderr, got.stderr
+
+
 def test_engines_run_each_prompt_on_every_engine_in_turn_in_rotating_order(monkeypatch):
     """So that the machine's drift over a run falls on every engine alike, not on whichever ran last."""
     engines = _bench_module("engines")
