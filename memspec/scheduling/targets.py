@@ -33,7 +33,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import TYPE_CHECKING, Callable, Protocol
 
 from memspec.errors import (CancelledError, DeadlineExceededError, InsufficientMemoryError, MemspecError,

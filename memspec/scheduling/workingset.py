@@ -26,7 +26,7 @@ import logging
 import queue
 import threading
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Callable
 
 from memspec.errors import CancelledError, ConfigError, InvalidRequestError, OverloadedError

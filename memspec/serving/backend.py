@@ -94,23 +94,6 @@ class Backend(Protocol):
     def resident_bytes(self) -> int: ...
     def models(self) -> list[dict]: ...
     def tokenizer(self, name: str | None) -> Tokenizer: ...  # a target's (None: the default target's)
-    def tokenizer(self, name: str | None) -> Tokenizer:
-        """Target `name`'s tokenizer (None: the default target's): the loaded engine's, else read from
-        the store (no weights are loaded to tokenize); the errors of a request naming that model."""
-        name = name or self.config.model.target
-        engine = dict(self.targets.engines()).get(name)
-        if engine is not None:
-            return engine.target.tokenizer
-        with self._count_lock:
-            tok = self._tokenizers.get(name)
-        if tok is None:
-            self._plan(name, None)  # not in the store, or a draft: named as a request's "model"
-            folder = Path(self.store.get(name).folder)
-            tok = Tokenizer.from_file(folder / "tokenizer.json", folder / "tokenizer_config.json")
-            with self._count_lock:
-                self._tokenizers[name] = tok
-        return tok
-
     def load(self, name: str, variant: str | None) -> dict: ...
     def unload(self, name: str) -> int: ...
     def status(self) -> ModelsStatus: ...

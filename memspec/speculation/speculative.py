@@ -31,7 +31,7 @@ from typing import Callable, Iterator, Protocol
 import numpy as np
 
 from memspec.speculation import sampling, tree
-from memspec.speculation.config import DraftLimits, SpecConfig
+from memspec.speculation.config import SpecConfig
 from memspec.speculation.drafts import DraftState, Proposal
 from memspec.speculation.logits import IDENTITY, LogitsShaper, is_identity, settle, verify_rows
 from memspec.speculation.metrics import SpecMetrics
