@@ -101,8 +101,8 @@ def main() -> None:
                 c = Constraint("json_schema", json.dumps(schema)) if constrained else None
                 r = engine.generate(GenerationRequest(prompt=prompt, max_tokens=args.max_tokens, draft=draft,
                                                       constraint=c))
-                drafted += r.stats.get("num_draft_tokens", 0)
-                accepted += r.stats.get("num_accepted_tokens", 0)
+                drafted += r.stats.num_draft_tokens
+                accepted += r.stats.num_accepted_tokens
                 tokens += len(r.token_ids) - 1
                 decode_s += r.timings.decode_ms / 1e3
             restore()
