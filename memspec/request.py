@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
@@ -346,12 +347,12 @@ class Timings:
     tok_per_s: float = 0.0  # decode speed: the first token comes from the prefill, the rest from decode steps
 
     def to_dict(self) -> dict[str, float]:
-        return dataclasses.asdict(self)
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: Mapping[str, float]) -> "Timings":
         """From the wire: unknown keys (a newer daemon's) are ignored, missing ones default."""
-        return cls(**{f.name: f.type_cast(d[f.name]) for f in _FIELDS[cls] if f.name in d})
+        return from_plain(cls, d)
 
 
 @dataclass(frozen=True)
@@ -384,37 +385,48 @@ class SpecStats:
         return max(used, key=used.get) if used else ""
 
     def to_dict(self) -> dict:
-        d = dataclasses.asdict(self)
-        d["acceptance_by_position"] = list(self.acceptance_by_position)
-        d["drafts_used"] = dict(self.drafts_used)
-        return d
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "SpecStats":
         """From the wire: unknown keys (a newer daemon's) are ignored, missing ones default."""
-        return cls(**{f.name: f.type_cast(d[f.name]) for f in _FIELDS[cls] if f.name in d})
+        return from_plain(cls, d)
 
 
-class _Field:
-    """A result field and how a value read back from JSON or a protobuf Struct (where every
-    number is a double) is given its type again."""
-
-    def __init__(self, f: dataclasses.Field):
-        self.name = f.name
-        kind = str(f.type)
-        if kind == "int":
-            self.type_cast = lambda v: int(v)
-        elif kind == "float":
-            self.type_cast = lambda v: float(v)
-        elif kind.startswith("tuple"):
-            self.type_cast = lambda v: tuple(float(x) for x in v)
-        elif kind.startswith("Mapping"):
-            self.type_cast = lambda v: {str(k): int(n) for k, n in dict(v).items()}
-        else:  # pragma: no cover - a new field of a type nobody taught this
-            raise TypeError(f"result field {f.name}: no cast for type {kind}")
+def to_plain(obj) -> dict:
+    """A frozen result as plain Python: nested results as dicts, tuples as lists, maps as dicts (what
+    JSON and a protobuf message take)."""
+    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
 
 
-_FIELDS = {cls: [_Field(f) for f in dataclasses.fields(cls)] for cls in (Timings, SpecStats)}
+def _plain(value):
+    if dataclasses.is_dataclass(value):
+        return to_plain(value)
+    if isinstance(value, tuple):
+        return [_plain(v) for v in value]
+    if isinstance(value, Mapping):
+        return dict(value)
+    return value
+
+
+def from_plain(cls, d: Mapping):
+    """A frozen result `cls` from plain Python (JSON, or a protobuf message as dicts, where every
+    number may be a double): each field given its declared type again; fields missing take their
+    defaults, unknown ones (a newer daemon's) are ignored."""
+    hints = typing.get_type_hints(cls)
+    return cls(**{f.name: _typed(hints[f.name], d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
+
+
+def _typed(kind, value):
+    if dataclasses.is_dataclass(kind):
+        return from_plain(kind, value)
+    origin = typing.get_origin(kind)
+    if origin is tuple:
+        return tuple(_typed(typing.get_args(kind)[0], v) for v in value)
+    if origin is Mapping:
+        item = typing.get_args(kind)[1]
+        return {str(k): item(v) for k, v in dict(value).items()}
+    return kind(value)
 
 
 @dataclass

@@ -23,13 +23,13 @@ from typing import Callable, Iterator, Protocol
 from memspec.config import Config
 from memspec.models.tokenizer import Tokenizer
 from memspec.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnavailableError
-from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, SpecStats, parse_keep_alive,
-                             quote, validate)
+from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, SpecStats, from_plain,
+                             parse_keep_alive, quote, validate)
 from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget
 from memspec.runtime.plan import plan
 from memspec.scheduling.scheduler import check_draft_names
 from memspec.scheduling.targets import TargetLease, TargetSet
-from memspec.serving.status import DraftStatus, ModelsStatus, ResidentModel, TargetStatus, from_dict
+from memspec.serving.status import DraftStatus, ModelsStatus, ResidentModel, TargetStatus
 
 log = logging.getLogger("memspec.backend")
 
@@ -304,8 +304,8 @@ class EngineBackend:
         for _, engine in engines:  # a draft every target has (prompt lookup) is listed once: counters are by name
             for d in self._draft_rows(engine.drafts.report()):
                 drafts.setdefault(d.name, d)
-        out = dict(resident=tuple(from_dict(ResidentModel, m) for _, e in engines for m in _resident(e)),
-                   drafts=tuple(drafts.values()), targets=tuple(from_dict(TargetStatus, r) for r in targets),
+        out = dict(resident=tuple(from_plain(ResidentModel, m) for _, e in engines for m in _resident(e)),
+                   drafts=tuple(drafts.values()), targets=tuple(from_plain(TargetStatus, r) for r in targets),
                    warnings=tuple(w for _, e in engines for w in (e.target.session.rows.warning(),) if w))
         main = dict(engines).get(self.config.model.target) or (engines[0][1] if engines else None)
         if main is not None:  # counters of one engine: the default target's, else the last used

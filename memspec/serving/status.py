@@ -4,15 +4,16 @@ Built by the serving layer from its parts (the backend's targets and drafts, adm
 request counters, the system's memory) and read by attribute by every front end; it becomes a
 dict only at the edges: the protobuf GetStatusResponse it mirrors field for field (to_dict), and
 back from it in the CLI (from_dict, which gives the numbers of a protobuf map their types again
-and ignores a newer daemon's extra fields).
+and ignores a newer daemon's extra fields): memspec.request's to_plain and from_plain, as for a
+request's own results.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+
+from memspec.request import from_plain, to_plain
 
 
 @dataclass(frozen=True)
@@ -129,43 +130,8 @@ class Status:
     warnings: tuple[str, ...] = ()
 
     def to_dict(self) -> dict:
-        return to_dict(self)
+        return to_plain(self)
 
     @classmethod
     def from_dict(cls, d: Mapping) -> "Status":
-        return from_dict(cls, d)
-
-
-def to_dict(obj) -> dict:
-    """A status object as plain Python: tuples as lists, maps as dicts (what protobuf takes)."""
-    return {f.name: _plain(getattr(obj, f.name)) for f in dataclasses.fields(obj)}
-
-
-def _plain(value):
-    if dataclasses.is_dataclass(value):
-        return to_dict(value)
-    if isinstance(value, tuple):
-        return [_plain(v) for v in value]
-    if isinstance(value, Mapping):
-        return dict(value)
-    return value
-
-
-def from_dict(cls, d: Mapping):
-    """cls from a dict (a protobuf message as memspec.serving.wire.to_dict gives it, or to_dict's):
-    fields missing take their defaults, unknown ones are ignored."""
-    hints = typing.get_type_hints(cls)
-    return cls(**{f.name: _typed(hints[f.name], d[f.name]) for f in dataclasses.fields(cls) if f.name in d})
-
-
-def _typed(kind, value):
-    origin = typing.get_origin(kind)
-    if dataclasses.is_dataclass(kind):
-        return from_dict(kind, value)
-    if origin is tuple:
-        (item, _) = typing.get_args(kind)
-        return tuple(_typed(item, v) for v in value)
-    if origin is Mapping:
-        _, item = typing.get_args(kind)
-        return {str(k): item(v) for k, v in dict(value).items()}
-    return kind(value)
+        return from_plain(cls, d)
