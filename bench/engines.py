@@ -101,6 +101,9 @@ class MemspecWorker:
         c = self.engine.generate(GenerationRequest(prompt=text, max_tokens=max_new))
         if c.prompt_token_ids != ids:  # the bench tokenizes with the same template: a bug if not
             raise RuntimeError("memspec tokenized the prompt differently from the bench")
+        s = c.stats  # what its drafts did: proposed and accepted tokens, steps, the time drafting took
+        self.drafted = (s.num_draft_tokens, s.num_accepted_tokens) if s.num_draft_tokens else None
+        self.spec = {"steps": s.num_drafts, "draft_ms": s.draft_ms, "draft": s.draft}
         return c.token_ids
 
     def close(self) -> None:
@@ -378,7 +381,7 @@ def worker_main(name: str, setup: dict) -> int:
             t = time.perf_counter()
             out = w.generate(req["ids"], req["text"], req["max_new"])
             say({"ids": out, "seconds": time.perf_counter() - t, "rss_mb": rss(),
-                 "drafted": getattr(w, "drafted", None)})
+                 "drafted": getattr(w, "drafted", None), "spec": getattr(w, "spec", None)})
     finally:
         w.close()
     return 0
@@ -502,7 +505,7 @@ def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: 
     names = list(engines)
     try:
         for r in range(rounds):
-            acc = {n: {"tokens": 0, "seconds": 0.0, "outs": [], "drafted": None} for n in names}
+            acc = {n: {"tokens": 0, "seconds": 0.0, "outs": [], "drafted": None, "prompts": []} for n in names}
             for i, w in enumerate(items):
                 shift = (r + i) % len(names)
                 for name in names[shift:] + names[:shift]:  # each prompt on every engine, in rotating order
@@ -511,13 +514,16 @@ def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: 
                     a["tokens"] += len(res["ids"])
                     a["seconds"] += res["seconds"]
                     a["outs"].append(res["ids"])
+                    a["prompts"].append({"category": w.get("category", "-"), "tokens": len(res["ids"]),
+                                         "seconds": res["seconds"], "drafted": res.get("drafted"),
+                                         "spec": res.get("spec")})
                     if res.get("drafted"):  # an engine whose own speculation reports its draft tokens
                         a["drafted"] = [x + y for x, y in zip(a["drafted"] or (0, 0), res["drafted"])]
             for name in names:
                 a = acc[name]
                 tokens, seconds, drafted = a["tokens"], a["seconds"], a["drafted"]
                 per_round[name].append({"tokens": tokens, "seconds": seconds, "tok_per_s": tokens / seconds,
-                                        "drafted": drafted})
+                                        "drafted": drafted, "prompts": a["prompts"]})
                 outputs.setdefault(name, a["outs"])
                 said = f", {drafted[1]}/{drafted[0]} draft tokens accepted" if drafted else ""
                 progress(f"round {r + 1}/{rounds} {name}: {tokens / seconds:.1f} tok/s ({tokens} tokens{said})")
@@ -547,7 +553,43 @@ def summarize(per_round: dict, outputs: dict, rss: dict, load_s: dict) -> dict:
             "same_output_as_plain": sum(a == b for a, b in zip(outputs[n], plain)) if plain is not None else None,
             "draft_acceptance": acceptance(per_round[n]),
         })
-    return {"rows": rows}
+    return {"rows": rows, "categories": by_category(per_round)}
+
+
+def by_category(per_round: dict) -> list[dict]:
+    """Per engine and category of the workload: tok/s (the median over rounds of the category's
+    tokens over its seconds), its ratio to target-only's, and where the engine drafts, the share
+    of draft tokens accepted, tokens a verification step, drafting's share of the time, and the
+    draft that ran most often."""
+    rows = []
+    cats = list(dict.fromkeys(p["category"] for runs in per_round.values() for r in runs
+                              for p in r.get("prompts", ())))
+    for cat in cats:
+        speed = {}
+        for n, runs in per_round.items():
+            speed[n] = statistics.median(
+                sum(p["tokens"] for p in r["prompts"] if p["category"] == cat)
+                / max(sum(p["seconds"] for p in r["prompts"] if p["category"] == cat), 1e-9) for r in runs)
+        for n, runs in per_round.items():
+            ps = [p for r in runs for p in r["prompts"] if p["category"] == cat]
+            drafted = [p["drafted"] for p in ps if p.get("drafted")]
+            specs = [p["spec"] for p in ps if p.get("spec")]
+            proposed, accepted = sum(d[0] for d in drafted), sum(d[1] for d in drafted)
+            steps = sum(s["steps"] for s in specs)
+            used: dict[str, int] = {}
+            for s in specs:
+                if s["draft"]:
+                    used[s["draft"]] = used.get(s["draft"], 0) + 1
+            rows.append({
+                "category": cat, "engine": n, "tok_per_s": round(speed[n], 2),
+                "vs_target_only": round(speed[n] / speed["target-only"], 3) if speed.get("target-only") else None,
+                "acceptance": round(accepted / proposed, 3) if proposed else None,
+                "tokens_per_step": round(1 + accepted / steps, 2) if steps else None,
+                "draft_share": round(sum(s["draft_ms"] for s in specs) / 1e3 / sum(p["seconds"] for p in ps), 3)
+                if specs else None,
+                "draft": max(used, key=used.get) if used else None,
+            })
+    return rows
 
 
 def acceptance(runs: list[dict]) -> float | None:
@@ -573,6 +615,16 @@ def print_report(result: dict, out=sys.stdout) -> None:
         print(f"{r['engine']:<22} {r['tok_per_s']:>7.1f} {ratio(r['vs_llama_cpp']):>12} "
               f"{ratio(r['vs_target_only']):>14} {r['tokens']:>7} {r['peak_rss_mib']:>8.0f} {r['load_s']:>6.2f}  "
               f"{share(r, 'same_output_as_target_only')}{plain}", file=out)
+    cats = result.get("categories") or []
+    if len({c["category"] for c in cats}) > 1:
+        print(f"\n{'category':<14} {'engine':<22} {'tok/s':>7} {'vs target-only':>14} {'accepted':>8} "
+              f"{'tok/step':>8} {'drafting':>8}  draft run most", file=out)
+        for c in cats:
+            def pct(v):
+                return "-" if v is None else f"{v:.0%}"
+            step = "-" if c["tokens_per_step"] is None else f"{c['tokens_per_step']:.2f}"
+            print(f"{c['category']:<14} {c['engine']:<22} {c['tok_per_s']:>7.1f} {ratio(c['vs_target_only']):>14} "
+                  f"{pct(c['acceptance']):>8} {step:>8} {pct(c['draft_share']):>8}  {c['draft'] or '-'}", file=out)
 
 
 def main(argv=None) -> int:

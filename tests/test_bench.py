@@ -286,6 +286,30 @@ def test_engines_summary_gives_ratios_memory_and_agreement():
     assert without["vs_llama_cpp"] is None and without["same_output_as_target_only"] is None
 
 
+def test_engines_summary_breaks_speed_and_drafting_down_by_category():
+    engines = _bench_module("engines")
+
+    def prompt(cat, tokens, seconds, drafted=None, spec=None):
+        return {"category": cat, "tokens": tokens, "seconds": seconds, "drafted": drafted, "spec": spec}
+
+    per_round = {
+        "memspec": [{"tokens": 40, "seconds": 0.5, "tok_per_s": 80.0, "prompts": [
+            prompt("code", 20, 0.1, (12, 9), {"steps": 5, "draft_ms": 20.0, "draft": "sib"}),
+            prompt("qa", 20, 0.4, (4, 1), {"steps": 3, "draft_ms": 40.0, "draft": "chat"})]}],
+        "target-only": [{"tokens": 40, "seconds": 0.6, "tok_per_s": 66.7, "prompts": [
+            prompt("code", 20, 0.2), prompt("qa", 20, 0.4)]}],
+    }
+    cats = {(c["category"], c["engine"]): c for c in engines.by_category(per_round)}
+    code, qa = cats[("code", "memspec")], cats[("qa", "memspec")]
+    assert code["tok_per_s"] == 200.0 and code["vs_target_only"] == 2.0
+    assert code["acceptance"] == 0.75 and code["tokens_per_step"] == 2.8 and code["draft_share"] == 0.2
+    assert code["draft"] == "sib" and qa["draft"] == "chat" and qa["vs_target_only"] == 1.0
+    assert cats[("qa", "target-only")]["acceptance"] is None and cats[("qa", "target-only")]["draft"] is None
+    out = io.StringIO()
+    engines.print_report({"rows": [], "categories": list(cats.values())}, out)
+    assert "2.00x" in out.getvalue() and "75%" in out.getvalue() and "sib" in out.getvalue()
+
+
 def test_engines_bench_runs_each_engine_in_its_own_process(model_store, tmp_path):
     """Real model, two prompts, a few tokens: every engine that is installed answers, target-only
     agrees with itself, and the JSON holds the rows."""
