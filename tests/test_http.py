@@ -300,18 +300,18 @@ def test_each_choice_reaches_the_engine_with_its_own_seed(f):
 
 
 def test_n_streamed_choices_carry_their_index_and_finish_and_one_usage_chunk(make):
-    f = make(step_s=0.01)
-    raw = read_all(raw_stream(f.port, chat(max_tokens=4, n=3, stream=True, stream_options={"include_usage": True})))
+    f = make(step_s=0.02)
+    raw = read_all(raw_stream(f.port, chat(max_tokens=6, n=3, stream=True, stream_options={"include_usage": True})))
     events = sse_events(raw.partition(b"\r\n\r\n")[2])
     assert events[-1] == "[DONE]"
     usage = json.loads(events[-2])
-    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 12
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 18
     assert usage["usage"]["prompt_tokens"] == 3 and len(usage["memspec"]["choices"]) == 3
     chunks = by_index(events[:-1])
     assert sorted(chunks) == [0, 1, 2]
     for i, cs in chunks.items():
         assert cs[0]["delta"] == {"role": "assistant", "content": ""}
-        assert "".join(c["delta"].get("content", "") for c in cs) == "three two one three "
+        assert "".join(c["delta"].get("content", "") for c in cs) == "three two one three two one "
         assert [c["finish_reason"] for c in cs] == [None] * (len(cs) - 1) + ["length"]
     order = [json.loads(e)["choices"][0]["index"] for e in events[:-2]]
     assert order != sorted(order)  # generated at once: the choices' chunks interleave

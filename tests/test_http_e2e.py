@@ -244,9 +244,10 @@ def by_index(chunks) -> tuple[dict[int, str], dict[int, list[str]]]:
 def test_n_greedy_choices_are_all_the_target_only_answer_whole_and_streamed(sdk):
     one = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16)  # target-only (the policy)
     text = one.choices[0].message.content
-    many = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, n=3,
+    many = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, n=3, logprobs=True,
                                        extra_body={"memspec": {"draft": "prompt-lookup"}})  # lossless per choice
     assert [(c.index, c.message.content) for c in many.choices] == [(i, text) for i in range(3)]
+    assert all("".join(e.token for e in c.logprobs.content) == text for c in many.choices)  # each its own
     assert many.usage.prompt_tokens == one.usage.prompt_tokens
     assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
     assert many.usage.total_tokens == many.usage.prompt_tokens + many.usage.completion_tokens

@@ -256,7 +256,6 @@ def _common(body: Any, known: set[str]) -> tuple[str | None, bool, bool, tuple[s
     if not isinstance(body, dict):
         raise _bad("body", f"must be a JSON object, got {_kind(body)}")
     _refuse_unsupported(body)
-    _choices(body)
     model = _model(body)
     stream = _bool(body, "stream")
     options = _object(body, "stream_options")
