@@ -15,6 +15,7 @@ import logging
 import socket
 import threading
 import time
+from dataclasses import replace
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -253,6 +254,121 @@ def test_health_follows_the_daemon_state(make):
     assert status == 503 and "shutting down" in body["error"]["message"]
 
 
+# -- n choices ------------------------------------------------------------------------------------
+def by_index(events: list[str]) -> dict[int, list[dict]]:
+    """A stream's choice chunks, grouped by their choices[0].index (the usage chunk has none)."""
+    out: dict[int, list[dict]] = {}
+    for e in events[:-1]:
+        for c in json.loads(e)["choices"]:
+            out.setdefault(c["index"], []).append(c)
+    return out
+
+
+def test_n_choices_each_answer_the_request_in_openai_shape_with_usage_added_up(f):
+    status, _, body = f.post(chat(max_tokens=4, n=3))
+    assert status == 200
+    assert body["choices"] == [{"index": i, "message": {"role": "assistant", "content": "three two one three "},
+                                "logprobs": None, "finish_reason": "length"} for i in range(3)]
+    assert body["usage"] == {"prompt_tokens": 3, "completion_tokens": 12, "total_tokens": 15,
+                             "prompt_tokens_details": {"cached_tokens": 0}}
+    ms = body["memspec"]  # the choices' stats added up, and each choice's own
+    assert [c["model"] for c in ms["choices"]] == ["tiny"] * 3 and ms["model"] == "tiny"
+    assert ms["tok_per_s"] == sum(c["tok_per_s"] for c in ms["choices"]) and ms["num_drafts"] == 0
+    assert f.h.servicer.counters.to_dict()["completed"] == 3  # admission and the counters saw 3 requests
+    assert len(f.h.engine.requests) == 3
+    status, _, body = f.post({"prompt": "a b", "max_tokens": 3, "n": 2}, path="/v1/completions")
+    assert status == 200 and [(c["index"], c["text"]) for c in body["choices"]] == [(0, "b a b "), (1, "b a b ")]
+    assert body["usage"]["completion_tokens"] == 6 and body["usage"]["prompt_tokens"] == 2
+    assert "choices" not in f.post(chat(max_tokens=2))[2]["memspec"]  # n = 1: the object as it was
+
+
+def test_seeded_choices_sample_with_the_seed_plus_their_index():
+    from memspec.serving import openai
+
+    api = openai.parse_chat(chat(n=3, seed=7, temperature=0.8), 50)
+    assert [api.choice(i).sampling.seed for i in range(3)] == [7, 8, 9] and api.choice(0) == api.request
+    assert api.choice(2) == replace(api.request, sampling=replace(api.request.sampling, seed=9))
+    top = openai.parse_completion({"prompt": "a", "n": 2, "seed": 2**64 - 1}, 50)
+    assert top.choice(1).sampling.seed == 0  # mod 2^64: still a valid seed
+    unseeded = openai.parse_chat(chat(n=2, temperature=1), 50)
+    assert unseeded.choice(1) is unseeded.request  # no seed: each draws from fresh entropy
+
+
+def test_each_choice_reaches_the_engine_with_its_own_seed(f):
+    assert f.post(chat(max_tokens=2, n=3, seed=41, temperature=0.7))[0] == 200
+    assert sorted(r.sampling.seed for r in f.h.engine.requests) == [41, 42, 43]
+
+
+def test_n_streamed_choices_carry_their_index_and_finish_and_one_usage_chunk(make):
+    f = make(step_s=0.02)
+    raw = read_all(raw_stream(f.port, chat(max_tokens=6, n=3, stream=True, stream_options={"include_usage": True})))
+    events = sse_events(raw.partition(b"\r\n\r\n")[2])
+    assert events[-1] == "[DONE]"
+    usage = json.loads(events[-2])
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 18
+    assert usage["usage"]["prompt_tokens"] == 3 and len(usage["memspec"]["choices"]) == 3
+    chunks = by_index(events[:-1])
+    assert sorted(chunks) == [0, 1, 2]
+    for i, cs in chunks.items():
+        assert cs[0]["delta"] == {"role": "assistant", "content": ""}
+        assert "".join(c["delta"].get("content", "") for c in cs) == "three two one three two one "
+        assert [c["finish_reason"] for c in cs] == [None] * (len(cs) - 1) + ["length"]
+    order = [json.loads(e)["choices"][0]["index"] for e in events[:-2]]
+    assert order != sorted(order)  # generated at once: the choices' chunks interleave
+
+
+def test_n_streamed_tool_calls_are_read_out_per_choice_with_ids_of_their_own(f):
+    call = json.dumps({"name": "get_weather", "arguments": {"city": "Paris"}}, separators=(",", ":"))  # one word
+    ask = chat(f"</tool_call> {call} <tool_call> Sure,", max_tokens=4, n=2,
+               tools=[{"type": "function", "function": {"name": "get_weather"}}])
+    out = f.post(ask)[2]
+    ids = [c["message"]["tool_calls"][0]["id"] for c in out["choices"]]
+    assert [c["finish_reason"] for c in out["choices"]] == ["tool_calls"] * 2 and len(set(ids)) == 2
+    events = sse_events(read_all(raw_stream(f.port, {**ask, "stream": True})).partition(b"\r\n\r\n")[2])
+    chunks = by_index(events)
+    for i, cs in chunks.items():
+        deltas = [d for c in cs for d in c["delta"].get("tool_calls", [])]
+        assert deltas[0]["function"]["name"] == "get_weather" and cs[-1]["finish_reason"] == "tool_calls"
+    assert sorted(chunks) == [0, 1]
+
+
+def test_n_choices_generate_at_once_and_a_disconnect_cancels_them_all(make):
+    f = make(step_s=0.05)
+    s = raw_stream(f.port, chat(max_tokens=50, n=3, stream=True))
+    got = b""
+    while got.count(b"data: ") < 6:
+        got += s.recv(4096)
+    assert f.h.engine.open == 3 and f.h.admission.snapshot()["active"] == 3
+    s.close()
+    wait_for(lambda: f.h.engine.open == 0, timeout=2.0)
+    status = f.h.client.status()
+    assert status["kv_bytes"] == 0 and status["active_streams"] == 0 and status["requests"]["cancelled"] == 3
+
+
+def test_n_choices_admission_cannot_take_are_refused_whole_and_the_daemon_keeps_serving(make):
+    f = make(max_concurrent=2, max_queue=0, step_s=0.05)
+    s = raw_stream(f.port, chat(max_tokens=40, stream=True))
+    wait_for(lambda: f.h.admission.snapshot()["active"] == 1)
+    status, hdrs, body = f.post(chat(max_tokens=4, n=2))  # one slot is free: the second choice has none
+    assert status == 429 and hdrs["retry-after"] == "1" and "queue is full" in body["error"]["message"]
+    wait_for(lambda: f.h.engine.open == 1 and f.h.admission.snapshot()["active"] == 1)  # no choice left behind
+    status, _, body = f.post(chat(max_tokens=4, n=3))
+    assert status == 400 and body["error"]["param"] == "n"
+    assert "at most 2" in body["error"]["message"] and "max_concurrent" in body["error"]["message"]
+    s.close()
+    wait_for(lambda: f.h.admission.snapshot()["active"] == 0)
+    status, _, body = f.post(chat(max_tokens=4, n=2))
+    assert status == 200 and len(body["choices"]) == 2
+
+
+def test_n_choices_past_their_deadline_are_504_and_all_end(make):
+    f = make(http=HttpConfig(timeout_seconds=0.3), step_s=0.05)
+    status, _, body = f.post(chat(max_tokens=40, n=2))
+    assert status == 504 and body["error"]["type"] == "timeout"
+    wait_for(lambda: f.h.engine.open == 0)
+    assert f.h.servicer.counters.to_dict()["cancelled"] == 2
+
+
 # -- bad inputs ------------------------------------------------------------------------------
 GOOD = chat(max_tokens=2)
 BAD = [  # (name, path, body or raw text, headers, status, param, code)
@@ -279,7 +395,14 @@ BAD = [  # (name, path, body or raw text, headers, status, param, code)
     ("negative seed", CHAT, chat(seed=-1), None, 400, "seed", None),
     ("stop a number", CHAT, chat(stop=5), None, 400, "stop", None),
     ("too many stops", CHAT, chat(stop=list("abcdefghi")), None, 400, "stop", None),
-    ("n = 2", CHAT, chat(n=2), None, 400, "n", None),
+    ("n = 0", CHAT, chat(n=0), None, 400, "n", None),
+    ("n negative", "/v1/completions", {"prompt": "a b", "n": -2}, None, 400, "n", None),
+    ("n a fraction", CHAT, chat(n=1.5), None, 400, "n", None),
+    ("n a string", CHAT, chat(n="2"), None, 400, "n", None),
+    ("n a boolean", CHAT, chat(n=True), None, 400, "n", None),
+    ("n over max_concurrent", CHAT, chat(n=5), None, 400, "n", None),
+    ("n over OpenAI's 128", "/v1/completions", {"prompt": "a b", "n": 129}, None, 400, "n", None),
+    ("best_of 2", "/v1/completions", {"prompt": "a b", "n": 2, "best_of": 2}, None, 400, "best_of", None),
     ("a tool without a name", CHAT, chat(tools=[{"type": "function", "function": {"description": "f"}}]), None, 400,
      "tools[0].function.name", None),
     ("a tool name with a space", CHAT, chat(tools=[{"type": "function", "function": {"name": "a b"}}]), None, 400,

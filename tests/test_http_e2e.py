@@ -13,7 +13,7 @@ from pathlib import Path
 from urllib.request import urlopen
 
 import pytest
-from openai import OpenAI
+from openai import BadRequestError, OpenAI
 from prometheus_client.parser import text_string_to_metric_families
 
 from test_daemon_e2e import Daemon, wait_for
@@ -225,3 +225,93 @@ def test_penalties_and_logit_bias_through_the_sdk_are_the_grpc_answer(base, sdk,
                        {"model": MODEL, "messages": QUESTION, "logit_bias": {"49152": 1}})
     assert status == 400 and err["error"]["param"] == "logit_bias"
     assert "outside the vocabulary" in err["error"]["message"]
+
+
+# -- n choices ----------------------------------------------------------------------------------
+def by_index(chunks) -> tuple[dict[int, str], dict[int, list[str]]]:
+    """A streamed answer's text and finish reasons per choice index (chat or completions chunks)."""
+    texts: dict[int, str] = {}
+    finish: dict[int, list[str]] = {}
+    for c in chunks:
+        for ch in c.choices:
+            piece = ch.delta.content if hasattr(ch, "delta") else ch.text
+            texts[ch.index] = texts.get(ch.index, "") + (piece or "")
+            if ch.finish_reason:
+                finish.setdefault(ch.index, []).append(ch.finish_reason)
+    return texts, finish
+
+
+def test_n_greedy_choices_are_all_the_target_only_answer_whole_and_streamed(sdk):
+    one = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16)  # target-only (the policy)
+    text = one.choices[0].message.content
+    many = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, n=3, logprobs=True,
+                                       extra_body={"memspec": {"draft": "prompt-lookup"}})  # lossless per choice
+    assert [(c.index, c.message.content) for c in many.choices] == [(i, text) for i in range(3)]
+    assert all("".join(e.token for e in c.logprobs.content) == text for c in many.choices)  # each its own
+    assert many.usage.prompt_tokens == one.usage.prompt_tokens
+    assert many.usage.completion_tokens == 3 * one.usage.completion_tokens
+    assert many.usage.total_tokens == many.usage.prompt_tokens + many.usage.completion_tokens
+    assert len(many.model_extra["memspec"]["choices"]) == 3
+    chunks = list(sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=16, n=3, stream=True,
+                                              stream_options={"include_usage": True}))
+    texts, finish = by_index(chunks)
+    assert texts == {i: text for i in range(3)} and finish == {i: [one.choices[0].finish_reason] for i in range(3)}
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == many.usage.completion_tokens
+
+
+def test_n_seeded_choices_repeat_differ_and_are_each_the_answer_of_seed_plus_index(sdk):
+    def ask(n: int, seed: int) -> list[str]:
+        out = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=1.0,
+                                          top_p=0.95, seed=seed, n=n)
+        return [c.message.content for c in out.choices]
+
+    first = ask(3, 1234)
+    assert ask(3, 1234) == first  # reproducible
+    assert len(set(first)) > 1  # each choice draws for itself
+    assert first == [ask(1, 1234 + i)[0] for i in range(3)]  # choice i: the single request with seed s + i
+
+
+def test_a_streamed_n2_reassembles_per_index_to_the_whole_answer(sdk):
+    kw = dict(model=MODEL, prompt="Once upon a time", max_tokens=12, temperature=0.9, seed=5, n=2)
+    whole = sdk.completions.create(**kw)
+    chunks = list(sdk.completions.create(**kw, stream=True, stream_options={"include_usage": True}))
+    texts, finish = by_index(chunks)
+    assert texts == {c.index: c.text for c in whole.choices} and sorted(texts) == [0, 1]
+    assert finish == {c.index: [c.finish_reason] for c in whole.choices}
+    assert chunks[-1].usage.completion_tokens == whole.usage.completion_tokens == 24
+    assert chunks[-1].usage.prompt_tokens == whole.usage.prompt_tokens
+
+
+@pytest.mark.parametrize("n", [0, -1, 5, 129, 1.5, "2"])
+def test_a_bad_n_is_a_400_naming_n_and_the_daemon_keeps_serving(sdk, n):
+    with pytest.raises(BadRequestError) as err:
+        sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, extra_body={"n": n})
+    assert err.value.param == "n" and "n:" in err.value.message
+    assert len(sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=2, n=2).choices) == 2
+
+
+@pytest.fixture(scope="module")
+def batching_sdk(model_store):
+    """A daemon on the native engine, whose batch loop runs concurrent requests' passes together."""
+    with tempfile.TemporaryDirectory(prefix="ms-hb-") as d:
+        dm = Daemon(Path(d), model_store.home, name="b")
+        dm.config.write_text(dm.config.read_text().replace('backend = "onnxruntime"', 'backend = "native"'))
+        dm.args = ["--http", "127.0.0.1:0"]
+        dm.start()
+        with dm.client(timeout=60) as c:
+            yield OpenAI(base_url=f"http://{c.status()['http_listen']}/v1", api_key="unused", max_retries=0,
+                         timeout=120), c
+        dm.stop()
+
+
+def test_n_choices_share_batched_passes_and_stay_the_target_only_answer(batching_sdk):
+    sdk, client = batching_sdk
+    one = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24).choices[0].message.content
+    before = client.status()["batch"]
+    assert before["slots"] == 4  # [server] max_concurrent rows
+    many = sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, n=3,
+                                       extra_body={"memspec": {"draft": "prompt-lookup"}})
+    after = client.status()["batch"]
+    assert [c.message.content for c in many.choices] == [one] * 3
+    shared = sum(after.get(k, 0) - before.get(k, 0) for k in after if k.startswith("rows_") and k != "rows_1")
+    assert shared > 0  # the choices' target passes ran together

@@ -61,6 +61,7 @@ class FakeEngine:
         self.batch = None  # no batched passes
         self.prefixes = None  # no prompt prefixes kept
         self.open = 0  # streams whose "KV cache" is allocated
+        self.requests: list[GenerationRequest] = []  # every request streamed, in order
         self.checks = 0  # requests validated and tokenized
         self.fail = False
         self.closed = 0  # close() calls: its background loading stopped
@@ -93,6 +94,7 @@ class FakeEngine:
         if self.fail:
             raise RuntimeError("boom")
         words = (req.prompt or req.messages[-1][1]).split()[::-1]
+        self.requests.append(req)
         self.open += 1
         out, finish = [], "length"
         try:

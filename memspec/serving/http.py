@@ -14,6 +14,12 @@ and hands its chunks to the event loop.  A client that disconnects sets the
 request's cancel event at once: a queued request leaves the queue, a running one
 stops at its next step, and its KV cache is freed.  Wire types are in
 memspec.serving.openai; every error leaves through `_error` in OpenAI's shape.
+
+A request for n choices (OpenAI's `n`) runs as n requests of the Service, each on
+its own Pump and all at once (`Choices`), so that admission counts n and the
+engine's batch loop puts them in the same target passes; one cancel event ends
+them all, and the first to fail fails the answer.  n is at most [server]
+max_concurrent, the requests that may generate at once.
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ import threading
 import time
 import uuid
 from dataclasses import dataclass
+from collections import deque
 from typing import Any, Callable, Iterator
 
 import uvicorn
@@ -97,17 +104,38 @@ def body_limit(limits) -> int:
 
 
 # -- one generation, off the event loop ------------------------------------------------------------
-class Pump:
-    """Service.generate on a thread of its own (from start()); what it yields reaches the loop
-    through a queue.
-
-    Messages: ("item", Chunk | Final), ("progress", str: how the load of its target goes, for a
-    stream), ("error", exception), ("end", None), ("gone", None)."""
+class Choices:
+    """The generations of one request, one per choice (OpenAI's n; usually one): one cancel event,
+    and one queue on which their Pumps' messages reach the loop as (choice, kind, value)."""
 
     def __init__(self, cancel: threading.Event, loop: asyncio.AbstractEventLoop):
         self.cancel, self.loop = cancel, loop
-        self.items: Iterator = iter(())
         self.queue: asyncio.Queue = asyncio.Queue()
+
+    def start(self, index: int, items: Iterator) -> "Pump":
+        """Choice `index`'s generation, on a thread of its own; from any thread."""
+        return Pump(self, index).start(items)
+
+    def put(self, index: int, kind: str, value: Any = None) -> None:
+        try:
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, kind, value))
+        except RuntimeError:  # the loop has closed (shutdown past the grace)
+            pass
+
+    async def get(self) -> tuple[int, str, Any]:
+        return await self.queue.get()
+
+
+class Pump:
+    """Service.generate of one choice on a thread of its own (from start()); what it yields reaches
+    the loop through its Choices' queue.
+
+    Messages: ("item", Chunk | Final), ("progress", str: how the load of its target goes, for a
+    stream), ("error", exception), ("end", None), and the client's ("gone", None)."""
+
+    def __init__(self, choices: Choices, index: int):
+        self.choices, self.index, self.cancel = choices, index, choices.cancel
+        self.items: Iterator = iter(())
 
     def start(self, items: Iterator) -> "Pump":
         self.items = items
@@ -115,10 +143,7 @@ class Pump:
         return self
 
     def put(self, kind: str, value: Any = None) -> None:
-        try:
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, (kind, value))
-        except RuntimeError:  # the loop has closed (shutdown past the grace)
-            pass
+        self.choices.put(self.index, kind, value)
 
     def _run(self) -> None:
         try:
@@ -132,9 +157,6 @@ class Pump:
         finally:
             self.items.close()
         self.put("end")
-
-    async def get(self) -> tuple[str, Any]:
-        return await self.queue.get()
 
 
 # -- the application ----------------------------------------------------------------------------
@@ -279,8 +301,10 @@ class Api:
                 return None
         return bytes(data)
 
-    def _parse(self, request: Request, body: bytes | None, limit: int, parser) -> Callable:
-        """What Service.generate calls to build the request: every refusal in it is counted and logged."""
+    def _parse(self, request: Request, body: bytes | None, limit: int, parser,
+               spawn: Callable[[openai.ApiRequest], None]) -> Callable:
+        """What Service.generate calls to build the request (its first choice's; `spawn` starts the
+        others): every refusal in it is counted and logged."""
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
 
         def parse():
@@ -296,11 +320,17 @@ class Api:
             except (UnicodeDecodeError, ValueError) as exc:
                 raise InvalidRequestError(f"body: is not valid JSON ({exc})") from None
             api = parser(data, self.backend.config.limits.max_tokens)
+            slots = self.service.admission.config.max_concurrent
+            if api.n > slots:
+                raise InvalidRequestError(f"n: {api.n} choices asked for; at most {slots}: the choices generate at "
+                                          f"once, a request each, and the daemon generates at most {slots} at once "
+                                          f"([server] max_concurrent)")
             if api.ignored:
                 log.debug("ignored unknown fields", extra={"fields": {"path": request.url.path,
                                                                       "fields": list(api.ignored)}})
             parsed.append(api)
-            return api.request
+            spawn(api)
+            return api.choice(0)
 
         parsed: list[openai.ApiRequest] = []
         parse.parsed = parsed
@@ -312,7 +342,6 @@ class Api:
             body = await self._body(request, limit)
         except ClientDisconnect:  # gone before its body arrived: nothing to answer
             return Response(status_code=499)
-        parse = self._parse(request, body, limit, parser)
         client = request.client
         fields = {"method": method, "peer": f"{client.host}:{client.port}" if client else ""}
         cancel = threading.Event()
@@ -324,28 +353,43 @@ class Api:
         def remaining():
             return None if deadline is None else max(deadline - self.clock(), 0.0)
 
-        pump = Pump(cancel, loop)
+        choices = Choices(cancel, loop)
+
+        def spawn(api: openai.ApiRequest) -> None:  # choices 1..n-1 start as soon as choice 0 is parsed
+            if api.n > 1:
+                fields.update(n=api.n, choice=0)
+            for i in range(1, api.n):
+                own = {"method": method, "peer": fields["peer"], "n": api.n, "choice": i}  # a log line each
+                choices.start(i, self.service.generate(lambda req=api.choice(i): req, cancel, remaining, own))
+
+        parse = self._parse(request, body, limit, parser, spawn)
 
         def progress(message: str) -> None:  # a stream hears how the load of its target goes (SSE comments)
             if parse.parsed and parse.parsed[0].stream:
-                pump.put("progress", message)
+                choices.put(0, "progress", message)
 
-        pump.start(self.service.generate(parse, cancel, remaining, fields, progress))
+        choices.start(0, self.service.generate(parse, cancel, remaining, fields, progress))
         timer = loop.call_later(timeout, lambda: (expired.set(), cancel.set())) if deadline else None
-        watcher = asyncio.ensure_future(_watch(request.receive, cancel, pump))
+        watcher = asyncio.ensure_future(_watch(request.receive, choices))
+        first, started = [], set()  # what came before the answer starts; the choices that have yielded
         try:
-            kind, first = await pump.get()
+            while True:  # until every choice has begun (or a stream's target loads first: answer 200 now)
+                index, kind, value = await choices.get()
+                if kind in ("item", "end", "progress"):
+                    first.append((index, kind, value))
+                    started.add(index)
+                    if kind == "progress" or len(started) == parse.parsed[0].n:
+                        break
+                else:  # an error (the first choice to fail fails them all) or the client is gone
+                    cancel.set()
+                    _stop(timer, watcher)
+                    return self._error(_deadline(value, expired)) if kind == "error" else Response(status_code=499)
         except BaseException:
             cancel.set()
             _stop(timer, watcher)
             raise
-        if kind == "progress":  # a stream whose target loads first: answer 200 now, and say how the load goes
-            first = Progress(first)
-        elif kind != "item":
-            _stop(timer, watcher)
-            return self._error(_deadline(first, expired)) if kind == "error" else Response(status_code=499)
         api = parse.parsed[0]
-        run = Reply(api, pump, first, fields, expired, lambda: _stop(timer, watcher))
+        run = Reply(api, choices, first, fields, expired, lambda: _stop(timer, watcher))
         if api.stream:
             return run
         try:
@@ -368,13 +412,13 @@ def _stop(timer, watcher) -> None:
     watcher.cancel()
 
 
-async def _watch(receive, cancel: threading.Event, pump: Pump) -> None:
-    """Wait for the client to go away; then cancel its generation at once."""
+async def _watch(receive, choices: Choices) -> None:
+    """Wait for the client to go away; then cancel its generations at once."""
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            cancel.set()
-            pump.put("gone")
+            choices.cancel.set()
+            choices.put(0, "gone")
             return
 
 
@@ -391,27 +435,31 @@ class Progress(str):
 
 
 class Reply:
-    """One generation's answer: whole (JSON), or streamed (an ASGI response of server-sent events)."""
+    """One request's answer, all its choices: whole (JSON), or streamed (an ASGI response of
+    server-sent events, the choices' chunks interleaved as they come, each carrying its index)."""
 
-    def __init__(self, api: openai.ApiRequest, pump: Pump, first, fields: dict, expired: threading.Event,
-                 done: Callable):
-        self.api, self.pump, self.first, self.expired, self.done = api, pump, first, expired, done
-        self.fields = fields  # the request's log line: "model" is set once it runs
+    def __init__(self, api: openai.ApiRequest, choices: Choices, first: list, fields: dict,
+                 expired: threading.Event, done: Callable):
+        self.api, self.choices, self.first, self.expired, self.done = api, choices, first, expired, done
+        self.fields = fields  # the request's (choice 0's) log line: "model" is set once it runs
         self.id = ("chatcmpl-" if api.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
 
     async def items(self):
-        """Chunks, then the Final; raises what ended the generation early."""
-        yield self.first
-        while True:
-            kind, value = await self.pump.get()
+        """(choice, Chunk | Final | Progress) as they come, until every choice has ended; raises what
+        ended one early."""
+        pending, ended = deque(self.first), 0
+        while ended < self.api.n:
+            index, kind, value = pending.popleft() if pending else await self.choices.get()
             if kind == "item":
-                yield value
+                yield index, value
             elif kind == "progress":
-                yield Progress(value)
+                yield index, Progress(value)
             elif kind == "error":
                 raise value
-            else:  # "end" (after the Final), or "gone"
+            elif kind == "end":  # after its Final
+                ended += 1
+            else:  # "gone"
                 return
 
     def _ended_early(self) -> BaseException:
@@ -421,22 +469,25 @@ class Reply:
         return openai.logprob_entries(chunk.logprobs or []) if self.api.logprobs is not None else None
 
     async def whole(self) -> Response:
-        text, final, logprobs = [], None, [] if self.api.logprobs is not None else None
+        n = self.api.n
+        texts, finals = [[] for _ in range(n)], [None] * n
+        logprobs = [[] if self.api.logprobs is not None else None for _ in range(n)]
         try:
-            async for item in self.items():
+            async for index, item in self.items():
                 if isinstance(item, Final):
-                    final = item
-                elif isinstance(item, Progress):
-                    continue
-                else:
-                    text.append(item.text)
-                    if logprobs is not None:
-                        logprobs += self._logprobs(item)
+                    finals[index] = item
+                elif not isinstance(item, Progress):
+                    texts[index].append(item.text)
+                    if logprobs[index] is not None:
+                        logprobs[index] += self._logprobs(item)
         except Exception as exc:  # noqa: BLE001
+            self.choices.cancel.set()  # one choice failed: the others end too
             return Api._error(_deadline(exc, self.expired))
-        if final is None or final.completion.finish_reason == "cancelled":
+        if any(f is None or f.completion.finish_reason == "cancelled" for f in finals):
+            self.choices.cancel.set()
             return Api._error(self._ended_early())
-        return JSONResponse(openai.response(self.api, self.id, self.created, final, "".join(text), logprobs))
+        return JSONResponse(openai.response(self.api, self.id, self.created, finals, ["".join(t) for t in texts],
+                                            logprobs))
 
     async def __call__(self, scope, receive, send) -> None:
         headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
@@ -447,16 +498,18 @@ class Reply:
                 await send({"type": "http.response.body", "body": data, "more_body": True})
             await send({"type": "http.response.body", "body": b"", "more_body": False})
         finally:
-            self.pump.cancel.set()  # the client left (or the server stops): a generation still running ends
+            self.choices.cancel.set()  # the client left (or the server stops): generations still running end
             self.done()
 
     async def _events(self):
-        api, model = self.api, self.fields.get("model", "")
-        calls = CallStream() if api.tools else None  # text that may be a tool call is held until it is whole
+        api, model, n = self.api, self.fields.get("model", ""), self.api.n
+        calls = [CallStream() if api.tools else None for _ in range(n)]  # text that may be a call is held whole
+        finals = [None] * n
         try:
             if api.kind == "chat":
-                yield _sse(openai.chunk(api, self.id, self.created, model, None, role=True))
-            async for item in self.items():
+                for i in range(n):
+                    yield _sse(openai.chunk(api, self.id, self.created, model, None, role=True, index=i))
+            async for index, item in self.items():
                 if isinstance(item, Progress):
                     yield item.sse()
                     continue
@@ -465,34 +518,38 @@ class Reply:
                     if c.finish_reason == "cancelled":
                         raise self._ended_early()
                     finish = openai.finish_reason(c)
-                    if calls is not None:
-                        rest = calls.flush()
+                    if calls[index] is not None:
+                        rest = calls[index].flush()
                         if rest:
-                            yield _sse(openai.chunk(api, self.id, self.created, model, rest))
-                        finish = openai.TOOL_CALLS if calls.calls else finish
-                    yield _sse(openai.chunk(api, self.id, self.created, item.model, None, finish=finish))
-                    if api.include_usage:
-                        yield _sse(openai.usage_chunk(api, self.id, self.created, item))
-                    break
-                if calls is not None:
-                    for data in self._split(calls, item, model):
+                            yield _sse(openai.chunk(api, self.id, self.created, model, rest, index=index))
+                        finish = openai.TOOL_CALLS if calls[index].calls else finish
+                    yield _sse(openai.chunk(api, self.id, self.created, item.model, None, finish=finish, index=index))
+                    finals[index] = item
+                    if all(finals):
+                        if api.include_usage:
+                            yield _sse(openai.usage_chunk(api, self.id, self.created, finals))
+                        break
+                elif calls[index] is not None:
+                    for data in self._split(calls[index], index, item, model):
                         yield data
                 elif item.text or item.logprobs:
-                    yield _sse(openai.chunk(api, self.id, self.created, model, item.text, self._logprobs(item)))
+                    yield _sse(openai.chunk(api, self.id, self.created, model, item.text, self._logprobs(item),
+                                            index=index))
         except Exception as exc:  # noqa: BLE001 - after the 200, an error is an event
+            self.choices.cancel.set()  # one choice failed: the others end too
             yield _sse(openai.error(_deadline(exc, self.expired))[1])
         yield b"data: [DONE]\n\n"
 
-
-    def _split(self, calls: CallStream, item, model: str) -> Iterator[bytes]:
-        """A chunk of an answer that may call tools: its content (and logprobs), then each call it completes."""
+    def _split(self, calls: CallStream, index: int, item, model: str) -> Iterator[bytes]:
+        """A chunk of choice `index`'s answer that may call tools: its content (and logprobs), then
+        each call it completes."""
         pieces = calls.feed(item.text)
         text = "".join(p for p in pieces if isinstance(p, str))
         if text or item.logprobs:
-            yield _sse(openai.chunk(self.api, self.id, self.created, model, text, self._logprobs(item)))
+            yield _sse(openai.chunk(self.api, self.id, self.created, model, text, self._logprobs(item), index=index))
         found = [p for p in pieces if not isinstance(p, str)]
-        for index, call in enumerate(found, start=calls.calls - len(found)):  # calls: found so far, these too
-            for c in openai.tool_call_chunks(self.api, self.id, self.created, model, index, call):
+        for k, call in enumerate(found, start=calls.calls - len(found)):  # calls: found so far, these too
+            for c in openai.tool_call_chunks(self.api, self.id, self.created, model, k, call, index):
                 yield _sse(c)
 
 

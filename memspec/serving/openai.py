@@ -4,9 +4,15 @@ One parse function per endpoint turns a decoded JSON body into an `ApiRequest`
 (memspec's GenerationRequest plus what only HTTP needs: stream, usage, logprobs),
 checking each field's type and naming it when it is wrong; ranges are checked
 once, by memspec.request.validate, with the same field names.  Fields memspec
-cannot honour (n > 1, the legacy functions) are refused with
-the field's name; fields it does not know are ignored, listed in `ignored` for a
-debug log.  The builders below make the responses and the streamed chunks.
+cannot honour (best_of > 1, the legacy functions) are refused with the field's
+name; fields it does not know are ignored, listed in `ignored` for a debug log.
+The builders below make the responses and the streamed chunks.
+
+OpenAI's `n` asks for n choices: n independent generations of the same request,
+each its own request to the daemon (`ApiRequest.choice`).  With a seed s, choice
+i samples with seed (s + i) mod 2^64 (vLLM's rule), so choice 0 is the n = 1
+answer and the whole response repeats; without one each draws from fresh
+entropy.  Greedy choices are all the same answer.
 """
 
 from __future__ import annotations
@@ -14,7 +20,7 @@ from __future__ import annotations
 import json
 import math
 import re
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from memspec.errors import INTERNAL, InvalidRequestError, status_of
@@ -37,6 +43,8 @@ _REFUSED = {
 _CONTROLS = ("frequency_penalty", "presence_penalty", "repetition_penalty", "min_p", "logit_bias")
 _REQ = GenerationRequest()
 _SAMPLING = SamplingParams()
+MAX_CHOICES = 128  # n: OpenAI's own bound; the daemon's [server] max_concurrent bounds it further (serving.http)
+SEEDS = 2**64  # a seed is a 64-bit unsigned integer (memspec.request.validate)
 
 
 @dataclass(frozen=True)
@@ -51,6 +59,16 @@ class ApiRequest:
     logprobs: int | None = None  # None: off; k: the chosen token's log-probability and the k most likely
     ignored: tuple[str, ...] = ()  # fields memspec does not know
     tools: bool = False  # the answer may call tools: calls are read out of it (memspec.models.tools)
+    n: int = 1  # choices: independent generations of `request`, each run as a request of its own
+
+    def choice(self, index: int) -> GenerationRequest:
+        """Choice `index`'s request: `request` itself, but with a seed s sampled with seed
+        (s + index) mod 2^64, so that seeded choices draw differently and repeat; unseeded ones
+        each draw from fresh entropy, greedy ones are all the same answer."""
+        seed = self.request.sampling.seed
+        if index == 0 or seed is None:
+            return self.request
+        return replace(self.request, sampling=replace(self.request.sampling, seed=(seed + index) % SEEDS))
 
 
 def _bad(name: str, msg: str) -> InvalidRequestError:
@@ -130,14 +148,19 @@ def _logit_bias(body: dict) -> tuple[tuple[int, float], ...]:
     return tuple(out)
 
 
+def _choices(body: dict) -> int:
+    """n: how many choices, 1..MAX_CHOICES."""
+    n = _int(body, "n", 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise _bad("n", f"{n} choices asked for; allowed 1..{MAX_CHOICES}")
+    return n
+
+
 def _refuse_unsupported(body: dict) -> None:
     """400 for what memspec cannot do, naming the field, rather than an answer that ignores it."""
-    n = _int(body, "n", 1)
-    if n != 1:
-        raise _bad("n", f"{n} choices asked for; memspec generates one (n = 1)")
     best_of = _int(body, "best_of", 1)
     if best_of != 1:
-        raise _bad("best_of", f"{best_of}; memspec generates one candidate (best_of = 1)")
+        raise _bad("best_of", f"{best_of}; memspec ranks no candidates (best_of = 1): ask for n choices instead")
     for name, why in _REFUSED.items():
         if body.get(name) not in (None, [], {}, ""):
             raise _bad(name, why)
@@ -300,7 +323,8 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ApiRequest:
     tools, choice = _tools(body)
     req = GenerationRequest(messages=tuple(turns), logprobs=logprobs, tools=tools, tool_choice=choice,
                             **_sampling_and_options(body, max_tokens_limit))
-    return ApiRequest("chat", model, req, stream, include_usage, logprobs, ignored, bool(tools) and choice != "none")
+    return ApiRequest("chat", model, req, stream, include_usage, logprobs, ignored, bool(tools) and choice != "none",
+                      _choices(body))
 
 
 def _tools(body: dict) -> tuple[tuple[Tool, ...], str]:
@@ -379,7 +403,7 @@ def parse_completion(body: Any, max_tokens_limit: int) -> ApiRequest:
         raise _bad("logprobs", f"{logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
     req = GenerationRequest(prompt=prompt, raw=True, logprobs=logprobs,
                             **_sampling_and_options(body, max_tokens_limit))
-    return ApiRequest("text", model, req, stream, include_usage, logprobs, ignored)
+    return ApiRequest("text", model, req, stream, include_usage, logprobs, ignored, n=_choices(body))
 
 
 # -- llama-server's /tokenize and /detokenize ----------------------------------------------------
@@ -456,17 +480,17 @@ def logprob_entries(logprobs) -> list[dict]:
             for t in logprobs]
 
 
-def usage(completion) -> dict:
-    """OpenAI's usage object; prompt_tokens_details.cached_tokens: prompt tokens taken from a
-    stored prefix (memspec.runtime.prefixes) rather than computed."""
-    cached = completion.timings.cached_prompt_tokens
-    return {"prompt_tokens": len(completion.prompt_token_ids), "completion_tokens": len(completion.token_ids),
-            "total_tokens": len(completion.prompt_token_ids) + len(completion.token_ids),
-            "prompt_tokens_details": {"cached_tokens": cached}}
+def usage(completions: list) -> dict:
+    """OpenAI's usage object over the choices' Completions: the prompt counted once, the choices'
+    tokens added up; prompt_tokens_details.cached_tokens: prompt tokens taken from a stored prefix
+    (memspec.runtime.prefixes) rather than computed, the fewest any choice took."""
+    prompt = len(completions[0].prompt_token_ids)
+    generated = sum(len(c.token_ids) for c in completions)
+    return {"prompt_tokens": prompt, "completion_tokens": generated, "total_tokens": prompt + generated,
+            "prompt_tokens_details": {"cached_tokens": min(c.timings.cached_prompt_tokens for c in completions)}}
 
 
-def memspec_stats(final) -> dict:
-    """The `memspec` object of a response: who answered and what speculation did."""
+def _stats(final) -> dict:
     c, st = final.completion, final.completion.stats
     return {
         "model": final.model, "variant": final.variant, "draft": st.draft,
@@ -477,67 +501,94 @@ def memspec_stats(final) -> dict:
     }
 
 
+def memspec_stats(finals: list) -> dict:
+    """The `memspec` object of a response: who answered and what speculation did.  With several
+    choices: the counts added up (mean_acceptance_length from the sums), the draft most choices ran
+    with, the first first token (ttft_ms), the longest wait (queue_ms), the decode speeds added up
+    (the choices decode at once), and each choice's own object under "choices"."""
+    if len(finals) == 1:
+        return _stats(finals[0])
+    each = [_stats(f) for f in finals]
+    drafts, accepted = sum(s["num_drafts"] for s in each), sum(s["num_accepted_tokens"] for s in each)
+    names = [s["draft"] for s in each]
+    return {
+        "model": each[0]["model"], "variant": each[0]["variant"], "draft": max(names, key=names.count),
+        "num_drafts": drafts, "num_draft_tokens": sum(s["num_draft_tokens"] for s in each),
+        "num_accepted_tokens": accepted, "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
+        "ttft_ms": min(s["ttft_ms"] for s in each), "queue_ms": max(s["queue_ms"] for s in each),
+        "tok_per_s": round(sum(s["tok_per_s"] for s in each), 3), "choices": each,
+    }
+
+
 def finish_reason(completion) -> str:
     return FINISH.get(completion.finish_reason, completion.finish_reason)
 
 
-def response(api: ApiRequest, rid: str, created: int, final, text: str, logprobs: list | None) -> dict:
-    """The whole (non-streamed) answer."""
+def _choice(api: ApiRequest, rid: str, index: int, final, text: str, logprobs: list | None) -> dict:
     c = final.completion
-    if api.kind == "chat":
-        message, finish = {"role": "assistant", "content": text}, finish_reason(c)
-        content, calls = parse_calls(text) if api.tools else (text, [])
-        if calls:
-            message = {"role": "assistant", "content": content or None,
-                       "tool_calls": [tool_call(rid, i, call) for i, call in enumerate(calls)]}
-            finish = TOOL_CALLS
-        choice = {"index": 0, "message": message,
-                  "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish}
-        obj = "chat.completion"
-    else:
-        choice = {"index": 0, "text": text, "logprobs": text_logprobs(logprobs) if logprobs is not None else None,
-                  "finish_reason": finish_reason(c)}
-        obj = "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": final.model, "choices": [choice],
-            "usage": usage(c), EXTENSION: memspec_stats(final)}
+    if api.kind == "text":
+        return {"index": index, "text": text,
+                "logprobs": text_logprobs(logprobs) if logprobs is not None else None,
+                "finish_reason": finish_reason(c)}
+    message, finish = {"role": "assistant", "content": text}, finish_reason(c)
+    content, calls = parse_calls(text) if api.tools else (text, [])
+    if calls:
+        message = {"role": "assistant", "content": content or None,
+                   "tool_calls": [tool_call(rid, i, call, index) for i, call in enumerate(calls)]}
+        finish = TOOL_CALLS
+    return {"index": index, "message": message,
+            "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish}
+
+
+def response(api: ApiRequest, rid: str, created: int, finals: list, texts: list[str],
+             logprobs: list[list | None]) -> dict:
+    """The whole (non-streamed) answer: choice i from finals[i], texts[i] and logprobs[i]."""
+    choices = [_choice(api, rid, i, f, t, lp) for i, (f, t, lp) in enumerate(zip(finals, texts, logprobs))]
+    return {"id": rid, "object": "chat.completion" if api.kind == "chat" else "text_completion", "created": created,
+            "model": finals[0].model, "choices": choices, "usage": usage([f.completion for f in finals]),
+            EXTENSION: memspec_stats(finals)}
 
 
 def chunk(api: ApiRequest, rid: str, created: int, model: str, text: str | None, logprobs: list | None = None,
-          finish: str | None = None, role: bool = False) -> dict:
-    """One streamed chunk: a piece of text (or the role, first; or the finish reason, last)."""
+          finish: str | None = None, role: bool = False, index: int = 0) -> dict:
+    """One streamed chunk of choice `index`: a piece of text (or the role, first; or the finish
+    reason, last)."""
     if api.kind == "chat":
         delta = {"role": "assistant", "content": ""} if role else ({"content": text} if text is not None else {})
-        choice = {"index": 0, "delta": delta,
+        choice = {"index": index, "delta": delta,
                   "logprobs": {"content": logprobs} if logprobs is not None else None, "finish_reason": finish}
         obj = "chat.completion.chunk"
     else:
-        choice = {"index": 0, "text": text or "", "logprobs": text_logprobs(logprobs) if logprobs else None,
+        choice = {"index": index, "text": text or "", "logprobs": text_logprobs(logprobs) if logprobs else None,
                   "finish_reason": finish}
         obj = "text_completion"
     return {"id": rid, "object": obj, "created": created, "model": model, "choices": [choice]}
 
 
-def tool_call(rid: str, index: int, call: ToolCall) -> dict:
-    """One entry of a message's tool_calls; its id is the answer's id and the call's index."""
-    return {"id": f"call_{rid.rpartition('-')[2][:20]}_{index}", "type": "function",
+def tool_call(rid: str, index: int, call: ToolCall, choice: int = 0) -> dict:
+    """One entry of a message's tool_calls; its id is the answer's id, the choice's (past the first)
+    and the call's index."""
+    tail = f"{index}" if choice == 0 else f"{choice}_{index}"
+    return {"id": f"call_{rid.rpartition('-')[2][:20]}_{tail}", "type": "function",
             "function": {"name": call.name, "arguments": call.arguments}}
 
 
-def tool_call_chunks(api: ApiRequest, rid: str, created: int, model: str, index: int, call: ToolCall) -> list[dict]:
-    """A streamed call, as OpenAI streams one: its id and name first, then its arguments."""
-    whole = tool_call(rid, index, call)
+def tool_call_chunks(api: ApiRequest, rid: str, created: int, model: str, index: int, call: ToolCall,
+                     choice: int = 0) -> list[dict]:
+    """A streamed call of choice `choice`, as OpenAI streams one: its id and name first, then its arguments."""
+    whole = tool_call(rid, index, call, choice)
     head = {"index": index, "id": whole["id"], "type": "function", "function": {"name": call.name, "arguments": ""}}
     tail = {"index": index, "function": {"arguments": call.arguments}}
     return [{"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-             "choices": [{"index": 0, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]}
+             "choices": [{"index": choice, "delta": {"tool_calls": [d]}, "logprobs": None, "finish_reason": None}]}
             for d in (head, tail)]
 
 
-def usage_chunk(api: ApiRequest, rid: str, created: int, final) -> dict:
-    """stream_options.include_usage: the last chunk, with no choices."""
+def usage_chunk(api: ApiRequest, rid: str, created: int, finals: list) -> dict:
+    """stream_options.include_usage: the last chunk, with no choices, once every choice has finished."""
     obj = "chat.completion.chunk" if api.kind == "chat" else "text_completion"
-    return {"id": rid, "object": obj, "created": created, "model": final.model, "choices": [],
-            "usage": usage(final.completion), EXTENSION: memspec_stats(final)}
+    return {"id": rid, "object": obj, "created": created, "model": finals[0].model, "choices": [],
+            "usage": usage([f.completion for f in finals]), EXTENSION: memspec_stats(finals)}
 
 
 def text_logprobs(entries: list) -> dict:
