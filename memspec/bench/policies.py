@@ -263,19 +263,22 @@ def draft_sizes(store, target, suffix_bytes: int = 0) -> dict[str, int]:
     return draft_footprints(target_drafts(store, target.name), suffix_bytes)
 
 
-def draft_room(sizes: dict[str, int]) -> int:
-    """Room for at most half the model drafts in any combination: the larger of the largest one
-    and the n//2 smallest together (any n//2 + 1 of them need more, when n > 1)."""
-    small = sorted(b for b in sizes.values() if b > 0)
+def draft_room(sizes: dict[str, int], held: tuple[str, ...] = ()) -> int:
+    """Room for the drafts the scheduler holds for good (`held`: the suffix draft's index, which
+    learns from every request and is never evicted) and at most half the other model drafts in any
+    combination: the larger of the largest one and the n//2 smallest together (any n//2 + 1 of them
+    need more, when n > 1).  Without the held ones' room the largest draft would never fit."""
+    kept = sum(b for n, b in sizes.items() if n in held)
+    small = sorted(b for n, b in sizes.items() if b > 0 and n not in held)
     if not small:
-        return 0
-    return max(small[-1], sum(small[: len(small) // 2]))
+        return kept
+    return kept + max(small[-1], sum(small[: len(small) // 2]))
 
 
-def default_budget_mb(process_bytes: int, kv_bytes: int, sizes: dict[str, int]) -> int:
-    """The process as it is now (runtime and target), one request's KV caches and room for at
-    most half the drafts (`draft_room`)."""
-    return -(-(process_bytes + kv_bytes + draft_room(sizes)) // MiB)
+def default_budget_mb(process_bytes: int, kv_bytes: int, sizes: dict[str, int], held: tuple[str, ...] = ()) -> int:
+    """The process as it is now (runtime and target), one request's KV caches and room for the
+    drafts held for good and at most half the others (`draft_room`)."""
+    return -(-(process_bytes + kv_bytes + draft_room(sizes, held)) // MiB)
 
 
 def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str], max_tokens: int,
@@ -441,7 +444,9 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
                           draft_kv_sizers(target_drafts(store, target.name), target.session.max_context).values(),
                           slack=spec.gamma_max + 1)
     if args.budget_mb is None:
-        budget = default_budget_mb(process, kv, sizes)
+        from memspec.speculation.suffix import SUFFIX
+
+        budget = default_budget_mb(process, kv, sizes, held=(SUFFIX,))  # the scheduler holds the suffix draft
     print(f"budget {budget} MiB: process with the target {process / MiB:.0f} MiB (target file "
           f"{target_bytes / MiB:.0f} MiB) + KV caches {kv / MiB:.1f} MiB + draft footprints "
           f"{', '.join(f'{n} {b / MiB:.1f}' for n, b in sorted(sizes.items()))} MiB", file=sys.stderr)
