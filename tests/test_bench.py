@@ -43,6 +43,19 @@ def test_draft_room_leaves_the_largest_draft_room_beside_what_the_scheduler_hold
     assert default_budget_mb(300 * MiB, 10 * MiB, sizes, held=("suffix",)) == 300 + 10 + 284
 
 
+def test_all_among_other_policies_is_target_only_and_every_draft_fixed_in_its_place(model_store):
+    """`--policies all,bandit,memspec` ran nothing: 'all' was known only alone (a regression)."""
+    from memspec.bench.policies import expand_all
+    from memspec.config import Config
+    from memspec.scheduling.scheduler import draft_names
+
+    config = Config()
+    got = expand_all(["bandit", "all", "memspec", "target-only"], config)
+    drafts = draft_names(model_store, config.model.target, suffix=False, session_config=config.runtime)
+    assert got == ["bandit", "target-only", *(f"fixed:{d}" for d in sorted(drafts)), "memspec"]
+    assert "fixed:prompt-lookup" in got and not any("suffix" in p for p in got)
+
+
 def test_default_budget_adds_the_process_and_one_request_and_rounds_up():
     sizes = {"a": 30 * MiB, "b": 40 * MiB}
     assert default_budget_mb(300 * MiB, 10 * MiB + 1, sizes) == 300 + 11 + 40

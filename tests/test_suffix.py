@@ -361,3 +361,27 @@ def test_a_scheduled_engine_teaches_its_suffix_draft_whichever_draft_runs(smollm
         assert sched.counters()["suffix.sequences"] == 2
     finally:
         engine.close()
+
+
+def test_schedulers_made_one_after_another_book_the_process_they_are_given(smollm, model_store):
+    """The policy bench makes a scheduler per policy in one process: each booked the RSS of its own
+    moment, so the heap grown under earlier policies left the largest draft no room in later ones.
+    With process_bytes every scheduler books the process its budget was set from."""
+    from memspec.scheduling.scheduler import from_store
+    from memspec.speculation.config import DraftLimits
+
+    target = smollm[0].target
+    given = target.file_bytes + (300 << 20)  # above the file: the pin is the larger of the two
+    for _ in range(2):
+        sched = from_store(SchedulerConfig(policy="bandit", pressure_floor_mb=0), model_store, target, None,
+                           DraftLimits(), names=[], process_bytes=given)
+        try:
+            assert sched.ws.used_bytes() == given  # the target pinned at what it was given, nothing else yet
+        finally:
+            sched.close()
+    measured = from_store(SchedulerConfig(policy="bandit", pressure_floor_mb=0), model_store, target, None,
+                          DraftLimits(), names=[])
+    try:
+        assert measured.ws.used_bytes() >= target.file_bytes and measured.ws.used_bytes() != given
+    finally:
+        measured.close()

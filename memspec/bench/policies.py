@@ -405,6 +405,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     sizes = draft_sizes(store, target, suffix_bytes)
     target_bytes = target.file_bytes
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
+    process_at_start: list[int | None] = [None]  # the warm process, measured below: what every policy books
     base_cfg = config.scheduler
     predictor = load_predictor(base_cfg.predictor, target.variant, target.name) if "memspec" in policies else None
     if "memspec" in policies and predictor is None:
@@ -417,8 +418,10 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
 
     def make_scheduler(policy: str, budget_mb: int | None = None):
         cfg = dataclasses.replace(base_cfg, policy=policy, budget_mb=budget if budget_mb is None else budget_mb)
+        # every policy books the process the budget was set from: not what its heap grew to under the
+        # policies run before it (which left the 0.5B sibling no room in the later ones)
         return from_store(cfg, store, target, config.runtime, limits, predictor=predictor, oracle_table=oracle_table,
-                          suffix_bytes=suffix_bytes)
+                          suffix_bytes=suffix_bytes, process_bytes=process_at_start[0])
 
     for p in policies:  # refused before anything runs
         name = PolicyName.parse(p, "policies")
@@ -439,7 +442,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     engine.generate(GenerationRequest(prompt=workload[lengths.index(longest)]["prompt"], max_tokens=args.max_tokens))
     engine.calibrate()  # the verification cost curve, as the daemon measures it at start: in no policy's time
     reclaim()
-    process = PsutilProbe().rss_bytes()
+    process = process_at_start[0] = PsutilProbe().rss_bytes()
     kv = request_kv_bytes(longest + args.max_tokens, target.session.cache_nbytes,  # the most one request may hold
                           draft_kv_sizers(target_drafts(store, target.name), target.session.max_context).values(),
                           slack=spec.gamma_max + 1)
@@ -485,6 +488,23 @@ def add_arguments(b) -> None:
     b.add_argument("--png", metavar="FILE", help="write a chart of speedups")
 
 
+def expand_all(policies: list[str], config) -> list[str]:
+    """'all' among other policies: target-only and every draft the store has for the target, fixed
+    (not the suffix draft: its index would learn each prompt's answer from the policies before it),
+    in its place; a policy named twice runs once."""
+    from memspec.models.store import ModelStore
+    from memspec.scheduling.scheduler import draft_names
+
+    drafts = draft_names(ModelStore(config.store_home), config.model.target, suffix=False,
+                         session_config=config.runtime)
+    out: list[str] = []
+    for p in policies:
+        for q in (["target-only", *(f"fixed:{d}" for d in sorted(drafts))] if p == "all" else [p]):
+            if q not in out:
+                out.append(q)
+    return out
+
+
 def run_bench(args) -> int:
     import dataclasses
 
@@ -500,7 +520,9 @@ def run_bench(args) -> int:
         workload = [w for group in kept.values() for w in group[: args.limit]]
     if args.shuffle is not None:
         random.Random(args.shuffle).shuffle(workload)
-    policies = None if args.policies == "all" else [p.strip() for p in args.policies.split(",") if p.strip()]
+    policies = [p.strip() for p in args.policies.split(",") if p.strip()]
+    if "all" in policies:  # target-only and every draft fixed, where it stands (the others kept)
+        policies = None if policies == ["all"] else expand_all(policies, args.config)
     if policies is not None and (args.budget_mb is not None or any(p in SCHEDULED for p in policies)):
         if "target-only" not in policies:
             policies = ["target-only", *policies]

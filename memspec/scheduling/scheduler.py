@@ -309,10 +309,13 @@ def draft_kv_sizers(drafts: list, capacity: int) -> dict[str, KVSizer]:
 
 
 def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
-               names: list[str] | None = None, suffix_bytes: int = 0, batched_bytes: int = 0, **kwargs) -> Scheduler:
+               names: list[str] | None = None, suffix_bytes: int = 0, batched_bytes: int = 0,
+               process_bytes: int | None = None, **kwargs) -> Scheduler:
     """A scheduler over every draft in the store made for `target` (a loaded TargetModel), plus prompt
     lookup and the suffix draft over an index of `suffix_bytes` (0: none); the target is pinned with
-    `batched_bytes` more where its batched pass holds a second copy of its weights."""
+    `batched_bytes` more where its batched pass holds a second copy of its weights, or at
+    `process_bytes` where given (the process as a budget was set from: several schedulers made one
+    after another in one process then book the same, however its heap grew in between)."""
     from memspec.runtime.memory import PsutilProbe, planned_draft_footprint
     from memspec.speculation.drafts import DraftModel, PromptLookup, runnable_drafts, say_left_out, target_drafts
     from memspec.speculation.suffix import SuffixIndex
@@ -335,6 +338,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     # the target is pinned at what the process holds now: the runtime, Python and the target
     # (with its batched graph's copy of the weights, when batching loaded one: memspec.build)
     pinned = target.file_bytes + batched_bytes
-    return Scheduler(config, loader, sizes, probe, target=(target.name, max(pinned, probe.rss_bytes())),
+    process = probe.rss_bytes() if process_bytes is None else process_bytes
+    return Scheduler(config, loader, sizes, probe, target=(target.name, max(pinned, process)),
                      decode=target.tokenizer.decode, kv_sizers=draft_kv_sizers(drafts, target.max_context),
                      variant=target.variant, **kwargs)
