@@ -521,3 +521,25 @@ def test_the_default_llama_server_follows_this_cpus_instruction_set():
     flags = set(open("/proc/cpuinfo").read().split()) if os.path.exists("/proc/cpuinfo") else set()
     want = "build-avx512" if {"avx512f", "avx512_vnni"} <= flags else "build-avx2"
     assert engines.default_llama_server().parts[-3] == want
+
+
+def test_draft_length_replay_prices_each_rule_with_the_recorded_costs():
+    """bench/draft_length.py: a rule's tokens per unit of target time from the recorded steps; a stop
+    on the next token's probability pays the forward that read it."""
+    dl = _bench_module("draft_length")
+    flat = [0.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0, 1.0]  # every pass costs one row's
+    sure = {"p": [1.0] * 8, "entropy": [0.0] * 8, "accepted": 8}
+    data = {"model": "t", "draft": "d", "pass_s": flat,
+            "prompts": [{"category": "code", "steps": [sure] * 4, "draft_s": 0.0, "verify_s": 4.0}]}
+    rows = dict(dl.replay(data))
+    assert rows["draft step / target step"]["all"] == 0.0
+    assert rows["fixed 1"]["code"] == 2.0 and rows["fixed 4"]["code"] == 5.0  # free drafts, all accepted
+    unsure = {"p": [0.9, 0.2] + [0.9] * 6, "entropy": [0.1] * 8, "accepted": 1}
+    data = {"model": "t", "draft": "d", "pass_s": flat,
+            "prompts": [{"category": "qa", "steps": [unsure] * 2, "draft_s": 0.4 * 2 * 8, "verify_s": 2.0}]}
+    rows = dict(dl.replay(data))
+    assert abs(rows["draft step / target step"]["all"] - 0.4) < 1e-9
+    # p < 0.3 stops before the second token: 1 proposed, 2 committed, at 1 + 2 draft steps (the stop's own)
+    assert abs(rows["p < 0.3 (shipped rule), at most 4"]["qa"] - 2 / (1 + 2 * 0.4)) < 1e-9
+    assert abs(rows["fixed 2"]["qa"] - 2 / (1 + 2 * 0.4)) < 1e-9  # two proposed, one accepted
+    assert [lo for lo, _, _ in dl.calibration(data)] == [0.2, 0.9]
