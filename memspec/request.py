@@ -376,6 +376,9 @@ class SpecStats:
     tree_steps: int = 0  # steps verified as a token tree (memspec.speculation.tree)
     tree_rows: int = 0  # rows those passes added to their chains (the branches' tokens)
     tree_tokens: int = 0  # tokens committed through a branch, beyond what the chain alone would have
+    forced_steps: int = 0  # steps that verified the tokens a grammar forced (no draft ran; not in num_drafts)
+    forced_tokens: int = 0  # tokens those steps proposed (memspec.speculation.logits.forced)
+    forced_accepted: int = 0  # ... and the target accepted
 
     @property
     def draft(self) -> str:

@@ -253,3 +253,94 @@ def test_batched_requests_under_schemas_get_their_solo_answers(model_store):
     short = solo.generate(GenerationRequest(prompt="Is water wet?", max_tokens=1, constraint=Constraint(
         "grammar", 'root ::= "yes" | "no"', field="grammar")))
     assert short.text in ("yes", "no") and short.finish_reason == "stop"
+
+
+# -- tokens the grammar forces: proposed without a draft -------------------------------------------
+FORCING = 'start: /[a-e]/ "fgh" /[a-o]/ "ij" /[a-o]*/'  # after t1: f g h forced; after t5: i j forced
+
+
+def test_the_mask_says_which_tokens_the_grammar_forces(grammars):
+    m = grammars.mask(Constraint("grammar", FORCING, field="grammar"))
+    assert m.forced_tokens(8) == []  # the first letter is free
+    m.push(2)
+    assert m.forced_tokens(8) == [6, 7, 8] and m.forced_tokens(2) == [6, 7]
+    for t in (6, 7, 8, 1):
+        m.push(t)
+    assert m.forced_tokens(8) == [9, 10]
+    m.pop(4)
+    assert m.forced_tokens(8) == [6, 7, 8]  # rolled back with the rest
+
+
+@pytest.mark.parametrize("draft", [False, True])
+def test_forced_tokens_are_verified_in_one_pass_and_the_answer_is_the_targets_own(tiny, grammars, draft):
+    """With a draft and without one, the grammar's forced runs go to the target as one proposal
+    each; the output is still the masked target's argmax one position at a time."""
+    from memspec.request import SamplingParams
+    from memspec.speculation.config import SpecConfig
+    from memspec.speculation.metrics import SpecMetrics
+    from memspec.speculation.speculative import FixedDraft, NoDraft, speculative_steps
+
+    target, d = tiny
+    metrics = SpecMetrics()
+    mask = grammars.mask(Constraint("grammar", FORCING, field="grammar"))
+    select = FixedDraft("d", d.begin(64)) if draft else NoDraft()
+    steps = speculative_steps(target, target.new_cache(), PROMPT, select, SamplingParams(), np.random.default_rng(0),
+                              SpecConfig(gamma=3, adaptive=False), metrics, shaper=mask)
+    got, counts = [], []
+    for committed in steps:
+        got.extend(committed)
+        counts.append(len(committed))
+        if len(got) >= 20:
+            break
+    steps.close()
+    want, c = [], target.new_cache(64)
+    ref = grammars.mask(Constraint("grammar", FORCING, field="grammar"))
+    row = target.forward(c, PROMPT, keep=1)[-1]
+    while len(want) < len(got):
+        t = int(ref.shape(row).argmax())
+        want.append(t)
+        ref.push(t)
+        row = target.forward(c, [t], keep=1)[-1]
+    assert got == want[:len(got)] and got[1:4] == [6, 7, 8] and got[5:7] == [9, 10]
+    assert counts[1] == 4  # f g h and the token after them: one pass
+    assert metrics.forced_steps == 2 and metrics.forced_tokens == metrics.forced_accepted == 5
+    if not draft:
+        assert metrics.num_drafts == 0  # the forced runs are not counted as a draft's
+    stats = metrics.freeze()
+    assert (stats.forced_steps, stats.forced_tokens, stats.forced_accepted) == (2, 5, 5)
+
+
+def test_sampling_after_a_forced_run_keeps_the_masked_distribution(tiny, grammars):
+    """The token after a forced run, sampled in the pass that verifies the run, is distributed as
+    P(t5) = sum_t1 Pm(t1) Pm(t5 | t1 f g h)."""
+    from test_sampling import chi_square_p
+
+    from memspec.request import SamplingParams
+    from memspec.speculation import sampling
+    from memspec.speculation.config import SpecConfig
+    from memspec.speculation.metrics import SpecMetrics
+    from memspec.speculation.speculative import NoDraft, speculative_steps
+
+    target = tiny[0]
+    c = target.new_cache()
+    m = grammars.mask(Constraint("grammar", FORCING, field="grammar"))
+    p1 = sampling.probabilities(m.shape(target.forward(c, PROMPT, keep=1)[-1]), 1.0)
+    want = np.zeros(V)
+    for t1 in np.nonzero(p1)[0]:
+        c.truncate(len(PROMPT))
+        for t in (int(t1), 6, 7, 8):
+            m.push(t)
+        want += p1[t1] * sampling.probabilities(m.shape(target.forward(c, [int(t1), 6, 7, 8], keep=1)[-1]), 1.0)
+        m.pop(4)
+    rng = np.random.default_rng(11)
+    counts = np.zeros(V, dtype=np.int64)
+    for _ in range(1500):
+        mask = grammars.mask(Constraint("grammar", FORCING, field="grammar"))
+        steps = speculative_steps(target, target.new_cache(), PROMPT, NoDraft(), SamplingParams(temperature=1.0), rng,
+                                  SpecConfig(gamma=3, adaptive=False), SpecMetrics(), shaper=mask)
+        next(steps)
+        run = next(steps)  # f g h and the token after them
+        assert run[:3] == [6, 7, 8]
+        counts[run[3]] += 1
+        steps.close()
+    assert chi_square_p(counts, want) > 1e-3

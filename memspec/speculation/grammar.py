@@ -160,6 +160,19 @@ class GrammarMask:
         if n and not self.matcher.rollback(n):
             raise RuntimeError(f"the grammar could not roll back {n} tokens: {_first_line(self.matcher.get_error())}")
 
+    def forced_tokens(self, limit: int) -> list[int]:
+        """The tokens the grammar forces next (llguidance's fast-forward: the bytes only one way on
+        admits, tokenized as the tokenizer would), at most `limit`; [] once an end token was pushed.
+        A proposal, not a commitment: the target may still spell the same bytes in other tokens."""
+        if self.ended or self.matcher.is_stopped():
+            return []
+        out = []
+        for t in self.matcher.compute_ff_tokens()[:limit]:
+            if not 0 <= t < self.vocab or t in self.eos_ids:
+                break
+            out.append(int(t))
+        return out
+
     @property
     def done(self) -> bool:
         """The grammar is complete and admits nothing but an end token."""

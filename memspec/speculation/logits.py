@@ -116,6 +116,20 @@ def compose(*shapers: LogitsShaper) -> LogitsShaper:
     return parts[0] if len(parts) == 1 else Chain(parts)
 
 
+def forced(shaper: LogitsShaper, limit: int) -> list[int]:
+    """The next tokens the shaper forces, at most `limit`: where a grammar admits only one way on
+    (a JSON schema's keys and punctuation), its tokens (memspec.speculation.grammar); [] where
+    nothing is forced.  A shaper forces tokens only if it has `forced_tokens`; in a chain, the one
+    that does (penalties and biases reorder what a grammar admits, but cannot add to one path)."""
+    if limit <= 0:
+        return []
+    for part in shaper.parts if isinstance(shaper, Chain) else (shaper,):
+        tokens = getattr(part, "forced_tokens", None)
+        if tokens is not None:
+            return tokens(limit)
+    return []
+
+
 # -- the loop's side of the contract ---------------------------------------------------
 def verify_rows(shaper: LogitsShaper, rows: np.ndarray, draft: Sequence[int]) -> np.ndarray:
     """(k+1, V) the shaped rows a verification decides from: rows (k+1, V) are the target's raw

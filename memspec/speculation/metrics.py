@@ -28,6 +28,15 @@ class SpecMetrics:
     tree_steps: int = 0  # steps verified as a token tree (memspec.speculation.tree)
     tree_rows: int = 0  # rows those passes added to their chains (the branches' tokens)
     tree_tokens: int = 0  # tokens committed through a branch, beyond what the chain alone would have
+    forced_steps: int = 0  # steps that verified a grammar's forced tokens instead of a draft's proposal
+    forced_tokens: int = 0  # tokens those steps proposed
+    forced_accepted: int = 0  # ... and the target accepted
+
+    def record_forced(self, proposed: int, accepted: int) -> None:
+        """A step that verified `proposed` tokens the request's grammar forced (no draft ran)."""
+        self.forced_steps += 1
+        self.forced_tokens += proposed
+        self.forced_accepted += accepted
 
     def record_tree(self, branch_rows: int, won: int) -> None:
         """A step verified as a tree: its branches' rows, and the tokens they won over the chain."""
@@ -89,4 +98,7 @@ class SpecMetrics:
             tree_steps=self.tree_steps,
             tree_rows=self.tree_rows,
             tree_tokens=self.tree_tokens,
+            forced_steps=self.forced_steps,
+            forced_tokens=self.forced_tokens,
+            forced_accepted=self.forced_accepted,
         )

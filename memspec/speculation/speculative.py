@@ -32,8 +32,8 @@ import numpy as np
 
 from memspec.speculation import sampling, tree
 from memspec.speculation.config import SpecConfig
-from memspec.speculation.drafts import DraftState, Proposal
-from memspec.speculation.logits import IDENTITY, LogitsShaper, is_identity, settle, verify_rows
+from memspec.speculation.drafts import DraftState, Proposal, deterministic_proposal
+from memspec.speculation.logits import IDENTITY, LogitsShaper, forced, is_identity, settle, verify_rows
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import SamplingParams
 from memspec.runtime.kvcache import KVCache
@@ -195,6 +195,44 @@ def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, 
         return Proposal([], None, [])
 
 
+def _verify_chain(target: TargetPass, cache: KVCache, last: int, proposal: Proposal, params: SamplingParams,
+                  rng: np.random.Generator, shaper: LogitsShaper) -> tuple[list[int], int, np.ndarray]:
+    """One target pass over [last, *proposal.tokens]: the committed tokens (the accepted run and the
+    recovered or bonus token), how many were accepted, and the raw rows; the cache keeps `last` and
+    the accepted tokens, the shaper (when there is one) is settled."""
+    shaped = not is_identity(shaper)
+    feed = [last, *proposal.tokens]
+    rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)
+    decide = verify_rows(shaper, rows, proposal.tokens) if shaped else rows  # (k+1, V)
+    if params.greedy:
+        n, nxt = sampling.verify_greedy(decide.argmax(axis=-1), np.asarray(proposal.tokens, dtype=np.int64))
+    else:
+        p = np.stack([sampling.probabilities(r, params.temperature, params.top_k, params.top_p, params.min_p)
+                      for r in decide])
+        n, nxt = sampling.verify_sampled(p, proposal.q, np.asarray(proposal.tokens, dtype=np.int64), rng)
+    if shaped:  # once per token: the rejected drafts come off, the recovered or bonus token goes on
+        settle(shaper, len(proposal.tokens), n, nxt)
+    cache.truncate(cache.length - len(feed) + 1 + n)  # keep `last` and the accepted drafts
+    return [*proposal.tokens[:n], nxt], n, rows
+
+
+def _forced_step(target: TargetPass, cache: KVCache, context: list[int], tokens: list[int], vocab: int,
+                 params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics, clock, t0: float,
+                 on_rows, shaper: LogitsShaper) -> Iterator[list[int]]:
+    """A step whose proposal is what the grammar forces (memspec.speculation.logits.forced), verified
+    like a draft's: a one-hot q where sampling (the masked target gives the forced token all its
+    mass, so it is accepted unless the target spells the same bytes in other tokens)."""
+    prop = deterministic_proposal(tokens, vocab, params, shaper)
+    t1 = clock()
+    committed, n, rows = _verify_chain(target, cache, context[-1], prop, params, rng, shaper)
+    context.extend(committed)
+    metrics.record_step(None, 0, 0, len(committed), t1 - t0, clock() - t1)
+    metrics.record_forced(len(prop.tokens), n)
+    if on_rows is not None:
+        on_rows(rows[:n + 1])
+    yield committed
+
+
 def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], select: DraftSelector,
                       params: SamplingParams, rng: np.random.Generator, cfg: SpecConfig, metrics: SpecMetrics,
                       clock: Callable[[], float] = time.perf_counter,
@@ -235,8 +273,14 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     # (a request with output controls runs chains: the tree walk does not shape its rows)
     planner = (tree.Planner() if cfg.trees and use_cost and getattr(target, "trees", False) and is_identity(shaper)
                else None)
+    vocab = logits.shape[-1]
     while cache.length < cache.capacity:  # the pending last token must fit
         t0 = clock()
+        # where the request's grammar admits one way on, its tokens are the proposal: no draft runs
+        ff = forced(shaper, min(cfg.gamma_max, cache.capacity - cache.length - 1)) if shaped else []
+        if ff:
+            yield from _forced_step(target, cache, context, ff, vocab, params, rng, metrics, clock, t0, on_rows, shaper)
+            continue
         draft_name, draft = select(context, metrics)
         ctl = None
         if use_cost and draft is not None:
@@ -267,23 +311,11 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
                 on_rows(step.rows)
             yield committed
             continue
-        feed = [context[-1], *prop.tokens]
-        rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)
-        decide = verify_rows(shaper, rows, prop.tokens) if shaped else rows  # (k+1, V)
-        if params.greedy:
-            n, nxt = sampling.verify_greedy(decide.argmax(axis=-1), np.asarray(prop.tokens, dtype=np.int64))
-        else:
-            p = np.stack([sampling.probabilities(r, params.temperature, params.top_k, params.top_p, params.min_p)
-                          for r in decide])
-            n, nxt = sampling.verify_sampled(p, prop.q, np.asarray(prop.tokens, dtype=np.int64), rng)
-        if shaped:  # once per token: the rejected drafts come off, the recovered or bonus token goes on
-            settle(shaper, len(prop.tokens), n, nxt)
+        committed, n, rows = _verify_chain(target, cache, context[-1], prop, params, rng, shaper)
         t2 = clock()
-        cache.truncate(cache.length - len(feed) + 1 + n)  # keep `last` and the accepted drafts
-        committed = [*prop.tokens[:n], nxt]
         context.extend(committed)
         if planner is not None and draft_name is not None:
-            planner.observe(draft_name, prop, n, nxt)  # what the draft's alternatives would have won
+            planner.observe(draft_name, prop, n, committed[-1])  # what the draft's alternatives would have won
         metrics.record_step(draft_name, len(prop.tokens), n, len(committed), t1 - t0, t2 - t1)
         if ctl is not None:  # a long catch-up (the draft's prefill) is no cost of the tokens it drafts
             ctl.observe(len(prop.tokens), n, max(t1 - t0 - prop.setup_s, 0.0),
