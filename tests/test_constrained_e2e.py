@@ -105,6 +105,8 @@ def test_answers_validate_against_the_schema_and_drafts_change_nothing(sdk, name
         answers[draft] = out.choices[0].message.content
         assert out.choices[0].finish_reason == "stop", answers[draft]  # the grammar completed
         assert valid(schema, json.loads(answers[draft])), answers[draft]
+        ms = out.model_extra["memspec"]  # an object's keys are forced: proposed without a draft, accepted
+        assert 0 < ms["forced_accepted"] <= ms["forced_tokens"] < out.usage.completion_tokens, ms
     assert len(set(answers.values())) == 1, answers  # greedy: the target's own answer under the schema
 
 

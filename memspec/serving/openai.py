@@ -498,6 +498,8 @@ def _stats(final) -> dict:
         "num_accepted_tokens": st.num_accepted_tokens, "mean_acceptance_length": st.mean_acceptance_length,
         "ttft_ms": round(c.timings.ttft_ms, 3), "queue_ms": round(final.queued_s * 1e3, 3),
         "tok_per_s": round(c.timings.tok_per_s, 3),
+        # tokens a schema or grammar forced, proposed without a draft (memspec.speculation.logits.forced)
+        "forced_tokens": st.forced_tokens, "forced_accepted": st.forced_accepted,
     }
 
 
@@ -516,7 +518,9 @@ def memspec_stats(finals: list) -> dict:
         "num_drafts": drafts, "num_draft_tokens": sum(s["num_draft_tokens"] for s in each),
         "num_accepted_tokens": accepted, "mean_acceptance_length": 1.0 + accepted / drafts if drafts else 1.0,
         "ttft_ms": min(s["ttft_ms"] for s in each), "queue_ms": max(s["queue_ms"] for s in each),
-        "tok_per_s": round(sum(s["tok_per_s"] for s in each), 3), "choices": each,
+        "tok_per_s": round(sum(s["tok_per_s"] for s in each), 3),
+        "forced_tokens": sum(s["forced_tokens"] for s in each),
+        "forced_accepted": sum(s["forced_accepted"] for s in each), "choices": each,
     }
 
 
