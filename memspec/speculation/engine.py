@@ -278,6 +278,11 @@ class Engine:
                 if t_first is None:
                     t_first = self.clock()
                 new, finish_now = self._accept(committed, out, req)
+                if finish_now == "eos" and grammar is not None and grammar.complete:
+                    # the step that completed the grammar also committed the end token it then admits
+                    # (the bonus after a forced or drafted run): the answer ended with the grammar
+                    out.pop()
+                    finish_now = "stop"
                 piece = stops.feed(detok.add(new)) if new else ""
                 if stops.hit or (finish_now in (None, "length") and grammar is not None and grammar.done):
                     finish_now = "stop"  # a stop string, or a complete grammar (it admits only an end token)

@@ -174,6 +174,11 @@ class GrammarMask:
         return out
 
     @property
+    def complete(self) -> bool:
+        """The grammar was complete before any end token: it admits nothing but one."""
+        return self.matcher.is_stopped() and not self.matcher.is_error()
+
+    @property
     def done(self) -> bool:
         """The grammar is complete and admits nothing but an end token."""
         return self.ended > 0 or (self.matcher.is_stopped() and not self.matcher.is_error())
