@@ -155,6 +155,38 @@ def run(tiny, grammars, params, draft: bool, rng, gamma=3, grammar=SMALL):
                              shaper=mask), mask
 
 
+def masked_argmax(target, grammars, grammar: str, n: int) -> list[int]:
+    """The reference: n tokens of the target's argmax under the grammar's mask, one position at a time."""
+    want, c = [], target.new_cache(64)
+    ref = grammars.mask(Constraint("grammar", grammar, field="grammar"))
+    row = target.forward(c, PROMPT, keep=1)[-1]
+    while len(want) < n:
+        t = int(ref.shape(row).argmax())
+        want.append(t)
+        ref.push(t)
+        row = target.forward(c, [t], keep=1)[-1]
+    return want
+
+
+def masked_after_first(target, grammars, grammar: str, then: tuple[int, ...] = ()) -> np.ndarray:
+    """(V,) the distribution of the token after the first and `then`, all sampled under the mask:
+    sum over t1 of Pm(t1) Pm(t | t1, then), Pm the target's distribution masked and renormalised."""
+    from memspec.speculation import sampling
+
+    c = target.new_cache()
+    m = grammars.mask(Constraint("grammar", grammar, field="grammar"))
+    p1 = sampling.probabilities(m.shape(target.forward(c, PROMPT, keep=1)[-1]), 1.0)
+    out = np.zeros(V)
+    for t1 in np.nonzero(p1)[0]:
+        c.truncate(len(PROMPT))
+        feed = [int(t1), *then]
+        for t in feed:
+            m.push(t)
+        out += p1[t1] * sampling.probabilities(m.shape(target.forward(c, feed, keep=1)[-1]), 1.0)
+        m.pop(len(feed))
+    return out
+
+
 @pytest.mark.parametrize("gamma", [1, 4])
 def test_greedy_under_a_grammar_is_the_targets_own_under_it(tiny, grammars, gamma):
     """The draft proposes under the mask and a rejection rolls it back: the output is token for
@@ -169,15 +201,7 @@ def test_greedy_under_a_grammar_is_the_targets_own_under_it(tiny, grammars, gamm
         if len(got) >= 30:
             break
     steps.close()
-    target = tiny[0]
-    want, c = [], target.new_cache(64)
-    ref = grammars.mask(Constraint("grammar", grammar, field="grammar"))
-    row = target.forward(c, PROMPT, keep=1)[-1]
-    while len(want) < len(got):
-        t = int(ref.shape(row).argmax())
-        want.append(t)
-        ref.push(t)
-        row = target.forward(c, [t], keep=1)[-1]
+    want = masked_argmax(tiny[0], grammars, grammar, len(got))
     assert got[:len(want)] == want
     assert want[0] in range(1, 6) and want[1] in range(3, 9)
 
@@ -188,19 +212,9 @@ def test_sampling_under_a_grammar_keeps_the_masked_distribution(tiny, grammars):
     from test_sampling import chi_square_p
 
     from memspec.request import SamplingParams
-    from memspec.speculation import sampling
 
     params = SamplingParams(temperature=1.0)
-    target = tiny[0]
-    c = target.new_cache()
-    m1 = grammars.mask(Constraint("grammar", SMALL, field="grammar"))
-    p1 = sampling.probabilities(m1.shape(target.forward(c, PROMPT, keep=1)[-1]), 1.0)
-    p2 = np.zeros(V)
-    for t1 in np.nonzero(p1)[0]:
-        c.truncate(len(PROMPT))
-        m1.push(int(t1))
-        p2 += p1[t1] * sampling.probabilities(m1.shape(target.forward(c, [int(t1)], keep=1)[-1]), 1.0)
-        m1.pop(1)
+    p2 = masked_after_first(tiny[0], grammars, SMALL)
     rng = np.random.default_rng(7)
     counts = np.zeros(V, dtype=np.int64)
     for _ in range(1500):
@@ -293,15 +307,8 @@ def test_forced_tokens_are_verified_in_one_pass_and_the_answer_is_the_targets_ow
         if len(got) >= 20:
             break
     steps.close()
-    want, c = [], target.new_cache(64)
-    ref = grammars.mask(Constraint("grammar", FORCING, field="grammar"))
-    row = target.forward(c, PROMPT, keep=1)[-1]
-    while len(want) < len(got):
-        t = int(ref.shape(row).argmax())
-        want.append(t)
-        ref.push(t)
-        row = target.forward(c, [t], keep=1)[-1]
-    assert got == want[:len(got)] and got[1:4] == [6, 7, 8] and got[5:7] == [9, 10]
+    want = masked_argmax(target, grammars, FORCING, len(got))
+    assert got == want and got[1:4] == [6, 7, 8] and got[5:7] == [9, 10]
     assert counts[1] == 4  # f g h and the token after them: one pass
     assert metrics.forced_steps == 2 and metrics.forced_tokens == metrics.forced_accepted == 5
     if not draft:
@@ -316,22 +323,12 @@ def test_sampling_after_a_forced_run_keeps_the_masked_distribution(tiny, grammar
     from test_sampling import chi_square_p
 
     from memspec.request import SamplingParams
-    from memspec.speculation import sampling
     from memspec.speculation.config import SpecConfig
     from memspec.speculation.metrics import SpecMetrics
     from memspec.speculation.speculative import NoDraft, speculative_steps
 
     target = tiny[0]
-    c = target.new_cache()
-    m = grammars.mask(Constraint("grammar", FORCING, field="grammar"))
-    p1 = sampling.probabilities(m.shape(target.forward(c, PROMPT, keep=1)[-1]), 1.0)
-    want = np.zeros(V)
-    for t1 in np.nonzero(p1)[0]:
-        c.truncate(len(PROMPT))
-        for t in (int(t1), 6, 7, 8):
-            m.push(t)
-        want += p1[t1] * sampling.probabilities(m.shape(target.forward(c, [int(t1), 6, 7, 8], keep=1)[-1]), 1.0)
-        m.pop(4)
+    want = masked_after_first(target, grammars, FORCING, then=(6, 7, 8))
     rng = np.random.default_rng(11)
     counts = np.zeros(V, dtype=np.int64)
     for _ in range(1500):
