@@ -128,17 +128,9 @@ SMALL = 'start: /[a-e]/ /[c-h]/ /[a-o]*/'  # t1 in a..e (ids 1-5), t2 in c..h (i
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from tiny_models import build_tiny
+    from tiny_models import tiny_pair
 
-    from memspec.runtime.config import SessionConfig
-    from memspec.runtime.sessions import DecoderSession
-    from memspec.speculation.drafts import DraftModel
-
-    d = tmp_path_factory.mktemp("tiny")
-    cfg = SessionConfig(max_context=64, intra_op_threads=1)
-    target = DecoderSession(build_tiny(d / "target.onnx", seed=1, scale=0.1, vocab=V), cfg)
-    draft = DecoderSession(build_tiny(d / "draft.onnx", seed=2, scale=0.1, vocab=V), cfg)
-    return target, DraftModel("tiny-draft", draft, np.arange(V), V)
+    return tiny_pair(tmp_path_factory.mktemp("tiny"), V)
 
 
 def run(tiny, grammars, params, draft: bool, rng, gamma=3, grammar=SMALL):

@@ -11,11 +11,10 @@ from memspec.speculation.drafts import DraftModel, PromptLookup, loop_continuati
 from memspec.speculation.metrics import SpecMetrics
 from memspec.request import GenerationRequest, SamplingParams
 from memspec.runtime.config import SessionConfig
-from memspec.runtime.sessions import DecoderSession
 from memspec.speculation.sources import DraftPool
 from memspec.speculation.speculative import FixedDraft, next_gamma, speculative_steps
 from test_sampling import chi_square_p
-from tiny_models import build_tiny
+from tiny_models import tiny_pair
 
 V = 16
 PROMPT = [3, 1, 4, 1, 5]
@@ -23,11 +22,7 @@ PROMPT = [3, 1, 4, 1, 5]
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    d = tmp_path_factory.mktemp("tiny")
-    cfg = SessionConfig(max_context=64, intra_op_threads=1)
-    target = DecoderSession(build_tiny(d / "target.onnx", seed=1, scale=0.1, vocab=V), cfg)
-    draft_session = DecoderSession(build_tiny(d / "draft.onnx", seed=2, scale=0.1, vocab=V), cfg)
-    return target, DraftModel("tiny-draft", draft_session, np.arange(V), V)
+    return tiny_pair(tmp_path_factory.mktemp("tiny"), V)
 
 
 def exact_second_token_distribution(target, params, prompt=PROMPT):

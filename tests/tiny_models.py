@@ -50,6 +50,19 @@ def build_tiny(path: Path, seed: int, scale: float = 1.0, pad_attention: bool = 
     return path
 
 
+def tiny_pair(folder: Path, vocab: int = 16):
+    """A tiny ONNX target (seed 1) and a draft over the same vocabulary (seed 2), 64 tokens of
+    context, one thread: (DecoderSession, DraftModel) for the decode loop's tests."""
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.sessions import DecoderSession
+    from memspec.speculation.drafts import DraftModel
+
+    cfg = SessionConfig(max_context=64, intra_op_threads=1)
+    target = DecoderSession(build_tiny(folder / "target.onnx", seed=1, scale=0.1, vocab=vocab), cfg)
+    draft = DecoderSession(build_tiny(folder / "draft.onnx", seed=2, scale=0.1, vocab=vocab), cfg)
+    return target, DraftModel("tiny-draft", draft, np.arange(vocab), vocab)
+
+
 def with_row_dependence(path: Path, out: Path, lone_rows_only: bool) -> Path:
     """A copy of a decoder graph whose logits depend on how many tokens the pass feeds, as ONNX
     Runtime's 4-bit kernels do on AVX2-only CPUs: lone_rows_only=True adds 1e-3 to every logit of

@@ -405,7 +405,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     sizes = draft_sizes(store, target, suffix_bytes)
     target_bytes = target.file_bytes
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
-    process_at_start: list[int | None] = [None]  # the warm process, measured below: what every policy books
+    process: int | None = None  # the warm process, measured below: what every policy books from then on
     base_cfg = config.scheduler
     predictor = load_predictor(base_cfg.predictor, target.variant, target.name) if "memspec" in policies else None
     if "memspec" in policies and predictor is None:
@@ -421,7 +421,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
         # every policy books the process the budget was set from: not what its heap grew to under the
         # policies run before it (which left the 0.5B sibling no room in the later ones)
         return from_store(cfg, store, target, config.runtime, limits, predictor=predictor, oracle_table=oracle_table,
-                          suffix_bytes=suffix_bytes, process_bytes=process_at_start[0])
+                          suffix_bytes=suffix_bytes, process_bytes=process)
 
     for p in policies:  # refused before anything runs
         name = PolicyName.parse(p, "policies")
@@ -442,7 +442,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     engine.generate(GenerationRequest(prompt=workload[lengths.index(longest)]["prompt"], max_tokens=args.max_tokens))
     engine.calibrate()  # the verification cost curve, as the daemon measures it at start: in no policy's time
     reclaim()
-    process = process_at_start[0] = PsutilProbe().rss_bytes()
+    process = PsutilProbe().rss_bytes()
     kv = request_kv_bytes(longest + args.max_tokens, target.session.cache_nbytes,  # the most one request may hold
                           draft_kv_sizers(target_drafts(store, target.name), target.session.max_context).values(),
                           slack=spec.gamma_max + 1)

@@ -218,10 +218,11 @@ def _verify_chain(target: TargetPass, cache: KVCache, last: int, proposal: Propo
 
 def _forced_step(target: TargetPass, cache: KVCache, context: list[int], tokens: list[int], vocab: int,
                  params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics, clock, t0: float,
-                 on_rows, shaper: LogitsShaper) -> Iterator[list[int]]:
+                 on_rows, shaper: LogitsShaper) -> list[int]:
     """A step whose proposal is what the grammar forces (memspec.speculation.logits.forced), verified
     like a draft's: a one-hot q where sampling (the masked target gives the forced token all its
-    mass, so it is accepted unless the target spells the same bytes in other tokens)."""
+    mass, so it is accepted unless the target spells the same bytes in other tokens).  Returns the
+    committed tokens."""
     prop = deterministic_proposal(tokens, vocab, params, shaper)
     t1 = clock()
     committed, n, rows = _verify_chain(target, cache, context[-1], prop, params, rng, shaper)
@@ -230,7 +231,7 @@ def _forced_step(target: TargetPass, cache: KVCache, context: list[int], tokens:
     metrics.record_forced(len(prop.tokens), n)
     if on_rows is not None:
         on_rows(rows[:n + 1])
-    yield committed
+    return committed
 
 
 def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], select: DraftSelector,
@@ -279,7 +280,7 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         # where the request's grammar admits one way on, its tokens are the proposal: no draft runs
         ff = forced(shaper, min(cfg.gamma_max, cache.capacity - cache.length - 1)) if shaped else []
         if ff:
-            yield from _forced_step(target, cache, context, ff, vocab, params, rng, metrics, clock, t0, on_rows, shaper)
+            yield _forced_step(target, cache, context, ff, vocab, params, rng, metrics, clock, t0, on_rows, shaper)
             continue
         draft_name, draft = select(context, metrics)
         ctl = None
