@@ -372,3 +372,41 @@ def test_a_draft_vocabulary_map_that_does_not_fit_the_target_is_a_clear_error(tm
     outside = Manifest("d", "draft", "onnx", {}, {}, {}, extra={"draft_vocab": "../x.json"}, folder=tmp_path)
     with pytest.raises(ModelFormatError, match="is outside the model's folder"):
         read_vocab_map(outside, 13)
+
+
+def test_top_logprobs_orders_best_first_with_ties_by_lower_id():
+    """The teacher's soft labels: the k best ids of each row best first, equal logits by the lower
+    id (so the first is np.argmax's, the greedy token), and their log-probabilities."""
+    from memspec.training.teacher import top_logprobs
+
+    logits = np.array([[0.0, 3.0, 1.0, 3.0, -2.0], [5.0, 4.0, 4.0, 0.0, 1.0]], dtype=np.float32)
+    ids, lp = top_logprobs(logits, 3)
+    assert ids.tolist() == [[1, 3, 2], [0, 1, 2]]
+    assert ids[:, 0].tolist() == logits.argmax(axis=1).tolist()
+    want = logits - np.log(np.exp(logits).sum(axis=1, keepdims=True))
+    assert lp.dtype == np.float16 and np.allclose(lp, np.take_along_axis(want, ids, axis=1), atol=2e-3)
+
+
+def test_the_native_teacher_answers_what_the_target_alone_decodes(gguf_path):
+    """Regression guard for the default teacher: decoding prompts together (one pass a step, some
+    finishing early at max_new or EOS) gives every prompt the greedy answer of the target fed
+    alone, token for token, with that token first among its labels."""
+    from memspec.runtime.native_target import NativeTarget
+    from memspec.training.teacher import TOP_K, NativeTeacher
+
+    prompts = [[1, 9690, 198, 2683, 314, 253, 5356], [1, 4093, 198, 17361, 597, 30, 2], [1, 504, 3056]]
+    teacher = NativeTeacher(gguf_path, threads=1, batch=2)  # two passes' worth of batches
+    eos = 2
+    recs = teacher.answers(prompts, 10, eos)
+    solo = NativeTarget(gguf_path, threads=1, check_rows=False)
+    for p, rec in zip(prompts, recs):
+        cache = solo.new_cache(len(p) + 10)
+        logits, want = solo.forward(cache, p)[-1], []
+        while len(want) < 10:
+            want.append(int(np.argmax(logits)))
+            if want[-1] == eos:
+                break
+            logits = solo.forward(cache, [want[-1]])[-1]
+        assert rec["prompt"] == p and rec["answer"] == want
+        assert rec["top_ids"].shape == (len(want), TOP_K) and rec["top_ids"][:, 0].tolist() == want
+        assert (np.diff(rec["top_lp"].astype(np.float32), axis=1) <= 0).all()

@@ -2,9 +2,9 @@
 
 Pipeline, each stage a function:
 
-  1. `teacher.domain_data`  the target (a torch copy built from its GGUF) answers domain
-     prompts greedily, as the served path does, and keeps its top-k log-probs
-     at every answer position (soft labels).  Cached per domain in --work.
+  1. `teacher.domain_data`  the target (on the native engine, or a torch copy built from
+     its GGUF) answers domain prompts greedily, as the served path does, and keeps its
+     top-k log-probs at every answer position (soft labels).  Cached per domain in --work.
   2. `select_vocab`   the draft's own vocabulary: control and whitespace tokens,
      then the target ids most frequent in that data.
   3. `train`          KL(teacher || draft) on the draft vocabulary plus
@@ -35,7 +35,7 @@ from memspec.errors import MemspecError
 from memspec.models.gguf import DecoderConfig
 from memspec.training import log, require_torch
 from memspec.training.prompts import DOMAINS, measured_prompts
-from memspec.training.teacher import TEACHER_DTYPES, data_key, domain_data, load_teacher
+from memspec.training.teacher import TEACHER_DTYPES, TEACHERS, NativeTeacher, TorchTeacher, data_key, domain_data
 
 GAMMA = 5  # draft tokens per verification step in the acceptance simulation
 N_CONTROL = 17  # SmolLM2 control tokens are ids 0..16
@@ -333,8 +333,11 @@ def add_train_draft_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--eval-domains", nargs="*", default=None, help="domains to evaluate on (default: all cached)")
     p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--teacher", choices=TEACHERS, default="native",
+                   help="what answers the prompts: the target on the native engine (the kernels that verify the "
+                        "draft when served; default), or a torch copy of it (--teacher-dtype)")
     p.add_argument("--teacher-dtype", choices=TEACHER_DTYPES, default="float32",
-                   help="what the teacher computes in when it makes new data (bfloat16: about 2.4x faster "
+                   help="what a torch teacher (--teacher torch) computes in (bfloat16: about 2.4x faster "
                         "on a CPU with AVX512-BF16; the data records which)")
     p.add_argument("--seed", type=int, default=0, help="training seed (initialisation and batch order)")
     p.add_argument("--data-seeds", type=int, nargs="+", default=[0],
@@ -420,12 +423,14 @@ def run_train_draft(args) -> int:
             raise MemspecError(f"--resume continues {ckpt}, which has {shape['n_layers']} layers x {shape['hidden']}; "
                                f"pass --layers {shape['n_layers']} --width {shape['hidden']}, or train without --resume")
     teacher_cache: list = []
-    teacher_dtype = getattr(args, "teacher_dtype", "float32")
 
     def teacher():
         if not teacher_cache:
-            log(f"loading teacher from {gguf.name} ({teacher_dtype})")
-            teacher_cache.append(load_teacher(gguf, teacher_dtype))
+            if getattr(args, "teacher", "native") == "native":
+                teacher_cache.append(NativeTeacher(gguf, args.threads))
+            else:
+                teacher_cache.append(TorchTeacher(gguf, getattr(args, "teacher_dtype", "float32")))
+            log(f"teacher: {gguf.name} on {teacher_cache[0].kind}")
         return teacher_cache[0]
 
     measured = measured_prompts()
@@ -481,8 +486,8 @@ def run_train_draft(args) -> int:
     domain = ",".join(args.domain) if args.domain else key
     provenance = {
         "source": f"memspec train-draft (self-distillation from {args.target})",
-        "teacher": f"{args.target} ({gguf.name}, dequantized to float32, greedy; each data set's "
-                   f"teacher_dtype says what it computed in)",
+        "teacher": f"{args.target} ({gguf.name}, greedy; each data set's teacher, or teacher_dtype for a torch "
+                   f"copy, says what computed it)",
         "data": {k: d["info"] for k, d in datasets.items()},
         "command": "memspec " + " ".join(sys.argv[1:]),  # python -m memspec.training.drafts takes the same arguments
         "created": datetime.now(timezone.utc).isoformat(timespec="seconds"),

@@ -11,7 +11,7 @@ from __future__ import annotations
 import random
 from pathlib import Path
 
-DOMAINS = ("code", "math", "chat", "scripts", "text")
+DOMAINS = ("code", "math", "chat", "scripts", "text", "qa", "creative")
 
 CODE_TASKS = [
     "reverse a string", "check whether a number is prime", "compute the factorial of n",
@@ -508,8 +508,117 @@ def _text(rng: random.Random) -> str:
     picked = rng.sample(rows, rng.randint(3, min(5, len(rows))))
     return f"Turn this into a JSON list of objects with keys {a.lower()} and {b.lower()}: " + "; ".join(f"{x} - {y}" for x, y in picked)
 
+# "qa": questions with one short answer, over pools of their own (people, places, things, animals,
+# events), none of them the benchmarks' questions; "creative": forms of writing x subjects x a
+# twist of style.  Both are for a general prose draft: the target's phrasing of facts, and of stories
+QA_BOOKS = ["Pride and Prejudice", "Moby-Dick", "War and Peace", "The Odyssey", "Don Quixote", "Hamlet", "1984",
+            "The Great Gatsby", "Frankenstein", "The Little Prince", "Crime and Punishment", "Jane Eyre",
+            "The Hobbit", "Les Miserables", "Dracula", "The Divine Comedy", "One Hundred Years of Solitude",
+            "Alice's Adventures in Wonderland", "The Origin of Species", "A Brief History of Time"]
+QA_INVENTIONS = ["the light bulb", "the telephone", "the printing press", "the steam engine", "the World Wide Web",
+                 "penicillin", "the airplane", "the radio", "the telescope", "the microscope", "dynamite",
+                 "the periodic table", "the theory of relativity", "the polio vaccine", "the transistor",
+                 "the bicycle", "the camera", "the thermometer", "the battery", "the compass"]
+QA_COUNTRIES = ["Japan", "Brazil", "Canada", "Australia", "Egypt", "Kenya", "Norway", "Argentina", "India",
+                "Mexico", "Germany", "Spain", "Thailand", "Turkey", "Peru", "Vietnam", "Sweden", "Morocco",
+                "New Zealand", "Poland", "Chile", "Greece", "Indonesia", "Portugal", "Ireland", "Nigeria"]
+QA_LANDMARKS = ["the Eiffel Tower", "Machu Picchu", "the Taj Mahal", "the Colosseum", "Stonehenge",
+                "the Statue of Liberty", "Angkor Wat", "the Acropolis", "Petra", "Mount Everest",
+                "the Grand Canyon", "the Sahara Desert", "the Great Barrier Reef", "Niagara Falls",
+                "the Leaning Tower of Pisa", "Chichen Itza", "the Kremlin", "Table Mountain"]
+QA_ANIMALS = ["elephants", "dolphins", "penguins", "octopuses", "bats", "owls", "camels", "kangaroos", "sharks",
+              "honeybees", "ants", "giraffes", "wolves", "sea turtles", "hummingbirds", "chameleons", "koalas",
+              "polar bears", "salmon", "butterflies", "crows", "horses", "frogs", "whales"]
+QA_ANIMAL_ASKS = ["What do {a} eat?", "How long do {a} live?", "Where do {a} live?", "How do {a} sleep?",
+                  "How do {a} communicate?", "Are {a} endangered?", "How fast can {a} move?",
+                  "What is special about {a}?", "How do {a} raise their young?", "Why are {a} important to their ecosystem?"]
+QA_THINGS = ["a microwave oven", "a solar panel", "a vaccine", "a credit card", "an electric motor", "a GPS receiver",
+             "a jet engine", "a touch screen", "a nuclear reactor", "a heat pump", "a 3D printer", "a smoke detector",
+             "an elevator", "a hydroelectric dam", "a submarine", "a thermostat", "a barcode scanner", "a hearing aid",
+             "a wind turbine", "an air conditioner", "a search engine", "a lock and key", "a parachute", "Wi-Fi"]
+QA_WHYS = ["Why is the sea salty?", "Why is the sky dark at night?", "Why is ice slippery?",
+           "Why can we sometimes see the moon during the day?", "Why does bread go stale?",
+           "Why is it so easy to float in the Dead Sea?", "Why does copper turn green?", "Why is snow white?",
+           "Why does a moving bicycle stay upright?", "Why is Venus hotter than Mercury?", "Why does popcorn pop?",
+           "Why do onions make people cry?", "Why does metal feel colder than wood?", "Why does a boomerang come back?",
+           "Why is the desert cold at night?", "Why do we yawn?", "Why do cats purr?", "Why do stars twinkle?",
+           "Why do our ears pop on an airplane?", "Why does hot air rise?", "Why do we get goosebumps?",
+           "Why does the moon have phases?"]
+QA_EVENTS = ["the fall of the Berlin Wall", "the first moon landing", "the signing of the Magna Carta",
+             "the end of World War II", "the sinking of the Titanic", "the start of the French Revolution",
+             "the discovery of America by Columbus", "the first modern Olympic Games", "the fall of Rome",
+             "the invention of writing", "the Black Death", "the American Civil War", "the building of the pyramids",
+             "the first flight of the Wright brothers", "the founding of the European Union", "the Cold War"]
+QA_UNITS = [("meters", "kilometer"), ("grams", "kilogram"), ("seconds", "day"), ("inches", "foot"), ("ounces", "pound"),
+            ("milliliters", "liter"), ("days", "leap year"), ("feet", "mile"), ("minutes", "week"), ("cups", "gallon"),
+            ("bytes", "kilobyte"), ("centimeters", "meter")]
+QA_WORDS = ["serendipity", "ephemeral", "ubiquitous", "nostalgia", "resilience", "paradox", "empathy", "metaphor",
+            "algorithm", "entropy", "irony", "hypothesis", "democracy", "photosynthesis", "catalyst", "inflation",
+            "biodiversity", "procrastination", "renaissance", "equinox"]
+QA_PAIRS = [("weather", "climate"), ("a meteor", "a meteorite"), ("an alligator", "a crocodile"), ("speed", "velocity"),
+            ("a hurricane", "a tornado"), ("mass", "weight"), ("a frog", "a toad"), ("an ocean", "a sea"),
+            ("a star", "a planet"), ("baking soda", "baking powder"), ("a lake", "a pond"), ("a fruit", "a vegetable"),
+            ("RAM", "storage"), ("an atom", "a molecule"), ("a democracy", "a republic"), ("a mammal", "a reptile"),
+            ("a violin", "a viola"), ("stocks", "bonds"), ("a simile", "a metaphor"), ("a city", "a town")]
+QA_TEMPLATES = [
+    lambda r: f"Who wrote {r.choice(QA_BOOKS)}?",
+    lambda r: f"What is {r.choice(QA_BOOKS)} about?",
+    lambda r: f"Who invented {r.choice(QA_INVENTIONS)}?",
+    lambda r: f"When was {r.choice(QA_INVENTIONS)} invented, and why did it matter?",
+    lambda r: f"What is the capital of {r.choice(QA_COUNTRIES)}?",
+    lambda r: f"What language do people speak in {r.choice(QA_COUNTRIES)}?",
+    lambda r: f"What is {r.choice(QA_COUNTRIES)} known for?",
+    lambda r: f"What currency is used in {r.choice(QA_COUNTRIES)}?",
+    lambda r: f"Where is {r.choice(QA_LANDMARKS)}?",
+    lambda r: f"Why is {r.choice(QA_LANDMARKS)} famous?",
+    lambda r: f"How old is {r.choice(QA_LANDMARKS)}?",
+    lambda r: r.choice(QA_ANIMAL_ASKS).format(a=r.choice(QA_ANIMALS)),
+    lambda r: f"How does {r.choice(QA_THINGS)} work?",
+    lambda r: f"What is {r.choice(QA_THINGS)} used for?",
+    lambda r: r.choice(QA_WHYS),
+    lambda r: f"When did {r.choice(QA_EVENTS)} happen?",
+    lambda r: f"What caused {r.choice(QA_EVENTS)}?",
+    lambda r: f"Why was {r.choice(QA_EVENTS)} important?",
+    lambda r: (lambda u: f"How many {u[0]} are in a {u[1]}?")(r.choice(QA_UNITS)),
+    lambda r: f"What does the word {r.choice(QA_WORDS)} mean?",
+    lambda r: f"Use the word {r.choice(QA_WORDS)} in a sentence and explain it.",
+    lambda r: (lambda a, b: f"What is the difference between {a} and {b}?")(*r.choice(QA_PAIRS)),
+    lambda r: f"Briefly, what is {r.choice(CHAT_TOPICS)}?",
+    lambda r: f"In one paragraph, how does {r.choice(CHAT_TOPICS)} affect everyday life?",
+    lambda r: f"Is it true that {r.choice(QA_ANIMALS)} are {r.choice(['colorblind', 'mammals', 'social', 'nocturnal', 'intelligent'])}?",
+]
+CREATIVE_FORMS = ["a short story", "a poem", "a haiku", "a limerick", "a fable with a moral", "a diary entry",
+                  "a letter", "a short dialogue", "song lyrics", "a fairy tale", "a short mystery", "a postcard message",
+                  "a speech", "a product description", "a short scene for a play", "a sonnet", "a riddle and its answer",
+                  "a travel journal entry", "a news report from the future", "a recipe written as a poem"]
+CREATIVE_SUBJECTS = [
+    "a lighthouse in a storm", "a city built on the back of a whale", "the last bookshop on Earth", "a stolen umbrella",
+    "an inventor whose machines come alive", "a village where it never stops snowing", "a cat who runs a hotel",
+    "the first day at a new school", "a message in a bottle", "a forgotten toy in an attic", "a garden on Mars",
+    "a baker who bakes dreams", "a river that flows uphill", "twin sisters who swap lives", "a clockmaker's apprentice",
+    "an elephant who paints", "a storm chaser", "the night market in a busy city", "an old piano",
+    "a detective who is a dog", "the smell of rain", "a mountain that sings", "a time traveler stuck in 1850",
+    "a friendship between a crow and a scarecrow", "a lost astronaut", "an underwater kingdom", "a broken compass",
+    "a street musician", "the first snow of winter", "a robot gardener", "a ship made of paper", "a city without cars",
+    "a grandfather's pocket watch", "a summer at the seaside", "a lonely satellite", "a tea shop run by ghosts",
+]
+CREATIVE_STYLES = ["", "", "", " for children", " with a surprise ending", " in a funny tone", " in a sad tone",
+                   " in under 100 words", " told in the first person", " set in the distant future",
+                   " in the style of an old legend", " that rhymes", " full of vivid colors", " with a hopeful ending"]
 
-_MAKERS = {"code": _code, "math": _math, "chat": _chat, "scripts": _scripts, "text": _text}
+
+def _qa(rng: random.Random) -> str:
+    return rng.choice(QA_TEMPLATES)(rng)
+
+
+def _creative(rng: random.Random) -> str:
+    verb = rng.choice(["Write", "Compose", "Create", "Could you write"])
+    return f"{verb} {rng.choice(CREATIVE_FORMS)} about {rng.choice(CREATIVE_SUBJECTS)}{rng.choice(CREATIVE_STYLES)}" \
+           + ("?" if verb == "Could you write" else ".")
+
+
+_MAKERS = {"code": _code, "math": _math, "chat": _chat, "scripts": _scripts, "text": _text, "qa": _qa,
+          "creative": _creative}
 
 
 def domain_prompts(domain: str, n: int, seed: int = 0, exclude=()) -> list[str]:

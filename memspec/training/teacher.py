@@ -1,6 +1,13 @@
-"""The teacher's side of self-distillation (`memspec train-draft`): the target, as a torch
-model built from its GGUF, answers domain prompts greedily and keeps its top-k log-probs
-at every answer position; those soft labels are a domain's data set, cached in --work.
+"""The teacher's side of self-distillation (`memspec train-draft`): the target answers domain
+prompts greedily and keeps its top-k log-probs at every answer position; those soft labels are a
+domain's data set, cached in --work.
+
+Two teachers give the same records (`Teacher.answers`):
+- `NativeTeacher` (the default): the target on memspec's own kernels, the very blocks and kernels
+  that verify the draft's tokens when it is served, so the draft learns the answers it will be
+  checked against; sequences are decoded together, one batched pass a step.
+- `TorchTeacher`: a torch copy built from the GGUF, its weights dequantized (float32, or run in
+  bfloat16), for machines without the native kernels.
 
 torch is imported inside functions only (memspec.training.require_torch).
 """
@@ -19,6 +26,8 @@ HELD_OUT = 0.1  # fraction of each domain's prompts kept for evaluation
 
 
 TEACHER_DTYPES = ("float32", "bfloat16")
+TEACHERS = ("native", "torch")  # --teacher
+NATIVE_BATCH = 32  # sequences a native teacher decodes together
 
 
 def load_teacher(gguf_path: Path, dtype: str = "float32"):
@@ -93,6 +102,77 @@ def generate_answers(teacher, prompts: list[list[int]], max_new: int, eos: int, 
     return out
 
 
+def top_logprobs(logits: np.ndarray, k: int = TOP_K) -> tuple[np.ndarray, np.ndarray]:
+    """The k best ids of each row of (B, V) logits, best first (equal logits by lower id, so the
+    first is np.argmax's, the greedy token), and their log-probabilities: (B, k) int32, float16."""
+    logits = np.asarray(logits, dtype=np.float32)
+    m = logits.max(axis=1, keepdims=True)
+    lse = m + np.log(np.exp(logits - m).sum(axis=1, keepdims=True))
+    idx = np.argpartition(-logits, k - 1, axis=1)[:, :k]
+    vals = np.take_along_axis(logits, idx, axis=1)
+    order = np.lexsort((idx, -vals), axis=1)
+    idx, vals = np.take_along_axis(idx, order, axis=1), np.take_along_axis(vals, order, axis=1)
+    return idx.astype(np.int32), (vals - lse).astype(np.float16)
+
+
+class TorchTeacher:
+    """The target as a torch module (load_teacher), answering with generate_answers."""
+
+    def __init__(self, gguf_path: Path, dtype: str = "float32"):
+        self.model = load_teacher(gguf_path, dtype)
+        self.kind = f"torch {dtype}"
+
+    def answers(self, prompts: list[list[int]], max_new: int, eos: int) -> list[dict]:
+        return generate_answers(self.model, prompts, max_new, eos)
+
+
+class NativeTeacher:
+    """The target on the native engine (memspec.runtime.native_target): each answer is, token for
+    token, what the served target alone answers greedily, since a row's logits do not depend on
+    what shares its pass.  NATIVE_BATCH sequences are decoded together, one pass a step."""
+
+    def __init__(self, gguf_path: Path, threads: int = 0, batch: int = NATIVE_BATCH):
+        from memspec.runtime.native_target import NativeTarget
+
+        # a teacher's answers are labels: the target's own row check (at serve time) is not needed here
+        self.target = NativeTarget(gguf_path, threads, max_context=4096, check_rows=False)
+        self.batch = batch
+        self.kind = f"native ({self.target.isa}, {self.target.threads} threads)"
+
+    def answers(self, prompts: list[list[int]], max_new: int, eos: int) -> list[dict]:
+        """Greedy answers with the top-k log-probs at every answer position, the records
+        generate_answers gives: {"prompt", "answer" (EOS included when produced), "top_ids" (n, K)
+        int32, "top_lp" (n, K) float16}.  Prompts of similar length are decoded together."""
+        t = self.target
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        out: list[dict | None] = [None] * len(prompts)
+        for b0 in range(0, len(order), self.batch):
+            idx = order[b0:b0 + self.batch]
+            caches = [t.new_cache(len(prompts[i]) + max_new) for i in idx]
+            recs = [{"prompt": prompts[i], "answer": [], "top_ids": [], "top_lp": []} for i in idx]
+            live = list(range(len(idx)))
+            logits = np.concatenate(t.forward_batch(caches, [prompts[i] for i in idx], [1] * len(idx)))
+            while live:
+                top_i, top_v = top_logprobs(logits)
+                nxt, still = [], []
+                for j, r in enumerate(live):
+                    tok = int(top_i[j, 0])
+                    rec = recs[r]
+                    rec["answer"].append(tok)
+                    rec["top_ids"].append(top_i[j])
+                    rec["top_lp"].append(top_v[j])
+                    if tok != eos and len(rec["answer"]) < max_new:
+                        still.append(r)
+                        nxt.append([tok])
+                live = still
+                if live:
+                    logits = np.concatenate(t.forward_batch([caches[r] for r in live], nxt, [1] * len(live)))
+            for i, rec in zip(idx, recs):
+                out[i] = {**rec, "top_ids": np.stack(rec["top_ids"]), "top_lp": np.stack(rec["top_lp"])}
+            log(f"  generated {min(b0 + self.batch, len(order))}/{len(order)} (prompt len {len(prompts[idx[-1]])})")
+        return out
+
+
 def data_key(domain: str, seed: int) -> str:
     """Cache name of one domain's data set made with prompt seed `seed` (seed 0: the domain's name)."""
     return domain if seed == 0 else f"{domain}-seed{seed}"
@@ -117,7 +197,7 @@ def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, 
     ids = [tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": t}])) for t in texts]
     t0 = time.time()
     teacher = teacher_fn()
-    samples = generate_answers(teacher, ids, max_new, tokenizer.eos_token_id)
+    samples = teacher.answers(ids, max_new, tokenizer.eos_token_id)
     for s, t in zip(samples, texts):
         s["text"] = t
     n_eval = max(1, int(round(len(samples) * HELD_OUT)))
@@ -126,8 +206,7 @@ def domain_data(work: Path, domain: str, teacher_fn, tokenizer, n_prompts: int, 
         "info": {"domain": domain, "prompts": len(samples), "eval_prompts": n_eval, "max_new": max_new,
                  "answer_tokens": int(sum(len(s["answer"]) for s in samples)),
                  "prompt_tokens": int(sum(len(s["prompt"]) for s in samples)),
-                 "seconds": round(time.time() - t0, 1), "seed": seed,
-                 "teacher_dtype": str(next(teacher.parameters()).dtype).removeprefix("torch.")},
+                 "seconds": round(time.time() - t0, 1), "seed": seed, "teacher": teacher.kind},
     }
     work.mkdir(parents=True, exist_ok=True)
     torch.save(data, path.with_suffix(".partial"))
