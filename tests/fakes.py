@@ -108,11 +108,8 @@ class FakeLoader:
 class StandInPredictor:
     """A predictor double: fixed tok/s per draft, and `code` rates once a code block is open."""
 
-    def __init__(self, rates: dict[str, float], code: dict[str, float] | None = None,
-                 costs: dict[str, dict] | None = None):
-        """costs: the profile's {policy: {"step_s", "per_draft_token_s"}} (none: nothing is calibrated)."""
+    def __init__(self, rates: dict[str, float], code: dict[str, float] | None = None):
         self.rates, self.code = rates, code or rates
-        self.costs = costs or {}
         self.calls: list = []
 
     def predict(self, prompt_text: str, ctx=None) -> dict[str, float]:

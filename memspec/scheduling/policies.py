@@ -32,7 +32,6 @@ from typing import Callable, Mapping
 
 from memspec.errors import ConfigError
 from memspec.request import NO_DRAFT, GenerationRequest, PolicyName, unknown_draft
-from memspec.scheduling.calibration import LocalCosts
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.features import Detokenize, generation_context, request_text
 from memspec.scheduling.selector import RequestSelector
@@ -255,7 +254,6 @@ class Memspec(Policy):
 
     def __init__(self, sched: PolicyContext, predictor):
         self.sched, self.predictor = sched, predictor
-        self.local = LocalCosts(predictor.costs)  # the predictor's costs as they are on this machine
         self.values: dict[str, float] = {}  # draft -> expected gain over target-only (EMA), for eviction
         self.pred_err = [0.0, 0]  # sum of |observed - predicted| / predicted, checks
         self.predictions = 0  # predictor calls
@@ -264,7 +262,7 @@ class Memspec(Policy):
     def _predict(self, text: str, ctx=None) -> dict[str, float]:
         with self._lock:
             self.predictions += 1
-        pred = self.local.apply(self.predictor.predict(text, ctx))
+        pred = self.predictor.predict(text, ctx)
         ws = self.sched.ws
         usable = {d: v for d, v in pred.items() if d == NO_DRAFT or (d in self.sched.drafts and ws.is_available(d))}
         usable.setdefault(NO_DRAFT, 0.0)
@@ -342,7 +340,7 @@ class Memspec(Policy):
     def _compare(self, sel: RequestSelector, pred: dict[str, float]) -> None:
         """Prediction against what the current draft did so far in this request."""
         name = sel.name or NO_DRAFT
-        tokens, seconds = sel.observed.get(name, (0.0, 0.0))[:2]
+        tokens, seconds = sel.observed.get(name, (0.0, 0.0))
         if name in sel.predicted and seconds > 0 and tokens >= 8:
             observed = tokens / seconds
             err = abs(observed - sel.predicted[name]) / max(sel.predicted[name], 1e-6)
@@ -364,8 +362,6 @@ class Memspec(Policy):
             self.sched.ws.set_value(d, v)
 
     def _done(self, sel: RequestSelector) -> None:
-        for name, (_, seconds, steps, drafted) in sel.observed.items():
-            self.local.observe(name, steps, drafted, seconds)
         if sel.pending:
             self.sched.count("memspec.pending_at_end")
         if self.sched.config.preload:
@@ -399,10 +395,7 @@ class Memspec(Policy):
         with self._lock:
             total, n = self.pred_err
             predictor = {"predictions": float(self.predictions), **({"checked_predictions": float(n)} if n else {})}
-            counters = {"prediction_mean_rel_error": total / n} if n else {}
-            # this machine's costs against the profile's, per policy seen (memspec.scheduling.calibration)
-            counters.update({f"memspec.cost_scale.{d}": v for d, v in self.local.report().items()})
-            return PolicyReport(counters=counters,
+            return PolicyReport(counters={"prediction_mean_rel_error": total / n} if n else {},
                                 status={"values": {d: round(v, 3) for d, v in self.values.items()}},
                                 predictor=predictor)
 

@@ -56,8 +56,7 @@ class RequestSelector:
         self.metrics = SpecMetrics()
         self.entropies: deque[float] = deque(maxlen=32)
         self.window: dict[str, deque] = {}  # draft -> recent (drafted, accepted) per step
-        # draft -> [tokens committed, seconds, steps, draft tokens] in this request (after its first step)
-        self.observed: dict[str, list[float]] = {}
+        self.observed: dict[str, list[float]] = {}  # draft -> [tokens, seconds] in this request
         self.predicted: dict[str, float] = {}  # draft -> tok/s predicted when it was chosen
         self._last = (0, 0, 0, 0.0)  # metrics totals at the previous step
         self._ran: str | None = None  # the draft the previous step ran with
@@ -125,16 +124,14 @@ class RequestSelector:
         name = self._ran or NO_DRAFT
         if self.steps > 1:
             self.window.setdefault(name, deque(maxlen=16)).append((d_drafted, d_accepted))
-            obs = self.observed.setdefault(name, [0.0, 0.0, 0, 0])
+            obs = self.observed.setdefault(name, [0.0, 0.0])
             obs[0] += d_tokens
             obs[1] += d_s
-            obs[2] += 1
-            obs[3] += d_drafted
 
     def observed_rate(self, name: str, min_tokens: int) -> float:
         """Tokens a second this request committed with `name` (NO_DRAFT: target-only), once at
         least `min_tokens` ran on it; else 0.0."""
-        tokens, seconds = self.observed.get(name, (0.0, 0.0))[:2]
+        tokens, seconds = self.observed.get(name, (0.0, 0.0))
         return tokens / seconds if tokens >= min_tokens and seconds > 0 else 0.0
 
     def recent_acceptance(self) -> dict[str, float]:
