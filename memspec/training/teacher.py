@@ -132,12 +132,14 @@ class NativeTeacher:
     what shares its pass.  NATIVE_BATCH sequences are decoded together, one pass a step."""
 
     def __init__(self, gguf_path: Path, threads: int = 0, batch: int = NATIVE_BATCH):
-        from memspec.runtime.native_target import NativeTarget
+        from memspec.runtime.config import SessionConfig
+        from memspec.runtime.target import open_draft
 
-        # a teacher's answers are labels: the target's own row check (at serve time) is not needed here
-        self.target = NativeTarget(gguf_path, threads, max_context=4096, check_rows=False)
+        # opened as a draft is (the runtime's factory, no row check at load): its answers are labels,
+        # and a row's logits are the same whatever shares its pass by construction (model.h)
+        self.target = open_draft(Path(gguf_path), "native", SessionConfig(max_context=4096), threads)
         self.batch = batch
-        self.kind = f"native ({self.target.isa}, {self.target.threads} threads)"
+        self.kind = f"{self.target.providers[0]}, {self.target.threads} threads"
 
     def answers(self, prompts: list[list[int]], max_new: int, eos: int) -> list[dict]:
         """Greedy answers with the top-k log-probs at every answer position, the records
