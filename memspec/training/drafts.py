@@ -332,7 +332,9 @@ def add_train_draft_parser(subparsers) -> argparse.ArgumentParser:
     p.add_argument("--work", default=str(Path.home() / ".cache" / "memspec-train"), help="data cache folder")
     p.add_argument("--target", default="smollm2-135m")
     p.add_argument("--eval-domains", nargs="*", default=None, help="domains to evaluate on (default: all cached)")
-    p.add_argument("--threads", type=int, default=0, help="torch threads (0 = default)")
+    p.add_argument("--threads", type=int, default=0,
+                   help="threads for training and for the teacher (0 = default: torch's; the native teacher one "
+                        "per physical core)")
     p.add_argument("--teacher", choices=TEACHERS, default="native",
                    help="what answers the prompts: the target on the native engine (the kernels that verify the "
                         "draft when served; default), or a torch copy of it (--teacher-dtype)")

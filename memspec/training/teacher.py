@@ -2,7 +2,7 @@
 prompts greedily and keeps its top-k log-probs at every answer position; those soft labels are a
 domain's data set, cached in --work.
 
-Two teachers give the same records (`Teacher.answers`):
+Two teachers give the same records (their `answers(prompts, max_new, eos)`):
 - `NativeTeacher` (the default): the target on memspec's own kernels, the very blocks and kernels
   that verify the draft's tokens when it is served, so the draft learns the answers it will be
   checked against; sequences are decoded together, one batched pass a step.
