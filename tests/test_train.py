@@ -410,3 +410,15 @@ def test_the_native_teacher_answers_what_the_target_alone_decodes(gguf_path):
         assert rec["prompt"] == p and rec["answer"] == want
         assert rec["top_ids"].shape == (len(want), TOP_K) and rec["top_ids"][:, 0].tolist() == want
         assert (np.diff(rec["top_lp"].astype(np.float32), axis=1) <= 0).all()
+
+
+def test_the_native_teacher_without_the_kernels_says_to_build_them_or_use_torch(gguf_path, monkeypatch):
+    """Bad input: --teacher native (the default) on a machine whose native kernels were not built
+    is a MemspecError naming the way out, not an ImportError traceback."""
+    from memspec.errors import MemspecError
+    from memspec.runtime import kernels
+    from memspec.training.teacher import NativeTeacher
+
+    monkeypatch.setattr(kernels, "_native", None)
+    with pytest.raises(MemspecError, match="--teacher torch"):
+        NativeTeacher(gguf_path, threads=1)

@@ -132,12 +132,17 @@ class NativeTeacher:
     what shares its pass.  NATIVE_BATCH sequences are decoded together, one pass a step."""
 
     def __init__(self, gguf_path: Path, threads: int = 0, batch: int = NATIVE_BATCH):
+        from memspec.errors import MemspecError
         from memspec.runtime.config import SessionConfig
         from memspec.runtime.target import open_draft
 
         # opened as a draft is (the runtime's factory, no row check at load): its answers are labels,
         # and a row's logits are the same whatever shares its pass by construction (model.h)
-        self.target = open_draft(Path(gguf_path), "native", SessionConfig(max_context=4096), threads)
+        try:
+            self.target = open_draft(Path(gguf_path), "native", SessionConfig(max_context=4096), threads)
+        except ImportError as exc:  # the native kernels were not built on this machine
+            raise MemspecError(f"the native teacher needs memspec's native kernels: {exc}; or pass --teacher torch "
+                               f"(--teacher-dtype float32|bfloat16)") from None
         self.batch = batch
         self.kind = f"{self.target.providers[0]}, {self.target.threads} threads"
 
