@@ -268,22 +268,49 @@ def test_train_draft_refuses_a_bad_shape_before_any_work(flags, message):
         run_train_draft(args)  # raises before torch is needed, so this runs without the [train] extra
 
 
-def test_training_prompts_are_distinct_reproducible_and_never_a_benchmark_prompt():
+def test_training_prompts_are_distinct_reproducible_and_never_a_benchmark_prompt_or_near_copy():
     """Each domain's prompts as train-draft draws them: distinct within a seed, the same for the
     same seed, disjoint across seeds, and none of them a prompt the benchmarks measure drafts on
-    (the templates can produce some: "Write a haiku about autumn leaves." is a bench prompt)."""
-    from memspec.training.prompts import DOMAINS, domain_prompts, measured_prompts
+    nor a near copy of one (the templates produced both: "Write a haiku about autumn leaves." is a
+    bench prompt, and so, with a longer list, was "Convert this list to a markdown table with columns
+    Fruit and Color: apple red, ..."), checked here word by word, not through the filter's index."""
+    from memspec.training.prompts import DOMAINS, NEAR_SHARE, content_words, domain_prompts, measured_prompts
 
     measured = measured_prompts()
-    assert len(measured) == 48 + 21 and "Write a haiku about autumn leaves." in measured
+    assert len(measured) == 48 + 21 + 36 and "Write a haiku about autumn leaves." in measured
+    bench = [w for w in map(content_words, measured) if w]
     for domain in DOMAINS:
         used = set(measured)
         for seed in (0, 1, 2):
             got = domain_prompts(domain, 512, seed, exclude=used)
             assert len(got) == len(set(got)) and not used & set(got), domain
             assert got == domain_prompts(domain, 512, seed, exclude=used), domain
+            for p in got:
+                words = content_words(p)
+                for m in bench:
+                    need = len(m) if len(m) < 3 else NEAR_SHARE * len(m)
+                    assert len(words & m) < need, (domain, p, sorted(m))
             used |= set(got)
-        assert len(used) > len(measured), domain
+        assert len(used) > len(measured) + 100, domain  # scripts, the smallest domain, has 153 left
+
+
+@pytest.mark.parametrize("prompt, near", [
+    ("Write a TypeScript function to check whether a string is a palindrome.", True),  # the task, in another language
+    ("Write a JavaScript function to check whether two strings are anagrams.", True),
+    ("What is 5 multiplied by 24? Show your work step by step.", True),  # the template, other numbers
+    ("Rewrite this paragraph in the passive voice: The committee approved the budget. The manager announced "
+     "the decision. The staff celebrated the news and went home.", True),
+    ("Tell me a short story about a dragon who is afraid of fire.", True),
+    ("What is the capital of France?", True),
+    ("Write a Python function to reverse a string.", False),
+    ("What is the capital of Peru?", False),
+    ("Write a poem about a lighthouse in a storm.", False),
+    ("Summarize in two sentences: The museum opens a new wing for modern sculpture next spring.", False),
+])
+def test_near_copies_of_measured_prompts_are_recognised(prompt, near):
+    from memspec.training.prompts import near_measured
+
+    assert near_measured()(prompt) is near
 
 
 def test_resume_refuses_a_checkpoint_without_the_record_of_its_vocabulary(tmp_path):

@@ -34,7 +34,7 @@ import numpy as np
 from memspec.errors import MemspecError
 from memspec.models.gguf import DecoderConfig
 from memspec.training import log, require_torch
-from memspec.training.prompts import DOMAINS, measured_prompts
+from memspec.training.prompts import DOMAINS, measured_prompts, near_measured
 from memspec.training.teacher import TEACHER_DTYPES, TEACHERS, NativeTeacher, TorchTeacher, data_key, domain_data
 
 GAMMA = 5  # draft tokens per verification step in the acceptance simulation
@@ -448,9 +448,10 @@ def run_train_draft(args) -> int:
             datasets[data_key(d, seed)] = data
             used |= {s["text"] for s in data["train"] + data["eval"]}
     every = [s for d in datasets.values() for s in d["train"]]
-    samples = [s for s in every if s.get("text") not in measured]
-    if len(samples) < len(every):  # data sets made before the benchmarks' prompts were excluded
-        log(f"dropping {len(every) - len(samples)} training samples whose prompt a benchmark measures")
+    near = near_measured()
+    samples = [s for s in every if s.get("text") not in measured and not near(s.get("text", ""))]
+    if len(samples) < len(every):  # data sets made before the benchmarks' prompts (or near copies) were excluded
+        log(f"dropping {len(every) - len(samples)} training samples whose prompt is, or nearly is, one a benchmark measures")
 
     if resume:  # the checkpoint's embedding rows are its own ids, whatever data comes now
         log(f"keeping the vocabulary of {ckpt.name} ({len(vocab)} ids)")

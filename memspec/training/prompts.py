@@ -3,12 +3,18 @@
 `domain_prompts(domain, n, seed)` returns `n` distinct user messages for one of
 DOMAINS.  The target answers them (greedy) and the drafts learn to predict its
 answers, so the prompts only need to cover what users ask in that domain.
-`measured_prompts()` are the prompts the benchmarks measure drafts on; training never uses them.
+`measured_prompts()` are the prompts the benchmarks measure drafts on; training never uses them,
+nor near copies of them (`near_measured`): a prompt that holds most of a measured prompt's content
+words is the same task with other words around it, and a draft trained on the target's answer to
+it would be measured on what it memorized.  domain_prompts never returns one.
 """
 
 from __future__ import annotations
 
+import math
 import random
+import re
+from functools import lru_cache
 from pathlib import Path
 
 DOMAINS = ("code", "math", "chat", "scripts", "text", "qa", "creative")
@@ -622,7 +628,8 @@ _MAKERS = {"code": _code, "math": _math, "chat": _chat, "scripts": _scripts, "te
 
 
 def domain_prompts(domain: str, n: int, seed: int = 0, exclude=()) -> list[str]:
-    """Up to `n` distinct user prompts for `domain`, the same for the same seed and lists.
+    """Up to `n` distinct user prompts for `domain`, the same for the same seed and lists; never a
+    benchmark's prompt nor a near copy of one (near_measured).
 
     `exclude` holds prompts already used (say by another seed's data set), so that data
     sets made with different seeds never share a prompt.
@@ -631,21 +638,74 @@ def domain_prompts(domain: str, n: int, seed: int = 0, exclude=()) -> list[str]:
         raise ValueError(f"unknown domain {domain!r}; choose one of {', '.join(DOMAINS)}")
     rng = random.Random(f"{domain}-{seed}")
     skip = set(exclude)
+    near = near_measured()
     seen: dict[str, None] = {}
     for _ in range(50 * n):
         if len(seen) == n:
             break
         p = _MAKERS[domain](rng)
-        if p not in skip:
-            seen.setdefault(p, None)
+        if p not in skip and p not in seen and not near(p):
+            seen[p] = None
     return list(seen)
 
 
 def measured_prompts() -> set[str]:
     """The prompts the benchmarks measure drafts on: the built-in workload and, in a checkout,
-    bench/heldout_mixed.jsonl.  Training never uses them."""
+    every workload in bench/ (bench/*.jsonl: the held-out and the fresh sets).  Training never
+    uses them."""
     from memspec.bench.policies import load_workload
 
-    heldout = Path(__file__).resolve().parents[2] / "bench" / "heldout_mixed.jsonl"
-    workloads = [None, str(heldout)] if heldout.is_file() else [None]
+    bench = Path(__file__).resolve().parents[2] / "bench"
+    workloads = [None, *sorted(str(p) for p in bench.glob("*.jsonl"))]
     return {w["prompt"] for path in workloads for w in load_workload(path)}
+
+
+STOPWORDS = frozenset(
+    "a an the of to in on for and or is are was were be been it its this that these those what which who whom "
+    "how why when where do does did your you me my i we our us by with from at as into than then so if can could "
+    "would should will about some any each every there their they them he she his her has have had not no".split())
+NEAR_SHARE = 0.6  # a prompt holding this share of a measured prompt's content words is a near copy of it
+
+
+def content_words(text: str) -> frozenset[str]:
+    """The words of `text` that carry its task: lower-cased, stopwords out, a plural's s cut."""
+    words = re.findall(r"[a-z0-9]+", text.lower())
+    return frozenset(w[:-1] if len(w) > 3 and w.endswith("s") and not w.endswith("ss") else w
+                     for w in words if w not in STOPWORDS)
+
+
+class NearCopies:
+    """Whether a prompt is a near copy of one of `measured`: it holds at least NEAR_SHARE of that
+    prompt's content words (all of them where it has fewer than three: "What is the capital of
+    France?" is {capital, france}).  So "Write a JavaScript function to check whether two strings
+    are anagrams." is a near copy of "Write a Python function that checks whether two strings are
+    anagrams.", and "What is 5 multiplied by 24? Show your work step by step." of "What is 17
+    multiplied by 24? ...", while "Write a Python function to reverse a string." is neither."""
+
+    def __init__(self, measured):
+        self.need: list[int] = []
+        self.sets: list[frozenset[str]] = []
+        self.by_word: dict[str, list[int]] = {}
+        for m in measured:
+            words = content_words(m)
+            if not words:
+                continue
+            i = len(self.sets)
+            self.sets.append(words)
+            self.need.append(len(words) if len(words) < 3 else math.ceil(NEAR_SHARE * len(words)))
+            for w in words:
+                self.by_word.setdefault(w, []).append(i)
+
+    def __call__(self, prompt: str) -> bool:
+        words = content_words(prompt)
+        shared: dict[int, int] = {}
+        for w in words:
+            for i in self.by_word.get(w, ()):
+                shared[i] = shared.get(i, 0) + 1
+        return any(k >= self.need[i] for i, k in shared.items())
+
+
+@lru_cache(maxsize=1)
+def near_measured() -> NearCopies:
+    """The test for near copies of measured_prompts() (built once)."""
+    return NearCopies(measured_prompts())
