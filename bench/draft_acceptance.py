@@ -3,8 +3,9 @@
     python bench/draft_acceptance.py --model qwen2.5-coder-1.5b \
         [--workload bench/heldout_mixed.jsonl] [--max-new 64] [--drafts NAME|PATH.gguf ...]
 
-The target answers each held-out prompt greedily once (cached in --answers, keyed by the target's
-file, the prompts and --max-new).  Each draft then reads every prompt + answer in one pass on the
+The target answers each held-out prompt greedily once, on the native engine, the prompts decoded
+together (memspec.training.teacher.NativeTeacher: each answer is the target's alone, token for
+token; cached in --answers, keyed by the target's file, the prompts and --max-new).  Each draft then reads every prompt + answer in one pass on the
 native engine, and at each answer position its argmax is compared with the target's token:
 top-1 agreement, and the mean acceptance length greedy speculative decoding would reach at gamma 5
 (memspec.training.drafts.acceptance: while the draft matches, its context is the target's text).
@@ -32,6 +33,7 @@ from memspec.models.tokenizer import Tokenizer  # noqa: E402
 from memspec.runtime.native_target import NativeTarget  # noqa: E402
 from memspec.speculation.drafts import GGUF_VARIANT, target_drafts, target_to_draft  # noqa: E402
 from memspec.training.drafts import acceptance  # noqa: E402
+from memspec.training.teacher import NativeTeacher  # noqa: E402
 
 GAMMA = 5
 
@@ -49,18 +51,12 @@ def target_answers(store: ModelStore, model: str, items: list[dict], max_new: in
             return data["samples"]
     tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
     eos = set(m.extra.get("eos_token_ids", [])) | tok.eos_token_ids
-    t = NativeTarget(gguf, threads=threads, max_context=2048)
-    samples = []
-    for i, w in enumerate(items):
-        ids = tok.encode(tok.apply_chat_template([{"role": "user", "content": w["prompt"]}]))
-        c = t.new_cache()
-        nxt = int(t.forward(c, ids)[-1].argmax())
-        answer = []
-        while nxt not in eos and len(answer) < max_new:
-            answer.append(nxt)
-            nxt = int(t.forward(c, [nxt])[-1].argmax())
-        samples.append({"category": w.get("category", "all"), "prompt_ids": ids, "answer_ids": answer})
-        print(f"  target answer {i + 1}/{len(items)}: {len(answer)} tokens", file=sys.stderr)
+    ids = [tok.encode(tok.apply_chat_template([{"role": "user", "content": w["prompt"]}])) for w in items]
+    print(f"  the target answers {len(items)} prompts (up to {max_new} tokens, decoded together)", file=sys.stderr)
+    recs = NativeTeacher(gguf, threads).answers(ids, max_new, eos)  # each the target's answer alone
+    samples = [{"category": w.get("category", "all"), "prompt_ids": p,
+                "answer_ids": r["answer"][:-1] if r["answer"] and r["answer"][-1] in eos else r["answer"]}
+               for w, p, r in zip(items, ids, recs)]
     cache.write_text(json.dumps({"key": key, "samples": samples}))
     return samples
 

@@ -416,27 +416,31 @@ def test_top_logprobs_orders_best_first_with_ties_by_lower_id():
 
 def test_the_native_teacher_answers_what_the_target_alone_decodes(gguf_path):
     """Regression guard for the default teacher: decoding prompts together (one pass a step, some
-    finishing early at max_new or EOS) gives every prompt the greedy answer of the target fed
-    alone, token for token, with that token first among its labels."""
+    finishing early at max_new or at an end token, one id or any of a set) gives every prompt the
+    greedy answer of the target fed alone, token for token, with that token first among its labels."""
     from memspec.runtime.native_target import NativeTarget
     from memspec.training.teacher import TOP_K, NativeTeacher
 
     prompts = [[1, 9690, 198, 2683, 314, 253, 5356], [1, 4093, 198, 17361, 597, 30, 2], [1, 504, 3056]]
     teacher = NativeTeacher(gguf_path, threads=1, batch=2)  # two passes' worth of batches
-    eos = 2
-    recs = teacher.answers(prompts, 10, eos)
     solo = NativeTarget(gguf_path, threads=1, check_rows=False)
-    for p, rec in zip(prompts, recs):
+    greedy = []  # each prompt's first 10 greedy tokens, fed alone
+    for p in prompts:
         cache = solo.new_cache(len(p) + 10)
-        logits, want = solo.forward(cache, p)[-1], []
-        while len(want) < 10:
-            want.append(int(np.argmax(logits)))
-            if want[-1] == eos:
-                break
-            logits = solo.forward(cache, [want[-1]])[-1]
-        assert rec["prompt"] == p and rec["answer"] == want
-        assert rec["top_ids"].shape == (len(want), TOP_K) and rec["top_ids"][:, 0].tolist() == want
-        assert (np.diff(rec["top_lp"].astype(np.float32), axis=1) <= 0).all()
+        logits, got = solo.forward(cache, p)[-1], []
+        while len(got) < 10:
+            got.append(int(np.argmax(logits)))
+            logits = solo.forward(cache, [got[-1]])[-1]
+        greedy.append(got)
+    middle = greedy[0][4]  # an end token that cuts the first answer short
+    for eos in (2, {2, middle}):
+        ends = {eos} if isinstance(eos, int) else eos
+        for p, g, rec in zip(prompts, greedy, teacher.answers(prompts, 10, eos)):
+            cut = next((i + 1 for i, t in enumerate(g) if t in ends), len(g))
+            want = g[:cut]
+            assert rec["prompt"] == p and rec["answer"] == want, eos
+            assert rec["top_ids"].shape == (len(want), TOP_K) and rec["top_ids"][:, 0].tolist() == want
+            assert (np.diff(rec["top_lp"].astype(np.float32), axis=1) <= 0).all()
 
 
 def test_the_native_teacher_without_the_kernels_says_to_build_them_or_use_torch(gguf_path, monkeypatch):

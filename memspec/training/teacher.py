@@ -2,7 +2,8 @@
 prompts greedily and keeps its top-k log-probs at every answer position; those soft labels are a
 domain's data set, cached in --work.
 
-Two teachers give the same records (their `answers(prompts, max_new, eos)`):
+Two teachers give the same records (their `answers(prompts, max_new, eos)`, `eos` an end id or a
+set of them):
 - `NativeTeacher` (the default): the target on memspec's own kernels, the very blocks and kernels
   that verify the draft's tokens when it is served, so the draft learns the answers it will be
   checked against; sequences are decoded together, one batched pass a step.
@@ -49,7 +50,13 @@ def load_teacher(gguf_path: Path, dtype: str = "float32"):
     return model.to(getattr(torch, dtype)).eval()
 
 
-def generate_answers(teacher, prompts: list[list[int]], max_new: int, eos: int, batch: int = 64) -> list[dict]:
+def end_ids(eos: int | set[int]) -> set[int]:
+    """The ids an answer ends at: `eos` itself, or each of a set of them (a model with several)."""
+    return {int(eos)} if isinstance(eos, (int, np.integer)) else {int(e) for e in eos}
+
+
+def generate_answers(teacher, prompts: list[list[int]], max_new: int, eos: int | set[int],
+                     batch: int = 64) -> list[dict]:
     """Greedy answers of the teacher with its top-k log-probs at every answer position.
 
     Prompts are sorted by length and left-padded per batch; positions and the
@@ -58,6 +65,7 @@ def generate_answers(teacher, prompts: list[list[int]], max_new: int, eos: int, 
     "top_ids" (n, K) int32, "top_lp" (n, K) float16}.
     """
     torch = require_torch()
+    ends = torch.tensor(sorted(end_ids(eos)))
     order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
     out: list[dict | None] = [None] * len(prompts)
     for b0 in range(0, len(order), batch):
@@ -89,7 +97,7 @@ def generate_answers(teacher, prompts: list[list[int]], max_new: int, eos: int, 
                         answers[r].append(int(nxt[r]))
                         tops_i[r].append(i[r].numpy().astype(np.int32))
                         tops_v[r].append(v[r].numpy().astype(np.float16))
-                done |= nxt == eos
+                done |= torch.isin(nxt, ends)
                 if bool(done.all()):
                     break
                 valid = torch.cat([valid, torch.ones(B, 1, dtype=torch.bool)], dim=1)
@@ -122,7 +130,7 @@ class TorchTeacher:
         self.model = load_teacher(gguf_path, dtype)
         self.kind = f"torch {dtype}"
 
-    def answers(self, prompts: list[list[int]], max_new: int, eos: int) -> list[dict]:
+    def answers(self, prompts: list[list[int]], max_new: int, eos: int | set[int]) -> list[dict]:
         return generate_answers(self.model, prompts, max_new, eos)
 
 
@@ -146,11 +154,13 @@ class NativeTeacher:
         self.batch = batch
         self.kind = f"{self.target.providers[0]}, {self.target.threads} threads"
 
-    def answers(self, prompts: list[list[int]], max_new: int, eos: int) -> list[dict]:
+    def answers(self, prompts: list[list[int]], max_new: int, eos: int | set[int]) -> list[dict]:
         """Greedy answers with the top-k log-probs at every answer position, the records
-        generate_answers gives: {"prompt", "answer" (EOS included when produced), "top_ids" (n, K)
-        int32, "top_lp" (n, K) float16}.  Prompts of similar length are decoded together."""
+        generate_answers gives: {"prompt", "answer" (the end token included when produced: `eos`, or
+        any of a set of them), "top_ids" (n, K) int32, "top_lp" (n, K) float16}.  Prompts of similar
+        length are decoded together."""
         t = self.target
+        ends = end_ids(eos)
         order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         out: list[dict | None] = [None] * len(prompts)
         for b0 in range(0, len(order), self.batch):
@@ -168,7 +178,7 @@ class NativeTeacher:
                     rec["answer"].append(tok)
                     rec["top_ids"].append(top_i[j])
                     rec["top_lp"].append(top_v[j])
-                    if tok != eos and len(rec["answer"]) < max_new:
+                    if tok not in ends and len(rec["answer"]) < max_new:
                         still.append(r)
                         nxt.append([tok])
                 live = still
