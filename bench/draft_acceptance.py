@@ -5,8 +5,9 @@
 
 The target answers each held-out prompt greedily once, on the native engine, the prompts decoded
 together (memspec.training.teacher.NativeTeacher: each answer is the target's alone, token for
-token; cached in --answers, keyed by the target's file, the prompts and --max-new).  Each draft then reads every prompt + answer in one pass on the
-native engine, and at each answer position its argmax is compared with the target's token:
+token; cached in --answers, keyed by the target's file, the prompts and --max-new).  Each draft
+then reads every prompt + answer in one pass on the native engine, and at each answer position
+its argmax is compared with the target's token:
 top-1 agreement, and the mean acceptance length greedy speculative decoding would reach at gamma 5
 (memspec.training.drafts.acceptance: while the draft matches, its context is the target's text).
 A draft is a store name, or a GGUF path with its vocab.json beside it (say a re-quantized copy:

@@ -280,10 +280,10 @@ def test_training_prompts_are_distinct_reproducible_and_never_a_benchmark_prompt
     assert len(measured) == 48 + 21 + 36 + 48 and "Write a haiku about autumn leaves." in measured
     bench = [w for w in map(content_words, measured) if w]
     for domain in DOMAINS:
-        used = set(measured)
+        used: set[str] = set()  # earlier seeds' prompts only: domain_prompts keeps the benchmarks' out itself
         for seed in (0, 1, 2):
             got = domain_prompts(domain, 512, seed, exclude=used)
-            assert len(got) == len(set(got)) and not used & set(got), domain
+            assert len(got) == len(set(got)) and not used & set(got) and not measured & set(got), domain
             assert got == domain_prompts(domain, 512, seed, exclude=used), domain
             for p in got:
                 words = content_words(p)
@@ -291,7 +291,7 @@ def test_training_prompts_are_distinct_reproducible_and_never_a_benchmark_prompt
                     need = len(m) if len(m) < 3 else NEAR_SHARE * len(m)
                     assert len(words & m) < need, (domain, p, sorted(m))
             used |= set(got)
-        assert len(used) > len(measured) + 100, domain  # scripts, the smallest domain, has 153 left
+        assert len(used) > 100, domain  # scripts, the smallest domain, has 153
 
 
 @pytest.mark.parametrize("prompt, near", [

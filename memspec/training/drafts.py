@@ -34,7 +34,7 @@ import numpy as np
 from memspec.errors import MemspecError
 from memspec.models.gguf import DecoderConfig
 from memspec.training import log, require_torch
-from memspec.training.prompts import DOMAINS, measured_prompts, near_measured
+from memspec.training.prompts import DOMAINS, near_measured
 from memspec.training.teacher import TEACHER_DTYPES, TEACHERS, NativeTeacher, TorchTeacher, data_key, domain_data
 
 GAMMA = 5  # draft tokens per verification step in the acceptance simulation
@@ -435,21 +435,20 @@ def run_train_draft(args) -> int:
             log(f"teacher: {gguf.name} on {teacher_cache[0].kind}")
         return teacher_cache[0]
 
-    measured = measured_prompts()
+    near = near_measured()  # the benchmarks' prompts and near copies of them: never trained on
     datasets = {}
     if args.prompts:
         lines = [json.loads(x) for x in Path(args.prompts).read_text().splitlines() if x.strip()]
         key = "prompts-" + Path(args.prompts).stem
         datasets[key] = domain_data(work, key, teacher, tok, 0, args.max_new, args.seed, [x["prompt"] for x in lines])
     for d in args.domain or []:
-        used: set[str] = set(measured)  # new prompts avoid the benchmarks' prompts too
+        used: set[str] = set()  # prompts earlier seeds hold (domain_prompts avoids the benchmarks' itself)
         for seed in args.data_seeds:
             data = domain_data(work, d, teacher, tok, args.n_prompts, args.max_new, seed, exclude=used)
             datasets[data_key(d, seed)] = data
             used |= {s["text"] for s in data["train"] + data["eval"]}
     every = [s for d in datasets.values() for s in d["train"]]
-    near = near_measured()
-    samples = [s for s in every if s.get("text") not in measured and not near(s.get("text", ""))]
+    samples = [s for s in every if not near(s.get("text", ""))]
     if len(samples) < len(every):  # data sets made before the benchmarks' prompts (or near copies) were excluded
         log(f"dropping {len(every) - len(samples)} training samples whose prompt is, or nearly is, one a benchmark measures")
 

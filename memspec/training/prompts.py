@@ -675,14 +675,15 @@ def content_words(text: str) -> frozenset[str]:
 
 
 class NearCopies:
-    """Whether a prompt is a near copy of one of `measured`: it holds at least NEAR_SHARE of that
-    prompt's content words (all of them where it has fewer than three: "What is the capital of
+    """Whether a prompt is one of `measured` or a near copy of one: it holds at least NEAR_SHARE of
+    that prompt's content words (all of them where it has fewer than three: "What is the capital of
     France?" is {capital, france}).  So "Write a JavaScript function to check whether two strings
     are anagrams." is a near copy of "Write a Python function that checks whether two strings are
     anagrams.", and "What is 5 multiplied by 24? Show your work step by step." of "What is 17
     multiplied by 24? ...", while "Write a Python function to reverse a string." is neither."""
 
     def __init__(self, measured):
+        self.prompts = frozenset(measured)  # a prompt of stopwords only is caught as itself
         self.need: list[int] = []
         self.sets: list[frozenset[str]] = []
         self.by_word: dict[str, list[int]] = {}
@@ -697,6 +698,8 @@ class NearCopies:
                 self.by_word.setdefault(w, []).append(i)
 
     def __call__(self, prompt: str) -> bool:
+        if prompt in self.prompts:
+            return True
         words = content_words(prompt)
         shared: dict[int, int] = {}
         for w in words:
