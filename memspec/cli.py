@@ -592,6 +592,7 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
 DEV_COMMANDS = {  # what --help says of each; its module (NumPy, ONNX Runtime, ...) is imported only to run it
     "bench": "run a prompt workload under draft policies, side by side",
     "train-draft": "train a draft model by self-distillation from the target",
+    "write-prompts": "have the target write prompts to train drafts on",
     "profile": "record draft traces for `memspec train-predictor`",
     "train-predictor": "fit the draft predictor on `memspec profile` traces",
 }
@@ -611,6 +612,10 @@ def _add_dev_command(sub, common: argparse.ArgumentParser, name: str) -> None:
         from memspec.training import drafts as train  # torch is imported only when train-draft runs
 
         train.add_train_draft_parser(sub).set_defaults(func=train.run_train_draft)
+    elif name == "write-prompts":
+        from memspec.training import self_instruct
+
+        self_instruct.add_write_prompts_parser(sub)
     elif name == "profile":
         from memspec.training import profile
 

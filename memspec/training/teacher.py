@@ -29,6 +29,7 @@ HELD_OUT = 0.1  # fraction of each domain's prompts kept for evaluation
 TEACHER_DTYPES = ("float32", "bfloat16")
 TEACHERS = ("native", "torch")  # --teacher
 NATIVE_BATCH = 32  # sequences a native teacher decodes together
+NUCLEUS_CAP = 256  # the most ids nucleus sampling draws among
 
 
 def load_teacher(gguf_path: Path, dtype: str = "float32"):
@@ -188,6 +189,62 @@ class NativeTeacher:
                 out[i] = {**rec, "top_ids": np.stack(rec["top_ids"]), "top_lp": np.stack(rec["top_lp"])}
             log(f"  generated {min(b0 + self.batch, len(order))}/{len(order)} (prompt len {len(prompts[idx[-1]])})")
         return out
+
+
+    def sample(self, prompts: list[list[int]], max_new: int, eos: int | set[int], temperature: float = 1.0,
+               top_p: float = 0.95, seed: int = 0) -> list[list[int]]:
+        """Sampled continuations (ids, without the end token), for text the target writes itself
+        (memspec.training.self_instruct): each step draws from the softmax of the logits over
+        `temperature`, cut to the fewest tokens whose probability reaches `top_p` (nucleus
+        sampling, among the NUCLEUS_CAP likeliest).  Prompt i draws from its own generator,
+        seeded (seed, i), and a row's logits do not depend on what shares its pass, so its text
+        is the same whatever the batch."""
+        if temperature <= 0 or not 0 < top_p <= 1:
+            raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {temperature}, {top_p}")
+        t, ends = self.target, end_ids(eos)
+        out: list[list[int]] = [[] for _ in prompts]
+        for b0 in range(0, len(prompts), self.batch):
+            idx = list(range(b0, min(b0 + self.batch, len(prompts))))
+            rngs = [np.random.default_rng([seed, i]) for i in idx]
+            caches = [t.new_cache(len(prompts[i]) + max_new) for i in idx]
+            logits = np.concatenate(t.forward_batch(caches, [prompts[i] for i in idx], [1] * len(idx)))
+            live = list(range(len(idx)))
+            while live:
+                nxt, still = [], []
+                for r, tok in zip(live, nucleus(logits, temperature, top_p, [rngs[r] for r in live])):
+                    if tok in ends:
+                        continue
+                    out[idx[r]].append(tok)
+                    if len(out[idx[r]]) < max_new:
+                        still.append(r)
+                        nxt.append([tok])
+                live = still
+                if live:
+                    logits = np.concatenate(t.forward_batch([caches[r] for r in live], nxt, [1] * len(live)))
+            log(f"  sampled {idx[-1] + 1}/{len(prompts)}")
+        return out
+
+
+def nucleus(logits: np.ndarray, temperature: float, top_p: float, rngs: list[np.random.Generator],
+            cap: int = NUCLEUS_CAP) -> list[int]:
+    """One id per row of (B, V) logits, row b drawn with rngs[b] from softmax(logits / temperature)
+    cut to its top-p nucleus, and to the `cap` likeliest ids at most (a full sort of a 150k
+    vocabulary a row would cost more than the pass)."""
+    z = np.asarray(logits, dtype=np.float32) / np.float32(temperature)
+    z -= z.max(axis=1, keepdims=True)
+    p = np.exp(z, dtype=np.float32)
+    p /= p.sum(axis=1, keepdims=True)
+    cap = min(cap, p.shape[1])
+    cand = np.argpartition(-p, cap - 1, axis=1)[:, :cap] if cap < p.shape[1] else np.tile(np.arange(cap), (len(p), 1))
+    pc = np.take_along_axis(p, cand, axis=1)
+    order = np.lexsort((cand, -pc), axis=1)  # likeliest first, ties by the lower id
+    cand, pc = np.take_along_axis(cand, order, axis=1), np.take_along_axis(pc, order, axis=1).astype(np.float64)
+    out = []
+    for b, rng in enumerate(rngs):
+        keep = min(int(np.searchsorted(np.cumsum(pc[b]), top_p)) + 1, cap)
+        w = pc[b, :keep] / pc[b, :keep].sum()
+        out.append(int(cand[b, rng.choice(keep, p=w)]))
+    return out
 
 
 def data_key(domain: str, seed: int) -> str:
