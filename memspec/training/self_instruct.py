@@ -175,9 +175,8 @@ def run_write_prompts(args) -> int:
     if args.temperature <= 0 or not 0 < args.top_p <= 1:
         raise MemspecError(f"--temperature must be > 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
     tok, gguf = _target_files(args.target, getattr(getattr(args, "config", None), "store_home", None))
-    eos = set(tok.eos_token_ids) | ({tok.eos_token_id} if tok.eos_token_id is not None else set())
-    rows = write_prompts(NativeTeacher(gguf, args.threads), tok, eos, args.requests, args.passages, args.seed,
-                         args.temperature, args.top_p)
+    rows = write_prompts(NativeTeacher(gguf, args.threads), tok, tok.eos_token_ids, args.requests, args.passages,
+                         args.seed, args.temperature, args.top_p)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))

@@ -158,38 +158,19 @@ class NativeTeacher:
     def answers(self, prompts: list[list[int]], max_new: int, eos: int | set[int]) -> list[dict]:
         """Greedy answers with the top-k log-probs at every answer position, the records
         generate_answers gives: {"prompt", "answer" (the end token included when produced: `eos`, or
-        any of a set of them), "top_ids" (n, K) int32, "top_lp" (n, K) float16}.  Prompts of similar
-        length are decoded together."""
-        t = self.target
-        ends = end_ids(eos)
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
-        out: list[dict | None] = [None] * len(prompts)
-        for b0 in range(0, len(order), self.batch):
-            idx = order[b0:b0 + self.batch]
-            caches = [t.new_cache(len(prompts[i]) + max_new) for i in idx]
-            recs = [{"prompt": prompts[i], "answer": [], "top_ids": [], "top_lp": []} for i in idx]
-            live = list(range(len(idx)))
-            logits = np.concatenate(t.forward_batch(caches, [prompts[i] for i in idx], [1] * len(idx)))
-            while live:
-                top_i, top_v = top_logprobs(logits)
-                nxt, still = [], []
-                for j, r in enumerate(live):
-                    tok = int(top_i[j, 0])
-                    rec = recs[r]
-                    rec["answer"].append(tok)
-                    rec["top_ids"].append(top_i[j])
-                    rec["top_lp"].append(top_v[j])
-                    if tok not in ends and len(rec["answer"]) < max_new:
-                        still.append(r)
-                        nxt.append([tok])
-                live = still
-                if live:
-                    logits = np.concatenate(t.forward_batch([caches[r] for r in live], nxt, [1] * len(live)))
-            for i, rec in zip(idx, recs):
-                out[i] = {**rec, "top_ids": np.stack(rec["top_ids"]), "top_lp": np.stack(rec["top_lp"])}
-            log(f"  generated {min(b0 + self.batch, len(order))}/{len(order)} (prompt len {len(prompts[idx[-1]])})")
-        return out
+        any of a set of them), "top_ids" (n, K) int32, "top_lp" (n, K) float16}."""
+        tops: list[tuple[list, list]] = [([], []) for _ in prompts]
 
+        def greedy(logits: np.ndarray, rows: list[int]) -> list[int]:
+            top_i, top_v = top_logprobs(logits)
+            for j, i in enumerate(rows):
+                tops[i][0].append(top_i[j])
+                tops[i][1].append(top_v[j])
+            return top_i[:, 0].tolist()
+
+        answers = self._decode(prompts, max_new, end_ids(eos), greedy, "generated")
+        return [{"prompt": p, "answer": a, "top_ids": np.stack(ti), "top_lp": np.stack(tv)}
+                for p, a, (ti, tv) in zip(prompts, answers, tops)]
 
     def sample(self, prompts: list[list[int]], max_new: int, eos: int | set[int], temperature: float = 1.0,
                top_p: float = 0.95, seed: int = 0) -> list[list[int]]:
@@ -201,27 +182,38 @@ class NativeTeacher:
         is the same whatever the batch."""
         if temperature <= 0 or not 0 < top_p <= 1:
             raise ValueError(f"temperature must be > 0 and top_p in (0, 1], got {temperature}, {top_p}")
-        t, ends = self.target, end_ids(eos)
+        ends = end_ids(eos)
+        rngs = [np.random.default_rng([seed, i]) for i in range(len(prompts))]
+
+        def draw(logits: np.ndarray, rows: list[int]) -> list[int]:
+            return nucleus(logits, temperature, top_p, [rngs[i] for i in rows])
+
+        texts = self._decode(prompts, max_new, ends, draw, "sampled")
+        return [t[:-1] if t and t[-1] in ends else t for t in texts]
+
+    def _decode(self, prompts: list[list[int]], max_new: int, ends: set[int], pick, verb: str) -> list[list[int]]:
+        """Each prompt's continuation, up to max_new tokens, through the first of `ends` (kept):
+        `self.batch` prompts of similar length decoded together, one batched pass a step, where
+        pick(logits (n, V), rows) gives the next token of each live row, rows its prompts' indices."""
+        t = self.target
+        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
         out: list[list[int]] = [[] for _ in prompts]
-        for b0 in range(0, len(prompts), self.batch):
-            idx = list(range(b0, min(b0 + self.batch, len(prompts))))
-            rngs = [np.random.default_rng([seed, i]) for i in idx]
+        for b0 in range(0, len(order), self.batch):
+            idx = order[b0:b0 + self.batch]
             caches = [t.new_cache(len(prompts[i]) + max_new) for i in idx]
             logits = np.concatenate(t.forward_batch(caches, [prompts[i] for i in idx], [1] * len(idx)))
             live = list(range(len(idx)))
             while live:
                 nxt, still = [], []
-                for r, tok in zip(live, nucleus(logits, temperature, top_p, [rngs[r] for r in live])):
-                    if tok in ends:
-                        continue
+                for r, tok in zip(live, pick(logits, [idx[r] for r in live])):
                     out[idx[r]].append(tok)
-                    if len(out[idx[r]]) < max_new:
+                    if tok not in ends and len(out[idx[r]]) < max_new:
                         still.append(r)
                         nxt.append([tok])
                 live = still
                 if live:
                     logits = np.concatenate(t.forward_batch([caches[r] for r in live], nxt, [1] * len(live)))
-            log(f"  sampled {idx[-1] + 1}/{len(prompts)}")
+            log(f"  {verb} {min(b0 + self.batch, len(order))}/{len(order)} (prompt len {len(prompts[idx[-1]])})")
         return out
 
 
