@@ -82,7 +82,11 @@ def test_meta_instructions_cover_every_category_and_repeat_with_the_seed():
     import random
 
     reqs = meta_requests(30, random.Random(1))
-    assert {c for c, _ in reqs} == set(REQUEST_KINDS)
+    assert [c for c, _ in reqs[:4]] == ["chat", "creative", "qa", "chat"]  # the default kinds, in turn
+    assert {c for c, _ in meta_requests(30, random.Random(1), REQUEST_KINDS)} == set(REQUEST_KINDS)
+    code = meta_requests(4, random.Random(1), ["code", "math"])
+    assert [c for c, _ in code] == ["code", "math", "code", "math"]
+    assert all(any(k.split("{s}")[0] in m for k in REQUEST_KINDS[c]) for c, m in code)  # a kind of its category
     assert reqs == meta_requests(30, random.Random(1)) and reqs != meta_requests(30, random.Random(2))
     assert all("{s}" not in m for _, m in reqs) and len(meta_passages(5, random.Random(1))) == 5
 
@@ -118,3 +122,12 @@ def test_write_prompts_refuses_bad_settings_with_a_message(flags, message, tmp_p
     assert main(["write-prompts", "--out", str(tmp_path / "p.jsonl"), *flags]) != 0
     assert message in capsys.readouterr().err
     assert not (tmp_path / "p.jsonl").exists()
+
+
+def test_write_prompts_names_the_kinds_it_knows(tmp_path, capsys):
+    from memspec.cli import main
+
+    with pytest.raises(SystemExit) as exc:
+        main(["write-prompts", "--out", str(tmp_path / "p.jsonl"), "--kinds", "poetry"])
+    assert exc.value.code == 2
+    assert "invalid choice: 'poetry' (choose from 'chat', 'code', 'creative', 'math', 'qa')" in capsys.readouterr().err

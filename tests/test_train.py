@@ -353,6 +353,55 @@ def test_checkpoint_keeps_its_vocabulary_and_export_only_refuses_another(tmp_pat
         run_train_draft(args)
 
 
+@pytest.mark.parametrize("files, flags, message", [
+    ({"a.jsonl": '{"prompt": "hi", "category": "qa"}\n'}, ["--prompt-categories", "poems"],
+     r"--prompt-categories poems: no --prompts line has that category \(the files have: qa\)"),
+    ({"a.jsonl": '{"prompt": "hi"}\nnot json\n'}, [], r"a.jsonl, line 2: not JSON"),
+    ({"a.jsonl": '{"text": "hi"}\n'}, [], r"a.jsonl, line 1: each line needs a non-empty \"prompt\""),
+    ({"a.jsonl": "\n"}, [], r"a.jsonl: no prompts in it"),
+    ({"a.jsonl": '{"prompt": "hi"}\n', "b/a.jsonl": '{"prompt": "ho"}\n'}, [], r"also named a\.\*"),
+    ({}, ["--prompt-categories", "qa"], r"give --prompts FILE"),
+])
+def test_train_draft_refuses_bad_prompt_files_before_any_work(tmp_path, files, flags, message):
+    """Bad --prompts files or categories are a MemspecError naming the file, line or category before
+    the teacher loads (before torch is needed)."""
+    import argparse
+
+    from memspec.errors import MemspecError
+    from memspec.training.drafts import add_train_draft_parser, run_train_draft
+
+    for name, text in files.items():
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / name).write_text(text)
+    parser = argparse.ArgumentParser()
+    add_train_draft_parser(parser.add_subparsers())
+    given = ["--prompts", *(str(tmp_path / n) for n in files)] if files else ["--domain", "chat"]
+    args = parser.parse_args(["train-draft", "--name", "draft-x", *given, *flags])
+    with pytest.raises(MemspecError, match=message):
+        run_train_draft(args)
+
+
+def test_prompt_categories_keep_the_answers_of_those_lines_only():
+    from memspec.training.drafts import of_categories
+
+    lines = [{"prompt": "a", "category": "qa"}, {"prompt": "b", "category": "rewriting"},
+             {"prompt": "c", "category": "summarization"}, {"prompt": "d"}]
+    data = {"train": [{"text": "a"}, {"text": "b"}, {"text": "d"}], "eval": [{"text": "c"}], "info": {"prompts": 4}}
+    got = of_categories(data, lines, ["rewriting", "summarization"])
+    assert got["train"] == [{"text": "b"}] and got["eval"] == [{"text": "c"}]
+    assert got["info"] == {"prompts": 4, "categories": ["rewriting", "summarization"]}
+    assert len(data["train"]) == 3  # the cached data set itself is left whole
+
+
+def test_prompt_files_read_every_file_and_keep_their_lines(tmp_path):
+    from memspec.training.drafts import prompt_files
+
+    (tmp_path / "a.jsonl").write_text('{"prompt": "x", "category": "qa"}\n\n{"prompt": "y", "category": "rewriting"}\n')
+    (tmp_path / "b.jsonl").write_text('{"prompt": "z", "category": "creative"}\n')
+    got = prompt_files([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], ["rewriting", "creative"])
+    assert {p.name: [x["prompt"] for x in lines] for p, lines in got.items()} == {"a.jsonl": ["x", "y"], "b.jsonl": ["z"]}
+
+
 def test_python_m_memspec_train_reports_errors_without_a_traceback(capsys):
     """`python -m memspec.training.drafts` (the way to train without installing the CLI) printed a
     traceback for a bad argument; it now reports it as `memspec train-draft` does."""
@@ -441,6 +490,37 @@ def test_the_native_teacher_answers_what_the_target_alone_decodes(gguf_path):
             assert rec["prompt"] == p and rec["answer"] == want, eos
             assert rec["top_ids"].shape == (len(want), TOP_K) and rec["top_ids"][:, 0].tolist() == want
             assert (np.diff(rec["top_lp"].astype(np.float32), axis=1) <= 0).all()
+
+
+def test_the_native_teacher_gives_a_finished_answers_slot_to_the_next_prompt(gguf_path):
+    """Regression guard for the teacher's throughput: when an answer ends, the next prompt enters
+    the very next pass beside the rows still decoding (its prompt fed whole, theirs one token each),
+    so the passes number about the tokens over the batch, not each batch's longest answer; the
+    answers stay the target's alone."""
+    from memspec.training.teacher import NativeTeacher
+
+    prompts = [[1, 9690, 198, 2683, 314, 253, 5356], [1, 4093, 198, 17361, 597, 30, 2], [1, 504, 3056]]
+    plain = NativeTeacher(gguf_path, threads=1, batch=1).answers(prompts, 8, 2)
+    end = plain[2]["answer"][3]  # prompt 2 (the shortest, first in) ends at its 4th token with this end id
+    want = NativeTeacher(gguf_path, threads=1, batch=1).answers(prompts, 8, {2, end})
+    teacher = NativeTeacher(gguf_path, threads=1, batch=2)
+    passes = []
+    forward_batch = teacher.target.forward_batch
+
+    def spy(caches, feeds, keeps):
+        passes.append([len(f) for f in feeds])
+        return forward_batch(caches, feeds, keeps)
+
+    teacher.target.forward_batch = spy
+    got = teacher.answers(prompts, 8, {2, end})
+    assert [g["answer"] for g in got] == [w["answer"] for w in want]
+    assert len(want[2]["answer"]) == 4 and all(len(w["answer"]) == 8 for i, w in enumerate(want) if i != 2)
+    # pass 1 feeds the two shortest prompts whole; prompt 2 ends at its 4th token, and pass 5 feeds
+    # the last prompt whole beside the other row's next token
+    assert passes[0] == [3, 7] and passes[4] == [1, 7]
+    tokens = sum(len(w["answer"]) for w in want)
+    assert len(passes) == 4 + 8 < 2 * 8  # batches of two, each run to its longest answer: 16 passes
+    assert sum(map(sum, passes)) == sum(map(len, prompts)) + tokens - len(prompts)  # each token fed once
 
 
 def test_the_native_teacher_without_the_kernels_says_to_build_them_or_use_torch(gguf_path, monkeypatch):

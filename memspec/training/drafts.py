@@ -318,7 +318,12 @@ def add_train_draft_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("train-draft", help="train a draft model by self-distillation from the target")
     p.add_argument("--name", required=True, help="draft name, e.g. draft-code")
     p.add_argument("--domain", nargs="+", default=None, help=f"built-in prompt domains ({', '.join(DOMAINS)})")
-    p.add_argument("--prompts", help="JSONL file with a 'prompt' field per line (instead of --domain)")
+    p.add_argument("--prompts", nargs="+", default=None,
+                   help="JSONL files with a 'prompt' field per line (memspec write-prompts writes them), beside "
+                        "or instead of --domain; each file's answers are cached as one data set")
+    p.add_argument("--prompt-categories", nargs="+", default=None,
+                   help="train on the --prompts lines of these categories only (their 'category' field); the "
+                        "files' cached answers are reused whatever the choice")
     p.add_argument("--layers", type=int, default=3)
     p.add_argument("--width", type=int, default=256)
     p.add_argument("--vocab-size", type=int, default=8192)
@@ -406,6 +411,9 @@ def run_train_draft(args) -> int:
         raise MemspecError(f"--width must be a multiple of {HEAD_DIM} (the attention head size), got {args.width}")
     if args.layers < 1:
         raise MemspecError(f"--layers must be at least 1, got {args.layers}")
+    if getattr(args, "prompt_categories", None) and not args.prompts:
+        raise MemspecError("--prompt-categories chooses lines of --prompts files; give --prompts FILE")
+    prompt_files(getattr(args, "prompts", None) or [], getattr(args, "prompt_categories", None))  # before any work
     torch = require_torch()
     from memspec.models.store import SHIPPED_MODELS
 
@@ -437,10 +445,14 @@ def run_train_draft(args) -> int:
 
     near = near_measured()  # the benchmarks' prompts and near copies of them: never trained on
     datasets = {}
-    if args.prompts:
-        lines = [json.loads(x) for x in Path(args.prompts).read_text().splitlines() if x.strip()]
-        key = "prompts-" + Path(args.prompts).stem
-        datasets[key] = domain_data(work, key, teacher, tok, 0, args.max_new, args.seed, [x["prompt"] for x in lines])
+    for path, lines in prompt_files(args.prompts or [], getattr(args, "prompt_categories", None)).items():
+        key = "prompts-" + path.stem
+        data = domain_data(work, key, teacher, tok, 0, args.max_new, args.seed, [x["prompt"] for x in lines])
+        if getattr(args, "prompt_categories", None):  # the file's answers made (or cached) for all of it
+            data = of_categories(data, lines, args.prompt_categories)
+            log(f"{key}: {len(data['train'])} training and {len(data['eval'])} held-out answers of "
+                f"{', '.join(args.prompt_categories)}")
+        datasets[key] = data
     for d in args.domain or []:
         used: set[str] = set()  # prompts earlier seeds hold (domain_prompts avoids the benchmarks' itself)
         for seed in args.data_seeds:
@@ -485,7 +497,7 @@ def run_train_draft(args) -> int:
         summary["previous"] = previous  # earlier run(s) this one continued from
 
     out = Path(args.out) if args.out else SHIPPED_MODELS
-    domain = ",".join(args.domain) if args.domain else key
+    domain = ",".join(args.domain or [k for k in datasets])
     provenance = {
         "source": f"memspec train-draft (self-distillation from {args.target})",
         "teacher": f"{args.target} ({gguf.name}, greedy; each data set's teacher, or teacher_dtype for a torch "
@@ -503,6 +515,50 @@ def run_train_draft(args) -> int:
                     {**{k: summary.get(k) for k in ("steps", "epochs", "seconds", "lr")}, "previous": previous})
     log(f"wrote {path}")
     return 0
+
+
+def prompt_files(paths, categories=None) -> dict[Path, list[dict]]:
+    """The lines of each --prompts file ({"prompt", "category"?}), checked: every file readable JSONL
+    with a "prompt" on each line, no two files sharing a name (each names its cached data set), and
+    each of `categories` found in some file."""
+    out: dict[Path, list[dict]] = {}
+    for name in paths:
+        path = Path(name)
+        if not path.is_file():
+            raise MemspecError(f"--prompts {name}: no such file")
+        if any(p.stem == path.stem for p in out):
+            raise MemspecError(f"--prompts {name}: another file is also named {path.stem}.*, and a file's name keys "
+                               f"its cached answers; rename one")
+        lines = []
+        for n, text in enumerate(path.read_text().splitlines(), 1):
+            if not text.strip():
+                continue
+            try:
+                line = json.loads(text)
+            except json.JSONDecodeError as exc:
+                raise MemspecError(f"--prompts {name}, line {n}: not JSON ({exc.msg})") from None
+            if not isinstance(line, dict) or not isinstance(line.get("prompt"), str) or not line["prompt"].strip():
+                raise MemspecError(f"--prompts {name}, line {n}: each line needs a non-empty \"prompt\" string")
+            lines.append(line)
+        if not lines:
+            raise MemspecError(f"--prompts {name}: no prompts in it")
+        out[path] = lines
+    found = {x.get("category") for lines in out.values() for x in lines}
+    missing = [c for c in categories or [] if c not in found]
+    if missing:
+        have = ", ".join(sorted(str(c) for c in found if c)) or "none"
+        raise MemspecError(f"--prompt-categories {', '.join(missing)}: no --prompts line has that category "
+                           f"(the files have: {have})")
+    return out
+
+
+def of_categories(data: dict, lines: list[dict], categories) -> dict:
+    """A --prompts file's data set ({"train", "eval", "info"}, answers to all its lines) cut to the
+    answers of the lines whose category is one of `categories`."""
+    chosen = {x["prompt"] for x in lines if x.get("category") in categories}
+    return {**data, "train": [r for r in data["train"] if r["text"] in chosen],
+            "eval": [r for r in data["eval"] if r["text"] in chosen],
+            "info": {**data["info"], "categories": sorted(categories)}}
 
 
 def save_checkpoint(model, vmap: VocabMap, ckpt: Path, training: dict | None = None) -> None:

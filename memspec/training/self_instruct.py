@@ -41,7 +41,19 @@ REQUEST_KINDS = {  # category: the kinds of message asked for
     "chat": ["asking for help planning something to do with {s}", "asking for an opinion or a recommendation about {s}",
              "asking for step-by-step instructions for a task to do with {s}", "asking for the pros and cons of a choice about {s}",
              "asking for a polite email or message to do with {s}", "asking to explain {s} simply to a beginner"],
+    "code": ["asking for a short Python function that does something to do with {s}",
+             "asking for help fixing a small bug in a program about {s}, with the code included",
+             "asking for a SQL query over a table of data about {s}",
+             "asking what a short piece of code about {s} does, with the code included",
+             "asking for a JavaScript snippet for a web page about {s}",
+             "asking for a shell command or a small script to handle files about {s}"],
+    "math": ["asking to solve a word problem with numbers about {s}",
+             "asking to work out a percentage or a ratio to do with {s}",
+             "asking for help solving an equation that comes up in a problem about {s}",
+             "asking a probability question about {s}", "asking to convert units in a problem about {s}",
+             "asking how long something takes, given rates, in a problem about {s}"],
 }
+DEFAULT_KINDS = ("chat", "creative", "qa")  # --kinds: what draft-chat was trained on (models/qwen2.5-coder-draft-chat)
 SUBJECTS = [
     "cooking", "gardening", "personal finance", "travel", "history", "astronomy", "biology", "chemistry", "physics",
     "geography", "music", "painting", "films", "books", "sports", "fitness", "sleep", "nutrition", "pets", "birds",
@@ -68,9 +80,10 @@ LEADS = re.compile(r"^\s*(sure|certainly|of course|here(?:'s| is)|okay|ok)\b[^\n
 LABEL = re.compile(r"^\s*(message|user|person|request|question|prompt)( from [^:\n]{1,40})?\s*:\s*", re.I)
 
 
-def meta_requests(n: int, rng: random.Random) -> list[tuple[str, str]]:
-    """(category, instruction to the target) for n requests, kinds and subjects drawn in turn."""
-    cats = sorted(REQUEST_KINDS)
+def meta_requests(n: int, rng: random.Random, kinds=DEFAULT_KINDS) -> list[tuple[str, str]]:
+    """(category, instruction to the target) for n requests, the categories `kinds` in turn, a kind
+    of message and a subject drawn for each."""
+    cats = sorted(kinds)
     out = []
     for i in range(n):
         cat = cats[i % len(cats)]
@@ -108,8 +121,9 @@ def clean_passage(text: str) -> str | None:
 
 
 def write_prompts(teacher, tokenizer, eos, n_requests: int, n_passages: int, seed: int = 0,
-                  temperature: float = 1.0, top_p: float = 0.95) -> list[dict]:
-    """[{"prompt", "category"}]: n_requests requests and n_passages passages with a task, written by
+                  temperature: float = 1.0, top_p: float = 0.95, kinds=DEFAULT_KINDS) -> list[dict]:
+    """[{"prompt", "category"}]: n_requests requests (of the categories `kinds`, in turn) and
+    n_passages passages with a task, written by
     `teacher` (NativeTeacher.sample), cleaned, each with its own content words, none a near copy
     of a measured prompt; fewer where texts are dropped."""
     rng = random.Random(f"self-instruct-{seed}")
@@ -117,7 +131,7 @@ def write_prompts(teacher, tokenizer, eos, n_requests: int, n_passages: int, see
     def chat(text: str) -> list[int]:
         return tokenizer.encode(tokenizer.apply_chat_template([{"role": "user", "content": text}]))
 
-    metas = meta_requests(n_requests, rng)
+    metas = meta_requests(n_requests, rng, kinds)
     passages = meta_passages(n_passages, rng)
     log(f"the target writes {n_requests} requests and {n_passages} passages")
     texts = teacher.sample([chat(m) for _, m in metas] + [chat(m) for m in passages], 200, eos,
@@ -154,7 +168,9 @@ def add_write_prompts_parser(subparsers) -> argparse.ArgumentParser:
     p = subparsers.add_parser("write-prompts", help="have the target write training prompts (for train-draft --prompts)",
                               description=__doc__.split("\n\n")[0])
     p.add_argument("--target", default="qwen2.5-coder-1.5b", help="the target that writes them (a GGUF in the store)")
-    p.add_argument("--requests", type=int, default=480, help="requests to write (qa, creative, chat in turn)")
+    p.add_argument("--requests", type=int, default=480, help="requests to write (of the --kinds in turn)")
+    p.add_argument("--kinds", nargs="+", choices=sorted(REQUEST_KINDS), default=list(DEFAULT_KINDS),
+                   help=f"categories of request (default: {' '.join(DEFAULT_KINDS)})")
     p.add_argument("--passages", type=int, default=240, help="passages to write, each given a summarize or rewrite task")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--temperature", type=float, default=1.0)
@@ -176,7 +192,7 @@ def run_write_prompts(args) -> int:
         raise MemspecError(f"--temperature must be > 0 and --top-p in (0, 1], got {args.temperature}, {args.top_p}")
     tok, gguf = _target_files(args.target, getattr(getattr(args, "config", None), "store_home", None))
     rows = write_prompts(NativeTeacher(gguf, args.threads), tok, tok.eos_token_ids, args.requests, args.passages,
-                         args.seed, args.temperature, args.top_p)
+                         args.seed, args.temperature, args.top_p, args.kinds)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text("".join(json.dumps(r) + "\n" for r in rows))

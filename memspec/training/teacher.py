@@ -138,7 +138,8 @@ class TorchTeacher:
 class NativeTeacher:
     """The target on the native engine (memspec.runtime.native_target): each answer is, token for
     token, what the served target alone answers greedily, since a row's logits do not depend on
-    what shares its pass.  NATIVE_BATCH sequences are decoded together, one pass a step."""
+    what shares its pass.  Up to NATIVE_BATCH sequences are decoded together, one pass a step, a
+    finished one's slot taken by the next prompt."""
 
     def __init__(self, gguf_path: Path, threads: int = 0, batch: int = NATIVE_BATCH):
         from memspec.errors import MemspecError
@@ -192,28 +193,40 @@ class NativeTeacher:
         return [t[:-1] if t and t[-1] in ends else t for t in texts]
 
     def _decode(self, prompts: list[list[int]], max_new: int, ends: set[int], pick, verb: str) -> list[list[int]]:
-        """Each prompt's continuation, up to max_new tokens, through the first of `ends` (kept):
-        `self.batch` prompts of similar length decoded together, one batched pass a step, where
-        pick(logits (n, V), rows) gives the next token of each live row, rows its prompts' indices."""
+        """Each prompt's continuation, up to max_new tokens, through the first of `ends` (kept), where
+        pick(logits (n, V), rows) gives the next token of each live row, rows its prompts' indices.
+
+        Up to `self.batch` sequences are in flight, one batched pass a step; when one ends, the next
+        prompt (shortest first) takes its slot, its prompt fed in the same pass as the others' next
+        tokens.  A fixed batch would run until its longest answer with its finished rows idle; here
+        the passes number about the tokens over the batch."""
         t = self.target
-        order = sorted(range(len(prompts)), key=lambda i: len(prompts[i]))
+        waiting = sorted(range(len(prompts)), key=lambda i: len(prompts[i]), reverse=True)  # pop() the shortest
         out: list[list[int]] = [[] for _ in prompts]
-        for b0 in range(0, len(order), self.batch):
-            idx = order[b0:b0 + self.batch]
-            caches = [t.new_cache(len(prompts[i]) + max_new) for i in idx]
-            logits = np.concatenate(t.forward_batch(caches, [prompts[i] for i in idx], [1] * len(idx)))
-            live = list(range(len(idx)))
-            while live:
-                nxt, still = [], []
-                for r, tok in zip(live, pick(logits, [idx[r] for r in live])):
-                    out[idx[r]].append(tok)
-                    if tok not in ends and len(out[idx[r]]) < max_new:
-                        still.append(r)
-                        nxt.append([tok])
-                live = still
-                if live:
-                    logits = np.concatenate(t.forward_batch([caches[r] for r in live], nxt, [1] * len(live)))
-            log(f"  {verb} {min(b0 + self.batch, len(order))}/{len(order)} (prompt len {len(prompts[idx[-1]])})")
+        caches: dict[int, object] = {}
+        feeds: dict[int, list[int]] = {}
+        live: list[int] = []  # prompt indices in flight, in the order they entered
+        finished, reported = 0, 0
+        while live or waiting:
+            while waiting and len(live) < self.batch:
+                i = waiting.pop()
+                caches[i], feeds[i] = t.new_cache(len(prompts[i]) + max_new), list(prompts[i])
+                live.append(i)
+            logits = np.concatenate(t.forward_batch([caches[i] for i in live], [feeds[i] for i in live],
+                                                    [1] * len(live)))
+            still = []
+            for i, tok in zip(live, pick(logits, live)):
+                out[i].append(tok)
+                if tok not in ends and len(out[i]) < max_new:
+                    still.append(i)
+                    feeds[i] = [tok]
+                else:
+                    del caches[i], feeds[i]
+                    finished += 1
+            live = still
+            if finished - reported >= self.batch or (finished == len(prompts) and finished > reported):
+                reported = finished
+                log(f"  {verb} {finished}/{len(prompts)}")
         return out
 
 
