@@ -225,6 +225,30 @@ def test_greedy_with_trees_is_target_only_with_every_kind_of_draft(tree_engine):
     assert sum(tokens for _, tokens in won.values()) > 0, won  # some branch won a token
 
 
+def test_trees_reach_the_drafts_the_scheduler_hands_out(model_store, tmp_path):
+    """Regression: with `[speculative] trees = true`, every draft the scheduler handed a request (the
+    daemon's way, not a fixed pool) failed at its first proposal, since the watcher around it took
+    no `alternatives`, and the request went on target-only."""
+    if not kernels.available():
+        pytest.skip(kernels.NOT_BUILT)
+    from memspec.build import build_engine
+    from memspec.config import load_config
+
+    path = tmp_path / "trees.toml"
+    path.write_text(f'home = "{model_store.home}"\n[model]\ntarget = "smollm2-135m"\n[runtime]\nbackend = "native"\n'
+                    f'max_context = 512\n[speculative]\ntrees = true\ngamma_max = 5\n')
+    engine = build_engine(load_config(str(path)), drafts="scheduler")
+    engine.verify_cost_s = [0.0] + [0.01 * (1.0 + 0.01 * k) for k in range(10)]  # trees wherever they may win
+    try:
+        base = engine.generate(GenerationRequest(prompt=PROMPTS[0], max_tokens=40, draft="none"))
+        for name in ("draft-code", "prompt-lookup"):
+            r = engine.generate(GenerationRequest(prompt=PROMPTS[0], max_tokens=40, draft=name))
+            assert r.token_ids == base.token_ids, name
+            assert r.stats.tree_steps > 0 and r.stats.num_accepted_tokens > 0, (name, r.stats)
+    finally:
+        engine.close()
+
+
 def test_a_target_that_takes_no_trees_gets_chains(tmp_path):
     """ONNX Runtime's target says it takes chains only: trees on changes nothing there."""
     from memspec.runtime.config import SessionConfig

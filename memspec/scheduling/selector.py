@@ -28,8 +28,8 @@ class _Watched:
     def __init__(self, state, entropies: deque):
         self.state, self.entropies = state, entropies
 
-    def propose(self, context, k, params, rng, shaper=IDENTITY):
-        prop = self.state.propose(context, k, params, rng, shaper)
+    def propose(self, context, k, params, rng, shaper=IDENTITY, alternatives=False):
+        prop = self.state.propose(context, k, params, rng, shaper, alternatives)
         self.entropies.extend(prop.entropy)
         return prop
 
