@@ -356,9 +356,10 @@ def test_checkpoint_keeps_its_vocabulary_and_export_only_refuses_another(tmp_pat
 @pytest.mark.parametrize("files, flags, message", [
     ({"a.jsonl": '{"prompt": "hi", "category": "qa"}\n'}, ["--prompt-categories", "poems"],
      r"--prompt-categories poems: no --prompts line has that category \(the files have: qa\)"),
-    ({"a.jsonl": '{"prompt": "hi"}\nnot json\n'}, [], r"a.jsonl, line 2: not JSON"),
-    ({"a.jsonl": '{"text": "hi"}\n'}, [], r"a.jsonl, line 1: each line needs a non-empty \"prompt\""),
-    ({"a.jsonl": "\n"}, [], r"a.jsonl: no prompts in it"),
+    ({"a.jsonl": '{"prompt": "hi"}\nnot json\n'}, [], r"a.jsonl:2: not JSON"),
+    ({"a.jsonl": '{"text": "hi"}\n'}, [], r"a.jsonl:1: needs a non-empty string field 'prompt'"),
+    ({"a.jsonl": "\n"}, [], r"a.jsonl holds no prompts"),
+    ({"missing.jsonl": None}, [], r"cannot read .*missing.jsonl"),
     ({"a.jsonl": '{"prompt": "hi"}\n', "b/a.jsonl": '{"prompt": "ho"}\n'}, [], r"also named a\.\*"),
     ({}, ["--prompt-categories", "qa"], r"give --prompts FILE"),
 ])
@@ -372,7 +373,8 @@ def test_train_draft_refuses_bad_prompt_files_before_any_work(tmp_path, files, f
 
     for name, text in files.items():
         (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
-        (tmp_path / name).write_text(text)
+        if text is not None:
+            (tmp_path / name).write_text(text)
     parser = argparse.ArgumentParser()
     add_train_draft_parser(parser.add_subparsers())
     given = ["--prompts", *(str(tmp_path / n) for n in files)] if files else ["--domain", "chat"]
@@ -400,6 +402,7 @@ def test_prompt_files_read_every_file_and_keep_their_lines(tmp_path):
     (tmp_path / "b.jsonl").write_text('{"prompt": "z", "category": "creative"}\n')
     got = prompt_files([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], ["rewriting", "creative"])
     assert {p.name: [x["prompt"] for x in lines] for p, lines in got.items()} == {"a.jsonl": ["x", "y"], "b.jsonl": ["z"]}
+    assert [x["category"] for x in got[tmp_path / "a.jsonl"]] == ["qa", "rewriting"]
 
 
 def test_python_m_memspec_train_reports_errors_without_a_traceback(capsys):

@@ -518,37 +518,27 @@ def run_train_draft(args) -> int:
 
 
 def prompt_files(paths, categories=None) -> dict[Path, list[dict]]:
-    """The lines of each --prompts file ({"prompt", "category"?}), checked: every file readable JSONL
-    with a "prompt" on each line, no two files sharing a name (each names its cached data set), and
-    each of `categories` found in some file."""
+    """The lines of each --prompts file, [{"prompt", "category"}] as a benchmark workload is read
+    (memspec.bench.policies.load_workload: JSONL, a non-empty "prompt" on every line), checked: no
+    two files sharing a name (each names its cached data set), and each of `categories` found in
+    some file."""
+    from memspec.bench.policies import load_workload
+
     out: dict[Path, list[dict]] = {}
     for name in paths:
         path = Path(name)
-        if not path.is_file():
-            raise MemspecError(f"--prompts {name}: no such file")
         if any(p.stem == path.stem for p in out):
             raise MemspecError(f"--prompts {name}: another file is also named {path.stem}.*, and a file's name keys "
                                f"its cached answers; rename one")
-        lines = []
-        for n, text in enumerate(path.read_text().splitlines(), 1):
-            if not text.strip():
-                continue
-            try:
-                line = json.loads(text)
-            except json.JSONDecodeError as exc:
-                raise MemspecError(f"--prompts {name}, line {n}: not JSON ({exc.msg})") from None
-            if not isinstance(line, dict) or not isinstance(line.get("prompt"), str) or not line["prompt"].strip():
-                raise MemspecError(f"--prompts {name}, line {n}: each line needs a non-empty \"prompt\" string")
-            lines.append(line)
-        if not lines:
-            raise MemspecError(f"--prompts {name}: no prompts in it")
-        out[path] = lines
-    found = {x.get("category") for lines in out.values() for x in lines}
+        try:
+            out[path] = load_workload(str(path))
+        except MemspecError as exc:
+            raise MemspecError(f"--prompts: {exc}") from None
+    found = {x["category"] for lines in out.values() for x in lines}
     missing = [c for c in categories or [] if c not in found]
     if missing:
-        have = ", ".join(sorted(str(c) for c in found if c)) or "none"
         raise MemspecError(f"--prompt-categories {', '.join(missing)}: no --prompts line has that category "
-                           f"(the files have: {have})")
+                           f"(the files have: {', '.join(sorted(found))})")
     return out
 
 
