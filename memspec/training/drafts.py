@@ -411,9 +411,10 @@ def run_train_draft(args) -> int:
         raise MemspecError(f"--width must be a multiple of {HEAD_DIM} (the attention head size), got {args.width}")
     if args.layers < 1:
         raise MemspecError(f"--layers must be at least 1, got {args.layers}")
-    if getattr(args, "prompt_categories", None) and not args.prompts:
+    categories = getattr(args, "prompt_categories", None)
+    if categories and not args.prompts:
         raise MemspecError("--prompt-categories chooses lines of --prompts files; give --prompts FILE")
-    prompt_files(getattr(args, "prompts", None) or [], getattr(args, "prompt_categories", None))  # before any work
+    files = prompt_files(args.prompts or [], categories)  # read and checked before any work
     torch = require_torch()
     from memspec.models.store import SHIPPED_MODELS
 
@@ -445,13 +446,13 @@ def run_train_draft(args) -> int:
 
     near = near_measured()  # the benchmarks' prompts and near copies of them: never trained on
     datasets = {}
-    for path, lines in prompt_files(args.prompts or [], getattr(args, "prompt_categories", None)).items():
+    for path, lines in files.items():
         key = "prompts-" + path.stem
         data = domain_data(work, key, teacher, tok, 0, args.max_new, args.seed, [x["prompt"] for x in lines])
-        if getattr(args, "prompt_categories", None):  # the file's answers made (or cached) for all of it
-            data = of_categories(data, lines, args.prompt_categories)
+        if categories:  # the file's answers made (or cached) for all of it
+            data = of_categories(data, lines, categories)
             log(f"{key}: {len(data['train'])} training and {len(data['eval'])} held-out answers of "
-                f"{', '.join(args.prompt_categories)}")
+                f"{', '.join(categories)}")
         datasets[key] = data
     for d in args.domain or []:
         used: set[str] = set()  # prompts earlier seeds hold (domain_prompts avoids the benchmarks' itself)
@@ -497,7 +498,7 @@ def run_train_draft(args) -> int:
         summary["previous"] = previous  # earlier run(s) this one continued from
 
     out = Path(args.out) if args.out else SHIPPED_MODELS
-    domain = ",".join(args.domain or [k for k in datasets])
+    domain = ",".join(args.domain or datasets)
     provenance = {
         "source": f"memspec train-draft (self-distillation from {args.target})",
         "teacher": f"{args.target} ({gguf.name}, greedy; each data set's teacher, or teacher_dtype for a torch "
