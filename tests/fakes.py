@@ -108,9 +108,13 @@ class FakeLoader:
 class StandInPredictor:
     """A predictor double: fixed tok/s per draft, and `code` rates once a code block is open."""
 
-    def __init__(self, rates: dict[str, float], code: dict[str, float] | None = None):
-        self.rates, self.code = rates, code or rates
+    def __init__(self, rates: dict[str, float], code: dict[str, float] | None = None,
+                 prior: dict[str, float] | None = None):
+        self.rates, self.code, self._prior = rates, code or rates, dict(prior or {})
         self.calls: list = []
+
+    def prior(self) -> dict[str, float]:
+        return dict(self._prior)
 
     def predict(self, prompt_text: str, ctx=None) -> dict[str, float]:
         self.calls.append((prompt_text, ctx))

@@ -377,7 +377,8 @@ def test_train_predictor_saves_the_chosen_default_and_margin(tmp_path, capsys):
     """`memspec train-predictor` stores the single best policy as the default and the held-out margin."""
     import argparse
 
-    from memspec.training.predictor_fit import add_train_predictor_parser, run_train_predictor, single_best_policy
+    from memspec.training.predictor_fit import (add_train_predictor_parser, prior_values, run_train_predictor,
+                                                single_best_policy)
 
     traces = _synthetic_traces(6)
     path = tmp_path / "traces.jsonl"
@@ -391,6 +392,27 @@ def test_train_predictor_saves_the_chosen_default_and_margin(tmp_path, capsys):
     pred = Predictor.load(tmp_path / "p.json")
     assert pred.default == single_best_policy(traces, pred.drafts)
     assert pred.margin == pytest.approx(chosen) and pred.info["held_out"]["margin"] == pred.margin
+    # the prior it records is what memspec fills its working set by at start
+    assert pred.prior() == {d: v for d, v in prior_values(traces, pred.drafts).items() if v > 0}
+    assert set(pred.prior()) == {"draft-code", "prompt-lookup"}  # target-only wins chit-chat: none for it
+
+
+def test_the_prior_is_what_each_draft_added_where_it_was_fastest():
+    from memspec.training.predictor_fit import prior_values
+
+    def trace(rates):
+        return {"requests": {p: {"tokens": int(r * 10), "steps": 10, "seconds": 10.0} for p, r in rates.items()}}
+
+    traces = [trace({NONE: 10, "a": 14, "b": 12}),  # a fastest: +4
+              trace({NONE: 10, "a": 11, "b": 19}),  # b fastest: +9
+              trace({NONE: 10, "a": 9, "b": 8}),  # target-only fastest: nobody's
+              trace({NONE: 10, "a": 20, "b": 10})]  # a: +10
+    assert prior_values(traces, [NONE, "a", "b"]) == {"a": pytest.approx(14 / 4), "b": pytest.approx(9 / 4)}
+    pred = Predictor.__new__(Predictor)  # prior() reads the info alone
+    pred._modeled, pred.info = ["a", "b"], {"prior": {"a": 3.5, "b": "x", "c": 9.0, "none": 1.0}}
+    assert pred.prior() == {"a": 3.5}  # a bad value and drafts it does not model are dropped
+    pred.info = {}
+    assert pred.prior() == {}  # fitted before priors were recorded
 
 
 def test_train_predictor_scores_itself_on_test_traces_of_other_prompts(tmp_path, capsys):

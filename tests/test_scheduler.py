@@ -309,6 +309,26 @@ def test_memspec_uses_a_resident_draft_at_once_and_preloads_for_the_queue():
     sel.close()
 
 
+def test_memspec_fills_the_working_set_by_its_prior_per_byte_before_the_first_request():
+    """At start memspec loads the drafts its predictor's prior values most per byte, as far as the
+    budget admits them without evicting one worth more; the first request then starts on its draft
+    at once instead of loading it while it runs."""
+    prior = {"draft-code": 5.0, "draft-chat": 3.0, "draft-math": 1.0, "prompt-lookup": 0.5}
+    pred = StandInPredictor(RATES, CODE, prior=prior)
+    sched, loader, *_ = make("memspec", budget_mb=125, predictor=pred)  # 100 MiB target: room for two drafts
+    assert sorted(loader.loaded) == ["draft-chat", "draft-code", "prompt-lookup"]  # math would evict chat
+    assert sched.counters()["memspec.warm_preloads"] == 3 and sched.counters()["loads"] == 3
+    sel = sched.selector(req("tell me about cats"), [1, 2, 3, 4], 64)
+    assert sel.name == "draft-chat" and sel.pending is None  # a hit: no load while it runs
+    sel.close()
+    assert sched.counters()["stalls"] == 0 and sched.counters()["hits"] == 1
+
+    for pred, cfg in ((StandInPredictor(RATES, CODE), {}),  # a predictor without a prior
+                      (StandInPredictor(RATES, CODE, prior=prior), {"preload": False})):
+        sched, loader, *_ = make("memspec", predictor=pred, **cfg)
+        assert loader.loaded == [] and "memspec.warm_preloads" not in sched.counters()
+
+
 def test_memspec_stays_target_only_when_no_draft_is_predicted_faster():
     slow = {"draft-chat": 5.0, "draft-code": 5.0, "draft-math": 5.0, "prompt-lookup": 5.0, "none": 30.0}
     sched, loader, *_ = make("memspec", predictor=StandInPredictor(slow))

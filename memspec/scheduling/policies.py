@@ -81,6 +81,10 @@ class Policy:
     def hint(self, req: GenerationRequest) -> None:
         """A request of this policy waits in the queue (memspec preloads its draft)."""
 
+    def warm(self) -> None:
+        """The scheduler starts with this as its configured policy, before any request: load what
+        the first requests should find resident (the scheduler then waits for those loads)."""
+
     def report(self) -> PolicyReport:
         """Its counters and own state, for the scheduler's counters, status and report."""
         return PolicyReport()
@@ -376,6 +380,23 @@ class Memspec(Policy):
             if values[d] > 0 and not ws.is_resident(d):
                 ws.preload(d)
 
+    def warm(self) -> None:
+        """Fill the working set before the first request: the drafts worth most per byte by the
+        predictor's prior (what each added on the requests it was fastest for), as far as the
+        budget admits them without evicting one worth more.  A cold start instead loads the first
+        request's draft while it runs, and evicts for the next one's (the drafts thrash)."""
+        if not self.sched.config.preload:
+            return
+        prior = {d: v for d, v in self.predictor.prior().items() if d in self.sched.drafts}
+        ws, sizes = self.sched.ws, self.sched.drafts
+        with self._lock:
+            for d, v in prior.items():
+                self.values.setdefault(d, v)
+        for d in sorted(prior, key=lambda d: -prior[d] / max(sizes[d], 1)):
+            ws.set_value(d, prior[d])
+            if ws.preload(d):
+                self.sched.count("memspec.warm_preloads")
+
     def hint(self, req: GenerationRequest) -> None:
         """A request waiting in the queue: preload what it will want."""
         if not self.sched.config.preload:
@@ -440,6 +461,10 @@ class Oracle(Policy):
 
     def __init__(self, sched: PolicyContext, table: dict[str, str]):
         self.sched, self.table = sched, table  # {prompt text: fastest draft}
+
+    def warm(self) -> None:
+        for name in self.sched.drafts:  # all preloaded, at no cost to any request (its budget is none)
+            self.sched.ws.preload(name)
 
     def start(self, req, prompt, capacity, cancelled):
         best = self.table.get(request_text(req))

@@ -176,6 +176,22 @@ class Predictor:
         self._columns = np.asarray([0 if d == NONE else 1 + modeled.index(d) for d in self.drafts])
         self._prompts: OrderedDict[str, tuple[np.ndarray, frozenset]] = OrderedDict()  # prompt -> features, ngrams
 
+    def prior(self) -> dict[str, float]:
+        """Each draft's worth before a prompt is seen, in tok/s over target-only (train-predictor's
+        `prior_values`, kept in its info); {} for a predictor fitted before it recorded one."""
+        raw = self.info.get("prior")
+        if not isinstance(raw, dict):
+            return {}
+        out = {}
+        for d, v in raw.items():
+            try:
+                v = float(v)
+            except (TypeError, ValueError):
+                continue
+            if d in self._modeled and math.isfinite(v) and v > 0:
+                out[d] = v
+        return out
+
     # -- persistence -----------------------------------------------------------------------
     def to_json(self) -> dict:
         return {"format": FORMAT, "version": VERSION, "features": list(FEATURES), "quantities": list(QUANTITIES),

@@ -77,12 +77,10 @@ class Scheduler:
         self.context = PolicyContext(self.ws, config, self.drafts, self.count, self.leased, self.decode,
                                      self.target_name, self._load_predictor, self._load_oracle_table)
         self._policies_lock = threading.Lock()
-        self.policy(self.default)  # a missing predictor or oracle table fails at start, not at the first request
-        if oracle:
-            for name in self.drafts:  # all preloaded, at no cost to any request
-                self.ws.preload(name)
-            self.ws.wait_idle(timeout=600)
+        policy = self.policy(self.default)  # a missing predictor or oracle table fails at start, not at the first request
         self._suffix = self._hold(SUFFIX) if SUFFIX in self.drafts else None  # learns from every request
+        policy.warm()  # what the first requests should find resident (the oracle: every draft)
+        self.ws.wait_idle(timeout=600 if oracle else config.load_wait_s)
 
     def _hold(self, name: str) -> Lease | None:
         """A lease on `name` for the scheduler's life, once it is loaded (None: it does not fit the budget)."""

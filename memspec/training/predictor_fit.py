@@ -224,6 +224,22 @@ def single_best_policy(traces: list[dict], policies) -> str:
     return max(policies, key=lambda d: tot[d][0] / tot[d][1] if tot[d][1] else 0.0)
 
 
+def prior_values(traces: list[dict], policies) -> dict[str, float]:
+    """Each draft's worth before any request is seen: the tok/s over target-only it measured on the
+    requests it was the fastest for, averaged over all requests (0.0 for one never fastest).  What
+    memspec's working set is filled by at start, per byte, before the first prompt says more."""
+    gain = {d: 0.0 for d in policies if d != NONE}
+    for tr in traces:
+        rates = {d: _measured(tr["requests"].get(d)) for d in policies}
+        rates = {d: r for d, r in rates.items() if r is not None}
+        if not rates:
+            continue
+        best = max(rates, key=rates.get)
+        if best != NONE and NONE in rates:
+            gain[best] += rates[best] - rates[NONE]
+    return {d: round(g / max(len(traces), 1), 4) for d, g in gain.items()}
+
+
 MARGINS = (0.0, 0.05, 0.1, 0.2, 0.3, 0.5, 1.0)  # candidate margins over the default policy
 
 
@@ -379,7 +395,8 @@ def run_train_predictor(args) -> int:
     info = {"traces": Path(args.traces).name, "requests": len(traces),
             "segments": sum(len(t["segments"]) for t in traces), "target": traces[0].get("target"),
             "trained": datetime.date.today().isoformat(), "sklearn": sklearn.__version__,
-            "config": asdict(cfg), "held_out": held_out}
+            "config": asdict(cfg), "held_out": held_out,
+            "prior": prior_values(traces, traces[0]["policies"])}
     pred = fit(traces, cfg, info)
     pred.default, pred.margin = single_best_policy(traces, pred.drafts), margin  # as cross_validate sets them
     if tests:
