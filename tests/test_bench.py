@@ -61,6 +61,36 @@ def test_default_budget_adds_the_process_and_one_request_and_rounds_up():
     assert default_budget_mb(300 * MiB, 10 * MiB + 1, sizes) == 300 + 11 + 40
 
 
+def test_rounds_run_forward_then_backward():
+    from memspec.bench.policies import round_order
+
+    assert round_order(["a", "b", "c"], 1) == [(0, "a"), (0, "b"), (0, "c")]
+    assert [p for _, p in round_order(["a", "b"], 3)] == ["a", "b", "b", "a", "a", "b"]
+
+
+def test_stream_ratios_over_rounds_are_the_medians_of_each_rounds_ratio():
+    """A machine that slows down between rounds: each round's ratio holds, the pooled tok/s' would not."""
+    from memspec.bench.policies import PolicyRun, Tally, stream_rows
+    from memspec.runtime.memory import MiB
+
+    runs = {p: PolicyRun() for p in ("target-only", "bandit", "memspec", "oracle")}
+    for p, rates in {"target-only": (20, 10, 10), "bandit": (30, 15, 12), "memspec": (40, 18, 20),
+                     "oracle": (44, 20, 20)}.items():
+        for i, v in enumerate(rates):
+            runs[p].add_round(100 * MiB * (i + 1), {"stalls": 1, "stall_ms": 2.0, "loads": 3}, float(v))
+    cells = {}
+    for p, run_ in runs.items():
+        t = Tally(requests=3, tokens=int(sum(run_.round_tok_per_s)), seconds=3.0)
+        cells[(p, "code")] = t
+    rows = {r["policy"]: r for r in stream_rows(cells, runs, list(runs), 500) if r["category"] == "all"}
+    assert rows["memspec"]["speedup_vs_target"] == 2.0  # rounds 2.0, 1.8, 2.0 (pooled: 78/40 = 1.95)
+    assert rows["memspec"]["ratio_vs_bandit"] == pytest.approx(1.333, abs=1e-3)  # 1.333, 1.2, 1.667
+    assert rows["memspec"]["fraction_of_oracle"] == pytest.approx(0.909, abs=1e-3)  # 0.909, 0.9, 1.0
+    assert rows["memspec"]["rounds_tok_per_s"] == [40, 18, 20]
+    assert rows["memspec"]["load_stalls"] == 3 and rows["memspec"]["loads"] == 9
+    assert rows["memspec"]["peak_rss_mb"] == 300
+
+
 # -- the stream benchmark, end to end on the real fp32 target --------------------------------------
 STREAM_KEYS = {"policy", "category", "tokens", "seconds", "tok_per_s", "speedup_vs_target",
                "mean_acceptance_length", "wasted_draft_tokens", "peak_rss_mb", "budget_mb", "load_stalls",
@@ -97,6 +127,28 @@ def test_stream_bench_runs_every_policy_under_the_budget_with_target_only_output
         assert png.stat().st_size > 1000
     else:  # an optional extra: the run says how to get the chart instead of failing
         assert not png.exists() and "pip install -e .[bench]" in r.stderr
+
+
+def test_stream_bench_runs_rounds_and_refuses_rounds_it_cannot_run(model_store, tmp_path):
+    from test_cli import memspec
+
+    workload = tmp_path / "w.jsonl"
+    workload.write_text(json.dumps({"prompt": "Write a Python function that adds two numbers.",
+                                    "category": "code"}) + "\n")
+    out = tmp_path / "out.json"
+    r = memspec("bench", "--variant", "fp32", "--workload", str(workload), "--max-tokens", "6",
+                "--policies", "memspec", "--rounds", "2", "--json", str(out), home=model_store.home)
+    assert r.returncode == 0, r.stderr
+    rows = {x["policy"]: x for x in json.loads(out.read_text())["runs"] if x["category"] == "all"}
+    assert set(rows) == {"target-only", "memspec"} and json.loads(out.read_text())["config"]["rounds"] == 2
+    for row in rows.values():
+        assert len(row["rounds_tok_per_s"]) == 2 and row["mismatches_vs_target"] == 0 and row["requests"] == 2
+    assert "tok/s by round" in r.stdout
+    for extra, says in ((["--policies", "memspec", "--rounds", "0"], "--rounds must be at least 1, got 0"),
+                        (["--policies", "target-only,fixed:prompt-lookup", "--rounds", "2"],
+                         "the fixed drafts run once each")):
+        bad = memspec("bench", "--workload", str(workload), "--max-tokens", "4", *extra, home=model_store.home)
+        assert bad.returncode != 0 and says in bad.stderr, bad.stderr
 
 
 def test_stream_bench_measures_the_verification_costs_before_any_policy_runs(model_store, monkeypatch):

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import random
+import statistics
 import sys
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -248,10 +249,20 @@ SCHEDULED = ("bandit", "memspec", "oracle")
 class PolicyRun:
     """What one policy did over the whole stream, beside its Tally cells."""
 
-    peak_rss: int = 0  # bytes, sampled
-    stalls: int = 0
+    peak_rss: int = 0  # bytes, sampled (the highest of its rounds)
+    stalls: int = 0  # summed over its rounds, as are the two below
     stall_ms: float = 0.0
     counters: dict = field(default_factory=dict)
+    round_tok_per_s: list[float] = field(default_factory=list)  # its tok/s over the whole stream, each round
+
+    def add_round(self, peak_rss: int, counters: dict, tok_per_s: float) -> None:
+        self.peak_rss = max(self.peak_rss, peak_rss)
+        self.stalls += int(counters.get("stalls", 0))
+        self.stall_ms += counters.get("stall_ms", 0.0)
+        for k, v in counters.items():
+            if isinstance(v, (int, float)):
+                self.counters[k] = self.counters.get(k, 0) + v
+        self.round_tok_per_s.append(tok_per_s)
 
 
 def draft_sizes(store, target, suffix_bytes: int = 0) -> dict[str, int]:
@@ -281,22 +292,31 @@ def default_budget_mb(process_bytes: int, kv_bytes: int, sizes: dict[str, int], 
     return -(-(process_bytes + kv_bytes + draft_room(sizes, held)) // MiB)
 
 
+def round_order(policies: list[str], rounds: int) -> list[tuple[int, str]]:
+    """(round, policy) in the order they run: forward, then backward, and so on (A B B A), so
+    that a machine drifting over the run slows no policy more than another."""
+    return [(r, p) for r in range(rounds) for p in (policies if r % 2 == 0 else policies[::-1])]
+
+
 def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str], max_tokens: int,
-               lookahead: int = 1, progress=None) -> tuple[dict, dict[str, PolicyRun], dict[str, list[int]]]:
-    """Each policy over the same stream with its own scheduler; returns (cells, runs, target-only outputs).
+               lookahead: int = 1, progress=None,
+               rounds: int = 1) -> tuple[dict, dict[str, PolicyRun], dict[str, list[int]]]:
+    """Each policy over the same stream with its own scheduler, `rounds` times in round_order;
+    returns (cells summed over the rounds, runs, target-only outputs).
     The engine must be warm (ONNX Runtime's first runs are slow): run_bench_stream warms it."""
     from memspec.runtime.memory import PsutilProbe, RssSampler, reclaim
     from memspec.speculation.sources import DraftPool
 
     cells: dict[tuple[str, str], Tally] = defaultdict(Tally)
-    runs: dict[str, PolicyRun] = {}
+    runs: dict[str, PolicyRun] = {p: PolicyRun() for p in policies}
     base: dict[int, list[int]] = {}
     probe = PsutilProbe()
     reqs = [GenerationRequest(prompt=w["prompt"], max_tokens=max_tokens) for w in workload]
-    for policy in policies:
-        sched = make_scheduler(policy)
+    for r, policy in round_order(policies, rounds):
+        sched = make_scheduler(policy)  # a fresh one each round: no round starts with another's resident set
         engine.drafts = sched
         reclaim()
+        this_round = Tally()
         try:
             with RssSampler(probe) as rss:
                 for i, (item, req) in enumerate(zip(workload, reqs)):
@@ -307,12 +327,13 @@ def run_stream(engine, make_scheduler, workload: list[dict], policies: list[str]
                         if isinstance(out, Completion):
                             c = out
                     base.setdefault(i, c.token_ids)
-                    cells[(policy, item["category"])].add(c, mismatch=c.token_ids != base[i])
+                    mismatch = c.token_ids != base[i]
+                    cells[(policy, item["category"])].add(c, mismatch=mismatch)
+                    this_round.add(c, mismatch=mismatch)
                     if progress:
-                        progress(f"[{policy} {i + 1}/{len(workload)}] {item['category']}")
-            counters = sched.counters()
-            runs[policy] = PolicyRun(rss.peak_bytes, int(counters.get("stalls", 0)), counters.get("stall_ms", 0.0),
-                                     counters)
+                        progress(f"[{policy} {i + 1}/{len(workload)}{f' round {r + 1}/{rounds}' if rounds > 1 else ''}]"
+                                 f" {item['category']}")
+            runs[policy].add_round(rss.peak_bytes, sched.counters(), this_round.tok_per_s)
         finally:
             engine.drafts = DraftPool()
             sched.close()
@@ -349,15 +370,24 @@ def stream_rows(cells: dict, runs: dict[str, PolicyRun], policies: list[str], bu
     """summarize_runs() rows, with the stream's columns added to each policy's `all` row."""
     rows = summarize_runs(cells, policies)
     alls = {r["policy"]: r for r in rows if r["category"] == "all"}
-    bandit = alls.get("bandit", {}).get("tok_per_s")
-    oracle = alls.get("oracle", {}).get("tok_per_s")
+
+    def ratio(policy: str, other: str) -> float | None:
+        """The median over rounds of policy's tok/s over other's in the same round (one round: the ratio)."""
+        if other not in runs or not runs[other].round_tok_per_s:
+            return None
+        return round(statistics.median(a / b for a, b in zip(runs[policy].round_tok_per_s,
+                                                              runs[other].round_tok_per_s) if b > 0), 3)
+
     for policy, r in alls.items():
         run_ = runs[policy]
+        if len(run_.round_tok_per_s) > 1:  # ratios as medians of each round's, the drift of the machine apart
+            r["speedup_vs_target"] = ratio(policy, "target-only")
         r.update({
             "peak_rss_mb": round(run_.peak_rss / MiB, 1), "budget_mb": budget_mb,
             "load_stalls": run_.stalls, "load_stall_ms": round(run_.stall_ms, 1),
-            "ratio_vs_bandit": round(r["tok_per_s"] / bandit, 3) if bandit else None,
-            "fraction_of_oracle": round(r["tok_per_s"] / oracle, 3) if oracle else None,
+            "rounds_tok_per_s": [round(v, 2) for v in run_.round_tok_per_s],
+            "ratio_vs_bandit": ratio(policy, "bandit"),
+            "fraction_of_oracle": ratio(policy, "oracle"),
             "acceptance_rate": round(r["num_accepted_tokens"] / r["num_draft_tokens"], 3) if r["num_draft_tokens"] else 0.0,
             "loads": int(run_.counters.get("loads", 0)), "evictions": int(run_.counters.get("evictions", 0)),
             "hits": int(run_.counters.get("hits", 0)), "misses": int(run_.counters.get("misses", 0)),
@@ -383,6 +413,12 @@ def print_stream_table(rows: list[dict], out=sys.stdout) -> None:
               file=out)
     print("(budget: the process's RSS with the target loaded + resident drafts' footprints + KV caches "
           "of the running request; peak RSS: the whole process, sampled)", file=out)
+    if any(len(r.get("rounds_tok_per_s", ())) > 1 for r in alls):
+        print("(tok/s: over every round; speedup, vs bandit and of oracle: the median of each round's ratio, "
+              "the rounds run forward then backward; stalls over every round)", file=out)
+        for r in alls:
+            print(f"  {r['policy']:<{w}} tok/s by round: {', '.join(f'{v:.1f}' for v in r['rounds_tok_per_s'])}",
+                  file=out)
 
 
 def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> tuple[list[dict], dict]:
@@ -453,11 +489,12 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     print(f"budget {budget} MiB: process with the target {process / MiB:.0f} MiB (target file "
           f"{target_bytes / MiB:.0f} MiB) + KV caches {kv / MiB:.1f} MiB + draft footprints "
           f"{', '.join(f'{n} {b / MiB:.1f}' for n, b in sorted(sizes.items()))} MiB", file=sys.stderr)
-    cells, runs, _ = run_stream(engine, make_scheduler, workload, policies, args.max_tokens, args.lookahead, progress)
+    cells, runs, _ = run_stream(engine, make_scheduler, workload, policies, args.max_tokens, args.lookahead, progress,
+                                rounds=getattr(args, "rounds", 1))
     rows = stream_rows(cells, runs, policies, budget)
     info = {"budget_mb": budget, "target_bytes": target_bytes, "process_bytes_at_start": process,
             "kv_bytes_per_request": kv, "draft_footprints": sizes, "stream": True,
-            "lookahead": args.lookahead, "oracle_table": oracle_table,
+            "lookahead": args.lookahead, "rounds": getattr(args, "rounds", 1), "oracle_table": oracle_table,
             "scheduler": dataclasses.asdict(dataclasses.replace(base_cfg, budget_mb=budget))}
     return rows, {"engine": engine, "info": info}
 
@@ -484,6 +521,9 @@ def add_arguments(b) -> None:
                    help="fastest draft per prompt for the oracle (default: profile every draft first)")
     b.add_argument("--lookahead", type=int, default=1, metavar="N",
                    help="stream mode: requests the scheduler sees queued behind the running one (default 1)")
+    b.add_argument("--rounds", type=int, default=1, metavar="N",
+                   help="stream mode: run every policy over the stream N times, forward then backward, and "
+                        "report each ratio as the median of the rounds' (default 1)")
     b.add_argument("--json", metavar="FILE", help="write {config, runs} as JSON")
     b.add_argument("--png", metavar="FILE", help="write a chart of speedups")
 
@@ -512,6 +552,8 @@ def run_bench(args) -> int:
 
     if args.max_tokens <= 0:
         raise InvalidRequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
+    if getattr(args, "rounds", 1) < 1:
+        raise InvalidRequestError(f"--rounds must be at least 1, got {args.rounds}")
     workload = load_workload(args.workload)
     if args.limit:
         kept: dict[str, list] = defaultdict(list)
@@ -534,6 +576,9 @@ def run_bench(args) -> int:
         print_table(rows)
         print_stream_table(rows)
     else:
+        if getattr(args, "rounds", 1) > 1:
+            raise InvalidRequestError("--rounds runs the scheduling policies' stream (bandit, memspec, oracle, or "
+                                      "any policy with --budget-mb); the fixed drafts run once each")
         engine = build_engine(args.config, args.variant, drafts="pool")
         spec = engine.spec = _spec(args, engine.spec)
         from memspec.speculation.suffix import SUFFIX
