@@ -84,6 +84,70 @@ def test_expected_seconds_counts_the_load():
     assert expected_seconds(5, 10, 50, 1.0) == pytest.approx(0.5)  # done before the load is
     assert expected_seconds(100, 10, 50, 1.0, 0.5) == pytest.approx(1.5 + 90 / 50)  # then 0.5 s catching up
     assert expected_seconds(100, 10, 50, 0.0, 0.5) == pytest.approx(0.5 + 100 / 50)
+    # a load that takes the cores the request decodes on (overlap 0) costs its whole time
+    assert expected_seconds(100, 10, 50, 1.0, overlap=0.0) == pytest.approx(1.0 + 100 / 50)
+    assert expected_seconds(100, 10, 50, 1.0, overlap=0.5) == pytest.approx(1.0 + 95 / 50)
+    assert expected_seconds(5, 10, 50, 1.0, overlap=0.5) == pytest.approx(1.0)  # done at half speed first
+    assert expected_seconds(0, 10, 50, 1.0, overlap=0.0) == pytest.approx(1.0)
+
+
+def test_the_load_overlap_is_what_the_targets_threads_leave_of_the_cores(monkeypatch):
+    import os
+    from types import SimpleNamespace
+
+    from memspec.runtime.config import SessionConfig
+    from memspec.scheduling import scheduler as S
+
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1}, raising=False)
+    cpu = SimpleNamespace(session=SimpleNamespace(providers=["memspec-native (avx2)"]))
+    assert S.load_overlap(SessionConfig(intra_op_threads=2), cpu) == 0.0  # every core decodes
+    assert S.load_overlap(SessionConfig(intra_op_threads=1), cpu) == 1.0  # a core is left for the load
+    monkeypatch.setattr("memspec.runtime.contracts.physical_cores", lambda: 2)
+    assert S.load_overlap(SessionConfig(), cpu) == 0.0  # threads 0: one per physical core
+    gpu = SimpleNamespace(session=SimpleNamespace(providers=["CUDAExecutionProvider", "CPUExecutionProvider"]))
+    assert S.load_overlap(SessionConfig(intra_op_threads=2), gpu) == 1.0
+
+
+def test_memspec_loads_a_draft_only_for_a_gain_its_load_pays_for_where_the_load_takes_the_cores():
+    """Where a load runs beside decoding (overlap 1), 1 tok/s more is worth loading for; where it takes
+    the cores the request decodes on (overlap 0), its 0.1 s is a stall that 64 tokens at +1 tok/s
+    do not pay back (2.165 s against 2.133 s on target-only), and +20 tok/s do."""
+    for overlap, chat, loads in ((1.0, 31.0, True), (0.0, 31.0, False), (0.0, 50.0, True)):
+        rates = {"draft-chat": chat, "draft-code": 5.0, "draft-math": 5.0, "prompt-lookup": 5.0, "none": 30.0}
+        sched, loader, *_ = make("memspec", predictor=StandInPredictor(rates))
+        sched.ws.load_overlap = overlap
+        sel = sched.selector(req("tell me about cats"), [1, 2, 3, 4], 64)
+        assert (sel.pending == "draft-chat") == loads, (overlap, chat)
+        sched.ws.wait_idle()
+        sel.close()
+
+
+def test_memspec_counts_the_reload_of_the_drafts_a_load_would_evict():
+    """Room for two drafts, both resident and worth keeping: loading a third evicts one, which the
+    next request that wants it loads again; that time is counted against the third."""
+    sched, loader, *_ = make("memspec", predictor=StandInPredictor(RATES))
+    ws = sched.ws
+    for d in ("draft-chat", "draft-code"):
+        ws.lease(d).release()
+    ws.set_value("draft-code", 2.0)
+    one = ws.expected_load_s("draft-math")  # a 10 MiB draft at the working set's load rate
+    assert one > 0
+    assert ws.expected_reload_s("draft-math") == pytest.approx(0.0)  # evicts draft-chat: worth nothing
+    ws.set_value("draft-chat", 1.0)
+    assert ws.expected_reload_s("draft-math") == pytest.approx(one)  # evicts draft-chat, worth keeping
+    assert ws.expected_reload_s("draft-chat") == 0.0 and ws.expected_reload_s("prompt-lookup") == 0.0
+    # draft-code is predicted worth keeping (12 tok/s over target-only's 10): loading draft-math
+    # evicts it. 64 tokens: 0.1 s loading at 30, then 61 at 31 (2.068 s) and its 0.1 s reload, against
+    # 2.133 s on draft-chat; without the reload (budget 0: nothing evicted) draft-math is loaded
+    for budget, loads in ((125, False), (0, True)):
+        rates = {"draft-chat": 30.0, "draft-code": 12.0, "draft-math": 31.0, "prompt-lookup": 5.0, "none": 10.0}
+        sched, *_ = make("memspec", budget_mb=budget, predictor=StandInPredictor(rates))
+        for d in ("draft-chat", "draft-code"):
+            sched.ws.lease(d).release()
+        sel = sched.selector(req("tell me about cats"), [1, 2, 3, 4], 64)
+        assert sel.name == "draft-chat" and (sel.pending == "draft-math") == loads, budget
+        sched.ws.wait_idle()
+        sel.close()
 
 
 def test_request_reward_kinds():

@@ -184,14 +184,16 @@ class Bandit(Policy):
 
 
 # -- memspec ---------------------------------------------------------------------------------
-def expected_seconds(tokens: int, tps_now: float, tps_new: float, load_s: float, catchup_s: float = 0.0) -> float:
-    """Time to generate `tokens` running at `tps_now` while a draft loads for `load_s`, then,
-    after `catchup_s` in which it feeds the context so far and nothing is generated, at `tps_new`
-    (load_s = catchup_s = 0: the draft is there already)."""
+def expected_seconds(tokens: int, tps_now: float, tps_new: float, load_s: float, catchup_s: float = 0.0,
+                     overlap: float = 1.0) -> float:
+    """Time to generate `tokens` running at `overlap` times `tps_now` while a draft loads for
+    `load_s`, then, after `catchup_s` in which it feeds the context so far and nothing is
+    generated, at `tps_new` (load_s = catchup_s = 0: the draft is there already; overlap 0: the
+    load takes the cores the request decodes on, so it costs its whole time)."""
     tps_now, tps_new = max(tps_now, 1e-6), max(tps_new, 1e-6)
-    during = load_s * tps_now
-    if during >= tokens:
-        return tokens / tps_now
+    during = load_s * tps_now * overlap
+    if overlap > 0 and during >= tokens:
+        return tokens / (tps_now * overlap)
     return load_s + catchup_s + (tokens - during) / tps_new
 
 
@@ -276,17 +278,19 @@ class Memspec(Policy):
               context: int = 0) -> tuple[str, float]:
         """The draft with the least expected time for `tokens` more tokens, counting loads:
         a resident draft runs at once; a missing one loads while `current` (or the best
-        resident) runs.  Mid-request (`context` tokens so far) a draft other than `current`
-        first catches up on the whole context.  At the start that is the prompt, which the
-        predictor's rates already include.  Returns (draft or 'none', expected seconds)."""
+        resident) runs, as fast as the load leaves it (the working set's load_overlap), and the
+        drafts worth keeping that its load evicts are counted at the time they take to load again.  Mid-request (`context` tokens so far) a draft other than
+        `current` first catches up on the whole context.  At the start that is the prompt, which
+        the predictor's rates already include.  Returns (draft or 'none', expected seconds)."""
         ws = self.sched.ws
         resident = {d for d in pred if d == NO_DRAFT or ws.is_resident(d)}
         now = current if current is not None else max(resident, key=lambda d: pred[d])
         best, best_s = now, expected_seconds(tokens, pred[now], pred[now], 0.0)
         for d, tps in pred.items():
             load_s = 0.0 if d in resident else ws.expected_load_s(d)
+            reload_s = 0.0 if d in resident else ws.expected_reload_s(d)
             catchup_s = ws.expected_catchup_s(d, context) if context and d not in (now, NO_DRAFT) else 0.0
-            s = expected_seconds(tokens, pred[now], tps, load_s, catchup_s)
+            s = expected_seconds(tokens, pred[now], tps, load_s, catchup_s, ws.load_overlap) + reload_s
             if s < best_s:
                 best, best_s = d, s
         return best, best_s

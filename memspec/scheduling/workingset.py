@@ -158,8 +158,10 @@ class WorkingSet:
     def __init__(self, budget_bytes: int, loader: Loader, probe: MemoryProbe, clock: Clock = time.monotonic,
                  pressure_floor_bytes: int = 0, sizes: dict[str, int] | None = None, retry_after_s: float = 30.0,
                  ledger: Ledger | None = None, reclaim: Callable[[], None] = reclaim,
-                 pressure_period_s: float = PRESSURE_PERIOD_S):
+                 pressure_period_s: float = PRESSURE_PERIOD_S, load_overlap: float = 1.0):
         self.budget = budget_bytes  # 0 = no limit
+        # the share of a running request's speed kept while a load runs beside it (scheduler.load_overlap)
+        self.load_overlap = load_overlap
         self.loader, self.probe, self.clock = loader, probe, clock
         self.pressure_floor = pressure_floor_bytes  # 0 = never under pressure
         self.pressure_period_s = pressure_period_s  # memory is read at most this often while above the floor
@@ -256,6 +258,19 @@ class WorkingSet:
             if e is not None and e.state == "resident":
                 return 0.0
             return self.sizes.get(name, 0) / self._load_rate
+
+    def expected_reload_s(self, name: str) -> float:
+        """What fetching `name` now would cost later: the expected load time of the drafts worth
+        keeping (value > 0) that its load would evict, which the requests that want them next must
+        load again.  0.0 when it is resident, fits beside them, or could not be loaded at all."""
+        with self._cond:
+            if name in self._entries:
+                return 0.0
+            new = Candidate(name, self.sizes.get(name, 0), 0, self._values.get(name, 0.0), self.clock())
+            adm = admit(new, self._candidates(), self.used_bytes(), self.budget, force=True)
+            if not adm.ok:
+                return 0.0
+            return sum(self._entries[v].nbytes for v in adm.victims if self._entries[v].value > 0) / self._load_rate
 
     def expected_catchup_s(self, name: str, tokens: int) -> float:
         """How long `name` should take to feed `tokens` of context into an empty cache (what a
