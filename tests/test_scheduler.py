@@ -104,6 +104,7 @@ def test_the_load_overlap_is_what_the_targets_threads_leave_of_the_cores(monkeyp
     assert S.load_overlap(SessionConfig(intra_op_threads=1), cpu) == 1.0  # a core is left for the load
     monkeypatch.setattr("memspec.runtime.contracts.physical_cores", lambda: 2)
     assert S.load_overlap(SessionConfig(), cpu) == 0.0  # threads 0: one per physical core
+    assert S.load_overlap(None, cpu) == 0.0  # no session config: its defaults (regression: an AttributeError)
     gpu = SimpleNamespace(session=SimpleNamespace(providers=["CUDAExecutionProvider", "CPUExecutionProvider"]))
     assert S.load_overlap(SessionConfig(intra_op_threads=2), gpu) == 1.0
 

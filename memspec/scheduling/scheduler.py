@@ -321,7 +321,7 @@ def load_overlap(session_config, target) -> float:
 
     if any(p in GPU_PROVIDERS for p in getattr(target.session, "providers", None) or ()):
         return 1.0
-    threads = session_config.intra_op_threads or physical_cores()
+    threads = getattr(session_config, "intra_op_threads", 0) or physical_cores()  # None: the defaults
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return 1.0 if cores > threads else 0.0
 
