@@ -397,6 +397,69 @@ def test_train_predictor_saves_the_chosen_default_and_margin(tmp_path, capsys):
     assert set(pred.prior()) == {"draft-code", "prompt-lookup"}  # target-only wins chit-chat: none for it
 
 
+def test_a_draft_profiled_again_replaces_its_records_priced_against_the_base_target():
+    from memspec.training.predictor_fit import replace_draft_records
+
+    base = _synthetic_traces(2)
+    newer = json.loads(json.dumps(base))
+    for t in newer:  # a slower machine (target-only twice as long) and a better draft-code
+        t["requests"][NONE]["seconds"] *= 2
+        t["requests"]["draft-code"].update(tokens=31, steps=7, seconds=9.0)
+        for seg in t["segments"]:
+            seg["drafts"]["draft-code"].update(steps=3, accepted=13, seconds=1.0)
+        del t["requests"]["prompt-lookup"]
+    kept = json.dumps(base)
+    out = replace_draft_records(base, newer, "draft-code")
+    assert json.dumps(base) == kept  # the traces read are left as they were
+    for t, b in zip(out, base):
+        code = t["requests"]["draft-code"]
+        assert (code["tokens"], code["steps"]) == (31, 7) and code["seconds"] == pytest.approx(4.5)
+        assert all(s["drafts"]["draft-code"]["seconds"] == pytest.approx(0.5) and
+                   s["drafts"]["draft-code"]["accepted"] == 13 for s in t["segments"])
+        assert t["requests"]["prompt-lookup"] == b["requests"]["prompt-lookup"]  # the others as they were
+        assert t["requests"][NONE] == b["requests"][NONE]
+
+    with pytest.raises(ModelFormatError, match="has no trace of the prompt"):
+        replace_draft_records(base, newer[1:], "draft-code")
+    with pytest.raises(ModelFormatError, match="without prompt-lookup"):
+        replace_draft_records(base, newer, "prompt-lookup")
+    cut = json.loads(json.dumps(newer))
+    cut[0]["segments"] = cut[0]["segments"][:2]
+    with pytest.raises(ModelFormatError, match="other segments"):
+        replace_draft_records(base, cut, "draft-code")
+
+
+def test_train_predictor_replace_takes_a_drafts_records_from_other_traces(tmp_path, capsys):
+    import argparse
+
+    from memspec.training.predictor_fit import add_train_predictor_parser, run_train_predictor
+
+    traces = _synthetic_traces(4)
+    (tmp_path / "t.jsonl").write_text("".join(json.dumps(t) + "\n" for t in traces))
+    newer = json.loads(json.dumps(traces))
+    for t in newer:
+        for seg in t["segments"]:
+            seg["drafts"]["draft-code"].update(tokens=seg["drafts"]["draft-code"]["steps"])  # accepts nothing now
+        t["requests"]["draft-code"].update(tokens=t["requests"]["draft-code"]["steps"])
+    (tmp_path / "n.jsonl").write_text("".join(json.dumps(t) + "\n" for t in newer))
+    parser = argparse.ArgumentParser()
+    add_train_predictor_parser(parser.add_subparsers())
+
+    def train(*extra):
+        return run_train_predictor(parser.parse_args(["train-predictor", "--traces", str(tmp_path / "t.jsonl"),
+                                                      "--out", str(tmp_path / "p.json"), "--folds", "0",
+                                                      "--trees", "20", *extra]))
+
+    assert train() == 0 and Predictor.load(tmp_path / "p.json").best("Write a Python function that sorts.") \
+        == "draft-code"
+    assert train("--replace", f"draft-code={tmp_path / 'n.jsonl'}") == 0
+    pred = Predictor.load(tmp_path / "p.json")
+    assert pred.info["replaced"] == {"draft-code": "n.jsonl"}
+    assert pred.best("Write a Python function that sorts.") != "draft-code"  # its new records say it loses
+    with pytest.raises(ModelFormatError, match="--replace takes DRAFT=FILE"):
+        train("--replace", "draft-code")
+
+
 def test_the_prior_is_what_each_draft_added_where_it_was_fastest():
     from memspec.training.predictor_fit import prior_values
 

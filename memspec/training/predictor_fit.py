@@ -67,6 +67,44 @@ def read_traces(path) -> list[dict]:
     return out
 
 
+def replace_draft_records(base: list[dict], newer: list[dict], draft: str, where: str = "newer") -> list[dict]:
+    """`base` with `draft`'s records, the request's and every segment's, taken from `newer`: traces of
+    the same prompts (a draft trained again and profiled alone, `memspec profile --drafts NAME`, on
+    this machine or another).  Tokens, steps, drafted and accepted carry over as they are (greedy
+    verification makes them the text's, not the machine's); seconds are scaled by the request's
+    target-only seconds in `base` over those in `newer`, so that they are priced against base's
+    target.  Refused where a prompt is missing or its output was cut into other segments."""
+    by_prompt = {t["prompt_text"]: t for t in newer}
+    out = []
+    for tr in base:
+        other = by_prompt.get(tr["prompt_text"])
+        if other is None:
+            raise ModelFormatError(f"{where}: has no trace of the prompt {tr['prompt'][:80]!r}; profile the "
+                                   f"same prompts (--workload) as the traces it replaces a draft in")
+        if draft not in other["requests"] or NONE not in other["requests"]:
+            raise ModelFormatError(f"{where}: the prompt {tr['prompt'][:80]!r} was profiled without {draft} or "
+                                   f"target-only; profile it with `--drafts {draft}`")
+        spans = [(s["start"], s["end"]) for s in tr["segments"]]
+        theirs = [(s["start"], s["end"]) for s in other["segments"]]
+        if tr.get("generated") != other.get("generated") or spans != theirs:
+            raise ModelFormatError(f"{where}: the prompt {tr['prompt'][:80]!r} generated {other.get('generated')} "
+                                   f"tokens in other segments than the traces it replaces a draft in "
+                                   f"({tr.get('generated')}); profile with the same --max-tokens and --segment-tokens")
+        scale = tr["requests"][NONE]["seconds"] / max(other["requests"][NONE]["seconds"], 1e-9)
+        t = json.loads(json.dumps(tr))  # a deep copy: the caller's traces stay as they were read
+        t["requests"][draft] = dict(other["requests"][draft], seconds=other["requests"][draft]["seconds"] * scale)
+        for seg, theirs in zip(t["segments"], other["segments"]):
+            rec = theirs["drafts"].get(draft)
+            if rec is None:
+                seg["drafts"].pop(draft, None)
+            else:
+                seg["drafts"][draft] = dict(rec, seconds=rec["seconds"] * scale)
+        if draft not in t["policies"]:
+            t["policies"] = [*t["policies"], draft]
+        out.append(t)
+    return out
+
+
 def _rate(m: dict | None) -> tuple[float, float] | None:
     """(MAL, drafted per step) of a segment or request record; None when unmeasured."""
     if not m or not m["steps"]:
@@ -350,6 +388,10 @@ def add_train_predictor_parser(subparsers):
     p.add_argument("--test-traces", metavar="FILE",
                    help="traces of other prompts (say `memspec profile --workload bench/heldout_mixed.jsonl`) to "
                         "score the fitted predictor on; none of their prompts may be in --traces")
+    p.add_argument("--replace", action="append", default=[], metavar="DRAFT=FILE",
+                   help="take DRAFT's records from FILE, traces of the same prompts (a draft trained again, "
+                        "`memspec profile --drafts DRAFT`, on any machine), seconds scaled by target-only's "
+                        "in each; repeatable")
     p.add_argument("--trees", type=int, default=PredictorFitConfig.n_estimators, help="trees per ensemble")
     p.add_argument("--seed", type=int, default=PredictorFitConfig.seed)
     p.set_defaults(func=run_train_predictor)
@@ -362,6 +404,13 @@ def run_train_predictor(args) -> int:
     import sklearn
 
     traces = read_traces(args.traces)
+    replaced = {}
+    for spec in args.replace:
+        draft, sep, file = spec.partition("=")
+        if not sep or not draft or not file:
+            raise ModelFormatError(f"--replace takes DRAFT=FILE, got {spec!r}")
+        traces = replace_draft_records(traces, read_traces(file), draft, f"--replace {spec}")
+        replaced[draft] = Path(file).name
     tests = read_traces(args.test_traces) if args.test_traces else None
     if tests:
         seen = {t["prompt_text"] for t in traces}
@@ -392,7 +441,7 @@ def run_train_predictor(args) -> int:
                                   for m, r in by_margin.items()}}
         print(f"chosen margin {margin:.2f} (the least regret; chosen on these same held-out folds)")
         print_report(held_out, len(traces), cfg)
-    info = {"traces": Path(args.traces).name, "requests": len(traces),
+    info = {"traces": Path(args.traces).name, **({"replaced": replaced} if replaced else {}), "requests": len(traces),
             "segments": sum(len(t["segments"]) for t in traces), "target": traces[0].get("target"),
             "trained": datetime.date.today().isoformat(), "sklearn": sklearn.__version__,
             "config": asdict(cfg), "held_out": held_out,
