@@ -77,7 +77,8 @@ def test_stream_ratios_over_rounds_are_the_medians_of_each_rounds_ratio():
     for p, rates in {"target-only": (20, 10, 10), "bandit": (30, 15, 12), "memspec": (40, 18, 20),
                      "oracle": (44, 20, 20)}.items():
         for i, v in enumerate(rates):
-            runs[p].add_round(100 * MiB * (i + 1), {"stalls": 1, "stall_ms": 2.0, "loads": 3}, float(v))
+            runs[p].add_round(100 * MiB * (i + 1), {"stalls": 1, "stall_ms": 2.0, "loads": 3,
+                                                    "prediction_mean_rel_error": 0.5}, float(v))
     cells = {}
     for p, run_ in runs.items():
         t = Tally(requests=3, tokens=int(sum(run_.round_tok_per_s)), seconds=3.0)
@@ -88,7 +89,8 @@ def test_stream_ratios_over_rounds_are_the_medians_of_each_rounds_ratio():
     assert rows["memspec"]["fraction_of_oracle"] == pytest.approx(0.909, abs=1e-3)  # 0.909, 0.9, 1.0
     assert rows["memspec"]["rounds_tok_per_s"] == [40, 18, 20]
     assert rows["memspec"]["load_stalls"] == 3 and rows["memspec"]["loads"] == 9
-    assert rows["memspec"]["peak_rss_mb"] == 300
+    assert rows["memspec"]["peak_rss_mb"] == 300 and rows["memspec"]["load_stall_ms"] == 6.0
+    assert "prediction_mean_rel_error" not in runs["memspec"].counters  # a mean: not summed over rounds
 
 
 # -- the stream benchmark, end to end on the real fp32 target --------------------------------------

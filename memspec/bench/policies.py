@@ -250,19 +250,25 @@ class PolicyRun:
     """What one policy did over the whole stream, beside its Tally cells."""
 
     peak_rss: int = 0  # bytes, sampled (the highest of its rounds)
-    stalls: int = 0  # summed over its rounds, as are the two below
-    stall_ms: float = 0.0
-    counters: dict = field(default_factory=dict)
+    counters: dict = field(default_factory=dict)  # the scheduler's ROUND_COUNTS, summed over its rounds
     round_tok_per_s: list[float] = field(default_factory=list)  # its tok/s over the whole stream, each round
 
     def add_round(self, peak_rss: int, counters: dict, tok_per_s: float) -> None:
         self.peak_rss = max(self.peak_rss, peak_rss)
-        self.stalls += int(counters.get("stalls", 0))
-        self.stall_ms += counters.get("stall_ms", 0.0)
-        for k, v in counters.items():
-            if isinstance(v, (int, float)):
-                self.counters[k] = self.counters.get(k, 0) + v
+        for k in ROUND_COUNTS:  # counts add up over rounds; the scheduler's means and gauges would not
+            self.counters[k] = self.counters.get(k, 0.0) + counters.get(k, 0.0)
         self.round_tok_per_s.append(tok_per_s)
+
+    @property
+    def stalls(self) -> int:
+        return int(self.counters.get("stalls", 0))
+
+    @property
+    def stall_ms(self) -> float:
+        return self.counters.get("stall_ms", 0.0)
+
+
+ROUND_COUNTS = ("stalls", "stall_ms", "loads", "evictions", "hits", "misses", "preloads", "switches")
 
 
 def draft_sizes(store, target, suffix_bytes: int = 0) -> dict[str, int]:
@@ -489,12 +495,13 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     print(f"budget {budget} MiB: process with the target {process / MiB:.0f} MiB (target file "
           f"{target_bytes / MiB:.0f} MiB) + KV caches {kv / MiB:.1f} MiB + draft footprints "
           f"{', '.join(f'{n} {b / MiB:.1f}' for n, b in sorted(sizes.items()))} MiB", file=sys.stderr)
+    rounds = getattr(args, "rounds", 1)
     cells, runs, _ = run_stream(engine, make_scheduler, workload, policies, args.max_tokens, args.lookahead, progress,
-                                rounds=getattr(args, "rounds", 1))
+                                rounds=rounds)
     rows = stream_rows(cells, runs, policies, budget)
     info = {"budget_mb": budget, "target_bytes": target_bytes, "process_bytes_at_start": process,
             "kv_bytes_per_request": kv, "draft_footprints": sizes, "stream": True,
-            "lookahead": args.lookahead, "rounds": getattr(args, "rounds", 1), "oracle_table": oracle_table,
+            "lookahead": args.lookahead, "rounds": rounds, "oracle_table": oracle_table,
             "scheduler": dataclasses.asdict(dataclasses.replace(base_cfg, budget_mb=budget))}
     return rows, {"engine": engine, "info": info}
 
@@ -552,8 +559,9 @@ def run_bench(args) -> int:
 
     if args.max_tokens <= 0:
         raise InvalidRequestError(f"--max-tokens must be at least 1, got {args.max_tokens}")
-    if getattr(args, "rounds", 1) < 1:
-        raise InvalidRequestError(f"--rounds must be at least 1, got {args.rounds}")
+    rounds = getattr(args, "rounds", 1)
+    if rounds < 1:
+        raise InvalidRequestError(f"--rounds must be at least 1, got {rounds}")
     workload = load_workload(args.workload)
     if args.limit:
         kept: dict[str, list] = defaultdict(list)
@@ -576,7 +584,7 @@ def run_bench(args) -> int:
         print_table(rows)
         print_stream_table(rows)
     else:
-        if getattr(args, "rounds", 1) > 1:
+        if rounds > 1:
             raise InvalidRequestError("--rounds runs the scheduling policies' stream (bandit, memspec, oracle, or "
                                       "any policy with --budget-mb); the fixed drafts run once each")
         engine = build_engine(args.config, args.variant, drafts="pool")

@@ -279,9 +279,10 @@ class Memspec(Policy):
         """The draft with the least expected time for `tokens` more tokens, counting loads:
         a resident draft runs at once; a missing one loads while `current` (or the best
         resident) runs, as fast as the load leaves it (the working set's load_overlap), and the
-        drafts worth keeping that its load evicts are counted at the time they take to load again.  Mid-request (`context` tokens so far) a draft other than
-        `current` first catches up on the whole context.  At the start that is the prompt, which
-        the predictor's rates already include.  Returns (draft or 'none', expected seconds)."""
+        drafts worth keeping that its load evicts are counted at the time they take to load again.
+        Mid-request (`context` tokens so far) a draft other than `current` first catches up on
+        the whole context.  At the start that is the prompt, which the predictor's rates already
+        include.  Returns (draft or 'none', expected seconds)."""
         ws = self.sched.ws
         resident = {d for d in pred if d == NO_DRAFT or ws.is_resident(d)}
         now = current if current is not None else max(resident, key=lambda d: pred[d])

@@ -357,6 +357,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     # (with its batched graph's copy of the weights, when batching loaded one: memspec.build)
     pinned = target.file_bytes + batched_bytes
     process = probe.rss_bytes() if process_bytes is None else process_bytes
+    kwargs.setdefault("load_overlap", load_overlap(session_config, target))
     return Scheduler(config, loader, sizes, probe, target=(target.name, max(pinned, process)),
                      decode=target.tokenizer.decode, kv_sizers=draft_kv_sizers(drafts, target.max_context),
-                     variant=target.variant, **{"load_overlap": load_overlap(session_config, target), **kwargs})
+                     variant=target.variant, **kwargs)

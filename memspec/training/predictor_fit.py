@@ -93,8 +93,8 @@ def replace_draft_records(base: list[dict], newer: list[dict], draft: str, where
         scale = tr["requests"][NONE]["seconds"] / max(other["requests"][NONE]["seconds"], 1e-9)
         t = json.loads(json.dumps(tr))  # a deep copy: the caller's traces stay as they were read
         t["requests"][draft] = dict(other["requests"][draft], seconds=other["requests"][draft]["seconds"] * scale)
-        for seg, theirs in zip(t["segments"], other["segments"]):
-            rec = theirs["drafts"].get(draft)
+        for seg, their_seg in zip(t["segments"], other["segments"]):
+            rec = their_seg["drafts"].get(draft)
             if rec is None:
                 seg["drafts"].pop(draft, None)
             else:
