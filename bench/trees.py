@@ -72,7 +72,7 @@ def main() -> int:
     tree.Planner.observe = counting
     for trees in (False, True):
         engine = Engine(target, drafts=DraftPool(pool), spec=SpecConfig(trees=trees))
-        engine.verify_cost_s = [c / 30 for c in rel]  # the controller rescales the step from the passes it times
+        engine.pin_costs([c / 30 for c in rel])  # one curve for both; the controller rescales the step from its passes
         for d in drafts:
             tot: collections.Counter = collections.Counter()
             t0 = time.perf_counter()

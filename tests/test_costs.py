@@ -216,3 +216,57 @@ def test_a_pass_table_times_one_row_and_every_row_and_draws_the_rows_between():
     line = interpolate_rows({1: [0.0, 1.0, 2.0], 4: [0.0, 4.0, 5.0]}, 4)
     assert line[2] == pytest.approx([0.0, 2.0, 3.0]) and line[3] == pytest.approx([0.0, 3.0, 4.0])
     assert interpolate_rows({1: [0.0, 1.0]}, 1) == {1: [0.0, 1.0]}
+
+
+# -- the curve as the machine runs now (LiveCosts) ----------------------------------------------
+def test_live_costs_start_as_calibrated_and_follow_the_passes_timed():
+    """A 2-core Zen 4 VM's one-row pass went from 23.8 to 30 ms between quarters of an hour while
+    its 4-row pass stayed at 38-39 ms: the curve's shape, which the cost controller reads, moved."""
+    from memspec.runtime.costs import LiveCosts
+
+    base = [0.0, 0.024, 0.029, 0.034, 0.039, 0.044]
+    live = LiveCosts(base)
+    assert live() == base  # nothing timed yet
+    for _ in range(200):
+        live.observe(1, 0.030)
+        live.observe(4, 0.038)
+    now = live()
+    assert abs(now[1] - 0.030) < 0.0005 and abs(now[4] - 0.038) < 0.0005
+    assert abs(now[2] / base[2] - 0.030 / 0.024) < 0.01  # never timed: the nearest timed row count's correction
+    assert abs(now[5] / base[5] - 0.038 / 0.039) < 0.01
+    assert all(b >= a for a, b in zip(now[1:], now[2:]))  # never falls with k
+    assert now[4] / now[1] < base[4] / base[1]  # rows beside the first now cost less of a step
+
+
+def test_one_stalled_pass_moves_the_live_curve_a_little_and_nonsense_not_at_all():
+    from memspec.runtime.costs import LiveCosts
+
+    live = LiveCosts([0.0, 0.02, 0.03])
+    live.observe(1, 2.0)  # a pass 100x as long: a collector pause, a neighbour
+    assert live()[1] < 0.02 * 1.04
+    before = live()
+    for rows, seconds in ((0, 0.02), (3, 0.02), (-1, 0.02), (1, 0.0), (1, -1.0), (1, float("nan"))):
+        live.observe(rows, seconds)
+    assert live() == before
+
+
+def test_an_engine_corrects_its_curve_from_its_requests_passes_unless_pinned(model_store, tmp_path):
+    from memspec.request import GenerationRequest
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.target import load_target
+    from memspec.speculation.engine import Engine
+    from memspec.speculation.sources import DraftPool
+    from memspec.speculation.drafts import PROMPT_LOOKUP, PromptLookup
+
+    target = load_target(model_store, "smollm2-135m", "q4", SessionConfig(max_context=256))
+    pool = DraftPool({PROMPT_LOOKUP: PromptLookup(target.session.vocab_size)})
+    engine = Engine(target, drafts=pool, costs=CostCache(tmp_path / "costs.json", contention=quiet))
+    engine.calibrate()
+    base = list(engine.verify_cost_s)
+    req = GenerationRequest(prompt="Count: 1 2 3 4 5 6 7 8", max_tokens=24, draft=PROMPT_LOOKUP)
+    engine.generate(req)
+    assert engine.live is not None and engine.live() != base and engine.verify_cost_s == base
+    pinned = Engine(target, drafts=pool)
+    pinned.pin_costs(base)
+    pinned.generate(req)
+    assert pinned.live is None and pinned.verify_cost_s == base

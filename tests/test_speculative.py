@@ -642,3 +642,72 @@ def test_verifying_on_unshaped_rows_fails_the_chi_square(tiny, monkeypatch):
     monkeypatch.setattr(spec, "verify_rows", raw_rows)
     counts, p2 = shaped_second_token_counts(tiny, SAMPLED_CONTROLS)
     assert counts[p2 == 0].sum() > 0 or chi_square_p(counts, p2) < 1e-6
+
+
+# -- the gate: a proposal trimmed to what is worth its rows (memspec.speculation.confidence) -------
+COSTLY = [0.0] + [0.01 * (1.0 + 0.5 * k) for k in range(10)]  # every row beside the first half a step
+
+
+def unsure_gate():
+    """A gate that has seen draft `d` rejected at every entropy: it trims every proposal."""
+    from memspec.speculation.confidence import EDGES, AcceptanceByEntropy
+
+    gate = AcceptanceByEntropy()
+    for _ in range(50):
+        gate.observe("d", [e - 0.01 for e in EDGES] + [99.0], 0)
+        for e in [e - 0.01 for e in EDGES] + [99.0]:
+            gate.observe("d", [e], 0)
+    return gate
+
+
+def test_a_gated_proposal_is_still_target_only_greedy(tiny):
+    target, draft = tiny
+    plain, gated = SpecMetrics(), SpecMetrics()
+    outs = []
+    for m, gate in ((plain, None), (gated, unsure_gate())):
+        got = []
+        for committed in speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)),
+                                           SamplingParams(), np.random.default_rng(0), SpecConfig(), m,
+                                           verify_cost_s=COSTLY, gate=gate):
+            got.extend(committed)
+        outs.append(got)
+    assert outs[0] == outs[1] == greedy_target_only(target, PROMPT, len(outs[0]))
+    assert gated.num_draft_tokens < plain.num_draft_tokens  # the gate left tokens unverified
+
+
+def test_a_gated_proposal_keeps_the_sampling_distribution(tiny):
+    """The gate reads only the draft's entropies, never the target's rows: speculative sampling over
+    the prefix it keeps is exact (chi-square against the target's own second-token law)."""
+    target, draft = tiny
+    params = SamplingParams(temperature=1.0, seed=0)
+    rng = np.random.default_rng(11)
+    counts = np.zeros(V, dtype=np.int64)
+    gate = unsure_gate()
+    half = HalfGate(gate)
+    for _ in range(2000):
+        steps = speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)), params, rng,
+                                  SpecConfig(gamma=3), SpecMetrics(), verify_cost_s=COSTLY, gate=half)
+        next(steps)
+        counts[next(steps)[0]] += 1
+        steps.close()
+    assert half.trimmed > 100 and half.kept > 100  # both kinds of step were sampled
+    assert chi_square_p(counts, exact_second_token_distribution(target, params)) > 1e-3
+
+
+class HalfGate:
+    """The gate's keep() on every other proposal (all of it on the rest), counting both."""
+
+    def __init__(self, gate):
+        self.gate, self.trimmed, self.kept, self.n = gate, 0, 0, 0
+
+    def keep(self, *a):
+        self.n += 1
+        if self.n % 2:
+            self.kept += 1
+            return len(a[1])
+        m = self.gate.keep(*a)
+        self.trimmed += m < len(a[1])
+        return m
+
+    def observe(self, *a):
+        pass

@@ -207,7 +207,7 @@ def tree_engine(model_store):
     engine = Engine(target, drafts=DraftPool(load_pool(model_store, "smollm2-135m", 49152, config)),
                     spec=SpecConfig(trees=True, gamma_max=5))
     # rows nearly free: trees wherever a branch may win a token
-    engine.verify_cost_s = [0.0] + [0.01 * (1.0 + 0.01 * k) for k in range(10)]
+    engine.pin_costs([0.0] + [0.01 * (1.0 + 0.01 * k) for k in range(10)])
     yield engine
     engine.close()
 
@@ -238,7 +238,7 @@ def test_trees_reach_the_drafts_the_scheduler_hands_out(model_store, tmp_path):
     path.write_text(f'home = "{model_store.home}"\n[model]\ntarget = "smollm2-135m"\n[runtime]\nbackend = "native"\n'
                     f'max_context = 512\n[speculative]\ntrees = true\ngamma_max = 5\n')
     engine = build_engine(load_config(str(path)), drafts="scheduler")
-    engine.verify_cost_s = [0.0] + [0.01 * (1.0 + 0.01 * k) for k in range(10)]  # trees wherever they may win
+    engine.pin_costs([0.0] + [0.01 * (1.0 + 0.01 * k) for k in range(10)])  # trees wherever they may win
     try:
         base = engine.generate(GenerationRequest(prompt=PROMPTS[0], max_tokens=40, draft="none"))
         for name in ("draft-code", "prompt-lookup"):

@@ -17,8 +17,10 @@ tokens so looked half as costly) for a whole day.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
+import threading
 import time
 from pathlib import Path
 from typing import Callable
@@ -202,3 +204,53 @@ class CostCache:
             if others <= BUSY_SHARE:
                 self.put(key, costs)
         return costs
+
+
+class LiveCosts:
+    """The one-request pass costs as the machine runs now: the calibrated curve, corrected by the
+    passes the engine times while it serves.
+
+    The curve's shape is what the cost controller reads (what a verified row costs against a step),
+    and on a shared virtual machine it moves.  On a 2-core Zen 4 VM the 1.5B's one-row pass took
+    23.8 ms in one quarter of an hour and 30 ms in the next, while a pass of 4 rows took 39 and 38
+    ms: the one-row pass is bound by memory bandwidth, which the neighbours take, and the wider ones
+    by the cores.  A row beside the first cost 0.22 of a step in the first phase and 0.06 in the
+    second, and a curve measured once (kept a day in the store) held one phase's shape through the
+    other.
+
+    Each row count keeps a running mean of log(timed / calibrated) over the passes of that many
+    rows (one outlier, a pass stalled by the collector or another process, moves it by at most
+    RATE * CLAMP); a row count not yet timed takes the correction of the nearest one that was.  The
+    curve never falls with k (timed_curve's rule).  Thread-safe: one engine's requests share it.
+    """
+
+    RATE = 0.05  # weight of a pass in its row count's running mean (about the last 20 passes)
+    CLAMP = 0.7  # one pass moves the mean as if it were at most e^0.7 = 2x off the calibrated cost
+
+    def __init__(self, calibrated: list[float]):
+        self.base = list(calibrated)
+        self._log: list[float | None] = [None] * len(self.base)
+        self._lock = threading.Lock()
+
+    def observe(self, rows: int, seconds: float) -> None:
+        """A pass of `rows` tokens of one request took `seconds` (not a batched pass: its rows are
+        other requests' too)."""
+        if not (1 <= rows < len(self.base)) or not seconds > 0 or not self.base[rows] > 0:
+            return
+        x = max(-self.CLAMP, min(self.CLAMP, math.log(seconds / self.base[rows])))
+        with self._lock:
+            cur = self._log[rows]
+            self._log[rows] = self.RATE * x if cur is None else cur + self.RATE * (x - cur)
+
+    def __call__(self) -> list[float]:
+        """Seconds of a pass over k = 1.. tokens now (index 0 unused), as the calibrated curve is."""
+        with self._lock:
+            logs = list(self._log)
+        seen = [k for k in range(1, len(logs)) if logs[k] is not None]
+        if not seen:
+            return list(self.base)
+        out = [0.0]
+        for k in range(1, len(self.base)):
+            j = k if logs[k] is not None else min(seen, key=lambda s: (abs(s - k), s))
+            out.append(max(self.base[k] * math.exp(logs[j]), out[-1]))
+        return out

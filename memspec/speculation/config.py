@@ -38,6 +38,9 @@ class SpecConfig:
     trees: bool = False  # where the target takes token trees (the native engine), verify the draft's alternatives
     #                      at the first positions beside its chain when the cost model says they pay
     #                      (memspec.speculation.tree); false: chains only
+    gate: bool = True  # with the cost controller, verify only the prefix of each proposal worth its rows, by
+    #                    the target's acceptance at the draft's entropy there and the pass costs timed as the
+    #                    engine runs (memspec.speculation.confidence); false: every proposed token
     suffix_mb: int = 4  # the suffix draft's index of recent prompts and answers, per target, counted in the
     #                     memory budget (memspec.speculation.suffix); 0 = no suffix draft
 

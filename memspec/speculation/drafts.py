@@ -57,6 +57,13 @@ class Proposal:
     # for the first positions only, or none (memspec.speculation.tree verifies them as branches)
     alternatives: list[list[list[int]]] = dataclasses.field(default_factory=list)
 
+    def prefix(self, m: int) -> "Proposal":
+        """Its first m tokens (what the target verifies when the rest is not worth a row)."""
+        if m >= len(self.tokens):
+            return self
+        return Proposal(self.tokens[:m], None if self.q is None else self.q[:m], self.entropy[:m], self.setup_s,
+                        self.alternatives[:m])
+
 
 class DraftState(Protocol):
     # under the request's shaper, left as found; alternatives: also offer Proposal.alternatives (token

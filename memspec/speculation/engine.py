@@ -22,12 +22,13 @@ from memspec.models import tools
 from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, Limits, Timings, TokenLogprob,
                              check_logit_bias, validate)
 from memspec.runtime.contracts import BatchedPass, TargetModel  # noqa: F401 (TargetModel: re-exported)
-from memspec.runtime.costs import CostCache, pass_costs
+from memspec.runtime.costs import CostCache, LiveCosts, pass_costs
 from memspec.runtime.memory import request_kv_bytes
 from memspec.runtime.kvcache import KVCache
 from memspec.runtime.prefixes import PrefixCache
 from memspec.speculation import sampling
 from memspec.speculation.config import SpecConfig
+from memspec.speculation.confidence import AcceptanceByEntropy
 from memspec.speculation.grammar import GrammarMask, Grammars
 from memspec.speculation.logits import IDENTITY, LogitsShaper, compose, for_sampling
 from memspec.speculation.metrics import SpecMetrics
@@ -64,6 +65,9 @@ class Engine:
         self.drafts: DraftSource = drafts if drafts is not None else DraftPool()  # default: target only
         self.spec = spec
         self.verify_cost_s: list[float] | None = None  # [k] = seconds of a k-token target pass (measured once)
+        self.live: LiveCosts | None = None  # ... corrected by the passes timed since (requests' own passes)
+        self._pinned = False  # pin_costs: the curve as given, never corrected
+        self.acceptance = AcceptanceByEntropy()  # the target's acceptance by draft and entropy, across requests
         self.costs = costs  # where measured curves outlive the process (the store's costs.json), or None
         self._calibrate_lock = threading.Lock()
         # compiles requests' constraints (memspec.speculation.grammar); its tokenizer is built on first use
@@ -123,14 +127,26 @@ class Engine:
 
         return logged() if self.costs is None else self.costs.measured(key, logged)
 
+    def pin_costs(self, verify_cost_s: list[float]) -> None:
+        """Use this pass-cost curve as it is: neither measured nor corrected by the passes timed
+        (benchmarks that run policies under one curve, so that they differ by the policy alone)."""
+        self.verify_cost_s, self.live, self._pinned = list(verify_cost_s), None, True
+
     def _verify_costs(self) -> list[float] | Callable[[], list[float]] | None:
-        """What the cost controller reads: the one-request costs, or under batching the cost of a
-        pass with as many rows as there are requests now (what a request's k tokens cost it)."""
+        """What the cost controller reads: the one-request costs as the passes timed so far correct
+        them (LiveCosts), or under batching the cost of a pass with as many rows as there are
+        requests now (what a request's k tokens cost it)."""
         costs = self.calibrate()
-        if self.batch is None or costs is None or not self.pass_cost_s:
+        if costs is None or self._pinned:
             return costs
+        with self._calibrate_lock:
+            if self.live is None:
+                self.live = LiveCosts(costs)
+            live = self.live
+        if self.batch is None or not self.pass_cost_s:
+            return live
         table, batch = self.pass_cost_s, self.batch
-        return lambda: costs if batch.in_use() <= 1 else table[min(batch.in_use(), batch.slots)]
+        return lambda: live() if batch.in_use() <= 1 else table[min(batch.in_use(), batch.slots)]
 
     def close(self) -> None:
         """Stop the draft source's background loading and drop its drafts (idempotent).  A process
@@ -183,8 +199,11 @@ class Engine:
         slot = self.batch.join() if self.batch is not None else None
         context = list(prompt)  # what the cache holds at each yield: context[:cache.length]
         # a shaped request runs the same loop on a batch slot: only the target pass is shared
+        # a request's own passes correct the pass costs; a batched pass's rows are other requests' too
+        on_pass = self.live.observe if costs is not None and self.batch is None and self.live is not None else None
         steps = speculative_steps(slot or self.target.session, cache, prompt, select, req.sampling, rng,
-                                  self.spec, metrics, self.clock, costs, on_rows, self.shaper(req, prompt, grammar))
+                                  self.spec, metrics, self.clock, costs, on_rows, self.shaper(req, prompt, grammar),
+                                  on_pass, self.acceptance if self.spec.gate else None)
         try:
             for committed in steps:
                 if self.prefixes is not None and len(context) == len(prompt):

@@ -32,6 +32,7 @@ import numpy as np
 
 from memspec.speculation import sampling, tree
 from memspec.speculation.config import SpecConfig
+from memspec.speculation.confidence import AcceptanceByEntropy
 from memspec.speculation.drafts import DraftState, Proposal, deterministic_proposal
 from memspec.speculation.logits import IDENTITY, LogitsShaper, forced, is_identity, settle, verify_rows
 from memspec.speculation.metrics import SpecMetrics
@@ -106,14 +107,18 @@ class CostController:
         cores: probes every 8 steps cost 10% of the aggregate, for tokens no draft could win back)."""
         return best_gamma(self.PROBE_ALPHA, self.verify_cost, self.draft_cost, self.cfg.gamma_max) > 0
 
-    def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float | None = None) -> None:
+    def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float | None = None,
+                rows: int | None = None) -> None:
         """A step's outcome: tokens drafted and accepted, the seconds drafting took and, where the
-        pass was this request's alone, the seconds verifying took.  The pass's seconds over its
-        relative cost keep the target's step time as the machine runs now: another process on the
-        cores slows the draft and the target alike, and their ratio is what the draft length needs
-        (a draft timed on a busy machine against a target timed on an idle one never pays)."""
-        if verify_s is not None and n_drafted + 1 < len(self.verify_cost):
-            step = verify_s / max(self.verify_cost[n_drafted + 1], 1e-9)
+        pass was this request's alone, the seconds verifying took (a pass of `rows` tokens; default
+        all the drafted ones and the last).  The pass's seconds over its relative cost keep the
+        target's step time as the machine runs now: another process on the cores slows the draft
+        and the target alike, and their ratio is what the draft length needs (a draft timed on a
+        busy machine against a target timed on an idle one never pays).  Drafted tokens the gate
+        left unverified (memspec.speculation.confidence) count as drafted and not accepted."""
+        rows = n_drafted + 1 if rows is None else rows
+        if verify_s is not None and rows < len(self.verify_cost):
+            step = verify_s / max(self.verify_cost[rows], 1e-9)
             self.target_step_s = 0.7 * self.target_step_s + 0.3 * step
         if n_drafted == 0:
             return
@@ -239,7 +244,9 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
                       clock: Callable[[], float] = time.perf_counter,
                       verify_cost_s: list[float] | Callable[[], list[float]] | None = None,
                       on_rows: Callable[[np.ndarray], None] | None = None,
-                      shaper: LogitsShaper = IDENTITY) -> Iterator[list[int]]:
+                      shaper: LogitsShaper = IDENTITY,
+                      on_pass: Callable[[int, float], None] | None = None,
+                      gate: AcceptanceByEntropy | None = None) -> Iterator[list[int]]:
     """Yield the token ids committed at each step (1 .. k+1 per step).
 
     verify_cost_s[k]: measured seconds of a target pass over k tokens (index 0 unused), for the
@@ -249,7 +256,10 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     (n_committed, V); the rows are the session's buffer, valid only during the call (logprobs).
     `cache` may hold the prompt's first tokens already (memspec.runtime.prefixes): only the rest is fed.
     shaper: the request's logits shaper, built for `prompt` with nothing pushed yet (the logits
-    rows given to on_rows stay the raw ones).
+    rows given to on_rows stay the raw ones).  on_pass(rows, seconds): each verification pass,
+    timed (memspec.runtime.costs.LiveCosts; only where the pass is this request's alone).  gate:
+    where the cost controller runs, the acceptance by the draft's entropy that trims each model
+    draft's proposal to the prefix worth verifying (memspec.speculation.confidence).
     """
     shaped = not is_identity(shaper)
     live = verify_cost_s if callable(verify_cost_s) else None
@@ -294,6 +304,9 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
             gamma = ctl.next()
         k = min(gamma, cache.capacity - cache.length - 1)
         prop = _propose(select, draft_name, draft, context, k, params, rng, metrics, shaper, planner is not None)
+        drafted = len(prop.tokens)
+        if gate is not None and ctl is not None and any(e > 0.0 for e in prop.entropy):  # a model's proposal
+            prop = prop.prefix(gate.keep(draft_name, prop.entropy, ctl.alpha, ctl.verify_cost, ctl.draft_cost))
         t1 = clock()
         branches = planner.choose(draft_name, prop, ctl.alpha, ctl.verify_cost, ctl.draft_cost,
                                   cache.capacity - cache.length) if planner and ctl else []
@@ -306,8 +319,13 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
             metrics.record_step(draft_name, len(prop.tokens), len(committed) - 1, len(committed), t1 - t0, t2 - t1)
             metrics.record_tree(sum(len(b.tokens) for b in branches), len(committed) - 1 - step.main)
             rows_fed, g = len(prop.tokens) + 1 + sum(len(b.tokens) for b in branches), len(prop.tokens)
-            ctl.observe(g, step.main, max(t1 - t0 - prop.setup_s, 0.0),  # the pass's seconds as a chain's
-                        None if live is not None else (t2 - t1) * ctl.verify_cost[g + 1] / ctl.verify_cost[rows_fed])
+            ctl.observe(drafted, step.main, max(t1 - t0 - prop.setup_s, 0.0),  # the pass's seconds as a chain's
+                        None if live is not None else (t2 - t1) * ctl.verify_cost[g + 1] / ctl.verify_cost[rows_fed],
+                        rows=g + 1)
+            if gate is not None and any(e > 0.0 for e in prop.entropy):
+                gate.observe(draft_name, prop.entropy, step.main)
+            if on_pass is not None:
+                on_pass(rows_fed, t2 - t1)
             if on_rows is not None:
                 on_rows(step.rows)
             yield committed
@@ -318,9 +336,14 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         if planner is not None and draft_name is not None:
             planner.observe(draft_name, prop, n, committed[-1])  # what the draft's alternatives would have won
         metrics.record_step(draft_name, len(prop.tokens), n, len(committed), t1 - t0, t2 - t1)
+        if on_pass is not None:
+            on_pass(len(prop.tokens) + 1, t2 - t1)
         if ctl is not None:  # a long catch-up (the draft's prefill) is no cost of the tokens it drafts
-            ctl.observe(len(prop.tokens), n, max(t1 - t0 - prop.setup_s, 0.0),
-                        None if live is not None else t2 - t1)  # a batched pass is not this request's alone
+            ctl.observe(drafted, n, max(t1 - t0 - prop.setup_s, 0.0),
+                        None if live is not None else t2 - t1,  # a batched pass is not this request's alone
+                        rows=len(prop.tokens) + 1)
+            if gate is not None and any(e > 0.0 for e in prop.entropy):
+                gate.observe(draft_name, prop.entropy, n)
         else:
             gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
         if on_rows is not None:
