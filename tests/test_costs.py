@@ -270,3 +270,25 @@ def test_an_engine_corrects_its_curve_from_its_requests_passes_unless_pinned(mod
     pinned.pin_costs(base)
     pinned.generate(req)
     assert pinned.live is None and pinned.verify_cost_s == base
+
+
+def test_a_batching_engines_lone_request_corrects_the_curve_too(model_store, tmp_path):
+    """The daemon batches by default on the native engine, and one client's request runs alone on
+    the one-request pass: those passes correct the curve (a shared pass's would not)."""
+    from memspec.request import GenerationRequest
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.target import load_target, open_batched
+    from memspec.speculation.engine import Engine
+    from memspec.speculation.sources import DraftPool
+    from memspec.speculation.drafts import PROMPT_LOOKUP, PromptLookup
+
+    target = load_target(model_store, "smollm2-135m", "q4", SessionConfig(max_context=256))
+    engine = Engine(target, drafts=DraftPool({PROMPT_LOOKUP: PromptLookup(target.session.vocab_size)}),
+                    costs=CostCache(tmp_path / "costs.json", contention=quiet), batched=open_batched(target.session, 2))
+    try:
+        engine.calibrate()
+        base = list(engine.verify_cost_s)
+        engine.generate(GenerationRequest(prompt="Count: 1 2 3 4 5 6 7 8", max_tokens=24, draft=PROMPT_LOOKUP))
+        assert engine.live is not None and engine.batch.on_alone == engine.live.observe and engine.live() != base
+    finally:
+        engine.close()

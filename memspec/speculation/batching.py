@@ -125,6 +125,9 @@ class BatchLoop:
         self._last_end = 0.0  # when the last pass ended: its rows' requests are drafting their next
         self._closed = False
         self._releases: list[KVCache] = []  # caches of requests that left, to unbind
+        # (rows, seconds) of each pass a request ran alone with a logits row per token (a verification
+        # or a decode step, not a prompt's chunk): the engine's live pass costs (runtime.costs.LiveCosts)
+        self.on_alone: Callable[[int, float], None] | None = None
         self._thread = threading.Thread(target=self._run, name="memspec-batch", daemon=True)
         self._thread.start()
 
@@ -163,8 +166,11 @@ class BatchLoop:
         if alone:
             t = self.clock()
             out = self.target.target.forward(row.cache, row.ids, keep=row.keep)
+            dt = self.clock() - t
             with self._cond:
-                self.stats.count(1, len(row.ids), self.clock() - t)
+                self.stats.count(1, len(row.ids), dt)
+            if self.on_alone is not None and row.keep == len(row.ids):
+                self.on_alone(len(row.ids), dt)
             return out
         return self.submit(row)
 

@@ -142,6 +142,8 @@ class Engine:
         with self._calibrate_lock:
             if self.live is None:
                 self.live = LiveCosts(costs)
+                if self.batch is not None:  # a request alone runs the one-request pass: it corrects the curve
+                    self.batch.on_alone = self.live.observe
             live = self.live
         if self.batch is None or not self.pass_cost_s:
             return live
