@@ -653,10 +653,10 @@ def unsure_gate():
     from memspec.speculation.confidence import EDGES, AcceptanceByEntropy
 
     gate = AcceptanceByEntropy()
-    for _ in range(50):
-        gate.observe("d", [e - 0.01 for e in EDGES] + [99.0], 0)
-        for e in [e - 0.01 for e in EDGES] + [99.0]:
-            gate.observe("d", [e], 0)
+    for key in ("d", "d (sampled)"):  # greedy and sampled records are kept apart
+        for _ in range(50):
+            for e in [e - 0.01 for e in EDGES] + [99.0]:
+                gate.observe(key, [e], 0)
     return gate
 
 
@@ -711,3 +711,18 @@ class HalfGate:
 
     def observe(self, *a):
         pass
+
+
+def test_the_gate_keeps_greedy_and_sampled_acceptance_apart(tiny):
+    """A sampled token is accepted by another rule (min(1, p/q)) than a greedy one (the argmax):
+    one record for both would price each by the other's rate."""
+    from memspec.speculation.confidence import AcceptanceByEntropy
+
+    target, draft = tiny
+    gate = AcceptanceByEntropy()
+    for params in (SamplingParams(), SamplingParams(temperature=1.0, seed=3)):
+        for _ in speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)), params,
+                                   np.random.default_rng(0), SpecConfig(), SpecMetrics(), verify_cost_s=COSTLY,
+                                   gate=gate):
+            pass
+    assert set(gate._bins) == {"d", "d (sampled)"}

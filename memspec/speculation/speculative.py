@@ -285,6 +285,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     planner = (tree.Planner() if cfg.trees and use_cost and getattr(target, "trees", False) and is_identity(shaper)
                else None)
     vocab = logits.shape[-1]
+    # the gate's record per draft and kind of decoding: a sampled token is accepted by another rule
+    gate_key = (lambda name: name) if params.greedy else (lambda name: f"{name} (sampled)")
     while cache.length < cache.capacity:  # the pending last token must fit
         t0 = clock()
         # where the request's grammar admits one way on, its tokens are the proposal: no draft runs
@@ -306,7 +308,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         prop = _propose(select, draft_name, draft, context, k, params, rng, metrics, shaper, planner is not None)
         drafted = len(prop.tokens)
         if gate is not None and ctl is not None and any(e > 0.0 for e in prop.entropy):  # a model's proposal
-            prop = prop.prefix(gate.keep(draft_name, prop.entropy, ctl.alpha, ctl.verify_cost, ctl.draft_cost))
+            prop = prop.prefix(gate.keep(gate_key(draft_name), prop.entropy, ctl.alpha, ctl.verify_cost,
+                                         ctl.draft_cost))
         t1 = clock()
         branches = planner.choose(draft_name, prop, ctl.alpha, ctl.verify_cost, ctl.draft_cost,
                                   cache.capacity - cache.length) if planner and ctl else []
@@ -323,7 +326,7 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
                         None if live is not None else (t2 - t1) * ctl.verify_cost[g + 1] / ctl.verify_cost[rows_fed],
                         rows=g + 1)
             if gate is not None and any(e > 0.0 for e in prop.entropy):
-                gate.observe(draft_name, prop.entropy, step.main)
+                gate.observe(gate_key(draft_name), prop.entropy, step.main)
             if on_pass is not None:
                 on_pass(rows_fed, t2 - t1)
             if on_rows is not None:
@@ -343,7 +346,7 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
                         None if live is not None else t2 - t1,  # a batched pass is not this request's alone
                         rows=len(prop.tokens) + 1)
             if gate is not None and any(e > 0.0 for e in prop.entropy):
-                gate.observe(draft_name, prop.entropy, n)
+                gate.observe(gate_key(draft_name), prop.entropy, n)
         else:
             gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
         if on_rows is not None:
