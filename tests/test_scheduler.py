@@ -363,6 +363,28 @@ def test_memspec_keeps_a_draft_that_does_better_than_predicted():
         assert switch_after_chat(sched, 4, step_s=0.01) == ("draft-code" if switched else "draft-chat")
 
 
+def test_memspec_moves_a_request_off_a_draft_that_stopped_drafting():
+    """A draft whose cost controller (or the gate) has verified nothing for 16 steps is worth a
+    plain step in that request, whatever was predicted for it: on the Zen 4 the 0.5B sibling,
+    picked for two code prompts, drafted 6 steps in 96 tokens and the request ran target-only on it
+    while draft-code, predicted above target-only, sat resident."""
+    rates = {"draft-chat": 50.0, "draft-code": 45.0, "draft-math": 10.0, "prompt-lookup": 25.0, "none": 30.0}
+    for drafting, want in ((True, "draft-chat"), (False, "draft-code")):
+        sched, *_ = make("memspec", budget_mb=0, predictor=StandInPredictor(rates))
+        for d in ("draft-chat", "draft-code"):
+            sched.ws.lease(d).release()
+        sel = sched.selector(req("tell me about cats", max_tokens=1024), [1, 2, 3, 4], 2048)
+        assert sel.name == "draft-chat"
+        m, context = SpecMetrics(), [1, 2, 3, 4, 1]
+        for _ in range(24):  # the switcher asks at steps 8, 16 and 24
+            name, state = sel(context, m)
+            n = len(state.propose(context, 3, None, None).tokens) if state and drafting else 0
+            m.record_step(name, n, min(n, 1), min(n, 1) + 1, 0.01, 0.02)
+            context = context + [1] * (min(n, 1) + 1)
+        assert sel(context, m)[0] == want, drafting
+        sel.close()
+
+
 def test_memspec_uses_a_resident_draft_at_once_and_preloads_for_the_queue():
     pred = StandInPredictor(RATES, CODE)
     sched, loader, *_ = make("memspec", predictor=pred)
