@@ -307,7 +307,8 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         k = min(gamma, cache.capacity - cache.length - 1)
         prop = _propose(select, draft_name, draft, context, k, params, rng, metrics, shaper, planner is not None)
         drafted = len(prop.tokens)
-        if gate is not None and ctl is not None and any(e > 0.0 for e in prop.entropy):  # a model's proposal
+        gated = gate is not None and ctl is not None and any(e > 0.0 for e in prop.entropy)  # a model's proposal
+        if gated:
             prop = prop.prefix(gate.keep(gate_key(draft_name), prop.entropy, ctl.alpha, ctl.verify_cost,
                                          ctl.draft_cost))
         t1 = clock()
@@ -325,7 +326,7 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
             ctl.observe(drafted, step.main, max(t1 - t0 - prop.setup_s, 0.0),  # the pass's seconds as a chain's
                         None if live is not None else (t2 - t1) * ctl.verify_cost[g + 1] / ctl.verify_cost[rows_fed],
                         rows=g + 1)
-            if gate is not None and any(e > 0.0 for e in prop.entropy):
+            if gated:
                 gate.observe(gate_key(draft_name), prop.entropy, step.main)
             if on_pass is not None:
                 on_pass(rows_fed, t2 - t1)
@@ -345,7 +346,7 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
             ctl.observe(drafted, n, max(t1 - t0 - prop.setup_s, 0.0),
                         None if live is not None else t2 - t1,  # a batched pass is not this request's alone
                         rows=len(prop.tokens) + 1)
-            if gate is not None and any(e > 0.0 for e in prop.entropy):
+            if gated:
                 gate.observe(gate_key(draft_name), prop.entropy, n)
         else:
             gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
