@@ -28,15 +28,17 @@ ROWS = (1, 2, 4, 8, 16)
 STORE = Path.home() / ".local/share/memspec/downloads"
 QWEN_GGUF = STORE / "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf"
 SMOLLM_GGUF = STORE / "SmolLM2-135M-Instruct.Q4_1.gguf"
+SIBLING_GGUF = STORE.parent / "models/qwen2.5-coder-0.5b-draft/draft.gguf"  # memspec pull qwen2.5-coder-0.5b-draft
 # type: (ggml id, K, N, GGUF, tensor name pattern, what it is)
 SHAPES = {
     "Q4_K": (12, 1536, 8960, QWEN_GGUF, "blk.{}.ffn_gate.weight", "the 1.5B's ffn_gate"),
     "Q6_K": (14, 8960, 1536, QWEN_GGUF, "blk.{}.ffn_down.weight", "the 1.5B's Q6_K ffn_down"),
     "Q4_1": (3, 576, 1536, SMOLLM_GGUF, "blk.{}.ffn_gate.weight", "SmolLM2's ffn_gate"),
     "Q8_0": (8, 576, 49152, SMOLLM_GGUF, "token_embd.weight", "SmolLM2's tied head"),
+    "Q4_0": (2, 896, 4864, SIBLING_GGUF, "blk.{}.ffn_gate.weight", "the 0.5B sibling draft's ffn_gate"),
 }
-BLOCK = {12: (256, 144), 14: (256, 210), 3: (32, 20), 8: (32, 34)}  # weights, bytes per block
-FP16_AT = {12: (0, 2), 14: (208,), 3: (0, 2), 8: (0,)}  # the fp16 scale fields of a block
+BLOCK = {12: (256, 144), 14: (256, 210), 3: (32, 20), 8: (32, 34), 2: (32, 18)}  # weights, bytes per block
+FP16_AT = {12: (0, 2), 14: (208,), 3: (0, 2), 8: (0,), 2: (0,)}  # the fp16 scale fields of a block
 
 
 def weights(qtype: str, layers: int) -> tuple[list[np.ndarray], str]:

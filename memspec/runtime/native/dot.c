@@ -28,7 +28,7 @@ static void small_row(const struct qchunk *w, const struct acts *a, int c, int r
         int32_t dot = 0, xsum = sum16[2 * b] + sum16[2 * b + 1];
         for (int i = QK * b; i < QK * b + QK; i++)
             dot += (w->q_signed ? (int8_t)w->q[i] : w->q[i]) * x[i];
-        acc[b] = small_update(acc[b], w->d[b], w->m[b], dx[b], dot - w->zero * xsum, xsum);
+        acc[b] = small_update(acc[b], w->d[b], w->m[b], dx[b], dot - w->zero * xsum, xsum, w->has_min);
     }
 }
 

@@ -62,10 +62,12 @@ static inline float k_update(float acc, float d, float dmin, float dx, int32_t i
     return fmaf(-(dmin * dx), (float)ib, acc); /* Q6_K: dmin = 0, ib = 0: adds -0 */
 }
 
-/* Small block b: isum = q.x - zero*xsum, xsum = sum of the activation block's q. */
-static inline float small_update(float acc, float d, float m, float dx, int32_t isum, int32_t xsum) {
+/* Small block b: isum = q.x - zero*xsum, xsum = sum of the activation block's q.  The min term
+ * only where the type has one (Q4_1): the others' m is 0, whose term would add a zero, and every
+ * path skips it alike (the packed kernels save a multiply and an FMA a block by it). */
+static inline float small_update(float acc, float d, float m, float dx, int32_t isum, int32_t xsum, int has_min) {
     acc = fmaf(d * dx, (float)isum, acc);
-    return fmaf(m * dx, (float)xsum, acc); /* Q4_1's min; m = 0 otherwise */
+    return has_min ? fmaf(m * dx, (float)xsum, acc) : acc;
 }
 
 /* The LANES accumulators of one (row, output), added in a fixed pairwise tree (lane i + half

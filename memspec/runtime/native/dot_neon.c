@@ -87,7 +87,7 @@ static inline void small_apply(const struct qchunk *w, const int8_t *x, const in
         int32x4_t p = vdotq_s32(vdupq_n_s32(0), vld1q_s8(q), vld1q_s8(x + QK * b));
         p = vdotq_s32(p, vld1q_s8(q + 16), vld1q_s8(x + QK * b + 16));
         int32_t xsum = sum16[2 * b] + sum16[2 * b + 1];
-        acc[b] = small_update(acc[b], w->d[b], w->m[b], dx[b], vaddvq_s32(p) - w->zero * xsum, xsum);
+        acc[b] = small_update(acc[b], w->d[b], w->m[b], dx[b], vaddvq_s32(p) - w->zero * xsum, xsum, w->has_min);
     }
 }
 

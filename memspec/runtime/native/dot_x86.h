@@ -18,7 +18,7 @@ small_update8(int type, __m256i isum, const int16_t *sum16, const float *dx, __m
     __m256 vdx = _mm256_loadu_ps(dx);
     __m256 lanes = _mm256_loadu_ps(acc);
     lanes = _mm256_fmadd_ps(_mm256_mul_ps(d, vdx), _mm256_cvtepi32_ps(isum), lanes);
-    lanes = _mm256_fmadd_ps(_mm256_mul_ps(m, vdx), _mm256_cvtepi32_ps(xsum), lanes);
+    if (type == TYPE_Q4_1) lanes = _mm256_fmadd_ps(_mm256_mul_ps(m, vdx), _mm256_cvtepi32_ps(xsum), lanes);
     _mm256_storeu_ps(acc, lanes);
 }
 

@@ -89,6 +89,7 @@ void decode_small(int type, const uint8_t *raw, int count, struct qchunk *out) {
     }
     out->zero = type == TYPE_Q4_0 ? 8 : type == TYPE_Q5_0 ? 16 : 0;
     out->q_signed = type == TYPE_Q8_0;
+    out->has_min = type == TYPE_Q4_1;
 }
 
 /* Q4_K/Q5_K: each 32 bytes of qs hold sub-block 2c (low nibbles) and 2c+1 (high nibbles);

@@ -90,6 +90,7 @@ struct qchunk {
     float m[8] __attribute__((aligned(32)));
     int zero;     /* 8 (Q4_0), 16 (Q5_0), 0 (Q4_1, Q8_0) */
     int q_signed; /* Q8_0 */
+    int has_min;  /* Q4_1: m is its min (the other types' m is 0) */
 };
 
 /* One K-quant block, per 16 weights j: w[i] = d*(sc[j]*q[i] - zoff[j]) - dmin*mn[j].
