@@ -131,3 +131,37 @@ def test_a_draft_takes_no_other_variant(tmp_path, recipe):
 
     with pytest.raises(ModelNotFoundError, match="built as one GGUF of Q4_0 blocks"):
         pull_module.pull(ModelStore(tmp_path, shipped=None), "tiny-draft", ("fp32",))
+
+
+def test_a_native_draft_starts_a_request_from_the_prompts_it_stored(tmp_path, recipe):
+    """Its first catch-up loads the longest stored start of the prompt (the chat template every
+    prompt begins with; a conversation's turns so far) and feeds only the rest: the proposal is the
+    one a draft keeping nothing makes, bit for bit."""
+    from memspec.runtime.config import SessionConfig
+    from memspec.speculation.drafts import PREFIX_SHARE, draft_prefixes
+
+    store = ModelStore(tmp_path / "home", shipped=None)
+    m = pull_module.pull(store, "tiny-draft")
+    keeping = DraftModel.load(store, "tiny-draft", target_vocab=VOCAB)
+    plain = DraftModel.load(store, "tiny-draft", target_vocab=VOCAB, config=SessionConfig(prefix_cache_mb=0))
+    assert plain.prefixes is None and keeping.prefixes.max_bytes == m.variant_bytes("gguf") // PREFIX_SHARE
+    assert draft_prefixes(keeping.session, 1 << 40, SessionConfig(prefix_cache_mb=1)).max_bytes == 1 << 20
+    template = KEEP[1:]  # 9 tokens every prompt starts with (no repeated pair: no lookup in place of the model)
+    greedy, rng = SamplingParams(), np.random.default_rng(0)
+
+    def propose(draft, context):
+        state = draft.begin(64)
+        p = state.propose(context, 3, greedy, rng)
+        state.close()
+        return p.tokens, p.entropy
+
+    first = template + [0]
+    assert propose(keeping, first) == propose(plain, first)
+    assert keeping.prefixes.stats.hits == 0
+    second = template + [3, 0]
+    assert propose(keeping, second) == propose(plain, second)
+    assert keeping.prefixes.stats.hits == 1 and keeping.prefixes.stats.reused_tokens == len(template)
+    # the next turn of that conversation: the request before it stored its whole committed context
+    turn = second + [42, 0]
+    assert propose(keeping, turn) == propose(plain, turn)
+    assert keeping.prefixes.stats.reused_tokens == len(template) + len(second)

@@ -11,6 +11,11 @@ request its own state (`begin()`), which keeps the draft's KV cache in step
 with the committed context: before each proposal it reuses the longest prefix
 it already has cached and feeds the rest ("catch-up"), so rejected draft
 tokens are rolled back and a fully accepted run is completed.
+
+A native draft also keeps recent requests' K/V (memspec.runtime.prefixes, as the target does):
+a request's first catch-up starts from the longest stored start of its prompt (every chat prompt
+begins with the same template, and a conversation's next turn with the turns before it), and
+each request stores its prompt, then at its end its committed context, for the requests after it.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ from memspec.errors import ConfigError, ModelFormatError
 from memspec.request import SamplingParams
 from memspec.runtime.config import LARGE_DRAFT_BYTES, SessionConfig
 from memspec.runtime.contracts import Target
+from memspec.runtime.prefixes import PrefixCache
 from memspec.runtime.target import open_draft
 from memspec.speculation.config import DraftLimits
 from memspec.speculation.logits import IDENTITY, LogitsShaper, allowed_prefix, is_identity
@@ -43,6 +49,8 @@ LOOKUP_MAX_NGRAM = 8  # a model draft's lookup prefers the longest earlier match
 FEED_MIN_TOKENS = 8  # a catch-up at least this long is timed (a shorter one is mostly fixed cost)
 ALT_POSITIONS = 3  # positions at which a draft offers its alternatives (Proposal.alternatives) ...
 ALT_WIDTH = 2  # ... and how many at each (memspec.speculation.tree)
+PREFIX_SHARE = 16  # a native draft's stored prompts hold at most 1/16 of its file's bytes of K/V: inside the
+#                    footprint budgets plan it at (memory.FOOTPRINT_PER_FILE_BYTE["gguf"] 1.25, its load ~1.1)
 
 
 @dataclass
@@ -250,7 +258,8 @@ class DraftModel:
     """An ONNX draft and the map between its vocabulary and the target's."""
 
     def __init__(self, name: str, session: Target, to_target: np.ndarray, target_vocab: int,
-                 limits: DraftLimits = DraftLimits(), manifest: Manifest | None = None):
+                 limits: DraftLimits = DraftLimits(), manifest: Manifest | None = None,
+                 prefixes: PrefixCache | None = None):
         self.name = name
         self.session = session
         self.to_target = to_target  # (V_draft,) target id of each draft id
@@ -262,6 +271,7 @@ class DraftModel:
         self.variant = draft_variant(manifest) if manifest else session.path.stem
         self._fed = [0, 0.0]  # tokens and seconds of the timed catch-ups, over every request's state
         self._fed_lock = threading.Lock()
+        self.prefixes = prefixes  # recent requests' K/V (draft_prefixes); None: kept by none
 
     @classmethod
     def load(cls, store: ModelStore, name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
@@ -284,7 +294,8 @@ class DraftModel:
             raise ModelFormatError(
                 f"draft {name!r}: the model has {session.vocab_size} logits but its map has {len(to_target)} ids"
             )
-        return cls(name, session, to_target, target_vocab, limits, m)
+        return cls(name, session, to_target, target_vocab, limits, m,
+                   draft_prefixes(session, m.variant_bytes(variant), config))
 
     def begin(self, capacity: int) -> "ModelDraftState":
         return ModelDraftState(self, capacity)
@@ -303,6 +314,15 @@ class DraftModel:
         return seconds / tokens if tokens else None
 
 
+def draft_prefixes(session: Target, file_bytes: int, config: SessionConfig) -> PrefixCache | None:
+    """The store of recent requests' K/V a draft keeps: where its engine computes a reused prefix bit
+    for bit (`prefix_reuse`: the native one) and `[runtime] prefix_cache_mb` is on, at most
+    1/PREFIX_SHARE of its file's bytes (and never more than the target's); else None."""
+    if not getattr(session, "prefix_reuse", False) or config.prefix_cache_mb <= 0:
+        return None
+    return PrefixCache(min(file_bytes // PREFIX_SHARE, config.prefix_cache_mb << 20))
+
+
 class ModelDraftState:
     """One request's draft cache."""
 
@@ -310,10 +330,15 @@ class ModelDraftState:
         self.d = draft
         self.cache = draft.session.new_cache(capacity)
         self.cached: list[int] = []  # target ids whose K/V are in the draft cache
+        self.committed = 0  # how many of `cached` are committed context (the last catch-up's)
 
     def _catch_up(self, context: list[int]) -> tuple[np.ndarray, float]:
         """Roll back to the longest cached prefix of context, feed the rest; return the last logits
-        and the seconds a long feed took (FEED_MIN_TOKENS or more; else 0.0)."""
+        and the seconds a long feed took (FEED_MIN_TOKENS or more; else 0.0).  The first catch-up
+        starts from the draft's stored prefixes and stores the prompt for the requests after it."""
+        first = not self.cached and self.d.prefixes is not None and self.cache.length == 0
+        if first:
+            self.cached.extend(context[: self.d.prefixes.fill(self.cache, self.d.to_draft[context].tolist())])
         n = 0
         limit = min(len(self.cached), len(context) - 1)  # always feed at least the last token
         while n < limit and self.cached[n] == context[n]:
@@ -328,6 +353,9 @@ class ModelDraftState:
             setup = time.perf_counter() - t0
             self.d.fed(len(feed), setup)
         self.cached.extend(feed)
+        self.committed = len(context)
+        if first:
+            self.d.prefixes.store(self.d.to_draft[context].tolist(), self.cache)
         return logits, setup
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
@@ -399,6 +427,10 @@ class ModelDraftState:
         return Proposal(tokens, np.stack(qs) if qs else None, ents, setup)
 
     def close(self) -> None:
+        """Store the committed context for the requests after this one (a conversation's next turn
+        resends it), then drop the cache."""
+        if self.cache is not None and self.d.prefixes is not None and self.committed:
+            self.d.prefixes.store(self.d.to_draft[self.cached[: self.committed]].tolist(), self.cache)
         self.cache = None
 
 
