@@ -163,6 +163,27 @@ def test_ngram_continuation_prefers_the_longest_then_the_latest_match():
     assert ngram_continuation([5], 2, 1, 8) == []
 
 
+def _ngram_by_windows(context, k, min_ngram, max_ngram):
+    """The definition, spelled out: every window of each length n, longest n first, its latest hit."""
+    if min_ngram < 1 or k <= 0:
+        return []
+    arr = np.asarray(context)
+    for n in range(min(max_ngram, len(arr) - 1), min_ngram - 1, -1):
+        windows = np.lib.stride_tricks.sliding_window_view(arr[:-1], n)
+        hits = np.nonzero((windows == arr[len(arr) - n:]).all(axis=1))[0]
+        if len(hits):
+            return arr[hits[-1] + n: hits[-1] + n + k].tolist()
+    return []
+
+
+def test_ngram_continuation_is_its_definition_on_random_texts():
+    rng = np.random.default_rng(7)
+    for _ in range(3000):
+        text = rng.integers(0, int(rng.integers(2, 9)), size=int(rng.integers(1, 60))).tolist()
+        k, lo, hi = int(rng.integers(0, 6)), int(rng.integers(0, 4)), int(rng.integers(0, 10))
+        assert ngram_continuation(text, k, lo, hi) == _ngram_by_windows(text, k, lo, hi), (text, k, lo, hi)
+
+
 def count_model_runs(draft, monkeypatch) -> list:
     """A list that grows by one each time the draft's model runs."""
     calls = []
