@@ -359,3 +359,27 @@ def test_a_wait_for_a_load_ends_at_its_deadline_or_at_a_cancel():
     ws.wait_idle(5)
     assert ws.lease("a") is not None  # the load finished after all: later requests get it
     ws.close()
+
+
+def test_under_pressure_the_prompts_a_resident_draft_keeps_go_before_any_draft():
+    """A native draft's own prompt prefixes (DraftModel.prefixes) only save time, as the engine's do."""
+    import numpy as np
+
+    from memspec.runtime.prefixes import PrefixCache
+
+    class KV:  # a cache holding n committed positions of 1 MiB each
+        def __init__(self, n):
+            self.length = n
+
+        def prefix(self, n):
+            return np.zeros((n, MiB), dtype=np.uint8)
+
+    ws, loader, _, probe = make(budget_mb=200, floor_mb=100)
+    for n in ("b", "c"):
+        ws.lease(n).release()
+    keep = loader.proposers["b"].prefixes = PrefixCache(64 * MiB)
+    assert keep.store(list(range(45)), KV(45)) and keep.report()["bytes"] == 45 * MiB
+    probe.available = 60 * MiB  # 40 short: the draft's 45 MiB of prompts are enough, no draft goes
+    assert not ws.check_pressure()
+    assert set(ws.resident()) == {"b", "c"} and ws.counters.pressure_evictions == 0 and keep.report()["bytes"] == 0
+    ws.close()

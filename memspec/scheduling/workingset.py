@@ -504,7 +504,8 @@ class WorkingSet:
             self._spares.append(release)
 
     def check_pressure(self) -> bool:
-        """Under the floor of available memory, empty the spare caches, then evict unleased drafts;
+        """Under the floor of available memory, empty the spare caches (the engine's, then the prompts
+        resident drafts keep: a proposer's `prefixes`), then evict unleased drafts;
         if that is not enough, raise `target_only` (lowered again once memory is back).  Returns
         target_only.  A reading above the floor stands for `pressure_period_s`."""
         if not self.pressure_floor:
@@ -522,7 +523,9 @@ class WorkingSet:
                 self._clear_until = now + self.pressure_period_s
                 return False
             freed = 0
-            for release in self._spares:
+            releases = [*self._spares, *(keep.clear for e in self._entries.values()  # drafts' own (DraftModel)
+                                         if (keep := getattr(e.proposer, "prefixes", None)) is not None)]
+            for release in releases:
                 got = release()
                 if got:
                     log.info("memory pressure: %d MiB available; dropped %d MiB of cached prompt prefixes",
