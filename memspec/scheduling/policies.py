@@ -41,7 +41,6 @@ from memspec.speculation.metrics import SpecMetrics
 log = logging.getLogger("memspec.scheduler")
 
 SWITCH_EVIDENCE_TOKENS = 16  # memspec trusts a request's own rate on its draft once this many tokens ran on it
-IDLE_STEPS = 16  # ... and takes a draft that verified no token in this many steps as worth target-only
 
 
 @dataclass(frozen=True)
@@ -331,8 +330,8 @@ class Memspec(Policy):
         current = sel.name or NO_DRAFT
         # a draft doing better in this request than predicted keeps its measured rate
         pred[current] = max(pred.get(current, 0.0), sel.observed_rate(current, SWITCH_EVIDENCE_TOKENS))
-        recent = sel.window.get(current, ())
-        if current != NO_DRAFT and len(recent) >= IDLE_STEPS and not any(d for d, _ in list(recent)[-IDLE_STEPS:]):
+        recent = sel.window.get(current)  # its last selector.WINDOW_STEPS steps
+        if current != NO_DRAFT and recent and len(recent) == recent.maxlen and not any(d for d, _ in recent):
             # its cost controller (or the gate) has stopped it drafting: here it is worth a plain step,
             # and a draft predicted to beat that may be tried (its catch-up and the margin counted)
             pred[current] = min(pred[current], pred.get(NO_DRAFT, 0.0))

@@ -20,6 +20,8 @@ from memspec.speculation.logits import IDENTITY
 from memspec.speculation.metrics import SpecMetrics
 
 log = logging.getLogger("memspec.scheduler")
+WINDOW_STEPS = 16  # steps of each draft's (drafted, accepted) a request keeps (`window`); memspec leaves a
+#                   draft that drafted nothing in all of them
 
 
 class _Watched:
@@ -123,7 +125,7 @@ class RequestSelector:
         self._last = now
         name = self._ran or NO_DRAFT
         if self.steps > 1:
-            self.window.setdefault(name, deque(maxlen=16)).append((d_drafted, d_accepted))
+            self.window.setdefault(name, deque(maxlen=WINDOW_STEPS)).append((d_drafted, d_accepted))
             obs = self.observed.setdefault(name, [0.0, 0.0])
             obs[0] += d_tokens
             obs[1] += d_s
