@@ -346,7 +346,8 @@ class ModelDraftState:
         starts from the draft's stored prefixes and stores the prompt for the requests after it."""
         first = not self.cached and self.d.prefixes is not None and self.cache.length == 0
         if first:
-            self.cached.extend(context[: self.d.prefixes.fill(self.cache, self.d.to_draft[context].tolist())])
+            ids = self.d.to_draft[context].tolist()  # the prompt in the draft's ids: looked up, then stored
+            self.cached.extend(context[: self.d.prefixes.fill(self.cache, ids)])
         n = 0
         limit = min(len(self.cached), len(context) - 1)  # always feed at least the last token
         while n < limit and self.cached[n] == context[n]:
@@ -363,7 +364,7 @@ class ModelDraftState:
         self.cached.extend(feed)
         self.committed = len(context)
         if first:
-            self.d.prefixes.store(self.d.to_draft[context].tolist(), self.cache)
+            self.d.prefixes.store(ids, self.cache)
         return logits, setup
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
