@@ -24,7 +24,9 @@ struct job {
 };
 
 /* Ask for the bytes [at + PREFETCH_BYTES, + len) of a stream that ends at `end` into L2 while
- * the bytes at `at` compute (locality 1: prefetcht2).  Not the non-temporal hint (0): on a Xeon
+ * the bytes at `at` compute (locality 1: prefetcht2).  The interleaved kernels ask for their own
+ * with two rows or more (dot_x8.inc's X8_L2_AHEAD), a slice at a time, so there only a one-row pass
+ * comes here.  Not the non-temporal hint (0): on a Xeon
  * that fills L1 alone and the stream stays latency-bound (the 1.5B decoding, 2 threads: 97
  * against 60 ms a step). */
 static void prefetch_ahead(const uint8_t *at, size_t len, const uint8_t *end) {
@@ -69,7 +71,7 @@ static void outputs_packed(const struct dot_isa *isa, const struct tensor *w, co
         for (int r0 = 0; r0 < m; r0 += ROW_TILE) {
             int nr = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
             for (int g = h0; g < h1; g++) {
-                if (r0 == 0) prefetch_ahead(w->packed + (size_t)g * gb, gb, w->packed + (size_t)g1 * gb);
+                if (r0 == 0 && m == 1) prefetch_ahead(w->packed + (size_t)g * gb, gb, w->packed + (size_t)g1 * gb);
                 isa->rows8(w->t, w->packed + (size_t)g * gb, w->k, a, r0, nr, acc);
                 for (int r = 0; r < nr; r++)
                     for (int o = 0; o < PACK_ROWS; o++) {
