@@ -38,6 +38,14 @@ struct dot_isa {
      * reduces them), so the same bits. */
     void (*rows8)(const struct type_info *t, const uint8_t *w8, int k, const struct acts *a, int r0, int nr,
                   float (*acc)[8]);
+    /* Bit t set: rows16 takes type t (one of packed_types) two interleaved groups at a time; 0 where
+     * the path has no such kernel. */
+    unsigned paired_types;
+    /* rows8 over two consecutive groups at once, w16 (outputs 0..7 of acc) and w16 + a group's
+     * bytes (8..15): the same bits as two rows8 calls.  Worth it with two rows or more, where the
+     * kernels are bound by instructions, not by reading the weights. */
+    void (*rows16)(const struct type_info *t, const uint8_t *w16, int k, const struct acts *a, int r0, int nr,
+                   float (*acc)[16]);
 };
 
 extern const struct dot_isa DOT_SCALAR;

@@ -314,6 +314,6 @@ static void avx512_rows(const struct type_info *t, const uint8_t *w, int k, cons
     else DOT_AVX2.rows(t, w, k, a, r0, nr, acc);
 }
 
-const struct dot_isa DOT_AVX512 = {"avx512", avx512_rows, X86_PACKED_TYPES, avx512_rows8};
+const struct dot_isa DOT_AVX512 = {"avx512", avx512_rows, X86_PACKED_TYPES, avx512_rows8, X86_PAIRED_TYPES, avx512_rows16};
 
 #endif

@@ -26,11 +26,16 @@ small_update8(int type, __m256i isum, const int16_t *sum16, const float *dx, __m
 #define X86_PACKED_TYPES \
     (1u << TYPE_Q4_K | 1u << TYPE_Q6_K | 1u << TYPE_Q4_0 | 1u << TYPE_Q4_1 | 1u << TYPE_Q5_0 | 1u << TYPE_Q8_0)
 
-/* dot_avx2_x8.c, dot_avx512_x8.c: each path's rows8 (dot_x8.inc). */
+/* The types the AVX-512 path multiplies two interleaved groups at a time, through rows16. */
+#define X86_PAIRED_TYPES (1u << TYPE_Q4_K | 1u << TYPE_Q6_K)
+
+/* dot_avx2_x8.c, dot_avx512_x8.c: each path's rows8 (dot_x8.inc); the AVX-512 path's rows16. */
 void avx2_rows8(const struct type_info *t, const uint8_t *w8, int k, const struct acts *a, int r0, int nr,
                 float (*acc)[8]);
 void avx512_rows8(const struct type_info *t, const uint8_t *w8, int k, const struct acts *a, int r0, int nr,
                   float (*acc)[8]);
+void avx512_rows16(const struct type_info *t, const uint8_t *w16, int k, const struct acts *a, int r0, int nr,
+                   float (*acc)[16]);
 
 #endif
 #endif

@@ -58,26 +58,33 @@ static void outputs_rows(const struct dot_isa *isa, const struct tensor *w, cons
 }
 
 /* The interleaved layout: each group of PACK_ROWS outputs applied to tiles of activation rows;
- * an output's float sum is its lane-0 accumulator, taken as lanes_take_used(acc, 1) takes it. */
+ * an output's float sum is its lane-0 accumulator, taken as lanes_take_used(acc, 1) takes it.  With
+ * two rows or more, a path with rows16 for the type takes the groups two at a time (the same bits). */
 static void outputs_packed(const struct dot_isa *isa, const struct tensor *w, const struct acts *a, float *out,
                            int n0, int n1) {
-    float acc[ROW_TILE][PACK_ROWS] __attribute__((aligned(32)));
+    float acc[ROW_TILE][2 * PACK_ROWS] __attribute__((aligned(64)));
     size_t gb = pack_bytes(w->t, PACK_ROWS, w->k); /* one group's bytes */
     int m = a->m, n = w->n, g0 = n0 / PACK_ROWS, g1 = n1 / PACK_ROWS;
+    int paired = m > 1 && isa->rows16 && (isa->paired_types >> w->t->id & 1);
     int gtile = gb < WEIGHT_TILE_BYTES ? (int)(WEIGHT_TILE_BYTES / gb) : 1;
+    if (paired && gtile % 2) gtile++; /* whole pairs in a tile */
     memset(acc, 0, sizeof(acc));
     for (int h0 = g0; h0 < g1; h0 += gtile) {
         int h1 = h0 + gtile < g1 ? h0 + gtile : g1;
         for (int r0 = 0; r0 < m; r0 += ROW_TILE) {
             int nr = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
-            for (int g = h0; g < h1; g++) {
+            for (int g = h0; g < h1;) {
+                int two = paired && g + 1 < h1, width = two ? 2 * PACK_ROWS : PACK_ROWS;
                 if (r0 == 0 && m == 1) prefetch_ahead(w->packed + (size_t)g * gb, gb, w->packed + (size_t)g1 * gb);
-                isa->rows8(w->t, w->packed + (size_t)g * gb, w->k, a, r0, nr, acc);
+                if (two) isa->rows16(w->t, w->packed + (size_t)g * gb, w->k, a, r0, nr, acc);
+                else isa->rows8(w->t, w->packed + (size_t)g * gb, w->k, a, r0, nr, (float (*)[PACK_ROWS])acc);
+                float *lanes = &acc[0][0];
                 for (int r = 0; r < nr; r++)
-                    for (int o = 0; o < PACK_ROWS; o++) {
-                        out[(size_t)(r0 + r) * n + (size_t)g * PACK_ROWS + o] = acc[r][o] + 0.0f;
-                        acc[r][o] = 0.0f;
+                    for (int o = 0; o < width; o++) {
+                        out[(size_t)(r0 + r) * n + (size_t)g * PACK_ROWS + o] = lanes[r * width + o] + 0.0f;
+                        lanes[r * width + o] = 0.0f;
                     }
+                g += two ? 2 : 1;
             }
         }
     }
