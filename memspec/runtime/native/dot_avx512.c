@@ -28,6 +28,7 @@
  * Matrices whose rows come in eights, of every type but Q5_K, are not run here but interleaved
  * (dot_avx512_x8.c, as on AVX2): on a Zen 4 EPYC that layout made a one-row pass of the 1.5B
  * 0.86x this file's time and a four-row pass 0.60x; SmolLM2's (small blocks) 0.66x and 0.61x.
+ * With two rows or more, Q4_K and Q6_K go two groups at a time in 512-bit vectors (rows16, there).
  * These row kernels take the rest. */
 #if defined(__x86_64__)
 
