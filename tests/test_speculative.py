@@ -681,6 +681,23 @@ def unsure_gate():
     return gate
 
 
+def steady_clock(draft_s: float = 0.0005, verify_s: float = 0.015):
+    """A fake clock for speculative_steps, which reads it at a step's start (t0), after the proposal
+    (t1) and after the pass (t2): every proposal takes draft_s and every pass verify_s, so the cost
+    controller's draft lengths, and what a test counts, do not depend on how busy the machine is
+    (with the real clock the gate test below failed 2 runs in 6 on a busy 2-core host)."""
+    import itertools
+
+    steps, now = itertools.cycle((draft_s, verify_s, 0.0)), [0.0]
+
+    def clock() -> float:
+        t = now[0]
+        now[0] += next(steps)
+        return t
+
+    return clock
+
+
 def test_a_gated_proposal_is_still_target_only_greedy(tiny):
     target, draft = tiny
     plain, gated = SpecMetrics(), SpecMetrics()
@@ -689,7 +706,7 @@ def test_a_gated_proposal_is_still_target_only_greedy(tiny):
         got = []
         for committed in speculative_steps(target, target.new_cache(), PROMPT, FixedDraft("d", draft.begin(64)),
                                            SamplingParams(), np.random.default_rng(0), SpecConfig(), m,
-                                           verify_cost_s=COSTLY, gate=gate):
+                                           clock=steady_clock(), verify_cost_s=COSTLY, gate=gate):
             got.extend(committed)
         outs.append(got)
     assert outs[0] == outs[1] == greedy_target_only(target, PROMPT, len(outs[0]))
