@@ -45,12 +45,10 @@
 #define DPBUSD16_AT(acc, q, p) __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(acc) : "v"(q), "m"(*(const int32_t *)(p)))
 
 static X16_INLINE void x16_prefetch(const void *p0, const void *p1, size_t len) { /* L1 and, X8_L2_AHEAD on, L2 */
-    for (size_t f = 0; f < len; f += 64) {
-        __builtin_prefetch((const char *)p0 + f, 0, 3);
-        __builtin_prefetch((const char *)p1 + f, 0, 3);
-        __builtin_prefetch((const char *)p0 + X8_L2_AHEAD + f, 0, 1);
-        __builtin_prefetch((const char *)p1 + X8_L2_AHEAD + f, 0, 1);
-    }
+    avx512_prefetch_l1(p0, len);
+    avx512_prefetch_l1(p1, len);
+    avx512_prefetch_l2((const char *)p0 + X8_L2_AHEAD, len);
+    avx512_prefetch_l2((const char *)p1 + X8_L2_AHEAD, len);
 }
 
 X16 static X16_INLINE __m512i x16_splat32(const void *p) {
@@ -169,10 +167,9 @@ X16 static X16_INLINE void avx512_q6k16(const block_q6_Kx8 *w0, const block_q6_K
         }
 #pragma GCC unroll 1
         for (int f = 0; f < 8; f++) { /* the zero offsets: -32 sc of a pair of sub-blocks against the activation's two sums of 16 */
-            __m128i p0 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)b0->sc[2 * f]), _mm_loadl_epi64((const __m128i *)b0->sc[2 * f + 1]));
-            __m128i p1 = _mm_unpacklo_epi8(_mm_loadl_epi64((const __m128i *)b1->sc[2 * f]), _mm_loadl_epi64((const __m128i *)b1->sc[2 * f + 1]));
-            __m512i zm = _mm512_cvtepi8_epi16(_mm256_inserti128_si256(_mm256_castsi128_si256(p0), p1, 1));
-            zm = _mm512_sub_epi16(_mm512_setzero_si512(), _mm512_slli_epi16(zm, 5)); /* |.| <= 4096 */
+            __m512i zm = _mm512_inserti64x4(_mm512_castsi256_si512(avx512_zoff_pairs(b0->sc[2 * f])),
+                                            avx512_zoff_pairs(b1->sc[2 * f]), 1);
+            zm = _mm512_sub_epi16(_mm512_setzero_si512(), zm); /* |.| <= 4096 */
 #pragma GCC unroll 8
             for (int i = 0; i < G; i++)
                 ia[i] = _mm512_dpwssd_epi32(ia[i], zm, x16_splat32(a->sum16 + (at + i * stride) / 16 + 2 * f));
