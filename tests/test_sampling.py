@@ -102,3 +102,25 @@ def test_log_probs_are_a_log_softmax_with_the_top_k_most_likely_first():
     assert [i for i, _ in top] == [1, 2] and [v for _, v in top] == pytest.approx([expected[1], expected[2]])
     assert sampling.log_probs(logits, 0, k=0)[1] == []
     assert [i for i, _ in sampling.log_probs(logits, 0, k=4)[1]] == [1, 2, 0, 3]
+
+
+@pytest.mark.parametrize("scale", [0.1, 3.0, 40.0])
+def test_greedy_summary_is_the_argmax_and_the_softmaxs_top_and_entropy(scale):
+    """What a greedy draft reads of its logits (sampling.greedy_summary), in float32, against the
+    float64 distribution probabilities() builds: the same token, top probability and entropy."""
+    rng = np.random.default_rng(int(scale * 10))
+    for V in (7, 16384, 32768):
+        x = (rng.standard_normal(V) * scale).astype(np.float32)
+        p = sampling.probabilities(x, 1.0)
+        token, top, ent = sampling.greedy_summary(x)
+        assert token == int(np.argmax(p))
+        assert top == pytest.approx(float(p.max()), rel=1e-5)
+        assert ent == pytest.approx(float(-(p * np.log(np.maximum(p, 1e-300))).sum()), rel=1e-4, abs=1e-5)
+
+
+def test_greedy_summary_of_a_row_with_forbidden_tokens():
+    """-inf logits (tokens a shaper or a vocabulary map forbids) count for nothing, not NaN."""
+    x = np.array([-np.inf, 2.0, -np.inf, 2.0], dtype=np.float32)
+    assert sampling.greedy_summary(x) == (1, pytest.approx(0.5), pytest.approx(np.log(2)))
+    one = np.array([-np.inf, 5.0, -np.inf], dtype=np.float32)
+    assert sampling.greedy_summary(one) == (1, pytest.approx(1.0), pytest.approx(0.0))

@@ -385,12 +385,17 @@ class ModelDraftState:
             return self._propose_shaped(logits, setup, k, params, rng, shaper)
         tokens, qs, ents, alts = [], [], [], []
         for i in range(k):
-            probs = sampling.probabilities(logits, 1.0) if params.greedy else sampling.probabilities(
-                logits, params.temperature, params.top_k, params.top_p, params.min_p)
-            ent = float(-(probs * np.log(np.maximum(probs, 1e-30))).sum())
-            if i > 0 and (probs.max() < self.d.limits.p_min or ent > self.d.limits.max_entropy):
+            summary = params.greedy and not alternatives  # the token and its confidence: no distribution built
+            if summary:
+                did, top, ent = sampling.greedy_summary(logits)
+            else:
+                probs = sampling.probabilities(logits, 1.0) if params.greedy else sampling.probabilities(
+                    logits, params.temperature, params.top_k, params.top_p, params.min_p)
+                ent, top = float(-(probs * np.log(np.maximum(probs, 1e-30))).sum()), float(probs.max())
+            if i > 0 and (top < self.d.limits.p_min or ent > self.d.limits.max_entropy):
                 break  # the draft is unsure: stop and let the target verify what we have
-            did = int(np.argmax(probs)) if params.greedy else sampling.sample(probs, rng)
+            if not summary:
+                did = int(np.argmax(probs)) if params.greedy else sampling.sample(probs, rng)
             tokens.append(int(self.d.to_target[did]))
             ents.append(ent)
             if not params.greedy:

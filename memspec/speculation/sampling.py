@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 
@@ -59,6 +61,25 @@ def pick(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: 
     if temperature == 0.0:
         return greedy(logits)
     return sample(probabilities(logits, temperature, top_k, top_p, min_p), rng)
+
+
+def greedy_summary(logits: np.ndarray) -> tuple[int, float, float]:
+    """A greedy draft's view of one (V,) row of logits: its argmax, the softmax's largest probability
+    and the softmax's entropy (nats), in float32 and one exponential per logit.
+
+    What a greedy draft needs of its distribution (the token, and the confidence that stops it or
+    trims its proposal: memspec.speculation.drafts, .confidence), without probabilities(): that one
+    builds the float64 distribution a sampled token is drawn from, and exp and log in float64 take
+    0.3-0.6 ms over the 0.5B sibling's 32,768 logits on a Zen 4 (float32 here: 0.03 ms), as much
+    as a small draft's whole forward.  H = log S - sum(e z) / S with z = x - max x, e = exp z and
+    S = sum e; a logit of -inf counts as exp(-1e30) = 0 (it adds nothing either way).
+    """
+    x = np.asarray(logits, dtype=np.float32)
+    i = int(x.argmax())
+    z = np.maximum(x - x[i], np.float32(-1e30))
+    e = np.exp(z)
+    total = float(e.sum(dtype=np.float64))
+    return i, 1.0 / total, max(math.log(total) - float(np.dot(e, z)) / total, 0.0)
 
 
 def sample(p: np.ndarray, rng: np.random.Generator) -> int:
