@@ -124,3 +124,42 @@ def test_greedy_summary_of_a_row_with_forbidden_tokens():
     assert sampling.greedy_summary(x) == (1, pytest.approx(0.5), pytest.approx(np.log(2)))
     one = np.array([-np.inf, 5.0, -np.inf], dtype=np.float32)
     assert sampling.greedy_summary(one) == (1, pytest.approx(1.0), pytest.approx(0.0))
+
+
+def test_the_nucleus_is_the_full_sorts_prefix():
+    """nucleus() sorts only the likeliest tokens first: its set and order must be those of the
+    stable descending sort of every token it replaced, on peaked, tied, flat and top_k'd rows."""
+    def full_sort(p, top_p):
+        order = np.argsort(-p, kind="stable")
+        return order[: int(np.searchsorted(np.cumsum(p[order]), top_p, side="left")) + 1]
+
+    rng = np.random.default_rng(0)
+    for trial in range(100):
+        V = int(rng.choice([1, 5, 300, 40000]))
+        x = [rng.standard_normal(V) * rng.uniform(0.1, 10), np.round(rng.standard_normal(V) * 2), np.zeros(V),
+             rng.standard_normal(V) * 0.01, rng.standard_normal(V) * 3][trial % 5]
+        if trial % 5 == 4:  # what top_k leaves: a few tokens and many zeros
+            x = np.where(x >= np.sort(x)[-min(V, int(rng.integers(1, 70)))], x, -np.inf)
+        p = np.exp(x - x.max())
+        p /= p.sum()
+        for top_p in (0.01, 0.5, 0.9, 0.999, 1 - 1e-15):
+            np.testing.assert_array_equal(sampling.nucleus(p, top_p), full_sort(p, top_p))
+
+
+def test_probabilities_are_the_float64_softmax_bit_for_bit():
+    """probabilities() works in place (its fresh arrays cost more than its arithmetic): the values
+    are still those of the plain float64 formulas, filters included."""
+    rng = np.random.default_rng(3)
+    x = (rng.standard_normal(5000) * 4).astype(np.float32)
+    z = x.astype(np.float64) / 0.7
+    ref = np.exp(z - z.max())
+    ref /= ref.sum()
+    np.testing.assert_array_equal(sampling.probabilities(x, 0.7), ref)
+    kth = np.partition(z, -7)[-7]
+    zk = np.where(z >= kth, z, -np.inf)
+    ref = np.exp(zk - zk.max())
+    ref /= ref.sum()
+    ref = np.where(ref >= 0.2 * ref.max(), ref, 0.0)
+    ref /= ref.sum()
+    np.testing.assert_array_equal(sampling.probabilities(x, 0.7, top_k=7, min_p=0.2), ref)
+    assert x.dtype == np.float32 and np.all(np.isfinite(x))  # the caller's row is left as it was

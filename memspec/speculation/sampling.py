@@ -31,28 +31,55 @@ def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p:
     the tokens at least min_p times as likely as the most likely one (llama.cpp's
     order: top_k, top_p, min_p; all after temperature here).  Filtered tokens get
     probability 0 and the rest are renormalised.
+
+    In place where it can be, the same operations on the same float64 values as ever: five fresh
+    arrays a row (0.6-1.2 MB each, a page fault every 4 KB) made this 2.5 ms over the 1.5B's
+    151,936 logits on a Zen 4, a tenth of a target step for every token drawn and every row a
+    sampled request verifies; now 0.3 ms.
     """
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0 for sampling, got {temperature}")
-    z = logits.astype(np.float64) / temperature
-    if 0 < top_k < z.shape[-1]:
-        kth = np.partition(z, -top_k)[-top_k]
-        z = np.where(z >= kth, z, -np.inf)
-    p = np.exp(z - z.max())
+    p = np.array(logits, dtype=np.float64)
+    p /= temperature
+    if 0 < top_k < p.shape[-1]:
+        p[p < np.partition(p, -top_k)[-top_k]] = -np.inf
+    p -= p.max()
+    np.exp(p, out=p)
     p /= p.sum()
     if top_p < 1.0:
-        order = np.argsort(-p, kind="stable")
-        csum = np.cumsum(p[order])
-        # keep every token whose preceding mass is below top_p (the first always stays)
-        keep = order[: int(np.searchsorted(csum, top_p, side="left")) + 1]
-        mask = np.zeros_like(p, dtype=bool)
-        mask[keep] = True
-        p = np.where(mask, p, 0.0)
+        keep = nucleus(p, top_p)
+        kept = np.zeros_like(p)
+        kept[keep] = p[keep]
+        p = kept
         p /= p.sum()
     if min_p > 0.0:  # a ratio to the top: the same before or after top_p's renormalisation
-        p = np.where(p >= min_p * p.max(), p, 0.0)
+        p[p < min_p * p.max()] = 0.0
         p /= p.sum()
     return p
+
+
+NUCLEUS_STEPS = (2.0 ** -8, 2.0 ** -24)  # nucleus(): the tokens within these ratios of the top are sorted first
+
+
+def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
+    """The smallest set of most likely tokens whose mass reaches top_p (the one that crosses it
+    included), most likely first, ties in index order: the prefix of p's stable descending sort.
+
+    Sorting all of p for it took 20 ms a row over the 1.5B's 151,936 tokens on a Zen 4, a whole
+    target step for every token drawn (and for every row of a verification pass).  A nucleus holds
+    few tokens: the ones at least 2^-8 as likely as the top are sorted alone, and their running sum
+    is the full sort's first entries (every token outside is less likely than each of them), the
+    same values added in the same order, so the cut is the same; where they hold less than top_p,
+    those at least 2^-24 as likely, then all."""
+    top = p.max()
+    for scale in NUCLEUS_STEPS:
+        cand = np.flatnonzero(p >= top * scale)  # every token this likely, in index order: sorted first
+        order = cand[np.argsort(-p[cand], kind="stable")]
+        cut = int(np.searchsorted(np.cumsum(p[order]), top_p, side="left"))  # where the running mass reaches top_p
+        if cut < len(order):
+            return order[: cut + 1]  # every token whose preceding mass is below top_p (the first always stays)
+    order = np.argsort(-p, kind="stable")  # the nucleus reaches further down (or the sum falls short of top_p)
+    return order[: int(np.searchsorted(np.cumsum(p[order]), top_p, side="left")) + 1]
 
 
 def pick(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator,
