@@ -218,6 +218,22 @@ def _bench_module(name: str):
     return module
 
 
+# -- bench/sampling.py: what the sampling filters cost ----------------------------------------------
+def test_sampling_bench_prices_each_filter_against_unfiltered_target_only(model_store, capsys):
+    bench = _bench_module("sampling")
+    assert bench.parse_filters("top_p=0.9,top_k=40;min_p=0.05;") == [{"top_p": 0.9, "top_k": 40}, {"min_p": 0.05}, {}]
+    with pytest.raises(SystemExit, match="'top_q=1' is not"):
+        bench.parse_filters("top_q=1")
+    assert bench.main(["--drafts", "prompt-lookup", "--filters", "top_p=1.0;top_p=0.9,top_k=20", "--max-tokens", "4",
+                       "--rounds", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [(r[0], r[1]) for r in rows] == [("top_p=1.0", "none"), ("top_p=1.0", "prompt-lookup"),
+                                            ("top_p=0.9,top_k=20", "none"), ("top_p=0.9,top_k=20", "prompt-lookup")]
+    assert rows[0][3] == "1.00x" and all(float(r[2]) > 0 for r in rows)
+    with pytest.raises(SystemExit, match="draft 'nope' is not in the pool"):
+        bench.main(["--drafts", "nope", "--max-tokens", "1", "--rounds", "1"])
+
+
 # -- bench/ep_check.py: an execution provider against the CPU --------------------------------------
 def test_ep_check_lines_up_rollback_logits_with_the_steps_they_repeat(tmp_path):
     """The CPU against itself: identical logits, and a rolled-back verification pass that matches

@@ -95,11 +95,11 @@ def greedy_summary(logits: np.ndarray) -> tuple[int, float, float]:
     and the softmax's entropy (nats), in float32 and one exponential per logit.
 
     What a greedy draft needs of its distribution (the token, and the confidence that stops it or
-    trims its proposal: memspec.speculation.drafts, .confidence), without probabilities(): that one
-    builds the float64 distribution a sampled token is drawn from, and exp and log in float64 take
-    0.3-0.6 ms over the 0.5B sibling's 32,768 logits on a Zen 4 (float32 here: 0.03 ms), as much
-    as a small draft's whole forward.  H = log S - sum(e z) / S with z = x - max x, e = exp z and
-    S = sum e; a logit of -inf counts as exp(-1e30) = 0 (it adds nothing either way).
+    trims its proposal: memspec.speculation.drafts, .confidence), without the float64 distribution
+    a sampled token is drawn from: probabilities() and an entropy over it took 0.3-0.6 ms over the
+    0.5B sibling's 32,768 logits on a Zen 4 (this: 0.03 ms), as much as a small draft's forward.
+    H = log S - sum(e z) / S with z = x - max x, e = exp z and S = sum e; a logit of -inf counts
+    as exp(-1e30) = 0 (it adds nothing either way).
     """
     x = np.asarray(logits, dtype=np.float32)
     i = int(x.argmax())
