@@ -1,7 +1,7 @@
 """Sampled requests: what the filters (top_p, top_k, min_p) cost, target-only and with drafts.
 
     python bench/sampling.py [--model NAME] [--drafts D1,D2] [--filters "top_p=1.0;top_p=0.9;top_k=40"]
-                             [--temperature 0.7] [--max-tokens 64] [--limit 6] [--rounds 2]
+                             [--temperature 0.7] [--max-tokens 64] [--limit 1] [--rounds 2]
 
 One process, the target and the named drafts loaded once (the fixed pool); each round runs every
 prompt (the built-in ones, `--limit` of each category) under every filter and every policy in
