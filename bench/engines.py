@@ -36,7 +36,9 @@ Ollama serves llama.cpp: its numbers are llama.cpp's plus an HTTP server (it is 
 from a package index, so it is not run here).  Each engine runs in its own process, loaded once
 and warmed on the first prompt; in each round every prompt runs on every engine in turn, in an
 order that rotates from prompt to prompt and round to round, so that the machine's drift (speeds
-here move by 10% within minutes) falls on all of them alike.  Per engine and round, tok/s =
+here move by 10% within minutes) falls on all of them alike.  Each round starts with memspec's
+suffix index emptied (it learns every answer, and a round would otherwise recall the answers of
+the one before: a repeated request, which bench/suffix.py measures).  Per engine and round, tok/s =
 generated tokens / seconds over the whole workload (time to first token included); the report gives the median over rounds,
 the ratio to llama.cpp, the process's resident memory, and how many prompts each engine answers
 exactly as memspec's target-only does (the 4-bit kernels of the three runtimes differ, so
@@ -105,6 +107,11 @@ class MemspecWorker:
         self.drafted = (s.num_draft_tokens, s.num_accepted_tokens) if s.num_draft_tokens else None
         self.spec = {"steps": s.num_drafts, "draft_ms": s.draft_ms, "draft": s.draft}
         return c.token_ids
+
+    def forget(self) -> None:
+        """Empty the suffix draft's index, which learns every answer: each round starts from nothing
+        (else a round would recall the answers of the rounds before it, a repeated request)."""
+        self.engine.drafts.forget()
 
     def close(self) -> None:
         self.engine.close()
@@ -374,10 +381,14 @@ def worker_main(name: str, setup: dict) -> int:
         say({"error": str(exc)})
         return 1
     rss = getattr(w, "rss_mb", _rss_mb)
-    say({"ready": True, "load_s": time.perf_counter() - t, "rss_mb": rss()})
+    say({"ready": True, "load_s": time.perf_counter() - t, "rss_mb": rss(), "forgets": hasattr(w, "forget")})
     try:
         for line in sys.stdin:
             req = json.loads(line)
+            if req.get("forget"):  # a round starts: nothing learned from the requests before it
+                w.forget()
+                say({"forgot": True})
+                continue
             t = time.perf_counter()
             out = w.generate(req["ids"], req["text"], req["max_new"])
             say({"ids": out, "seconds": time.perf_counter() - t, "rss_mb": rss(),
@@ -423,6 +434,13 @@ class Engine:
         r = self._read()
         self.peak_rss_mb = max(self.peak_rss_mb, r["rss_mb"])
         return r
+
+    def forget(self) -> None:
+        """Have the engine forget what it learned from earlier requests (a worker that says it can)."""
+        if self.info.get("forgets"):
+            self.proc.stdin.write(json.dumps({"forget": True}) + "\n")
+            self.proc.stdin.flush()
+            self._read()
 
     def close(self) -> None:
         if self.proc.poll() is None:
@@ -505,6 +523,8 @@ def run(names: list[str], items: list[dict], setup: dict, max_new: int, rounds: 
     names = list(engines)
     try:
         for r in range(rounds):
+            for e in engines.values():  # no round (nor the warm-up) leaves its answers to the next
+                e.forget()
             acc = {n: {"tokens": 0, "seconds": 0.0, "outs": [], "drafted": None, "prompts": []} for n in names}
             for i, w in enumerate(items):
                 shift = (r + i) % len(names)

@@ -12,6 +12,11 @@ requests before, in its own run).  Workloads:
 * `agent`: one instruction template with four different inputs (an agent loop's tool
   calls); the last three are reported.
 
+Policies: target-only, prompt lookup and the suffix draft forced, and the daemon's default
+(`scheduled`: the scheduler over the target's drafts in the store, its configured policy, a step
+recalling from the suffix index where the text matches it for `[speculative] recall_tokens`) beside
+the same with recall off (`scheduled, no recall`).
+
 Per policy: decode tok/s and mean acceptance length of the reported requests, medians over
 --reps rounds (the policies interleaved in each round, so machine noise hits them alike), and
 whether every output equals target-only's token for token.  On a shared machine tok/s swings
@@ -80,8 +85,15 @@ class PricedPasses:
         return sum(self.cost_s[n] for n in self.passes[1:])
 
 
-def pool(policy: str, vocab: int, suffix_bytes: int) -> DraftPool:
-    """A fresh pool for one policy's run of a workload (the suffix draft: an empty index)."""
+SCHEDULED = "scheduled"  # the daemon's default: the scheduler over the store's drafts, recalling from its suffix index
+NO_RECALL = "scheduled, no recall"  # ... with [speculative] recall_tokens = 0
+
+
+def pool(policy: str, vocab: int, suffix_bytes: int, scheduler=None):
+    """A fresh draft source for one policy's run of a workload (the suffix draft: an empty index);
+    `scheduler(recall_tokens)` makes the scheduled ones."""
+    if policy in (SCHEDULED, NO_RECALL):
+        return scheduler(None if policy == SCHEDULED else 0)
     if policy == SUFFIX:
         return DraftPool({SUFFIX: SuffixDraft(SuffixIndex(suffix_bytes), vocab)}, default=SUFFIX)
     if policy == PROMPT_LOOKUP:
@@ -114,8 +126,15 @@ def main() -> int:
         modelled[id(c)] = priced.decode_s() + c.stats.draft_ms / 1e3
         return c
 
+    def scheduler(recall_tokens: int | None):
+        from memspec.scheduling.scheduler import from_store
+
+        extra = {} if recall_tokens is None else {"recall_tokens": recall_tokens}
+        return from_store(config.scheduler, store, target, config.runtime, config.speculative.draft_limits(),
+                          suffix_bytes=suffix_bytes, **extra)
+
     work = workloads(lambda p: run(p).text)
-    policies = ["target-only", PROMPT_LOOKUP, SUFFIX]
+    policies = ["target-only", PROMPT_LOOKUP, SUFFIX, SCHEDULED, NO_RECALL]
     tps: dict = {(w, p): [] for w in work for p in policies}
     acc: dict = {(w, p): [] for w in work for p in policies}
     exact: dict = {(w, p): True for w in work for p in policies}
@@ -124,8 +143,12 @@ def main() -> int:
     for rep in range(args.reps):
         for w, (prompts, reported) in work.items():
             for p in policies:
-                engine.drafts = pool(p, vocab, suffix_bytes)
-                outs = [run(q) for q in prompts]
+                engine.drafts = pool(p, vocab, suffix_bytes, scheduler)
+                try:
+                    outs = [run(q) for q in prompts]
+                finally:
+                    engine.drafts.close()
+                    engine.drafts = DraftPool()
                 for i, c in enumerate(outs):
                     exact[(w, p)] &= c.token_ids == base.setdefault((w, i), c.token_ids)
                 shown = outs[-reported:]
@@ -134,11 +157,11 @@ def main() -> int:
                 tps[(w, p)].append(tokens / seconds)
                 model[(w, p)].append(sum(modelled[id(c)] for c in shown) / tokens)
                 acc[(w, p)].append(statistics.mean(c.stats.mean_acceptance_length for c in shown))
-                print(f"[{rep + 1}/{args.reps}] {w:<8} {p:<14} {tps[(w, p)][-1]:6.1f} tok/s  "
+                print(f"[{rep + 1}/{args.reps}] {w:<8} {p:<20} {tps[(w, p)][-1]:6.1f} tok/s  "
                       f"accept len {acc[(w, p)][-1]:.2f}", file=sys.stderr, flush=True)
     rows = []
     print(f"\n{target.name} ({target.variant}), {args.max_tokens} tokens max, median of {args.reps}")
-    print(f"{'workload':<9} {'policy':<14} {'tok/s':>7} {'speedup':>8} {'modelled':>9} {'accept len':>10} {'exact':>6}")
+    print(f"{'workload':<9} {'policy':<20} {'tok/s':>7} {'speedup':>8} {'modelled':>9} {'accept len':>10} {'exact':>6}")
     for w in work:
         for p in policies:
             r = {"workload": w, "policy": p, "tok_per_s": round(statistics.median(tps[(w, p)]), 1),
@@ -147,7 +170,7 @@ def main() -> int:
             r["modelled_speedup"] = round(statistics.median(model[(w, "target-only")]) /
                                           statistics.median(model[(w, p)]), 2)
             rows.append(r)
-            print(f"{w:<9} {p:<14} {r['tok_per_s']:>7.1f} {r['speedup']:>7.2f}x {r['modelled_speedup']:>8.2f}x "
+            print(f"{w:<9} {p:<20} {r['tok_per_s']:>7.1f} {r['speedup']:>7.2f}x {r['modelled_speedup']:>8.2f}x "
                   f"{r['mean_acceptance_length']:>10.2f} {str(r['exact']):>6}")
     if args.json:
         with open(args.json, "w") as f:

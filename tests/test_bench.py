@@ -467,6 +467,9 @@ def test_engines_run_each_prompt_on_every_engine_in_turn_in_rotating_order(monke
             calls.append((self.name, text))
             return {"ids": [len(calls)] * (1 + ids[0]), "seconds": 0.5 + ids[0] * 0.25, "rss_mb": 10.0}
 
+        def forget(self):
+            calls.append((self.name, "forget"))
+
         def close(self):
             pass
 
@@ -474,7 +477,9 @@ def test_engines_run_each_prompt_on_every_engine_in_turn_in_rotating_order(monke
     items = [{"ids": [i], "prompt": f"p{i}"} for i in range(3)]
     result = engines.run(["a", "b", "c"], items, {}, max_new=4, rounds=2, progress=lambda _: None)
     assert calls[:3] == [("a", "p0"), ("b", "p0"), ("c", "p0")]  # the warm-ups, as each loads
-    runs = calls[3:]
+    # each round starts with every engine forgetting what it learned (memspec's suffix index)
+    assert calls[3:6] == calls[6 + 9:6 + 9 + 3] == [("a", "forget"), ("b", "forget"), ("c", "forget")]
+    runs = [c for c in calls[3:] if c[1] != "forget"]
     order = [[n for n, t in runs[j:j + 3]] for j in range(0, len(runs), 3)]
     assert [t for _, t in runs[::3]] == ["p0", "p1", "p2"] * 2
     assert order == [["a", "b", "c"], ["b", "c", "a"], ["c", "a", "b"],  # round 1, then round 2 starts one on

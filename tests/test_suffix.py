@@ -12,14 +12,14 @@ import numpy as np
 import pytest
 
 from fakes import FakeProbe
-from memspec.errors import InvalidRequestError
+from memspec.errors import ConfigError, InvalidRequestError
 from memspec.request import GenerationRequest, SamplingParams
 from memspec.scheduling.config import SchedulerConfig
 from memspec.scheduling.scheduler import Scheduler, draft_footprints
 from memspec.speculation.config import SpecConfig
 from memspec.speculation.sources import DraftPool, DraftRow
-from memspec.speculation.suffix import (KEY, MAX_CANDIDATES, MAX_MATCH, SUFFIX, Match, SuffixDraft, SuffixIndex, index_layout,
-                                        index_nbytes, own_match, vote)
+from memspec.speculation.suffix import (KEY, MAX_CANDIDATES, MAX_MATCH, SUFFIX, Match, Recall, SuffixDraft, SuffixIndex,
+                                        index_layout, index_nbytes, own_match, vote)
 from test_sampling import chi_square_p
 from test_speculative import V, second_token_counts, tiny  # noqa: F401  (tiny: the fixture)
 
@@ -280,6 +280,119 @@ def test_the_scheduler_holds_the_suffix_index_in_its_budget():
         sched.close()
 
 
+def test_clear_forgets_every_sequence_and_the_index_learns_again():
+    index = SuffixIndex(64 * KiB)
+    index.add([1, 2, 3, 4, 5])
+    index.add([6, 2, 3, 7])
+    index.clear()
+    assert index.find(np.array([2, 3]), 4).length == 0 and index.report()["sequences"] == 0
+    assert index.stats.evicted == 2
+    index.add([2, 3, 9])
+    assert continuations(index.find(np.array([2, 3]), 4)) == [[9]]  # nothing from before the clear
+    for _ in range(3000):  # the ring wraps after a clear as before
+        index.add([2, 3, 8, 8, 8, 8])
+    assert continuations(index.find(np.array([2, 3]), 1))[0] == [8]
+
+
+# -- recall: the index consulted before the picked draft ---------------------------------------
+SEEN = [50, 51, 52, 53, 54, 55, 56, 57, 58, 59, 60, 61, 62]  # an earlier request's prompt and answer
+
+
+def test_recall_needs_a_match_as_long_as_asked_and_longer_than_the_texts_own():
+    draft = SuffixDraft(SuffixIndex(64 * KiB), 100)
+    draft.learn(SEEN)
+    assert draft.recall([1, 2, *SEEN[:8]], 8, 8) == SEEN[8:13]  # 8 tokens agree: what followed (at most 8)
+    assert draft.recall([1, 2, *SEEN[:8]], 3, 8) == SEEN[8:11]
+    assert draft.recall([1, 2, *SEEN[1:8]], 8, 8) == []  # 7 agree: too short
+    assert draft.recall([1, 2, *SEEN[1:8]], 8, 7) == SEEN[8:13]
+    # the text holds the same words itself: its own copy is the draft's (prompt lookup) to follow
+    assert draft.recall([*SEEN[:9], 1, 2, *SEEN[:8]], 8, 8) == []
+    assert draft.recall([9, 9], 8, KEY) == []  # nothing indexed ends so
+
+
+def test_recall_stops_where_the_earlier_requests_disagree():
+    draft = SuffixDraft(SuffixIndex(64 * KiB), 100)
+    for then in (71, 80, 90):
+        draft.learn([*SEEN[:8], 70, then, 72])
+    assert draft.recall(SEEN[:8], 8, 8) == [70]  # all three agree on 70, then each goes its own way
+    draft.learn([*SEEN[:8], 70, 80, 73])
+    assert draft.recall(SEEN[:8], 8, 8) == [70, 80]  # half of them go on with 80, and then split
+
+
+def test_a_recall_proposes_what_its_check_found_and_rechecks_another_text():
+    draft = SuffixDraft(SuffixIndex(64 * KiB), 100)
+    draft.learn(SEEN)
+    recall = Recall(draft, 8)
+    text = [1, *SEEN[:9]]
+    assert recall.check(text) and recall.propose(text, 3, GREEDY, None).tokens == SEEN[9:12]
+    assert not recall.check([1, 2, 3])
+    assert recall.propose(text, 8, GREEDY, None).tokens == SEEN[9:13]  # a text it did not check: looked up
+    sampled = recall.propose(text, 2, SamplingParams(temperature=0.8), None)
+    assert sampled.q.shape == (2, 100) and (sampled.q.argmax(axis=1) == SEEN[9:11]).all()
+    with pytest.raises(ValueError, match="match"):
+        Recall(draft, MAX_MATCH + 1)
+
+
+def recall_scheduler(recall_tokens: int, policy: str = "bandit", cap: int = 64 * KiB) -> Scheduler:
+    def loader(name):
+        if name == SUFFIX:
+            d = SuffixDraft(SuffixIndex(cap), 100)
+            return d, d.nbytes
+        from memspec.speculation.drafts import PromptLookup
+        return PromptLookup(100), 0
+
+    return Scheduler(SchedulerConfig(policy=policy, budget_mb=1, pressure_floor_mb=0), loader,
+                     draft_footprints([], cap), FakeProbe(rss=0), target=("t", 512 * KiB), recall_tokens=recall_tokens)
+
+
+def test_a_scheduled_step_recalls_what_followed_where_the_text_matches_the_index_long():
+    sched = recall_scheduler(8)
+    try:
+        sched.learn(SEEN)
+        sel = sched.selector(GenerationRequest(prompt="x"), [1, 2], 64)
+        assert sel.name == "prompt-lookup"  # the only arm: the bandit's pick
+        name, state = sel([1, 2, 3], sel.metrics)
+        assert name == "prompt-lookup"  # nothing indexed agrees with this text
+        name, state = sel([1, *SEEN[:8]], sel.metrics)
+        assert name == SUFFIX and state.propose([1, *SEEN[:8]], 4, GREEDY, None).tokens == SEEN[8:12]
+        name, _ = sel([1, *SEEN[:8], 99, 98], sel.metrics)
+        assert name == "prompt-lookup"  # the text went its own way: the picked draft again
+        sel.close()
+        # a request that names its draft runs as named
+        named = sched.selector(GenerationRequest(prompt="x", draft="prompt-lookup"), [1, 2], 64)
+        assert named([1, *SEEN[:8]], named.metrics)[0] == "prompt-lookup"
+        named.close()
+        sched.forget()  # the index is empty: nothing to recall
+        sel = sched.selector(GenerationRequest(prompt="x"), [1, 2], 64)
+        assert sel([1, *SEEN[:8]], sel.metrics)[0] == "prompt-lookup"
+        sel.close()
+    finally:
+        sched.close()
+
+
+def test_recall_is_off_at_zero_and_refused_outside_its_range():
+    sched = recall_scheduler(0)
+    try:
+        sched.learn(SEEN)
+        sel = sched.selector(GenerationRequest(prompt="x"), [1, 2], 64)
+        assert sel([1, *SEEN[:8]], sel.metrics)[0] == "prompt-lookup"
+        sel.close()
+    finally:
+        sched.close()
+    for bad in (1, MAX_MATCH + 1):
+        with pytest.raises(ConfigError, match="recall_tokens"):
+            recall_scheduler(bad)
+
+
+def test_the_pool_forgets_what_its_suffix_draft_learned():
+    draft = SuffixDraft(SuffixIndex(64 * KiB), 16)
+    pool = DraftPool({SUFFIX: draft})
+    pool.learn([1, 2, 3, 4])
+    pool.forget()
+    assert proposal(draft, [7, 2, 3]) == [] and draft.index.stats.evicted == 1
+    DraftPool({}).forget()  # no suffix draft: nothing to forget
+
+
 def test_a_suffix_index_too_big_for_the_budget_is_left_out():
     sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=1, pressure_floor_mb=0),
                       lambda name: (SuffixDraft(SuffixIndex(2 << 20), 16), index_nbytes(2 << 20)),
@@ -361,6 +474,34 @@ def test_a_scheduled_engine_teaches_its_suffix_draft_whichever_draft_runs(smollm
         assert sched.counters()["suffix.sequences"] == 2
     finally:
         engine.close()
+
+
+def test_a_repeated_request_recalls_its_answer_under_the_picked_draft_and_answers_the_same(smollm, model_store):
+    """The oracle picks prompt lookup for the prompt; the second time the prompt comes, its steps
+    recall the first answer from the suffix index instead, and the answer is target-only's."""
+    from memspec.scheduling.scheduler import from_store
+    from memspec.speculation.config import DraftLimits
+    from memspec.speculation.engine import Engine
+
+    plain, target = smollm[0], smollm[0].target
+    base = plain.generate(GenerationRequest(prompt=REPEAT, max_tokens=48))
+    for recall_tokens in (8, 0):
+        sched = from_store(SchedulerConfig(policy="oracle", pressure_floor_mb=0), model_store, target, None,
+                           DraftLimits(recall_tokens=recall_tokens), names=[], suffix_bytes=1 << 20,
+                           oracle_table={REPEAT: "prompt-lookup"})
+        engine = Engine(target, drafts=sched, spec=SpecConfig(controller="step"))
+        try:
+            first = engine.generate(GenerationRequest(prompt=REPEAT, max_tokens=48))
+            second = engine.generate(GenerationRequest(prompt=REPEAT, max_tokens=48))
+            assert first.token_ids == base.token_ids == second.token_ids
+            assert SUFFIX not in first.stats.drafts_used  # nothing indexed yet
+            if recall_tokens:
+                assert set(second.stats.drafts_used) == {SUFFIX}, second.stats  # every step recalled
+                assert second.stats.mean_acceptance_length >= 4.0, second.stats
+            else:
+                assert set(second.stats.drafts_used) == {"prompt-lookup"}
+        finally:
+            engine.close()
 
 
 def test_schedulers_made_one_after_another_book_the_process_they_are_given(smollm, model_store):

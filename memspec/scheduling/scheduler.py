@@ -12,7 +12,10 @@ and the request goes on target-only; the output does not change (lossless).
 
 The suffix draft (memspec.speculation.suffix) learns from every request, whichever draft
 runs it, so the scheduler holds a lease on it for its whole life: its index is loaded at
-start, counted in the budget at its bytes and never evicted (UnloadModel drops it).
+start, counted in the budget at its bytes and never evicted (UnloadModel drops it).  Every
+request a policy picks drafts for (not one that names its draft) also recalls from it: a step
+whose text's end agrees with an indexed request for `recall_tokens` tokens or more proposes
+what followed there (memspec.speculation.suffix.Recall).
 """
 
 from __future__ import annotations
@@ -35,7 +38,7 @@ from memspec.scheduling.selector import RequestSelector
 from memspec.scheduling.workingset import Lease, Loader, WorkingSet
 from memspec.speculation.drafts import PROMPT_LOOKUP
 from memspec.speculation.sources import DraftRow, KVSizer, SourceStatus
-from memspec.speculation.suffix import SUFFIX, SuffixDraft
+from memspec.speculation.suffix import KEY, MAX_MATCH, SUFFIX, Recall, SuffixDraft
 
 log = logging.getLogger("memspec.scheduler")
 
@@ -46,12 +49,17 @@ class Scheduler:
     def __init__(self, config: SchedulerConfig, loader: Loader, drafts: dict[str, int], probe: MemoryProbe,
                  target: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
                  predictor=None, oracle_table: dict[str, str] | None = None, decode: Detokenize | None = None,
-                 kv_sizers: dict[str, KVSizer] | None = None, variant: str = "", load_overlap: float = 1.0):
+                 kv_sizers: dict[str, KVSizer] | None = None, variant: str = "", load_overlap: float = 1.0,
+                 recall_tokens: int = 0):
         """drafts: every draft it may use -> declared bytes; target: (name, bytes) to pin;
         predictor: memspec's (default: the shipped predictor for the target's `variant`);
         oracle_table: {prompt: draft} (default: from config.oracle); decode: the target's token ids -> text;
         kv_sizers: draft -> tokens -> bytes of its KV cache (a draft without one keeps none);
-        load_overlap: the share of a request's speed kept while a draft loads beside it (load_overlap())."""
+        load_overlap: the share of a request's speed kept while a draft loads beside it (load_overlap());
+        recall_tokens: the match a step's recall needs (`[speculative] recall_tokens`; 0: no recall)."""
+        if recall_tokens and not KEY <= recall_tokens <= MAX_MATCH:
+            raise ConfigError(f"[speculative] recall_tokens must be 0 (off) or {KEY}..{MAX_MATCH}, got {recall_tokens}")
+        self.recall_tokens = recall_tokens
         self.config = config
         self.variant = variant
         self.target_name = target[0] if target else ""
@@ -161,7 +169,11 @@ class Scheduler:
         name = self.policy_for(req)
         self.count("requests")
         self.count(f"policy.{name}")
-        return self.policy(name).start(req, prompt, capacity, cancelled)
+        sel = self.policy(name).start(req, prompt, capacity, cancelled)
+        suffix = self._suffix_draft()
+        if sel is not None and suffix is not None and self.recall_tokens and name.kind != "fixed":
+            sel.recall = Recall(suffix, self.recall_tokens)  # a named draft runs as named
+        return sel
 
     @contextlib.contextmanager
     def reserve_kv(self, nbytes: int, cancelled: Callable[[], bool] = lambda: False) -> Iterator[None]:
@@ -210,6 +222,12 @@ class Scheduler:
         draft = self._suffix_draft()
         if draft is not None:
             draft.learn(tokens)
+
+    def forget(self) -> None:
+        """Drop what learn() indexed (a benchmark's rounds each start from an empty index)."""
+        draft = self._suffix_draft()
+        if draft is not None:
+            draft.forget()
 
     def shrink(self, nbytes: int) -> int:
         """Give up unleased drafts, lowest value per byte first, until `nbytes` are freed."""
@@ -358,6 +376,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     pinned = target.file_bytes + batched_bytes
     process = probe.rss_bytes() if process_bytes is None else process_bytes
     kwargs.setdefault("load_overlap", load_overlap(session_config, target))
+    kwargs.setdefault("recall_tokens", draft_limits.recall_tokens)
     return Scheduler(config, loader, sizes, probe, target=(target.name, max(pinned, process)),
                      decode=target.tokenizer.decode, kv_sizers=draft_kv_sizers(drafts, target.max_context),
                      variant=target.variant, **kwargs)

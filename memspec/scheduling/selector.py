@@ -5,7 +5,10 @@ memspec.speculation.speculative).  It holds at most one draft lease from the
 working set at a time and releases it when the request ends, however it ends (the
 engine closes the selector on completion, cancellation and exceptions).  Under
 memory pressure it drops its draft and the request goes on target-only; with a
-`switcher` (the memspec policy) it reconsiders every few steps.
+`switcher` (the memspec policy) it reconsiders every few steps.  With a `recall` (the
+scheduler's, where it holds the suffix draft), a step whose text's end agrees long with a
+request the daemon saw proposes what followed there instead (memspec.speculation.suffix.Recall),
+whichever draft the request holds, and that step counts as the suffix draft's.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from memspec.request import NO_DRAFT, GenerationRequest
 from memspec.scheduling.workingset import Lease, WorkingSet
 from memspec.speculation.logits import IDENTITY
 from memspec.speculation.metrics import SpecMetrics
+from memspec.speculation.suffix import SUFFIX
 
 log = logging.getLogger("memspec.scheduler")
 WINDOW_STEPS = 16  # steps of each draft's (drafted, accepted) a request keeps (`window`); memspec leaves a
@@ -64,6 +68,7 @@ class RequestSelector:
         self._ran: str | None = None  # the draft the previous step ran with
         self.broken: set[str] = set()  # drafts that raised in this request: never taken again by it
         self.closed = False
+        self.recall = None  # a memspec.speculation.suffix.Recall, set by the scheduler (None: no recall)
         if lease is not None:
             self._take(lease)
 
@@ -166,6 +171,9 @@ class RequestSelector:
                     self.switch_to(lease, "its background load finished")
             if self.switcher is not None and self.steps % self.switch_every == 0:
                 self.switcher(self)
+        if self.recall is not None and self.name != SUFFIX and self.recall.check(context):
+            self._ran = SUFFIX
+            return SUFFIX, self.recall
         self._ran = self.name
         return (self.name, self.state) if self.lease is not None else (None, None)
 

@@ -17,6 +17,8 @@ class DraftLimits:
     max_entropy: float = 4.0  # ... or when its entropy (nats) rises above this
     loop_tokens: int = 8  # a context ending in a loop this long continues it instead (0: never)
     lookup_ngram: int = 2  # ... or one whose last n >= this many tokens occurred before, what followed (0: never)
+    recall_tokens: int = 8  # ... or, where the scheduler holds the suffix draft, one whose last n >= this many
+    #                         tokens agree with a request the daemon saw, what followed there (0: never)
 
 
 @dataclass(frozen=True)
@@ -27,6 +29,9 @@ class SpecConfig:
     max_entropy: float = DraftLimits.max_entropy  # ... or when its entropy (nats) rises above this
     loop_tokens: int = DraftLimits.loop_tokens  # a model draft continues a loop this long itself (0: never)
     lookup_ngram: int = DraftLimits.lookup_ngram  # ... and copies what followed its last n >= this earlier (0: never)
+    recall_tokens: int = DraftLimits.recall_tokens  # a step copies what followed the text's last n >= this many
+    #                                                 tokens in an earlier request (the suffix index) instead of
+    #                                                 running the picked draft (0: never; else 2..24)
     gamma: int = 5  # draft tokens proposed per step at the start
     gamma_min: int = 1  # the step controller never proposes fewer (while drafting at all)
     gamma_max: int = 8  # never propose more
@@ -46,4 +51,4 @@ class SpecConfig:
 
     def draft_limits(self) -> DraftLimits:
         """What a draft model reads of this config: when it stops proposing, and when it copies."""
-        return DraftLimits(self.p_min, self.max_entropy, self.loop_tokens, self.lookup_ngram)
+        return DraftLimits(self.p_min, self.max_entropy, self.loop_tokens, self.lookup_ngram, self.recall_tokens)

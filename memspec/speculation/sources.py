@@ -66,6 +66,8 @@ class DraftSource(Protocol):
 
     def learn(self, tokens: list[int]) -> None: ...  # a request's prompt and committed output (the suffix draft's index)
 
+    def forget(self) -> None: ...  # drop what learn() indexed (a benchmark round starts from nothing)
+
     def report(self) -> SourceStatus: ...
 
     def close(self) -> None: ...  # stop background work and drop the drafts (idempotent)
@@ -148,6 +150,11 @@ class DraftPool(Mapping[str, Proposer]):
         draft = self.proposers.get(SUFFIX)
         if isinstance(draft, SuffixDraft):
             draft.learn(tokens)
+
+    def forget(self) -> None:
+        draft = self.proposers.get(SUFFIX)
+        if isinstance(draft, SuffixDraft):
+            draft.forget()
 
     def report(self) -> SourceStatus:
         return SourceStatus([DraftRow(n, True, int(p.nbytes)) for n, p in sorted(self.proposers.items())])

@@ -47,6 +47,7 @@ MAX_MATCH = 24  # a match is measured back at most this many tokens (longer ones
 MAX_CANDIDATES = 64  # the newest this many occurrences of the context's key vote ...
 MAX_WALK = 256  # ... found within this many links of its hash chain (a lookup's time is bounded)
 MIN_PROB = 0.1  # stop proposing once the path's empirical probability falls below this
+RECALL_MIN_PROB = 0.5  # a recall (Recall) stops where fewer than half the occurrences still agree on its path
 SPEC_FACTOR = 1.0  # propose at most this many tokens per token of match
 SEQ_SLOTS_PER = 8  # the ring of sequence starts has one entry per this many token slots
 # bytes a token slot costs: buf (4) + nxt (8) + at most half a head bucket (4) + 1/SEQ_SLOTS_PER of a start (1)
@@ -158,6 +159,15 @@ class SuffixIndex:
         self.nxt[ps % self.slots] = prev
         last = np.r_[bs[1:] != bs[:-1], True]
         self.head[bs[last]] = ps[last]
+
+    def clear(self) -> None:
+        """Forget every sequence (a benchmark's rounds each start from nothing): positions only grow,
+        so with `tail` moved to the end every old link falls below it, and no array is touched."""
+        with self._lock:
+            self._first = (self._first + self.sequences) % len(self.starts)
+            self.stats.evicted += self.sequences
+            self.sequences = 0
+            self.tail = self.end
 
     def _evict_oldest(self) -> None:
         self._first = (self._first + 1) % len(self.starts)
@@ -286,6 +296,24 @@ class SuffixDraft:
         """A finished request's committed tokens (prompt and output): indexed for the ones after it."""
         self.index.add(tokens)
 
+    def forget(self) -> None:
+        """Drop everything learned (SuffixIndex.clear)."""
+        self.index.clear()
+
+    def recall(self, context: list[int], k: int, min_match: int) -> list[int]:
+        """Up to k tokens that followed the context's end in the requests indexed, where its last
+        `min_match` tokens or more agree with them there, and longer than with any earlier place in
+        the context itself (the request's own text is what prompt lookup and every model draft's
+        lookup copy from: a rewrite of text sent back follows its own copy), while at least half of
+        the longest-agreeing occurrences agree on the path; [] otherwise."""
+        if k <= 0 or len(context) < min_match:
+            return []
+        ctx = np.asarray(context, dtype=np.int64)
+        match = self.index.find(ctx[-MAX_MATCH:], k)
+        if match.length < min_match or own_match(ctx, 1).length >= match.length:
+            return []
+        return vote(match, min(k, max(1, int(self.spec_factor * match.length))), RECALL_MIN_PROB)
+
 
 class SuffixState:
     """One request's use of the shared index; it keeps no state of its own."""
@@ -311,6 +339,35 @@ class SuffixState:
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
                 shaper: LogitsShaper = IDENTITY, alternatives: bool = False) -> Proposal:
         return deterministic_proposal(self.find(context, k), self.d.target_vocab, params, shaper)
+
+    def close(self) -> None:
+        pass
+
+
+class Recall:
+    """One request's recall of what the daemon saw (SuffixDecoding's hybrid: the index where the text
+    matches it long, the picked draft elsewhere).  Before each step its selector
+    (memspec.scheduling.selector) asks `check`: where the text's last `min_match` tokens or more agree
+    with a request in the index (a retried or regenerated request, a conversation's earlier turn sent
+    back, code edited again), the step proposes what followed there and the picked draft does not run
+    (its cache catches up when it next does).  The proposal is one-hot, as any copy: the output is the
+    target's."""
+
+    def __init__(self, draft: SuffixDraft, min_match: int):
+        if not KEY <= min_match <= MAX_MATCH:
+            raise ValueError(f"a recall needs a match of {KEY}..{MAX_MATCH} tokens, got {min_match}")
+        self.draft, self.min_match = draft, min_match
+        self._at, self._found = -1, []  # the text length the last check was for, and what it found
+
+    def check(self, context: list[int]) -> bool:
+        """Whether the index continues the text's end (what it found is kept for propose)."""
+        self._at, self._found = len(context), self.draft.recall(context, MAX_MATCH, self.min_match)
+        return bool(self._found)
+
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
+                shaper: LogitsShaper = IDENTITY, alternatives: bool = False) -> Proposal:
+        found = self._found if self._at == len(context) else self.draft.recall(context, MAX_MATCH, self.min_match)
+        return deterministic_proposal(found[:k], self.draft.target_vocab, params, shaper)
 
     def close(self) -> None:
         pass
