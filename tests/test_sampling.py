@@ -146,6 +146,21 @@ def test_the_nucleus_is_the_full_sorts_prefix():
             np.testing.assert_array_equal(sampling.nucleus(p, top_p), full_sort(p, top_p))
 
 
+def test_the_kth_largest_is_the_full_partitions():
+    """kth_largest() partitions only the values near the top: it must equal a partition of all of
+    them on peaked, tied, flat, wide and -inf rows, for any k."""
+    rng = np.random.default_rng(5)
+    for trial in range(200):
+        V = int(rng.choice([1, 2, 40, 300, 40000]))
+        z = [rng.standard_normal(V) * rng.uniform(0.1, 30), np.round(rng.standard_normal(V) * 2), np.zeros(V),
+             rng.standard_normal(V) * 200, np.where(rng.random(V) < 0.5, -np.inf, rng.standard_normal(V))][trial % 5]
+        for k in {1, 2, 7, 40, V // 2 + 1, V}:
+            if 1 <= k <= V:
+                assert sampling.kth_largest(z, k) == np.partition(z, -k)[-k], (trial, V, k)
+    z = np.full(10, -np.inf)
+    assert sampling.kth_largest(z, 3) == -np.inf  # every value filtered: the band is everything
+
+
 def test_probabilities_are_the_float64_softmax_bit_for_bit():
     """probabilities() works in place (its fresh arrays cost more than its arithmetic): the values
     are still those of the plain float64 formulas, filters included."""

@@ -42,7 +42,7 @@ def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p:
     p = np.array(logits, dtype=np.float64)
     p /= temperature
     if 0 < top_k < p.shape[-1]:
-        p[p < np.partition(p, -top_k)[-top_k]] = -np.inf
+        p[p < kth_largest(p, top_k)] = -np.inf
     p -= p.max()
     np.exp(p, out=p)
     p /= p.sum()
@@ -59,6 +59,23 @@ def probabilities(logits: np.ndarray, temperature: float, top_k: int = 0, top_p:
 
 
 NUCLEUS_STEPS = (2.0 ** -8, 2.0 ** -24)  # nucleus(): the tokens within these ratios of the top are sorted first
+KTH_BANDS = (8.0, 16.0, 32.0, 64.0)  # kth_largest(): the values within this much of the top are partitioned first
+
+
+def kth_largest(z: np.ndarray, k: int) -> float:
+    """The k-th largest value of a (V,) row, ties counted (np.partition(z, -k)[-k], exactly).
+
+    Partitioning all of the 1.5B's 151,936 logits took 3 ms a row on a Zen 4, for every token drawn
+    with top_k and every row a top_k request verifies.  The values within 8 (then 16, 32, 64) of the
+    largest are partitioned alone once there are k of them: the k-th largest is then among them, and
+    so is every value above it, so it is theirs; where even the widest band holds fewer, all of them.
+    A band of logits 8 wide is odds of e^-8 to the top: a few hundred tokens of a real row."""
+    top = z.max()
+    for band in KTH_BANDS:
+        cand = z[z >= top - band]
+        if cand.size >= k:
+            return float(np.partition(cand, -k)[-k])
+    return float(np.partition(z, -k)[-k])
 
 
 def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
