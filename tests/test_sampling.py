@@ -102,6 +102,13 @@ def test_log_probs_are_a_log_softmax_with_the_top_k_most_likely_first():
     assert [i for i, _ in top] == [1, 2] and [v for _, v in top] == pytest.approx([expected[1], expected[2]])
     assert sampling.log_probs(logits, 0, k=0)[1] == []
     assert [i for i, _ in sampling.log_probs(logits, 0, k=4)[1]] == [1, 2, 0, 3]
+    tied = np.array([0.0, 5.0, 1.0, 5.0, 1.0, 1.0, -2.0], dtype=np.float32)
+    assert [i for i, _ in sampling.log_probs(tied, 0, k=3)[1]] == [1, 3, 2]  # equal logits: the lower id first
+    rng = np.random.default_rng(7)
+    for scale in (0.01, 1.0, 30.0):  # a full row: the k largest, as a sort of all of them gives them
+        row = (rng.standard_normal(20000) * scale).astype(np.float32)
+        want = np.argsort(-row.astype(np.float64), kind="stable")[:20]
+        assert [i for i, _ in sampling.log_probs(row, 0, k=20)[1]] == want.tolist()
 
 
 @pytest.mark.parametrize("scale", [0.1, 3.0, 40.0])

@@ -14,11 +14,12 @@ def greedy(logits: np.ndarray) -> int:
 
 def log_probs(logits: np.ndarray, token: int, k: int) -> tuple[float, list[tuple[int, float]]]:
     """The log-probability of `token` under a (V,) row of raw logits (log-softmax, float64),
-    and the k most likely tokens with theirs, most likely first."""
+    and the k most likely tokens with theirs, most likely first (of equal ones, the lower id:
+    kth_largest's candidates, not a partition of the whole row)."""
     z = logits.astype(np.float64)
     lse = z.max() + np.log(np.exp(z - z.max()).sum())
-    top = np.argpartition(-z, k - 1)[:k] if 0 < k < z.shape[-1] else np.arange(z.shape[-1] if k else 0)
-    top = top[np.argsort(-z[top], kind="stable")]
+    top = np.flatnonzero(z >= kth_largest(z, k)) if 0 < k < z.shape[-1] else np.arange(z.shape[-1] if k else 0)
+    top = top[np.argsort(-z[top], kind="stable")][:k]
     return float(z[token] - lse), [(int(i), float(z[i] - lse)) for i in top]
 
 
