@@ -710,6 +710,26 @@ def test_metrics_show_the_prompt_prefix_cache():
     assert list(Exporter(None)._prefixes({})) == []  # none kept: no families
 
 
+def test_metrics_show_each_resident_drafts_prompt_prefixes():
+    """The scheduler's "draft_prefix.<draft>.<key>" counters become families labelled by draft."""
+    from memspec.serving.prometheus import Exporter
+
+    counters = {"loads": 2.0, "suffix.hits": 3.0,
+                "draft_prefix.qwen2.5-coder-0.5b-draft.lookups": 6.0, "draft_prefix.qwen2.5-coder-0.5b-draft.hits": 5.0,
+                "draft_prefix.qwen2.5-coder-0.5b-draft.reused_tokens": 120.0,
+                "draft_prefix.qwen2.5-coder-0.5b-draft.entries": 2.0, "draft_prefix.qwen2.5-coder-0.5b-draft.bytes": 8192.0,
+                "draft_prefix.draft-chat.lookups": 1.0}
+    got = {(f.name, s.labels["draft"]): s.value for f in Exporter(None)._draft_prefixes(counters) for s in f.samples}
+    sib = "qwen2.5-coder-0.5b-draft"
+    assert {k: v for k, v in got.items() if k[1] == sib} == {
+        ("memspec_draft_prefix_cache_lookups", sib): 6, ("memspec_draft_prefix_cache_hits", sib): 5,
+        ("memspec_draft_prefix_cache_reused_tokens", sib): 120, ("memspec_draft_prefix_cache_entries", sib): 2,
+        ("memspec_draft_prefix_cache_bytes", sib): 8192}
+    assert got[("memspec_draft_prefix_cache_lookups", "draft-chat")] == 1
+    assert got[("memspec_draft_prefix_cache_hits", "draft-chat")] == 0  # a key it did not report: 0
+    assert list(Exporter(None)._draft_prefixes({"loads": 1.0})) == []  # no draft keeps prompts: no families
+
+
 def test_grpc_status_and_metrics_read_the_same_counters(f):
     f.h.client.generate("a b", max_tokens=3)  # one by gRPC (a generator: run it)
     list(f.h.client.generate("a b", max_tokens=3))

@@ -384,6 +384,25 @@ def test_recall_is_off_at_zero_and_refused_outside_its_range():
             recall_scheduler(bad)
 
 
+def test_the_scheduler_reports_the_prompts_each_resident_draft_keeps():
+    from memspec.runtime.prefixes import PrefixCache
+    from memspec.scheduling.scheduler import DRAFT_PREFIX
+
+    class Keeping:  # a loaded draft with a prompt prefix cache, as a native DraftModel has
+        prefixes = PrefixCache(1 << 20)
+
+    sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=1, pressure_floor_mb=0),
+                      lambda name: (Keeping(), 1024), {"keeping": 1024}, FakeProbe(rss=0), target=("t", 512 * KiB))
+    try:
+        assert not any(k.startswith(DRAFT_PREFIX) for k in sched.counters())  # not loaded yet
+        sched.ws.preload("keeping")
+        sched.ws.wait_idle()
+        got = {k: v for k, v in sched.counters().items() if k.startswith(DRAFT_PREFIX)}
+        assert got == {f"{DRAFT_PREFIX}keeping.{k}": v for k, v in Keeping.prefixes.report().items()}
+    finally:
+        sched.close()
+
+
 def test_the_pool_forgets_what_its_suffix_draft_learned():
     draft = SuffixDraft(SuffixIndex(64 * KiB), 16)
     pool = DraftPool({SUFFIX: draft})

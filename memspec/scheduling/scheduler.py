@@ -41,6 +41,7 @@ from memspec.speculation.sources import DraftRow, KVSizer, SourceStatus
 from memspec.speculation.suffix import KEY, MAX_MATCH, SUFFIX, Recall, SuffixDraft
 
 log = logging.getLogger("memspec.scheduler")
+DRAFT_PREFIX = "draft_prefix."  # counters(): "draft_prefix.<draft>.<key>", a resident draft's PrefixCache.report()
 
 
 class Scheduler:
@@ -255,6 +256,10 @@ class Scheduler:
         draft = self._suffix_draft()
         if draft is not None:  # what the index holds and how often it found a match
             out.update({f"suffix.{k}": float(v) for k, v in draft.index.report().items()})
+        for name, proposer in self.ws.proposers().items():  # the prompts a resident native draft keeps
+            prefixes = getattr(proposer, "prefixes", None)
+            if prefixes is not None:
+                out.update({f"{DRAFT_PREFIX}{name}.{k}": v for k, v in prefixes.report().items()})
         return out
 
     def status(self) -> dict:

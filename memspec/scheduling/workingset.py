@@ -307,6 +307,11 @@ class WorkingSet:
         with self._cond:
             return {n: e.nbytes for n, e in self._entries.items() if e.state == "resident"}
 
+    def proposers(self) -> dict[str, object]:
+        """The resident drafts' loaded objects, for what they report (not to run: that takes a lease)."""
+        with self._cond:
+            return {n: e.proposer for n, e in self._entries.items() if e.state == "resident"}
+
     # -- loading -------------------------------------------------------------------------
     def _start_load(self, name: str, force: bool) -> bool:
         """Under the lock: admit, evict victims, account and queue the load."""

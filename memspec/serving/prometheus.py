@@ -15,6 +15,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.core import CollectorRegistry, CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily
 from prometheus_client.registry import Collector
 
+from memspec.scheduling.scheduler import DRAFT_PREFIX
 from memspec.serving.counters import OUTCOMES
 from memspec.serving.service import Service
 from memspec.serving.status import DraftStatus, RequestTotals, Status, TargetStatus
@@ -54,6 +55,7 @@ class Exporter(Collector):
         yield from self._gauges(st)
         yield from self._batch(st.batch)
         yield from self._prefixes(st.prefix_cache)
+        yield from self._draft_prefixes(st.scheduler)
 
     def _requests(self, req: RequestTotals) -> Iterator:
         by = CounterMetricFamily(self._name("requests"), "generation requests that ended, by outcome",
@@ -150,6 +152,28 @@ class Exporter(Collector):
         top = max(passes, default=1)
         yield self._per_pass("batch_tokens_per_pass", "tokens in each target pass (sum: at most, from the buckets)",
                              passes, [1 << i for i in range(top.bit_length())])
+
+    def _draft_prefixes(self, counters: Mapping[str, float]) -> Iterator:
+        """The prompts each resident native draft keeps (the scheduler's "draft_prefix.<draft>.<key>"
+        counters; memspec.speculation.drafts.draft_prefixes): what _prefixes says of the target's."""
+        by_draft: dict[str, dict[str, float]] = {}
+        for key, value in counters.items():
+            if key.startswith(DRAFT_PREFIX):
+                draft, _, what = key[len(DRAFT_PREFIX):].rpartition(".")
+                by_draft.setdefault(draft, {})[what] = value
+        if not by_draft:
+            return
+        for key, help_, family in (
+                ("lookups", "draft catch-ups that looked for a stored prompt prefix", CounterMetricFamily),
+                ("hits", "draft catch-ups that started from a stored prompt prefix", CounterMetricFamily),
+                ("reused_tokens", "prompt tokens a draft took from its stored prefixes, not computed",
+                 CounterMetricFamily),
+                ("entries", "prompt prefixes a draft stores", GaugeMetricFamily),
+                ("bytes", "bytes of K/V a draft's stored prefixes hold", GaugeMetricFamily)):
+            metric = family(self._name(f"draft_prefix_cache_{key}"), help_, labels=["draft"])
+            for draft, values in sorted(by_draft.items()):
+                metric.add_metric([draft], values.get(key, 0.0))
+            yield metric
 
     def _prefixes(self, prefixes: Mapping[str, float]) -> Iterator:
         """Prompt prefixes reused (memspec.runtime.prefixes, as GetStatus's prefix_cache map)."""

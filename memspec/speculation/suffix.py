@@ -308,10 +308,9 @@ class SuffixDraft:
         the longest-agreeing occurrences agree on the path; [] otherwise."""
         if k <= 0 or len(context) < min_match:
             return []
-        ctx = np.asarray(context, dtype=np.int64)
-        match = self.index.find(ctx[-MAX_MATCH:], k)
-        if match.length < min_match or own_match(ctx, 1).length >= match.length:
-            return []
+        match = self.index.find(np.asarray(context[-MAX_MATCH:], dtype=np.int64), k)
+        if match.length < min_match or own_match(np.asarray(context, dtype=np.int64), 1).length >= match.length:
+            return []  # (the whole text is read only where the index matched that long)
         return vote(match, min(k, max(1, int(self.spec_factor * match.length))), RECALL_MIN_PROB)
 
 
