@@ -333,6 +333,23 @@ def test_a_recall_proposes_what_its_check_found_and_rechecks_another_text():
         Recall(draft, MAX_MATCH + 1)
 
 
+def test_a_recall_leaves_to_the_draft_what_its_own_lookup_copies_the_same():
+    """A rewrite of an answer sent back: the index holds the answer, and so does the text; where the
+    draft's own lookup (lookup_ngram) proposes the same tokens, the step stays the draft's."""
+    draft = SuffixDraft(SuffixIndex(64 * KiB), 100)
+    draft.learn([1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 20, 21, 22, 23])
+    end = [99, 3, 4, 5, 6, 7, 8, 9, 10]  # agrees with the index for 8 tokens
+    fresh = [30, 31, *end]  # nothing of it earlier in the text
+    assert Recall(draft, 8).check(fresh) and Recall(draft, 8).propose(fresh, 8, GREEDY, None).tokens == [20, 21, 22, 23]
+    sent_back = [9, 10, 20, 21, 22, 23, *end]  # the text holds "9 10" and what followed: the draft copies it
+    assert draft.recall(sent_back, 8, 8) == [20, 21, 22, 23]  # longer in the index than in the text ...
+    assert not Recall(draft, 8).check(sent_back)  # ... but the draft's own lookup proposes the same
+    assert Recall(draft, 8, lookup_ngram=0).check(sent_back)  # a draft that copies nothing: recalled
+    assert Recall(draft, 8, lookup_ngram=3).check(sent_back)  # ... or one that needs 3 tokens to copy
+    differs = [9, 10, 20, 77, *end]  # its own copy goes elsewhere after one token: recalled
+    assert Recall(draft, 8).check(differs)
+
+
 def recall_scheduler(recall_tokens: int, policy: str = "bandit", cap: int = 64 * KiB) -> Scheduler:
     def loader(name):
         if name == SUFFIX:

@@ -51,16 +51,17 @@ class Scheduler:
                  target: tuple[str, int] | None = None, clock: Callable[[], float] = time.monotonic,
                  predictor=None, oracle_table: dict[str, str] | None = None, decode: Detokenize | None = None,
                  kv_sizers: dict[str, KVSizer] | None = None, variant: str = "", load_overlap: float = 1.0,
-                 recall_tokens: int = 0):
+                 recall_tokens: int = 0, lookup_ngram: int = 0):
         """drafts: every draft it may use -> declared bytes; target: (name, bytes) to pin;
         predictor: memspec's (default: the shipped predictor for the target's `variant`);
         oracle_table: {prompt: draft} (default: from config.oracle); decode: the target's token ids -> text;
         kv_sizers: draft -> tokens -> bytes of its KV cache (a draft without one keeps none);
         load_overlap: the share of a request's speed kept while a draft loads beside it (load_overlap());
-        recall_tokens: the match a step's recall needs (`[speculative] recall_tokens`; 0: no recall)."""
+        recall_tokens: the match a step's recall needs (`[speculative] recall_tokens`; 0: no recall);
+        lookup_ngram: the drafts' own lookup (`[speculative] lookup_ngram`), which a recall leaves alone."""
         if recall_tokens and not KEY <= recall_tokens <= MAX_MATCH:
             raise ConfigError(f"[speculative] recall_tokens must be 0 (off) or {KEY}..{MAX_MATCH}, got {recall_tokens}")
-        self.recall_tokens = recall_tokens
+        self.recall_tokens, self.lookup_ngram = recall_tokens, lookup_ngram
         self.config = config
         self.variant = variant
         self.target_name = target[0] if target else ""
@@ -173,7 +174,7 @@ class Scheduler:
         sel = self.policy(name).start(req, prompt, capacity, cancelled)
         suffix = self._suffix_draft()
         if sel is not None and suffix is not None and self.recall_tokens and name.kind != "fixed":
-            sel.recall = Recall(suffix, self.recall_tokens)  # a named draft runs as named
+            sel.recall = Recall(suffix, self.recall_tokens, self.lookup_ngram)  # a named draft runs as named
         return sel
 
     @contextlib.contextmanager
@@ -382,6 +383,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     process = probe.rss_bytes() if process_bytes is None else process_bytes
     kwargs.setdefault("load_overlap", load_overlap(session_config, target))
     kwargs.setdefault("recall_tokens", draft_limits.recall_tokens)
+    kwargs.setdefault("lookup_ngram", draft_limits.lookup_ngram)
     return Scheduler(config, loader, sizes, probe, target=(target.name, max(pinned, process)),
                      decode=target.tokenizer.decode, kv_sizers=draft_kv_sizers(drafts, target.max_context),
                      variant=target.variant, **kwargs)

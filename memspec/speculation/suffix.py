@@ -37,7 +37,7 @@ import numpy as np
 
 from memspec.request import SamplingParams
 from memspec.speculation.config import DraftLimits
-from memspec.speculation.drafts import Proposal, deterministic_proposal, loop_continuation
+from memspec.speculation.drafts import LOOKUP_MAX_NGRAM, Proposal, deterministic_proposal, loop_continuation, ngram_continuation
 from memspec.speculation.logits import IDENTITY, LogitsShaper
 
 SUFFIX = "suffix"
@@ -349,23 +349,32 @@ class Recall:
     (memspec.scheduling.selector) asks `check`: where the text's last `min_match` tokens or more agree
     with a request in the index (a retried or regenerated request, a conversation's earlier turn sent
     back, code edited again), the step proposes what followed there and the picked draft does not run
-    (its cache catches up when it next does).  The proposal is one-hot, as any copy: the output is the
+    (its cache catches up when it next does).  Not where the picked draft's own lookup (its last
+    `lookup_ngram` tokens or more earlier in the text: drafts.ngram_continuation) would propose the
+    same tokens: a rewrite of an answer sent back copies it from the prompt either way, and one draft
+    keeps its step controller's record.  The proposal is one-hot, as any copy: the output is the
     target's."""
 
-    def __init__(self, draft: SuffixDraft, min_match: int):
+    def __init__(self, draft: SuffixDraft, min_match: int, lookup_ngram: int = DraftLimits.lookup_ngram):
         if not KEY <= min_match <= MAX_MATCH:
             raise ValueError(f"a recall needs a match of {KEY}..{MAX_MATCH} tokens, got {min_match}")
-        self.draft, self.min_match = draft, min_match
+        self.draft, self.min_match, self.lookup_ngram = draft, min_match, lookup_ngram
         self._at, self._found = -1, []  # the text length the last check was for, and what it found
+
+    def _find(self, context: list[int]) -> list[int]:
+        found = self.draft.recall(context, MAX_MATCH, self.min_match)
+        if found and ngram_continuation(context, len(found), self.lookup_ngram, LOOKUP_MAX_NGRAM) == found:
+            return []  # the text's own copy says the same (lookup_ngram 0: the draft copies nothing)
+        return found
 
     def check(self, context: list[int]) -> bool:
         """Whether the index continues the text's end (what it found is kept for propose)."""
-        self._at, self._found = len(context), self.draft.recall(context, MAX_MATCH, self.min_match)
+        self._at, self._found = len(context), self._find(context)
         return bool(self._found)
 
     def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
                 shaper: LogitsShaper = IDENTITY, alternatives: bool = False) -> Proposal:
-        found = self._found if self._at == len(context) else self.draft.recall(context, MAX_MATCH, self.min_match)
+        found = self._found if self._at == len(context) else self._find(context)
         return deterministic_proposal(found[:k], self.draft.target_vocab, params, shaper)
 
     def close(self) -> None:
