@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections import deque
 import tracemalloc
 
 import numpy as np
@@ -374,6 +375,8 @@ def test_a_scheduled_step_recalls_what_followed_where_the_text_matches_the_index
         assert name == SUFFIX and state.propose([1, *SEEN[:8]], 4, GREEDY, None).tokens == SEEN[8:12]
         name, _ = sel([1, *SEEN[:8], 99, 98], sel.metrics)
         assert name == "prompt-lookup"  # the text went its own way: the picked draft again
+        sel.window = {SUFFIX: deque([(4, 4)]), "prompt-lookup": deque([(2, 1)])}
+        assert sel.recent_acceptance() == {"prompt-lookup": 0.5}  # the recall's copies are no draft's evidence
         sel.close()
         # a request that names its draft runs as named
         named = sched.selector(GenerationRequest(prompt="x", draft="prompt-lookup"), [1, 2], 64)

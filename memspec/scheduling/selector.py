@@ -142,10 +142,13 @@ class RequestSelector:
         return tokens / seconds if tokens >= min_tokens and seconds > 0 else 0.0
 
     def recent_acceptance(self) -> dict[str, float]:
+        """Each draft's accepted share of its recent steps' tokens (the predictor's generation context);
+        not the recall's steps (counted as the suffix draft's): copies of an earlier answer say
+        nothing of how the drafts the policy picks from would do here."""
         out = {}
         for name, steps in self.window.items():
             drafted = sum(d for d, _ in steps)
-            if drafted:
+            if drafted and not (name == SUFFIX and self.recall is not None):
                 out[name] = sum(a for _, a in steps) / drafted
         return out
 
