@@ -43,6 +43,18 @@ def test_greedy_walk_follows_the_targets_argmax_down_a_branch():
     assert tree.walk(t, one_hot_rows([0, 5, 3, 7, 8, 8, 2]), None, GREEDY, None) == ([0], 0, 0)
 
 
+def test_a_sampled_walk_draws_under_every_filter_the_request_set():
+    """Regression: the walk built its rows without min_p, so a sampled request with trees on could
+    commit a token its min_p removes."""
+    t = tree.Tree.build(9, [1], [tree.Branch(0, (4,), 0)])
+    rows = np.log(np.array([[0.05, 0.5, 0.05, 0.05, 0.3, 0.05]] * 3))
+    q = np.array([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    params = SamplingParams(temperature=1.0, min_p=0.5)  # only tokens 1 and 4 (0.3 >= 0.5 x 0.5) stay
+    rng = np.random.default_rng(3)
+    seen = {tree.walk(t, rows, q, params, rng)[1] for _ in range(300)}
+    assert seen <= {1, 4}
+
+
 def test_the_shape_adds_a_branch_only_where_it_beats_the_chain():
     prop = Proposal([1, 2, 3], None, [0.0] * 3, alternatives=[[[4]], [[5], [6]], []])
     stats = tree.AltStats()

@@ -91,7 +91,7 @@ def walk(tree: Tree, rows: np.ndarray, q: np.ndarray | None, params: SamplingPar
         if params.greedy:
             x = int(np.argmax(rows[node]))
         else:
-            p = sampling.probabilities(rows[node], params.temperature, params.top_k, params.top_p)
+            p = sampling.probabilities(rows[node], params.temperature, params.top_k, params.top_p, params.min_p)
             if on_chain:
                 d = tree.tokens[node + 1]
                 if rng.random() * q[node, d] < p[d]:  # u < p/q: the draft's token stands
