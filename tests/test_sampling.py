@@ -63,6 +63,21 @@ def test_speculative_sampling_reproduces_target_distribution():
     assert chi_square_p(first_token_counts(sampling.verify_sampled), P[0]) > 1e-3
 
 
+def test_target_rows_build_each_row_on_first_read_and_verification_stops_reading_at_a_rejection():
+    logits = np.log(np.vstack([P, [[0.4, 0.3, 0.2, 0.1]]]))  # 4 rows: 3 draft positions and the bonus
+    rows = sampling.TargetRows(logits, 0.7, top_k=3, min_p=0.1)
+    assert len(rows) == 4 and rows.built == {}
+    np.testing.assert_array_equal(rows[2], sampling.probabilities(logits[2], 0.7, top_k=3, min_p=0.1))
+    assert list(rows.built) == [2] and rows[2] is rows[2]
+    q = np.array([[0.0, 1.0, 0.0, 0.0]] * 3)  # a one-hot draft on token 1, which P[0] mostly rejects
+    stacked = np.stack([sampling.probabilities(r, 0.7, top_k=3, min_p=0.1) for r in logits])
+    for seed in range(40):  # the same draws from the lazy rows as from the stacked ones
+        lazy = sampling.TargetRows(logits, 0.7, top_k=3, min_p=0.1)
+        got = sampling.verify_sampled(lazy, q, np.array([1, 1, 1]), np.random.default_rng(seed))
+        assert got == sampling.verify_sampled(stacked, q, np.array([1, 1, 1]), np.random.default_rng(seed))
+        assert sorted(lazy.built) == list(range(min(got[0] + 1, 4)))  # nothing past the deciding row
+
+
 def wrong_resample_from_p(p, q, draft, rng):
     """A classic bug: on rejection, resample from p instead of the residual max(p - q, 0)."""
     for i, x in enumerate(draft):

@@ -135,8 +135,30 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
 
 # -- speculative verification ------------------------------------------------------
 # p: (k+1, V) target distributions at each draft position (the last row is for
-#    the bonus token); q: (k, V) draft distributions the draft tokens were drawn
-#    from; draft: (k,) token ids.  All in the target's vocabulary.
+#    the bonus token), or a TargetRows that builds each on first use; q: (k, V)
+#    draft distributions the draft tokens were drawn from; draft: (k,) token ids.
+#    All in the target's vocabulary.
+
+
+class TargetRows:
+    """The target's sampling distributions over a verified pass's rows, each built when first read:
+    verification stops at the first rejection, so the rows after it (most of them where the draft
+    is often wrong) never pay for their softmax and filters over the whole vocabulary."""
+
+    def __init__(self, logits: np.ndarray, temperature: float, top_k: int = 0, top_p: float = 1.0,
+                 min_p: float = 0.0):
+        self.logits = logits  # (n, V) raw rows
+        self.args = (temperature, top_k, top_p, min_p)
+        self.built: dict[int, np.ndarray] = {}
+
+    def __len__(self) -> int:
+        return len(self.logits)
+
+    def __getitem__(self, i: int) -> np.ndarray:
+        row = self.built.get(i)
+        if row is None:
+            row = self.built[i] = probabilities(self.logits[i], *self.args)
+        return row
 
 
 def verify_greedy(target_argmax: np.ndarray, draft: np.ndarray) -> tuple[int, int]:
@@ -162,11 +184,11 @@ def verify_sampled(p: np.ndarray, q: np.ndarray, draft: np.ndarray, rng: np.rand
     """
     k = len(draft)
     for i in range(k):
-        x = int(draft[i])
-        if rng.random() * q[i, x] < p[i, x]:  # u < p/q without dividing by zero
+        x, row = int(draft[i]), p[i]
+        if rng.random() * q[i, x] < row[x]:  # u < p/q without dividing by zero
             continue
-        residual = np.maximum(p[i] - q[i], 0.0)
+        residual = np.maximum(row - q[i], 0.0)
         total = residual.sum()
         # residual mass is 0 only when p == q, where a rejection cannot happen
-        return i, sample(residual / total if total > 0 else p[i], rng)
+        return i, sample(residual / total if total > 0 else row, rng)
     return k, sample(p[k], rng)

@@ -212,8 +212,7 @@ def _verify_chain(target: TargetPass, cache: KVCache, last: int, proposal: Propo
     if params.greedy:
         n, nxt = sampling.verify_greedy(decide.argmax(axis=-1), np.asarray(proposal.tokens, dtype=np.int64))
     else:
-        p = np.stack([sampling.probabilities(r, params.temperature, params.top_k, params.top_p, params.min_p)
-                      for r in decide])
+        p = sampling.TargetRows(decide, params.temperature, params.top_k, params.top_p, params.min_p)
         n, nxt = sampling.verify_sampled(p, proposal.q, np.asarray(proposal.tokens, dtype=np.int64), rng)
     if shaped:  # once per token: the rejected drafts come off, the recovered or bonus token goes on
         settle(shaper, len(proposal.tokens), n, nxt)
