@@ -66,8 +66,7 @@ def unmasked_drafts(cut: list[int]):
         kept = allowed_prefix(shaper, p.tokens, self.d.target_vocab)
         if len(kept) < len(p.tokens):
             cut[0] += len(p.tokens) - len(kept)
-            p = drafts_mod.Proposal(kept, p.q[:len(kept)] if p.q is not None else None, p.entropy[:len(kept)],
-                                    p.setup_s)
+            p = p.prefix(len(kept))
         return p
 
     drafts_mod.ModelDraftState.propose = blind

@@ -54,7 +54,7 @@ def first_token_counts(verify, n: int = 6000, seed: int = 1) -> np.ndarray:
     counts = np.zeros(4, dtype=np.int64)
     for _ in range(n):
         draft = np.array([sampling.sample(Q[0], rng), sampling.sample(Q[1], rng)])
-        n_acc, nxt = verify(P, Q, draft, rng)
+        n_acc, nxt = verify(P, sampling.DraftRows.full(Q), draft, rng)
         counts[draft[0] if n_acc > 0 else nxt] += 1
     return counts
 
@@ -69,7 +69,7 @@ def test_target_rows_build_each_row_on_first_read_and_verification_stops_reading
     assert len(rows) == 4 and rows.built == {}
     np.testing.assert_array_equal(rows[2], sampling.probabilities(logits[2], 0.7, top_k=3, min_p=0.1))
     assert list(rows.built) == [2] and rows[2] is rows[2]
-    q = np.array([[0.0, 1.0, 0.0, 0.0]] * 3)  # a one-hot draft on token 1, which P[0] mostly rejects
+    q = sampling.DraftRows.one_hot([1, 1, 1])  # a one-hot draft on token 1, which P[0] mostly rejects
     stacked = np.stack([sampling.probabilities(r, 0.7, top_k=3, min_p=0.1) for r in logits])
     for seed in range(40):  # the same draws from the lazy rows as from the stacked ones
         lazy = sampling.TargetRows(logits, 0.7, top_k=3, min_p=0.1)
@@ -78,10 +78,28 @@ def test_target_rows_build_each_row_on_first_read_and_verification_stops_reading
         assert sorted(lazy.built) == list(range(min(got[0] + 1, 4)))  # nothing past the deciding row
 
 
+def test_draft_rows_are_q_over_the_target_vocabulary_kept_on_the_drafts_ids():
+    ids = np.array([5, 1, 7])  # the draft's vocabulary in target ids (draft id -> target id)
+    q = sampling.DraftRows(np.array([[0.2, 0.5, 0.3], [0.6, 0.0, 0.4]]), ids)
+    dense = np.zeros((2, 9))
+    dense[:, ids] = q.probs
+    np.testing.assert_array_equal(q.dense(9), dense)
+    assert [q.at(i, x) for i in range(2) for x in range(9)] == dense.ravel().tolist()
+    p = np.array([0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.1, 0.2])
+    for i in range(2):
+        np.testing.assert_array_equal(q.residual(i, p), np.maximum(p - dense[i], 0.0))
+    assert len(q.prefix(1)) == 1 and q.prefix(1).at(0, 1) == 0.5
+    hot = sampling.DraftRows.one_hot([4, 2])
+    np.testing.assert_array_equal(hot.dense(5), np.eye(5)[[4, 2]])
+    assert hot.prefix(1).ids.tolist() == [[4]]
+    with pytest.raises(ValueError, match="line up"):
+        sampling.DraftRows(np.ones((2, 3)), np.arange(4))
+
+
 def wrong_resample_from_p(p, q, draft, rng):
     """A classic bug: on rejection, resample from p instead of the residual max(p - q, 0)."""
     for i, x in enumerate(draft):
-        if rng.random() * q[i, x] >= p[i, x]:
+        if rng.random() * q.at(i, x) >= p[i, x]:
             return i, sampling.sample(p[i], rng)
     return len(draft), sampling.sample(p[len(draft)], rng)
 
@@ -89,8 +107,8 @@ def wrong_resample_from_p(p, q, draft, rng):
 def wrong_accept_ratio(p, q, draft, rng):
     """Another: accept with min(1, q/p) instead of min(1, p/q)."""
     for i, x in enumerate(draft):
-        if rng.random() * p[i, x] >= q[i, x]:
-            res = np.maximum(p[i] - q[i], 0)
+        if rng.random() * p[i, x] >= q.at(i, x):
+            res = q.residual(i, p[i])
             return i, sampling.sample(res / res.sum(), rng)
     return len(draft), sampling.sample(p[len(draft)], rng)
 

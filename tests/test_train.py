@@ -445,6 +445,10 @@ def test_a_draft_vocabulary_map_that_does_not_fit_the_target_is_a_clear_error(tm
     (tmp_path / "vocab.json").write_text("[3, 0, 12]")
     with pytest.raises(ModelFormatError, match=r"holds ids 0\.\.12, the target's vocabulary has 10"):
         read_vocab_map(m, 10)
+    (tmp_path / "vocab.json").write_text("[3, 0, 3]")
+    with pytest.raises(ModelFormatError, match="gives one target id to two draft ids"):
+        read_vocab_map(m, 10)
+    (tmp_path / "vocab.json").write_text("[3, 0, 12]")
     to_target = read_vocab_map(m, 13)
     # every target id maps to its draft id, and the ones the draft lacks to its unknown token (target id 0)
     assert target_to_draft(to_target, 13).tolist() == [1, 1, 1, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2]

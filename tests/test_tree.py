@@ -9,7 +9,7 @@ import pytest
 
 from memspec.request import GenerationRequest, SamplingParams
 from memspec.runtime import kernels
-from memspec.speculation import tree
+from memspec.speculation import sampling, tree
 from memspec.speculation.config import SpecConfig
 from memspec.speculation.drafts import Proposal, ngram_alternatives, top_alternatives
 from memspec.speculation.metrics import SpecMetrics
@@ -48,7 +48,7 @@ def test_a_sampled_walk_draws_under_every_filter_the_request_set():
     commit a token its min_p removes."""
     t = tree.Tree.build(9, [1], [tree.Branch(0, (4,), 0)])
     rows = np.log(np.array([[0.05, 0.5, 0.05, 0.05, 0.3, 0.05]] * 3))
-    q = np.array([[0.0, 1.0, 0.0, 0.0, 0.0, 0.0]])
+    q = sampling.DraftRows.one_hot([1])
     params = SamplingParams(temperature=1.0, min_p=0.5)  # only tokens 1 and 4 (0.3 >= 0.5 x 0.5) stay
     rng = np.random.default_rng(3)
     seen = {tree.walk(t, rows, q, params, rng)[1] for _ in range(300)}
@@ -167,7 +167,6 @@ def test_sampling_with_trees_keeps_the_targets_distribution(tiny_native, joint):
 def test_a_walk_that_takes_the_branches_unchecked_fails_that_test(tiny_native, joint, monkeypatch):
     """The test above can fail: a walk that goes down the last child of each node (a branch where
     there is one) without drawing from the target is caught."""
-    from memspec.speculation import sampling
 
     def take_branches(t, rows, q, params, rng):
         node, path = 0, [0]

@@ -56,7 +56,7 @@ PREFIX_SHARE = 16  # a native draft's stored prompts hold at most 1/16 of its fi
 @dataclass
 class Proposal:
     tokens: list[int]  # (k,) proposed target token ids
-    q: np.ndarray | None  # (k, V_target) draft distributions the tokens were drawn from (sampling only)
+    q: sampling.DraftRows | None  # the draft distributions the k tokens were drawn from (sampling only)
     entropy: list[float]  # (k,) draft entropy at each position (nats)
     setup_s: float = 0.0  # seconds of a catch-up of FEED_MIN_TOKENS or more (the prompt's prefill, a
     #                       switch to this draft): spent once, not a cost of each token it drafts
@@ -69,7 +69,7 @@ class Proposal:
         """Its first m tokens (what the target verifies when the rest is not worth a row)."""
         if m >= len(self.tokens):
             return self
-        return Proposal(self.tokens[:m], None if self.q is None else self.q[:m], self.entropy[:m], self.setup_s,
+        return Proposal(self.tokens[:m], None if self.q is None else self.q.prefix(m), self.entropy[:m], self.setup_s,
                         self.alternatives[:m])
 
 
@@ -250,6 +250,9 @@ def read_vocab_map(m: Manifest, target_vocab: int) -> np.ndarray:
             f"draft {m.name!r} is not compatible with the target: its vocabulary map holds ids "
             f"{to_target.min()}..{to_target.max()}, the target's vocabulary has {target_vocab}"
         )
+    if len(np.unique(to_target)) != len(to_target):  # a sampled draft's q is its row put on these ids
+        raise ModelFormatError(f"draft {m.name!r}: its vocabulary map {vocab_file.name} gives one target id "
+                               f"to two draft ids; each draft id must stand for a different target id")
     return to_target
 
 
@@ -399,15 +402,13 @@ class ModelDraftState:
             tokens.append(int(self.d.to_target[did]))
             ents.append(ent)
             if not params.greedy:
-                q = np.zeros(self.d.target_vocab)
-                q[self.d.to_target] = probs
-                qs.append(q)
+                qs.append(probs)
             if alternatives and i < ALT_POSITIONS:  # its next choices here, for a token tree
                 alts.append([[int(self.d.to_target[a])] for a in top_alternatives(probs, did)])
             if i + 1 < k:
                 logits = self.d.session.forward(self.cache, [did], keep=1)[-1]
                 self.cached.append(tokens[-1])
-        return Proposal(tokens, np.stack(qs) if qs else None, ents, setup, alts)
+        return Proposal(tokens, sampling.DraftRows(np.stack(qs), self.d.to_target) if qs else None, ents, setup, alts)
 
     def _propose_shaped(self, logits: np.ndarray, setup: float, k: int, params: SamplingParams,
                         rng: np.random.Generator, shaper: LogitsShaper) -> Proposal:
@@ -432,13 +433,13 @@ class ModelDraftState:
                 tokens.append(tid)
                 ents.append(ent)
                 if not params.greedy:
-                    qs.append(probs)
+                    qs.append(probs[self.d.to_target])  # 0 on every other id: the row is -inf there
                 if i + 1 < k:
                     logits = self.d.session.forward(self.cache, [int(self.d.to_draft[tid])], keep=1)[-1]
                     self.cached.append(tid)
         finally:
             shaper.pop(len(tokens))
-        return Proposal(tokens, np.stack(qs) if qs else None, ents, setup)
+        return Proposal(tokens, sampling.DraftRows(np.stack(qs), self.d.to_target) if qs else None, ents, setup)
 
     def close(self) -> None:
         """Store the committed context for the requests after this one (a conversation's next turn
@@ -454,10 +455,7 @@ def deterministic_proposal(tokens: list[int], target_vocab: int, params: Samplin
     shaper they stop before the first token it forbids (no target row could accept it)."""
     if not is_identity(shaper):
         tokens = allowed_prefix(shaper, tokens, target_vocab)
-    q = None
-    if tokens and not params.greedy:
-        q = np.zeros((len(tokens), target_vocab))
-        q[np.arange(len(tokens)), tokens] = 1.0
+    q = sampling.DraftRows.one_hot(tokens) if tokens and not params.greedy else None
     return Proposal(list(tokens), q, [0.0] * len(tokens))
 
 

@@ -135,9 +135,60 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
 
 # -- speculative verification ------------------------------------------------------
 # p: (k+1, V) target distributions at each draft position (the last row is for
-#    the bonus token), or a TargetRows that builds each on first use; q: (k, V)
-#    draft distributions the draft tokens were drawn from; draft: (k,) token ids.
-#    All in the target's vocabulary.
+#    the bonus token), or a TargetRows that builds each on first use; q: the draft
+#    distributions the draft tokens were drawn from (DraftRows); draft: (k,) token
+#    ids.  All in the target's vocabulary.
+
+
+class DraftRows:
+    """q, the distributions a draft drew its k tokens from, as the draft has them: row i is probs[i]
+    on the target ids `ids` and 0 on every other id.  ids: (n,), one list for every row (a model
+    draft's vocabulary, 16,384-32,768 ids where the Qwen targets have 151,936), or (k, n), one a row
+    (a deterministic proposal: n = 1, one-hot).  Nothing of the size of the target's vocabulary is
+    built a drafted token, and the residual of a rejection touches the row's ids only."""
+
+    def __init__(self, probs: np.ndarray, ids: np.ndarray):
+        probs, ids = np.asarray(probs, dtype=np.float64), np.asarray(ids, dtype=np.int64)
+        if probs.ndim != 2 or ids.shape not in ((probs.shape[1],), probs.shape):
+            raise ValueError(f"DraftRows: probs {probs.shape} and ids {ids.shape} do not line up")
+        self.probs, self.ids = probs, ids
+
+    @classmethod
+    def one_hot(cls, tokens) -> "DraftRows":
+        """Tokens proposed without a distribution: q is 1 on each."""
+        return cls(np.ones((len(tokens), 1)), np.asarray(tokens, dtype=np.int64).reshape(-1, 1))
+
+    @classmethod
+    def full(cls, q: np.ndarray) -> "DraftRows":
+        """Rows given over the whole vocabulary, (k, V)."""
+        return cls(q, np.arange(q.shape[1]))
+
+    def __len__(self) -> int:
+        return len(self.probs)
+
+    def prefix(self, m: int) -> "DraftRows":
+        return DraftRows(self.probs[:m], self.ids if self.ids.ndim == 1 else self.ids[:m])
+
+    def row_ids(self, i: int) -> np.ndarray:
+        return self.ids if self.ids.ndim == 1 else self.ids[i]
+
+    def at(self, i: int, token: int) -> float:
+        """q_i(token)."""
+        hit = np.flatnonzero(self.row_ids(i) == token)
+        return float(self.probs[i, hit[0]]) if len(hit) else 0.0
+
+    def residual(self, i: int, p: np.ndarray) -> np.ndarray:
+        """max(p - q_i, 0), not normalised, as a new (V,) row."""
+        ids, r = self.row_ids(i), p.copy()
+        r[ids] = np.maximum(p[ids] - self.probs[i], 0.0)
+        return r
+
+    def dense(self, vocab: int) -> np.ndarray:
+        """The rows over the whole vocabulary, (k, vocab)."""
+        q = np.zeros((len(self), vocab))
+        for i in range(len(self)):
+            q[i, self.row_ids(i)] = self.probs[i]
+        return q
 
 
 class TargetRows:
@@ -185,9 +236,9 @@ def verify_sampled(p: np.ndarray, q: np.ndarray, draft: np.ndarray, rng: np.rand
     k = len(draft)
     for i in range(k):
         x, row = int(draft[i]), p[i]
-        if rng.random() * q[i, x] < row[x]:  # u < p/q without dividing by zero
+        if rng.random() * q.at(i, x) < row[x]:  # u < p/q without dividing by zero
             continue
-        residual = np.maximum(row - q[i], 0.0)
+        residual = q.residual(i, row)
         total = residual.sum()
         # residual mass is 0 only when p == q, where a rejection cannot happen
         return i, sample(residual / total if total > 0 else row, rng)

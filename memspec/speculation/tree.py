@@ -80,10 +80,10 @@ class TreeStep:
     rows: np.ndarray  # (len(committed), V): the rows that predicted each committed token
 
 
-def walk(tree: Tree, rows: np.ndarray, q: np.ndarray | None, params: SamplingParams,
+def walk(tree: Tree, rows: np.ndarray, q: sampling.DraftRows | None, params: SamplingParams,
          rng: np.random.Generator) -> tuple[list[int], int, int]:
     """(path, next token, main-chain tokens accepted) for a tree's rows (n, V) (module doc).
-    q: (chain, V) the draft distributions of the main chain's tokens (sampling only)."""
+    q: the draft distributions of the main chain's tokens (sampling only)."""
     node, path, main = 0, [0], 0
     while True:
         kids = tree.children(node)
@@ -94,10 +94,10 @@ def walk(tree: Tree, rows: np.ndarray, q: np.ndarray | None, params: SamplingPar
             p = sampling.probabilities(rows[node], params.temperature, params.top_k, params.top_p, params.min_p)
             if on_chain:
                 d = tree.tokens[node + 1]
-                if rng.random() * q[node, d] < p[d]:  # u < p/q: the draft's token stands
+                if rng.random() * q.at(node, d) < p[d]:  # u < p/q: the draft's token stands
                     x = d
                 else:  # rejected: the residual, as verify_sampled draws it
-                    residual = np.maximum(p - q[node], 0.0)
+                    residual = q.residual(node, p)
                     total = residual.sum()
                     x = sampling.sample(residual / total if total > 0 else p, rng)
             else:
