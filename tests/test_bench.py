@@ -618,3 +618,22 @@ def test_draft_length_replay_prices_each_rule_with_the_recorded_costs():
     assert abs(rows["p < 0.3 (shipped rule), at most 4"]["qa"] - 2 / (1 + 2 * 0.4)) < 1e-9
     assert abs(rows["fixed 2"]["qa"] - 2 / (1 + 2 * 0.4)) < 1e-9  # two proposed, one accepted
     assert [lo for lo, _, _ in dl.calibration(data)] == [0.2, 0.9]
+
+
+def test_a_memspec_worker_forgets_what_it_learned_when_told(model_store):
+    """The worker's side of the forget message each round starts with: a prompt asked again is
+    recalled from the suffix index (its steps are the suffix draft's), and after forget it is drafted
+    as the first time, not recalled."""
+    engines = _bench_module("engines")
+    items, setup = engines.prompts(None, 1, None, "smollm2-135m")
+    e = engines.Engine("memspec", {**setup, "threads": 1})
+    try:
+        assert e.info["forgets"]
+        first = e.generate(items[0]["ids"], items[0]["prompt"], 32)
+        again = e.generate(items[0]["ids"], items[0]["prompt"], 32)
+        e.forget()
+        fresh = e.generate(items[0]["ids"], items[0]["prompt"], 32)
+    finally:
+        e.close()
+    assert first["ids"] == again["ids"] == fresh["ids"]
+    assert [r["spec"]["draft"] == "suffix" for r in (first, again, fresh)] == [False, True, False]
