@@ -1,11 +1,14 @@
 """Sampled requests: what the filters (top_p, top_k, min_p) cost, target-only and with drafts.
 
-    python bench/sampling.py [--model NAME] [--drafts D1,D2] [--filters "top_p=1.0;top_p=0.9;top_k=40"]
+    python bench/sampling.py [--model NAME] [--drafts D1,D2,scheduled] [--filters "top_p=1.0;top_p=0.9;top_k=40"]
                              [--temperature 0.7] [--max-tokens 64] [--limit 1] [--rounds 2]
 
-One process, the target and the named drafts loaded once (the fixed pool); each round runs every
-prompt (the built-in ones, `--limit` of each category) under every filter and every policy in
-turn, each request with its own seed, so that the machine's drift falls on all alike.  It prints
+One process, the target and the named drafts loaded once (the fixed pool; with the policy
+`scheduled` among --drafts, the daemon's scheduler instead, which also runs any draft named); each
+round runs every prompt (the built-in ones, `--limit` of each category) under every filter and every
+policy in turn, each request with its own seed, so that the machine's drift falls on all alike.
+`scheduled` requests name no draft: the scheduler picks as the daemon does, and its suffix index
+is emptied before each (else it would recall the same prompt's answer under the policies before).  It prints
 tok/s (generated tokens over the requests' whole time) per filter and policy, medians of the
 rounds, and each filter's ratio to the unfiltered target-only rate of the same round.  Every
 sampled token runs the filters over the target's whole vocabulary (151,936 ids for the Qwen2.5
@@ -19,6 +22,9 @@ import dataclasses
 import statistics
 import sys
 import time
+
+
+SCHEDULED = "scheduled"  # the policy of a request that names no draft: the daemon's scheduler picks
 
 
 def parse_filters(text: str) -> list[dict]:
@@ -43,7 +49,8 @@ def main(argv: list[str] | None = None) -> int:
 
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--model", help="target from the store (default: the config's [model] target)")
-    ap.add_argument("--drafts", default="", help="comma-separated drafts to run besides target-only")
+    ap.add_argument("--drafts", default="", help="comma-separated drafts to run besides target-only; "
+                                                 "'scheduled': the daemon's scheduler picks")
     ap.add_argument("--filters", default="top_p=1.0;top_p=0.9;top_k=40",
                     help="';'-separated filter sets, each 'key=value,...' of top_p, top_k, min_p")
     ap.add_argument("--temperature", type=float, default=0.7)
@@ -58,11 +65,14 @@ def main(argv: list[str] | None = None) -> int:
     config = load_config(args.config)
     if args.model:
         config = dataclasses.replace(config, model=dataclasses.replace(config.model, target=args.model))
-    engine = build_engine(config, drafts="pool")
     policies = ["none", *filter(None, (d.strip() for d in args.drafts.split(",")))]
+    scheduled = SCHEDULED in policies
+    engine = build_engine(config, drafts="scheduler" if scheduled else "pool")
+    available = [row.name for row in engine.drafts.report().drafts]
     for d in policies[1:]:
-        if d not in engine.drafts:
-            raise SystemExit(f"draft {d!r} is not in the pool: {', '.join(sorted(engine.drafts))}")
+        if d != SCHEDULED and d not in available:
+            engine.close()
+            raise SystemExit(f"draft {d!r} is not in the pool: {', '.join(sorted([SCHEDULED, *available]))}")
     engine.calibrate()
     seen: dict[str, int] = {}
     prompts = []
@@ -79,9 +89,11 @@ def main(argv: list[str] | None = None) -> int:
             shift = (i + r) % len(order)  # each prompt starts elsewhere: the drift falls on all alike
             for f, p in order[shift:] + order[:shift]:
                 params = SamplingParams(temperature=args.temperature, seed=1000 * r + i, **filters[f])
+                if p == SCHEDULED:
+                    engine.drafts.forget()
                 t0 = time.perf_counter()
-                c = engine.generate(GenerationRequest(prompt=prompt, max_tokens=args.max_tokens, draft=p,
-                                                      sampling=params))
+                c = engine.generate(GenerationRequest(prompt=prompt, max_tokens=args.max_tokens,
+                                                      draft=None if p == SCHEDULED else p, sampling=params))
                 tally[(f, p)][0] += len(c.token_ids)
                 tally[(f, p)][1] += time.perf_counter() - t0
         base = tally[(0, "none")][0] / tally[(0, "none")][1]

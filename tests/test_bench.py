@@ -234,6 +234,23 @@ def test_sampling_bench_prices_each_filter_against_unfiltered_target_only(model_
         bench.main(["--drafts", "nope", "--max-tokens", "1", "--rounds", "1"])
 
 
+def test_sampling_bench_runs_the_scheduler_beside_a_named_draft(model_store, capsys, monkeypatch):
+    """`scheduled`: requests that name no draft, the scheduler picking as the daemon does, its suffix
+    index emptied before each (the same prompt ran under the other policies just before)."""
+    from memspec.scheduling.scheduler import Scheduler
+
+    bench = _bench_module("sampling")
+    forgot = []
+    monkeypatch.setattr(Scheduler, "forget", lambda self: forgot.append(1))
+    assert bench.main(["--drafts", "scheduled,prompt-lookup", "--filters", "top_k=20", "--max-tokens", "4",
+                       "--rounds", "1", "--limit", "1"]) == 0
+    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
+    assert [r[1] for r in rows] == ["none", "scheduled", "prompt-lookup"] and all(float(r[2]) > 0 for r in rows)
+    assert len(forgot) == 6  # one a scheduled request: 6 prompts (one a category), one filter set
+    with pytest.raises(SystemExit, match="draft 'nope' is not in the pool: .*scheduled"):
+        bench.main(["--drafts", "scheduled,nope", "--max-tokens", "1", "--rounds", "1"])
+
+
 # -- bench/ep_check.py: an execution provider against the CPU --------------------------------------
 def test_ep_check_lines_up_rollback_logits_with_the_steps_they_repeat(tmp_path):
     """The CPU against itself: identical logits, and a rolled-back verification pass that matches
