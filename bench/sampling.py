@@ -8,9 +8,9 @@ One process, the target and the named drafts loaded once (the fixed pool; with t
 round runs every prompt (the built-in ones, `--limit` of each category) under every filter and every
 policy in turn, each request with its own seed, so that the machine's drift falls on all alike.
 `scheduled` requests name no draft: the scheduler picks as the daemon does, and its suffix index
-is emptied before each (else it would recall the same prompt's answer under the policies before).  It prints
-tok/s (generated tokens over the requests' whole time) per filter and policy, medians of the
-rounds, and each filter's ratio to the unfiltered target-only rate of the same round.  Every
+is emptied before each (else it would recall the same prompt's answer under the policies before).
+It prints tok/s (generated tokens over the requests' whole time) per filter and policy, medians of
+the rounds, and each filter's ratio to the unfiltered target-only rate of the same round.  Every
 sampled token runs the filters over the target's whole vocabulary (151,936 ids for the Qwen2.5
 targets), and a sampled speculative step runs them on every row it verifies.
 """

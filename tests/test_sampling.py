@@ -54,7 +54,7 @@ def first_token_counts(verify, n: int = 6000, seed: int = 1) -> np.ndarray:
     counts = np.zeros(4, dtype=np.int64)
     for _ in range(n):
         draft = np.array([sampling.sample(Q[0], rng), sampling.sample(Q[1], rng)])
-        n_acc, nxt = verify(P, sampling.DraftRows.full(Q), draft, rng)
+        n_acc, nxt = verify(P, sampling.DraftRows(Q, np.arange(Q.shape[1])), draft, rng)
         counts[draft[0] if n_acc > 0 else nxt] += 1
     return counts
 

@@ -158,11 +158,6 @@ class DraftRows:
         """Tokens proposed without a distribution: q is 1 on each."""
         return cls(np.ones((len(tokens), 1)), np.asarray(tokens, dtype=np.int64).reshape(-1, 1))
 
-    @classmethod
-    def full(cls, q: np.ndarray) -> "DraftRows":
-        """Rows given over the whole vocabulary, (k, V)."""
-        return cls(q, np.arange(q.shape[1]))
-
     def __len__(self) -> int:
         return len(self.probs)
 
