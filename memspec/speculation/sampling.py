@@ -220,7 +220,7 @@ def verify_greedy(target_argmax: np.ndarray, draft: np.ndarray) -> tuple[int, in
     return n, int(target_argmax[n])
 
 
-def verify_sampled(p: np.ndarray, q: np.ndarray, draft: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
+def verify_sampled(p, q: DraftRows, draft: np.ndarray, rng: np.random.Generator) -> tuple[int, int]:
     """The speculative-sampling rule; the committed tokens are distributed exactly as p.
 
     Draft token i is accepted with probability min(1, p_i(x) / q_i(x)) (q >= p:
@@ -230,11 +230,19 @@ def verify_sampled(p: np.ndarray, q: np.ndarray, draft: np.ndarray, rng: np.rand
     """
     k = len(draft)
     for i in range(k):
-        x, row = int(draft[i]), p[i]
-        if rng.random() * q.at(i, x) < row[x]:  # u < p/q without dividing by zero
-            continue
-        residual = q.residual(i, row)
-        total = residual.sum()
-        # residual mass is 0 only when p == q, where a rejection cannot happen
-        return i, sample(residual / total if total > 0 else row, rng)
+        token, accepted = speculative_draw(p[i], q, i, int(draft[i]), rng)
+        if not accepted:
+            return i, token
     return k, sample(p[k], rng)
+
+
+def speculative_draw(p: np.ndarray, q: DraftRows, i: int, token: int, rng: np.random.Generator) -> tuple[int, bool]:
+    """One position of the rule: the draft's `token` (drawn from q's row i) with probability
+    min(1, p(token) / q_i(token)), else a draw from the residual max(p - q_i, 0), normalised; the
+    token committed there and whether it was the draft's (verify_sampled; a token tree's walk)."""
+    if rng.random() * q.at(i, token) < p[token]:  # u < p/q without dividing by zero
+        return token, True
+    residual = q.residual(i, p)
+    total = residual.sum()
+    # residual mass is 0 only when p == q, where a rejection cannot happen
+    return sample(residual / total if total > 0 else p, rng), False

@@ -92,14 +92,8 @@ def walk(tree: Tree, rows: np.ndarray, q: sampling.DraftRows | None, params: Sam
             x = int(np.argmax(rows[node]))
         else:
             p = sampling.probabilities(rows[node], params.temperature, params.top_k, params.top_p, params.min_p)
-            if on_chain:
-                d = tree.tokens[node + 1]
-                if rng.random() * q.at(node, d) < p[d]:  # u < p/q: the draft's token stands
-                    x = d
-                else:  # rejected: the residual, as verify_sampled draws it
-                    residual = q.residual(node, p)
-                    total = residual.sum()
-                    x = sampling.sample(residual / total if total > 0 else p, rng)
+            if on_chain:  # the draft's token stands, or the residual's draw replaces it
+                x, _ = sampling.speculative_draw(p, q, node, tree.tokens[node + 1], rng)
             else:
                 x = sampling.sample(p, rng)
         child = next((c for c in kids if tree.tokens[c] == x), None)
