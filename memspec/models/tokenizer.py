@@ -375,6 +375,11 @@ class Tokenizer:
             raise TokenizerError(f"token id {token_id} outside vocabulary of size {self.vocab_size}")
         return self._token_bytes[token_id]
 
+    @property
+    def byte_table(self) -> Sequence[bytes]:
+        """Every token id's raw bytes, by id (the tokenizer's own table: read it, do not change it)."""
+        return self._token_bytes
+
     def decode(self, ids: Iterable[int], *, skip_special_tokens: bool = False) -> str:
         """Detokenize ``ids``; invalid UTF-8 becomes U+FFFD."""
         keep = (i for i in ids if not (skip_special_tokens and i in self._special_ids))

@@ -359,7 +359,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     `process_bytes` where given (the process as a budget was set from: several schedulers made one
     after another in one process then book the same, however its heap grew in between)."""
     from memspec.runtime.memory import PsutilProbe, planned_draft_footprint
-    from memspec.speculation.drafts import DraftModel, PromptLookup, runnable_drafts, say_left_out, target_drafts
+    from memspec.speculation.drafts import PromptLookup, load_draft, runnable_drafts, say_left_out, target_drafts
     from memspec.speculation.suffix import SuffixIndex
 
     vocab = target.vocab_size
@@ -373,7 +373,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
         if name == SUFFIX:
             d = SuffixDraft(SuffixIndex(suffix_bytes), vocab, loop_tokens=draft_limits.loop_tokens)
             return d, d.nbytes
-        d = DraftModel.load(store, name, vocab, session_config, draft_limits)
+        d = load_draft(store, name, vocab, session_config, draft_limits, target.tokenizer)
         return d, planned_draft_footprint(d.nbytes, d.variant)
 
     probe = probe or PsutilProbe()

@@ -325,6 +325,17 @@ class DraftModel:
         return seconds / tokens if tokens else None
 
 
+def load_draft(store: ModelStore, name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
+               limits: DraftLimits = DraftLimits(), target_tokenizer=None):
+    """A draft from the store: a DraftModel (the target's tokens through its vocabulary map), or,
+    for a draft with a tokenizer of its own, a TextDraft (which needs `target_tokenizer`)."""
+    from memspec.speculation.textdraft import TextDraft, speaks_own_tokenizer
+
+    if speaks_own_tokenizer(store.get(name)):
+        return TextDraft.load(store, name, target_tokenizer, target_vocab, config, limits)
+    return DraftModel.load(store, name, target_vocab, config, limits)
+
+
 def draft_prefixes(session: Target, file_bytes: int, config: SessionConfig) -> PrefixCache | None:
     """The store of recent requests' K/V a draft keeps: where its engine computes a reused prefix bit
     for bit (`prefix_reuse`: the native one) and `[runtime] prefix_cache_mb` is on, at most
