@@ -33,6 +33,7 @@ from memspec.models.store import ModelStore, default_home  # noqa: E402
 from memspec.models.tokenizer import Tokenizer  # noqa: E402
 from memspec.runtime.native_target import NativeTarget  # noqa: E402
 from memspec.speculation.drafts import GGUF_VARIANT, target_drafts, target_to_draft  # noqa: E402
+from memspec.speculation.textdraft import speaks_own_tokenizer  # noqa: E402
 from memspec.training.drafts import acceptance  # noqa: E402
 from memspec.training.teacher import NativeTeacher  # noqa: E402
 
@@ -73,6 +74,9 @@ def open_draft(store: ModelStore, spec: str, target_vocab: int) -> tuple[str, Na
         m = store.get(spec)
         if GGUF_VARIANT not in m.variants:
             raise SystemExit(f"{spec}: ships no GGUF (variants: {', '.join(m.variants)})")
+        if speaks_own_tokenizer(m):
+            raise SystemExit(f"{spec}: drafts in its own tokens, by text: there are no rows in the target's ids "
+                             f"to score; measure it with `memspec bench --policies target-only,fixed:{spec}`")
         gguf, vocab, label = m.variant_path(GGUF_VARIANT), m.folder / m.extra.get("draft_vocab", "vocab.json"), spec
     to_target = np.asarray(json.loads(vocab.read_text()), dtype=np.int64)
     engine = NativeTarget(gguf, threads=1, max_context=2048, check_rows=False)
@@ -131,7 +135,10 @@ def main(argv=None) -> int:
     samples = target_answers(store, args.model, items, args.max_new, cache, args.threads)
     target = NativeTarget(store.gguf_of(store.get(args.model)), threads=1, max_context=2048, check_rows=False)
     vocab = target.vocab_size
-    names = args.drafts or [m.name for m in target_drafts(store, args.model) if GGUF_VARIANT in m.variants]
+    # teacher-forced scoring reads a draft's rows in the target's ids: a draft in its own tokens
+    # (memspec.speculation.textdraft) has none; `memspec bench --policies fixed:NAME` measures it
+    names = args.drafts or [m.name for m in target_drafts(store, args.model)
+                            if GGUF_VARIANT in m.variants and not speaks_own_tokenizer(m)]
     target_ms = step_ms(target, 10)
     rows = {}
     cats = sorted({s["category"] for s in samples})

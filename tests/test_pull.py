@@ -127,9 +127,11 @@ def test_unknown_model_and_missing_model(tmp_path):
         store.get("smollm2-135m")
     with pytest.raises(ModelNotFoundError, match="not in the store .* `memspec pull qwen2.5-coder-0.5b-draft` fetches"):
         store.get("qwen2.5-coder-0.5b-draft")
+    with pytest.raises(ModelNotFoundError, match="not in the store .* `memspec pull smollm2-135m-draft` fetches"):
+        store.get("smollm2-135m-draft")
     with pytest.raises(ModelNotFoundError, match=r"'llama-70b' is not in the store .*\(have: none\); `memspec pull` "
                                                  r"knows smollm2-135m, qwen2.5-coder-1.5b, qwen2.5-coder-0.5b, "
-                                                 r"qwen2.5-coder-0.5b-draft; "
+                                                 r"qwen2.5-coder-0.5b-draft, smollm2-135m-draft; "
                                                  r"`memspec pull --gguf PATH --name llama-70b`"):
         store.get("llama-70b")
 

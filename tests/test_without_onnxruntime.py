@@ -126,8 +126,8 @@ def test_drafts_that_need_onnx_runtime_are_left_out_and_said(monkeypatch, caplog
     from memspec.runtime.config import SessionConfig
     from memspec.speculation.drafts import runnable_drafts, say_left_out
 
-    gguf = types.SimpleNamespace(name="small-gguf", variants={"gguf": {}})
-    graph = types.SimpleNamespace(name="graph-only", variants={"q8": {}})
+    gguf = types.SimpleNamespace(name="small-gguf", variants={"gguf": {}}, extra={})
+    graph = types.SimpleNamespace(name="graph-only", variants={"q8": {}}, extra={})
     config = SessionConfig(backend="native")
     assert runnable_drafts([gguf, graph], config) == ([gguf, graph], [])  # ONNX Runtime is installed here
     monkeypatch.setitem(sys.modules, "onnxruntime", None)  # and now it is not
@@ -141,3 +141,19 @@ def test_drafts_that_need_onnx_runtime_are_left_out_and_said(monkeypatch, caplog
         say_left_out(left, config)
     assert "graph-only" in caplog.text and "need ONNX Runtime" in caplog.text and "prompt lookup" in caplog.text
     assert "ONNX Runtime is not installed" in caplog.text
+
+
+def test_a_draft_in_its_own_tokens_is_left_out_where_the_drafts_run_in_onnx_runtime(caplog):
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime import kernels
+    from memspec.speculation.drafts import runnable_drafts, say_left_out
+
+    text = types.SimpleNamespace(name="text-draft", variants={"gguf": {}}, extra={"tokenizer": "own"})
+    gguf = types.SimpleNamespace(name="small-gguf", variants={"gguf": {}}, extra={})
+    if kernels.available():
+        assert runnable_drafts([text, gguf], SessionConfig(backend="native")) == ([text, gguf], [])
+    kept, left = runnable_drafts([text, gguf], SessionConfig(backend="onnxruntime"))
+    assert kept == [gguf] and left == [text]  # the GGUF draft's graph is built for ONNX Runtime; text has none
+    with caplog.at_level("WARNING"):
+        say_left_out(left, SessionConfig(backend="onnxruntime"))
+    assert "text-draft" in caplog.text and "own tokens" in caplog.text and "need ONNX Runtime" not in caplog.text

@@ -525,21 +525,32 @@ def target_drafts(store: ModelStore, target_name: str, names: list[str] | None =
 def runnable_drafts(drafts: list, config: SessionConfig) -> tuple[list, list]:
     """(the drafts this machine runs, those it cannot): without ONNX Runtime installed, a draft that
     would run in it (an ONNX-only draft, or drafts given GPU providers) cannot; a GGUF draft on the
-    native engine, prompt lookup and the suffix draft need none."""
+    native engine, prompt lookup and the suffix draft need none.  A draft in its own tokens
+    (textdraft) runs on the native engine only, so not where the drafts run in ONNX Runtime."""
     from memspec.runtime.config import onnxruntime_missing
+    from memspec.speculation.textdraft import speaks_own_tokenizer
 
-    if onnxruntime_missing() is None:
-        return list(drafts), []
     config = config or SessionConfig()
-    kept = [m for m in drafts if draft_engine(m, config) == "native"]
+    native = {m.name for m in drafts if draft_engine(m, config) == "native"}
+    if onnxruntime_missing() is None:
+        kept = [m for m in drafts if m.name in native or not speaks_own_tokenizer(m)]
+    else:
+        kept = [m for m in drafts if m.name in native]
     return kept, [m for m in drafts if m not in kept]
 
 
 def say_left_out(left: list, config: SessionConfig) -> None:
     """The one log line for the drafts runnable_drafts left out, where any were."""
-    if left:
-        from memspec.runtime.config import onnxruntime_missing
+    if not left:
+        return
+    from memspec.runtime.config import onnxruntime_missing
+    from memspec.speculation.textdraft import speaks_own_tokenizer
 
+    text = [m.name for m in left if speaks_own_tokenizer(m)]
+    if text:
+        log.warning("drafts %s draft in their own tokens on the native engine only, and the drafts here run in "
+                    "ONNX Runtime; they are left out", ", ".join(text))
+    other = [m.name for m in left if m.name not in text]
+    if other:
         log.warning("drafts %s need ONNX Runtime and are left out; this machine drafts with GGUF drafts on the "
-                    "native engine, prompt lookup and the suffix draft (%s)", ", ".join(m.name for m in left),
-                    onnxruntime_missing())
+                    "native engine, prompt lookup and the suffix draft (%s)", ", ".join(other), onnxruntime_missing())
