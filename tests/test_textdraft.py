@@ -85,11 +85,14 @@ def test_the_drafts_text_becomes_target_tokens_less_the_last_unless_it_ended(two
     assert bridge.target_tokens([]) == [] and bridge.target_tokens([end]) == [target.eos_token_id]
 
 
-def test_an_end_the_target_has_no_token_for_stops_the_proposal(two):
+def test_an_end_the_target_has_no_token_for_ends_the_proposal_with_its_words_whole(two):
     target, draft, _ = two
-    plain = bpe(300, [c.replace(END, "") for c in CORPUS])
-    no_end = Tokenizer(json.loads(plain.to_json().replace(END, "<|eot|>")), {"eos_token_id": 0, "eos_token_ids": [0]})
-    assert end_map(draft, no_end) == {}
+    other = Tokenizer(json.loads(target.to_json().replace(END, "<|eot|>")),
+                      {"eos_token_id": 0, "eos_token_ids": [0]})  # the target's end is not the draft's text
+    assert end_map(draft, other) == {}
+    bridge = TextBridge(other.byte_table, draft, other, draft.byte_table, end_map(draft, other))
+    words = draft.encode(" blue light is scattered")
+    assert bridge.target_tokens(words + [draft.eos_token_id]) == other.encode(" blue light is scattered")
 
 
 # -- with the model --------------------------------------------------------------------------

@@ -106,17 +106,20 @@ class TextBridge:
 
     def target_tokens(self, draft_ids: list[int]) -> list[int]:
         """The draft's continuation as target tokens: its text encoded, the last token dropped (the
-        draft may have stopped inside a word) unless the draft ended its answer, which becomes the
-        target's own end of answer where it has one of the same text."""
-        raw, end = [], None
+        draft may have stopped inside a word) unless the draft ended its answer there; its end
+        becomes the target's end of answer where the target has one of the same text."""
+        raw, ended = [], None
         for t in draft_ids:
             if t in self.ends:
-                end = self.target_end.get(t)
+                ended = t
                 break
             raw.append(self.draft_bytes[t])
         text = b"".join(raw).decode("utf-8", "ignore")
         tokens = self.target_tokenizer.encode(text) if text else []
-        return tokens[:-1] if end is None else tokens + [end]
+        if ended is None:
+            return tokens[:-1]
+        end = self.target_end.get(ended)  # none: the target's end is its own to propose
+        return tokens if end is None else tokens + [end]
 
 
 def end_map(tokenizer: Tokenizer, target_tokenizer: Tokenizer) -> dict[int, int]:
