@@ -29,11 +29,10 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from memspec.bench.policies import load_workload  # noqa: E402
-from memspec.models.store import ModelStore, default_home  # noqa: E402
+from memspec.models.store import ModelStore, default_home, speaks_own_tokenizer  # noqa: E402
 from memspec.models.tokenizer import Tokenizer  # noqa: E402
 from memspec.runtime.native_target import NativeTarget  # noqa: E402
 from memspec.speculation.drafts import GGUF_VARIANT, target_drafts, target_to_draft  # noqa: E402
-from memspec.speculation.textdraft import speaks_own_tokenizer  # noqa: E402
 from memspec.training.drafts import acceptance  # noqa: E402
 from memspec.training.teacher import NativeTeacher  # noqa: E402
 

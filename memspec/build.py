@@ -61,8 +61,8 @@ def load_pool(store, target_name: str, target_vocab: int, config=None, names: li
     in the store made for `target_name` (or only `names`): the fixed pool's proposers by name.
     `tokenizer`: the target's, which a draft with a tokenizer of its own needs (textdraft)."""
     from memspec.speculation.config import DraftLimits
-    from memspec.speculation.drafts import PROMPT_LOOKUP, PromptLookup, load_draft, runnable_drafts, say_left_out, \
-        target_drafts
+    from memspec.speculation.drafts import PROMPT_LOOKUP, PromptLookup, runnable_drafts, say_left_out, target_drafts
+    from memspec.speculation.textdraft import load_draft
     from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
 
     from memspec.runtime.config import SessionConfig

@@ -15,7 +15,7 @@ from memspec.speculation.config import DraftLimits, SpecConfig
 from memspec.speculation.drafts import DraftModel
 from memspec.speculation.metrics import SpecMetrics
 from memspec.speculation.speculative import FixedDraft, speculative_steps
-from memspec.speculation.textdraft import ANCHOR_GUARD, TextBridge, TextDraft, end_map
+from memspec.speculation.textdraft import ANCHOR_GUARD, TextBridge, TextDraft, end_map, load_draft
 
 END = "<|im_end|>"
 CORPUS = [
@@ -163,11 +163,10 @@ def test_pull_keeps_the_gguf_as_published_with_its_tokenizer_and_the_pool_loads_
     import os
     import shutil
 
-    from memspec.errors import ConfigError
+    from memspec.errors import ConfigError, ModelNotFoundError
     from memspec.models.pull import pull
     from memspec.models.store import ModelStore
     from memspec.runtime.config import SessionConfig
-    from memspec.speculation.drafts import load_draft
 
     store = ModelStore(tmp_path / "home", shipped=None)
     store.downloads_dir.mkdir(parents=True)
@@ -181,6 +180,8 @@ def test_pull_keeps_the_gguf_as_published_with_its_tokenizer_and_the_pool_loads_
     said = []
     pull(store, "smollm2-135m-draft", progress=said.append)
     assert said == ["smollm2-135m-draft: up to date"]
+    with pytest.raises(ModelNotFoundError, match="native engine only; drop --variant"):
+        pull(store, "smollm2-135m-draft", ("q4",))
     _, tok = smol  # any target's tokenizer: the draft reads and writes text
     d = load_draft(store, "smollm2-135m-draft", tok.vocab_size, SessionConfig(), DraftLimits(), tok)
     assert isinstance(d, TextDraft) and d.nbytes == m.total_bytes and d.tokenizer.vocab_size == 49152

