@@ -534,6 +534,19 @@ def pull(store: ModelStore, name: str, variants: tuple[str, ...] | None = None,
     return import_gguf(store, gguf, name, variants, source, progress, force)
 
 
+def _draft_up_to_date(store: ModelStore, name: str, source: Source, force: bool, same: Callable[[Manifest], bool],
+                      progress: Progress | None) -> Manifest | None:
+    """Draft `name` as built before (said so), where it was built from `source`'s GGUF, its files
+    check out and `same` finds its recipe this one; else None (and always None with `force`)."""
+    from memspec.models import sibling
+
+    m = None if force else _up_to_date(store, name, source.sha256, (sibling.VARIANT,))
+    if m is None or not same(m):
+        return None
+    _say(progress, f"{name}: up to date")
+    return m
+
+
 def _recipe_record(recipe: SiblingDraft, ids: list[int]) -> dict:
     """What a built draft's manifest records of its recipe and vocabulary; a different one builds it again."""
     return {"base": recipe.base, "quantize": recipe.quantize, "vocab_list": recipe.vocab,
@@ -549,9 +562,8 @@ def pull_draft(store: ModelStore, name: str, recipe: SiblingDraft, progress: Pro
     source = KNOWN_MODELS[recipe.base]
     ids = sibling.vocab_list(recipe)
     record = _recipe_record(recipe, ids)
-    m = None if force else _up_to_date(store, name, source.sha256, (sibling.VARIANT,))
-    if m is not None and m.provenance.get("recipe") == record:
-        _say(progress, f"{name}: up to date")
+    m = _draft_up_to_date(store, name, source, force, lambda m: m.provenance.get("recipe") == record, progress)
+    if m is not None:
         return m
     _say(progress, f"pulling {name} (a draft for {recipe.target}, built from {recipe.base})")
     gguf = _fetch(store, source, progress, download)
@@ -592,9 +604,8 @@ def pull_text_draft(store: ModelStore, name: str, recipe: TextDraftRecipe, progr
     from memspec.models.tokenizer import write_tokenizer_files
 
     source = KNOWN_MODELS[recipe.base]
-    m = None if force else _up_to_date(store, name, source.sha256, (sibling.VARIANT,))
-    if m is not None and m.extra.get("tokenizer") == OWN_TOKENIZER:
-        _say(progress, f"{name}: up to date")
+    m = _draft_up_to_date(store, name, source, force, lambda m: m.extra.get("tokenizer") == OWN_TOKENIZER, progress)
+    if m is not None:
         return m
     _say(progress, f"pulling {name} (a draft for {recipe.target} in its own tokens: {recipe.base})")
     gguf = _fetch(store, source, progress, download)
