@@ -41,7 +41,7 @@ def bpe(vocab_size: int, corpus=CORPUS) -> Tokenizer:
 @pytest.fixture(scope="module")
 def two():
     target, draft = bpe(300), bpe(420)
-    bridge = TextBridge(target.byte_table, draft, target, draft.byte_table, end_map(draft, target))
+    bridge = TextBridge(draft, target, end_map(draft, target))
     return target, draft, bridge
 
 
@@ -90,7 +90,7 @@ def test_an_end_the_target_has_no_token_for_ends_the_proposal_with_its_words_who
     other = Tokenizer(json.loads(target.to_json().replace(END, "<|eot|>")),
                       {"eos_token_id": 0, "eos_token_ids": [0]})  # the target's end is not the draft's text
     assert end_map(draft, other) == {}
-    bridge = TextBridge(other.byte_table, draft, other, draft.byte_table, end_map(draft, other))
+    bridge = TextBridge(draft, other, end_map(draft, other))
     words = draft.encode(" blue light is scattered")
     assert bridge.target_tokens(words + [draft.eos_token_id]) == other.encode(" blue light is scattered")
 

@@ -70,6 +70,7 @@ class SiblingDraft:
     quantize: str = "Q4_0"  # ArrayWeights' block type for every matrix
     domain: str = "general"  # what the profile and the predictor call its specialty
 
+
 @dataclass(frozen=True)
 class TextDraftRecipe:
     """A small model of another family, its GGUF as published, drafting by text

@@ -28,7 +28,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from memspec.errors import ConfigError, ModelFormatError
-from memspec.models.store import OWN_TOKENIZER, Manifest, ModelStore, speaks_own_tokenizer
+from memspec.models.store import Manifest, ModelStore, speaks_own_tokenizer
 from memspec.models.tokenizer import Tokenizer
 from memspec.request import SamplingParams
 from memspec.runtime.config import SessionConfig
@@ -44,7 +44,7 @@ CAPACITY_RATIO = 2  # draft tokens held per target token of the request's capaci
 #                     about 1.3 of its tokens per Qwen token; Chinese text in up to about 2)
 
 
-__all__ = ["OWN_TOKENIZER", "TextBridge", "TextDraft", "load_draft", "speaks_own_tokenizer"]
+__all__ = ["TextBridge", "TextDraft", "end_map", "load_draft"]
 
 
 def load_draft(store: ModelStore, name: str, target_vocab: int, config: SessionConfig = SessionConfig(),
@@ -71,10 +71,10 @@ class TextBridge:
     draft_context(): the committed context (target ids) in the draft's ids, the text unchanged;
     target_tokens(): the draft's proposed ids as the target's tokens."""
 
-    def __init__(self, target_bytes: Sequence[bytes], tokenizer: Tokenizer, target_tokenizer: Tokenizer,
-                 draft_bytes: Sequence[bytes], target_end: dict[int, int]):
-        self.target_bytes, self.draft_bytes = target_bytes, draft_bytes  # each token id's bytes
+    def __init__(self, tokenizer: Tokenizer, target_tokenizer: Tokenizer, target_end: dict[int, int]):
         self.tokenizer, self.target_tokenizer = tokenizer, target_tokenizer
+        self.target_bytes: Sequence[bytes] = target_tokenizer.byte_table  # each token id's bytes
+        self.draft_bytes: Sequence[bytes] = tokenizer.byte_table
         self.ends = tokenizer.eos_token_ids
         self.target_end = target_end
         self.anchor: list[int] = []  # target ids whose text is settled in the draft's ids ...
@@ -154,12 +154,10 @@ class TextDraft:
         self.tokenizer = tokenizer
         self.target_tokenizer = target_tokenizer
         self.target_vocab = target_vocab
-        self.target_bytes = target_tokenizer.byte_table
-        self.draft_bytes = tokenizer.byte_table
-        self.target_end = end_map(tokenizer, target_tokenizer)
+        self.target_end = end_map(tokenizer, target_tokenizer)  # once: every request's bridge reads it
 
     def bridge(self) -> TextBridge:
-        return TextBridge(self.target_bytes, self.tokenizer, self.target_tokenizer, self.draft_bytes, self.target_end)
+        return TextBridge(self.tokenizer, self.target_tokenizer, self.target_end)
 
     @classmethod
     def load(cls, store: ModelStore, name: str, target_tokenizer: Tokenizer | None, target_vocab: int,
