@@ -106,12 +106,18 @@ class FakeLoader:
 
 
 class StandInPredictor:
-    """A predictor double: fixed tok/s per draft, and `code` rates once a code block is open."""
+    """A predictor double: fixed tok/s per draft, and `code` rates once a code block is open; a
+    step of any draft is priced at `step_s` (`rate`)."""
 
     def __init__(self, rates: dict[str, float], code: dict[str, float] | None = None,
-                 prior: dict[str, float] | None = None):
+                 prior: dict[str, float] | None = None, step_s: float = 0.1):
         self.rates, self.code, self._prior = rates, code or rates, dict(prior or {})
+        self.drafts = tuple(rates)
+        self.step_s = step_s
         self.calls: list = []
+
+    def rate(self, draft: str, mal: float, drafted: float) -> float:
+        return mal / self.step_s
 
     def prior(self) -> dict[str, float]:
         return dict(self._prior)

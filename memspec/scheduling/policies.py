@@ -40,7 +40,8 @@ from memspec.speculation.metrics import SpecMetrics
 
 log = logging.getLogger("memspec.scheduler")
 
-SWITCH_EVIDENCE_TOKENS = 16  # memspec trusts a request's own rate on its draft once this many tokens ran on it
+SWITCH_EVIDENCE_TOKENS = 16  # memspec trusts a request's own rate target-only once this many tokens ran so
+SWITCH_EVIDENCE_STEPS = 8  # ... and its draft's own acceptance once it ran this many steps with it
 
 
 @dataclass(frozen=True)
@@ -328,8 +329,15 @@ class Memspec(Policy):
         pred = self._predict(request_text(sel.req), ctx)
         self._compare(sel, pred)
         current = sel.name or NO_DRAFT
-        # a draft doing better in this request than predicted keeps its measured rate
-        pred[current] = max(pred.get(current, 0.0), sel.observed_rate(current, SWITCH_EVIDENCE_TOKENS))
+        measured = set()
+        for d in sel.window:  # the drafts this request ran long enough (the one it runs, ones it left) are
+            mal, drafted, steps = sel.recent_quantities(d)  # worth what their steps here accepted, priced
+            if d in pred and d != NO_DRAFT and steps >= SWITCH_EVIDENCE_STEPS:  # as the rest's predictions
+                pred[d] = self.predictor.rate(d, mal, drafted)  # are: a fast or slow spell moves none of them
+                measured.add(d)
+        if current not in measured:  # target-only (or a draft not measured yet) doing better in this
+            # request than predicted keeps its measured rate
+            pred[current] = max(pred.get(current, 0.0), sel.observed_rate(current, SWITCH_EVIDENCE_TOKENS))
         recent = sel.window.get(current)  # its last selector.WINDOW_STEPS steps
         if current != NO_DRAFT and recent and len(recent) == recent.maxlen and not any(d for d, _ in recent):
             # its cost controller (or the gate) has stopped it drafting: here it is worth a plain step,

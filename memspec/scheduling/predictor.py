@@ -271,6 +271,14 @@ class Predictor:
             out = out / np.where(np.asarray(self.drafts) == self.default, 1.0, 1.0 + self.margin)
         return out
 
+    def rate(self, draft: str, mal: float, drafted: float) -> float:
+        """The tok/s a modelled draft gives at `mal` tokens and `drafted` draft tokens a step, priced
+        as predict() prices its own (the fitted step costs, the margin): a request's measured
+        quantities weighed against the others' predicted ones, whatever the machine's pace now."""
+        i = self._modeled.index(draft)
+        tps = mal / (self._step_s[i] + self._token_s[i] * drafted)
+        return tps / (1.0 if draft == self.default or not self.margin else 1.0 + self.margin)
+
     def predict(self, prompt_text: str, ctx: GenerationContext | None = None) -> dict[str, float]:
         """Expected tokens per second of each draft (and "none") for what comes next."""
         tps = self.tok_per_s(self.inputs(prompt_text, ctx)[None])[0]

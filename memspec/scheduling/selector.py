@@ -141,6 +141,15 @@ class RequestSelector:
         tokens, seconds = self.observed.get(name, (0.0, 0.0))
         return tokens / seconds if tokens >= min_tokens and seconds > 0 else 0.0
 
+    def recent_quantities(self, name: str) -> tuple[float, float, int]:
+        """(tokens committed a step, draft tokens a step, steps) over `name`'s recent steps
+        (its last WINDOW_STEPS) in this request; (0, 0, 0) before any."""
+        steps = self.window.get(name)
+        if not steps:
+            return 0.0, 0.0, 0
+        n = len(steps)
+        return 1.0 + sum(a for _, a in steps) / n, sum(d for d, _ in steps) / n, n
+
     def recent_acceptance(self) -> dict[str, float]:
         """Each draft's accepted share of its recent steps' tokens (the predictor's generation context);
         not the recall's steps (counted as the suffix draft's): copies of an earlier answer say
