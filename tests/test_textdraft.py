@@ -75,11 +75,16 @@ def test_a_context_that_goes_back_or_changes_starts_the_anchor_again(two):
     assert text_of(draft, bridge.draft_context(short)) == text_of(target, short)
 
 
-def test_the_drafts_text_becomes_target_tokens_less_the_last_unless_it_ended(two):
+def test_the_drafts_text_becomes_target_tokens_the_last_kept_and_nothing_after_its_end(two):
+    """Every token of the draft's text is proposed, the last too: it may be a word the draft stopped
+    inside ("scatter" of "scattered"), which the target then rejects for the price of a row; dropping
+    it cost SmolLM2 a draft step a step to learn whether the word went on (qa 1.19x -> 1.48x)."""
     target, draft, bridge = two
     words = draft.encode(" blue light is scattered")
     want = target.encode(" blue light is scattered")
-    assert bridge.target_tokens(words) == want[:-1]  # "scattered" might have gone on
+    assert bridge.target_tokens(words) == want
+    cut = draft.encode(" blue light is scatter")
+    assert bridge.target_tokens(cut) == target.encode(" blue light is scatter")  # the target's to reject
     end = draft.eos_token_id
     assert bridge.target_tokens(words + [end, *words]) == want + [target.eos_token_id]  # nothing after the end
     assert bridge.target_tokens([]) == [] and bridge.target_tokens([end]) == [target.eos_token_id]

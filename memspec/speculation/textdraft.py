@@ -12,9 +12,10 @@ three), at 0.11 of the 1.5B's step.  A text draft lets it propose:
   with what follows it, so its encoding is not settled);
 * the draft continues greedily in its own ids (catch-up, prefix reuse, the confidence stop and the
   n-gram shortcuts are the model draft's own: its vocabulary map is the identity);
-* its text is encoded in the target's tokens, and the last of them dropped unless the draft ended
-  its answer there (it may be the start of a longer word); an end of answer becomes the target's
-  token of the same text (ChatML's `<|im_end|>` for both).
+* its text is encoded in the target's tokens, every one proposed: the last may be a word the draft
+  stopped inside, which the target rejects for one verified row (nearly free), where knowing it
+  would take one more draft step every time; an end of answer becomes the target's token of the
+  same text (ChatML's `<|im_end|>` for both).
 
 The proposal is a list of target tokens with no distribution: when sampling, q is one-hot on each
 (drafts.deterministic_proposal), which the speculative-sampling rule accepts exactly, so output
@@ -112,8 +113,9 @@ class TextBridge:
         return out
 
     def target_tokens(self, draft_ids: list[int]) -> list[int]:
-        """The draft's continuation as target tokens: its text encoded, the last token dropped (the
-        draft may have stopped inside a word) unless the draft ended its answer there; its end
+        """The draft's continuation as target tokens: its text encoded, every token kept (the last
+        may be a word the draft stopped inside, which the target then rejects at the price of one
+        verified row, nearly nothing; finding out would cost a draft step each time); its end
         becomes the target's end of answer where the target has one of the same text."""
         raw, ended = [], None
         for t in draft_ids:
@@ -124,7 +126,7 @@ class TextBridge:
         text = b"".join(raw).decode("utf-8", "ignore")
         tokens = self.target_tokenizer.encode(text) if text else []
         if ended is None:
-            return tokens[:-1]
+            return tokens
         end = self.target_end.get(ended)  # none: the target's end is its own to propose
         return tokens if end is None else tokens + [end]
 
@@ -206,8 +208,8 @@ class TextDraftState:
                 shaper: LogitsShaper = IDENTITY, alternatives: bool = False) -> Proposal:
         if k <= 0:
             return Proposal([], None, [])
-        inner = self.inner.propose(self.bridge.draft_context(context), k + 1, GREEDY, rng)  # one more: see
-        tokens = self.bridge.target_tokens(inner.tokens)[:k]                                # target_tokens
+        inner = self.inner.propose(self.bridge.draft_context(context), k, GREEDY, rng)
+        tokens = self.bridge.target_tokens(inner.tokens)[:k]
         prop = deterministic_proposal(tokens, self.d.target_vocab, params, shaper)
         ents = inner.entropy or [0.0]  # the draft's, by position (its tokens and the target's differ in length)
         prop.entropy = [ents[min(i, len(ents) - 1)] for i in range(len(prop.tokens))]
