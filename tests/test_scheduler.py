@@ -363,6 +363,26 @@ def test_memspec_keeps_a_draft_that_does_better_than_predicted():
         assert switch_after_chat(sched, 4, step_s=0.01) == ("draft-code" if switched else "draft-chat")
 
 
+def chat_then(rates, price_s, steps, accepted, draft_s, verify_s, drafting=True):
+    """A request started on draft-chat with draft-code resident too, `steps` steps each committing
+    `accepted` + 1 tokens (none drafted where not `drafting`), a step priced at `price_s` by the
+    stand-in predictor: the draft it runs on after them."""
+    sched, *_ = make("memspec", budget_mb=0, predictor=StandInPredictor(rates, step_s=price_s))
+    for d in ("draft-chat", "draft-code"):
+        sched.ws.lease(d).release()
+    sel = sched.selector(req("tell me about cats", max_tokens=1024), [1, 2, 3, 4], 2048)
+    assert sel.name == "draft-chat"
+    m, context = SpecMetrics(), [1, 2, 3, 4, 1]
+    for _ in range(steps):
+        name, state = sel(context, m)
+        n = len(state.propose(context, 4, None, None).tokens) if state and drafting else 0
+        m.record_step(name, n, min(n, accepted), min(n, accepted) + 1, draft_s, verify_s)
+        context = context + [1] * (min(n, accepted) + 1)
+    got = sel(context, m)[0]
+    sel.close()
+    return got
+
+
 def test_memspec_leaves_a_draft_that_accepts_less_than_predicted_whatever_the_machines_pace():
     """The draft a request runs is worth what its steps there accepted, priced as the predictor prices
     the others: on the 1.5B's creative prompts SmolLM2 was predicted 2.0-2.1 tokens a step and gave
@@ -372,19 +392,8 @@ def test_memspec_leaves_a_draft_that_accepts_less_than_predicted_whatever_the_ma
     rates = {"draft-chat": 50.0, "draft-code": 45.0, "draft-math": 10.0, "prompt-lookup": 5.0, "none": 15.0}
     for step_s in (0.1, 0.01):  # the same steps on a slow and on a fast machine
         for accepted, want in ((3, "draft-chat"), (1, "draft-code")):  # 4 or 2 tokens a step at 0.1 s
-            sched, *_ = make("memspec", budget_mb=0, predictor=StandInPredictor(rates, step_s=0.1))
-            for d in ("draft-chat", "draft-code"):
-                sched.ws.lease(d).release()
-            sel = sched.selector(req("tell me about cats", max_tokens=1024), [1, 2, 3, 4], 2048)
-            assert sel.name == "draft-chat"
-            m, context = SpecMetrics(), [1, 2, 3, 4, 1]
-            for _ in range(16):  # the switcher asks at steps 8 (7 steps measured: too few) and 16
-                name, state = sel(context, m)
-                n = len(state.propose(context, 4, None, None).tokens) if state else 0
-                m.record_step(name, n, min(n, accepted), min(n, accepted) + 1, step_s / 2, step_s / 2)
-                context = context + [1] * (min(n, accepted) + 1)
-            assert sel(context, m)[0] == want, (step_s, accepted)
-            sel.close()
+            # the switcher asks at steps 8 (7 steps measured: too few) and 16
+            assert chat_then(rates, 0.1, 16, accepted, step_s / 2, step_s / 2) == want, (step_s, accepted)
 
 
 def test_memspec_moves_a_request_off_a_draft_that_stopped_drafting():
@@ -394,19 +403,8 @@ def test_memspec_moves_a_request_off_a_draft_that_stopped_drafting():
     while draft-code, predicted above target-only, sat resident."""
     rates = {"draft-chat": 50.0, "draft-code": 45.0, "draft-math": 10.0, "prompt-lookup": 25.0, "none": 30.0}
     for drafting, want in ((True, "draft-chat"), (False, "draft-code")):
-        sched, *_ = make("memspec", budget_mb=0, predictor=StandInPredictor(rates, step_s=0.03))
-        for d in ("draft-chat", "draft-code"):
-            sched.ws.lease(d).release()
-        sel = sched.selector(req("tell me about cats", max_tokens=1024), [1, 2, 3, 4], 2048)
-        assert sel.name == "draft-chat"
-        m, context = SpecMetrics(), [1, 2, 3, 4, 1]
-        for _ in range(24):  # the switcher asks at steps 8, 16 and 24
-            name, state = sel(context, m)
-            n = len(state.propose(context, 3, None, None).tokens) if state and drafting else 0
-            m.record_step(name, n, min(n, 1), min(n, 1) + 1, 0.01, 0.02)
-            context = context + [1] * (min(n, 1) + 1)
-        assert sel(context, m)[0] == want, drafting
-        sel.close()
+        # the switcher asks at steps 8, 16 and 24
+        assert chat_then(rates, 0.03, 24, 1, 0.01, 0.02, drafting) == want, drafting
 
 
 def test_memspec_uses_a_resident_draft_at_once_and_preloads_for_the_queue():
