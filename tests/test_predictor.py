@@ -232,6 +232,21 @@ def test_margin_keeps_the_default_unless_another_is_predicted_faster_by_that_muc
         Predictor(pred.drafts, pred.costs, pred.ensembles, pred.info, "nope", 0.1)
 
 
+def test_rate_prices_measured_quantities_as_predict_prices_its_own(synthetic):
+    """The switcher weighs a request's measured tokens and draft tokens a step against the other
+    drafts' predictions: Predictor.rate must price them as predict() does (step costs, margin)."""
+    _, pred = synthetic
+    prompt = "Rewrite in simple words: The plan was approved by the committee after a long debate."
+    for margin in (0.0, 0.25):
+        p = Predictor(pred.drafts, pred.costs, pred.ensembles, pred.info, "prompt-lookup", margin)
+        mal, drafted = p.quantities(p.inputs(prompt)[None])
+        got = p.predict(prompt)
+        for i, d in enumerate(d for d in p.drafts if d != NONE):
+            assert p.rate(d, float(mal[0, i]), float(drafted[0, i])) == pytest.approx(got[d])
+    c = pred.costs["draft-code"]
+    assert pred.rate("draft-code", 3.0, 2.0) == pytest.approx(3.0 / (c["step_s"] + 2.0 * c["per_draft_token_s"]))
+
+
 def test_save_load_round_trip_predicts_identically(synthetic, tmp_path):
     _, pred = synthetic
     pred.save(tmp_path / "p.json")

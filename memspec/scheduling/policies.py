@@ -329,11 +329,14 @@ class Memspec(Policy):
         pred = self._predict(request_text(sel.req), ctx)
         self._compare(sel, pred)
         current = sel.name or NO_DRAFT
+        # The drafts this request ran long enough (the one it runs and the ones it left, so that it
+        # does not go back and forth) are worth what their steps here accepted, priced as the rest's
+        # predictions are: a fast or slow spell of the machine moves none of them against the others.
         measured = set()
-        for d in sel.window:  # the drafts this request ran long enough (the one it runs, ones it left) are
-            mal, drafted, steps = sel.recent_quantities(d)  # worth what their steps here accepted, priced
-            if d in pred and d != NO_DRAFT and steps >= SWITCH_EVIDENCE_STEPS:  # as the rest's predictions
-                pred[d] = self.predictor.rate(d, mal, drafted)  # are: a fast or slow spell moves none of them
+        for d in sel.window:
+            mal, drafted, steps = sel.recent_quantities(d)
+            if d in pred and d != NO_DRAFT and steps >= SWITCH_EVIDENCE_STEPS:
+                pred[d] = self.predictor.rate(d, mal, drafted)
                 measured.add(d)
         if current not in measured:  # target-only (or a draft not measured yet) doing better in this
             # request than predicted keeps its measured rate
