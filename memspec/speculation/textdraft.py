@@ -117,17 +117,14 @@ class TextBridge:
         may be a word the draft stopped inside, which the target then rejects at the price of one
         verified row, nearly nothing; finding out would cost a draft step each time); its end
         becomes the target's end of answer where the target has one of the same text."""
-        raw, ended = [], None
+        raw, end = [], None
         for t in draft_ids:
             if t in self.ends:
-                ended = t
+                end = self.target_end.get(t)  # none: the target's end is its own to propose
                 break
             raw.append(self.draft_bytes[t])
         text = b"".join(raw).decode("utf-8", "ignore")
         tokens = self.target_tokenizer.encode(text) if text else []
-        if ended is None:
-            return tokens
-        end = self.target_end.get(ended)  # none: the target's end is its own to propose
         return tokens if end is None else tokens + [end]
 
 
