@@ -180,3 +180,24 @@ def test_config_keys_keep_the_comment_right_above_each_key(tmp_path):
     f.write_text("# the file\n\nhome = \"\"\n[x]\n# a comment\n#   an example\nkey = 1\n\nbare = 2\n")
     assert reference.config_keys(f) == [("", "home", '""', ""), ("x", "key", "1", "a comment\n  an example"),
                                         ("x", "bare", "2", "")]
+
+
+# -- the README and the results page --------------------------------------------------------------
+def test_the_readme_is_a_page_a_newcomer_reads():
+    """Issue 70: 120-200 lines, a figures table of at most 6 rows, each naming its machine and workload, and the
+    two commands CI runs (.ci/run): the setup and the tests."""
+    readme = (REPO / "README.md").read_text()
+    assert 120 <= len(readme.splitlines()) <= 200, len(readme.splitlines())
+    figures = readme.split("\n## Figures", 1)[1].split("\n## ", 1)[0]
+    table = [line for line in figures.splitlines() if line.startswith("| ")]
+    assert "| machine |" in table[0] and "| workload |" in table[0], table[0]
+    assert 1 <= len(table[2:]) <= 6, table  # rows past the header and its rule
+    ci = (REPO / ".ci" / "run").read_text()
+    for command in ("./setup.sh", ".venv/bin/python -m pytest -q"):
+        assert command in readme and command in ci, command
+
+
+def test_results_md_holds_the_current_results_only():
+    page = (REPO / "docs" / "results.md").read_text()
+    assert len(page.splitlines()) < 600, len(page.splitlines())
+    assert (REPO / "docs" / "history" / "results.md").exists()
