@@ -44,20 +44,22 @@ ENVIRONMENT = {
     "WATCHDOG_USEC": "Set by systemd for `WatchdogSec=`: the daemon pings at half this interval "
                      "(`[server] watchdog`).",
     "WATCHDOG_PID": "Set by systemd with `WATCHDOG_USEC`: the process the watchdog is meant for.",
+    "PYTHON": "`./setup.sh` only: the Python that creates `.venv` (default `python3`; 3.10 or newer).",
 }
 
 _READS = [re.compile(p) for p in (r"environ\.get\(\s*\"(\w+)\"", r"environ\[\s*\"(\w+)\"\s*\]",
                                   r"\benv\.get\(\s*\"(\w+)\"", r"\benv\[\s*\"(\w+)\"\s*\]",
-                                  r"getenv\(\s*\"(\w+)\"")]
+                                  r"getenv\(\s*\"(\w+)\"", r"\$\{(\w+):-")]  # the last: setup.sh's
 
 
 def variables_read() -> set[str]:
-    """The environment variables memspec's Python and C sources read, and the API key's variable
-    (`[http] api_key_env`, read by name from the config)."""
+    """The environment variables memspec's Python and C sources and setup.sh read, and the API key's
+    variable (`[http] api_key_env`, read by name from the config)."""
     from memspec.config import HttpConfig
 
     found = {HttpConfig().api_key_env}
     sources = [f for f in (REPO / "memspec").rglob("*") if f.suffix in (".py", ".c") and "_proto" not in f.parts]
+    sources.append(REPO / "setup.sh")
     for f in sources:
         text = f.read_text()
         for pattern in _READS:
