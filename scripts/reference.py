@@ -136,11 +136,26 @@ def config_keys(path: Path = EXAMPLE) -> list[tuple[str, str, str, str]]:
         elif m := re.fullmatch(r"\[(\w+)\]", line.strip()):
             section, comment = m.group(1), []
         elif m := re.fullmatch(r"(\w+)\s*=\s*(.+)", line.strip()):
-            out.append((section, m.group(1), m.group(2), "\n".join(comment).strip("\n")))
+            out.append((section, m.group(1), _value(m.group(2)), "\n".join(comment).strip("\n")))
             comment = []
         else:
             comment = []
     return [(s, k, v, _dedent(c)) for s, k, v, c in out]
+
+
+def _value(text: str) -> str:
+    """An option's value as written, without a comment after it on its line."""
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        import tomli as tomllib
+    for at in [i for i, c in enumerate(text) if c == "#"]:
+        try:
+            tomllib.loads(f"x = {text[:at]}")
+            return text[:at].strip()
+        except tomllib.TOMLDecodeError:
+            continue
+    return text.strip()
 
 
 def _dedent(comment: str) -> str:

@@ -177,9 +177,10 @@ def test_the_reference_lists_every_flag_and_config_key():
 def test_config_keys_keep_the_comment_right_above_each_key(tmp_path):
     reference = _reference()
     f = tmp_path / "c.toml"
-    f.write_text("# the file\n\nhome = \"\"\n[x]\n# a comment\n#   an example\nkey = 1\n\nbare = 2\n")
+    f.write_text("# the file\n\nhome = \"\"\n[x]\n# a comment\n#   an example\nkey = 1\n\nbare = 2\n"
+                 "hash = \"a # b\"  # a comment on the line\n")
     assert reference.config_keys(f) == [("", "home", '""', ""), ("x", "key", "1", "a comment\n  an example"),
-                                        ("x", "bare", "2", "")]
+                                        ("x", "bare", "2", ""), ("x", "hash", '"a # b"', "")]
 
 
 # -- the README and the results page --------------------------------------------------------------
