@@ -108,6 +108,18 @@ def test_every_name_architecture_md_gives_exists():
     assert not missing, f"docs/architecture.md names what the code does not have: {missing}"
 
 
+def test_every_bare_name_architecture_md_gives_is_in_the_source():
+    """`WorkingSet`, `draft_footprints`, `k_update`: a name of four characters or more, alone in
+    backticks, is a word of the package's Python, C or tests."""
+    sources = [*PACKAGE.rglob("*.py"), *(PACKAGE / "runtime" / "native").glob("*.[ch]"),
+               *(PACKAGE / "runtime" / "native").glob("*.inc"), *(REPO / "tests").rglob("*.py"),
+               *(REPO / "tests" / "native").glob("*.c"), REPO / "setup.py"]
+    words = set(re.findall(r"\w+", "\n".join(f.read_text() for f in sources if "_proto" not in f.parts)))
+    names = {s.split("(")[0] for s in spans(ARCHITECTURE.read_text())}
+    missing = sorted(n for n in names if re.fullmatch(r"[A-Za-z_]\w{3,}", n) and n not in words)
+    assert not missing, f"docs/architecture.md names what the code does not have: {missing}"
+
+
 def test_every_file_architecture_md_gives_exists():
     def found(name: str) -> bool:
         if name in ELSEWHERE:
