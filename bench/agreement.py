@@ -6,7 +6,7 @@ Runs each prompt target-only (greedy), then replays the sequence in verification
 6 tokens, as the speculative loop does, and counts the positions whose argmax is the token
 target-only decoding chose: once as configured by default, once with `[runtime]
 batch_invariant = true`.  On the fp32 target both are 1.0 up to exact ties; on q4 the
-default differs at near-ties (docs/results.md).
+default differs at near-ties (docs/history/results.md).
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@ near-ties can flip between target-only decoding and speculative verification.
 
 Where it comes from (measured): passes of 2..k tokens agree with each other bit for bit, but
 GroupQueryAttention's one-token path differs from its multi-token path by ~3e-7, and on
-AVX2-only CPUs so does MatMulNBits' (docs/results.md, bench/row_invariance.py);
+AVX2-only CPUs so does MatMulNBits' (docs/history/results.md, bench/row_invariance.py);
 accuracy_level=4 quantizes activations to int8, which turns that into logit differences up
 to ~0.9.  We measure the agreement teacher-forced (every
 position of the target-only greedy sequence, verified in passes of 6 tokens as the

@@ -10,7 +10,7 @@ among draft tokens (k tokens a pass).  That is a property of the CPU's kernels, 
 * MatMulNBits (4-bit, the q4 variant) is row-invariant on AVX-512 hosts, but on AVX2-only CPUs a
   lone row takes a GEMV kernel that sums in another order (3e-6 apart on one layer's output,
   up to 0.9 apart on the logits): every pass of two or more rows agrees, one row does not
-  (docs/results.md has the per-operator table).  Padding the whole pass to two rows fixes it,
+  (docs/history/results.md has the per-operator table).  Padding the whole pass to two rows fixes it,
   at the cost of a two-row pass for each decoded token.
 
 So a session that is asked for exactness (min_rows >= 2, `[runtime] batch_invariant`) first tries

@@ -21,7 +21,7 @@ from memspec.runtime.config import GPU_PROVIDERS, NATIVE_VARIANT, SessionConfig
 
 BACKENDS = ("auto", "native", "onnxruntime")
 # Whether "auto" runs a target natively on a CPU where it can (engine_for): the native engine measures
-# faster there end to end (docs/results.md, issue 29).
+# faster there end to end (docs/history/results.md, issue 29).
 AUTO_NATIVE = True
 
 # RSS a native target adds per byte of its GGUF: the mapped file, read whole by the first pass, and the
