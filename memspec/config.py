@@ -52,13 +52,15 @@ class ServerConfig:
 
 @dataclass(frozen=True)
 class HttpConfig:
-    """The OpenAI-compatible HTTP API, beside gRPC in the same daemon (memspec.serving.http)."""
+    """The HTTP API (OpenAI's and Ollama's), beside gRPC in the same daemon (memspec.serving.http)."""
 
     listen: str = ""  # "HOST:PORT" (":PORT" or "PORT": loopback); "" = off
     api_key: str = ""  # clients send "Authorization: Bearer <key>"; "" = no key (the env var wins)
     api_key_env: str = "MEMSPEC_API_KEY"  # environment variable the key is read from when it is set
     allow_unauthenticated: bool = False  # listen beyond loopback without a key (logged as a warning)
     timeout_seconds: float = 600.0  # a request's deadline, queue wait included (504 after it); 0 = none
+    # browser origins allowed to call the API (CORS), e.g. ["http://localhost:3000"]; ["*"] = any; [] = off
+    cors_origins: tuple[str, ...] = ()
 
     def key(self, env=os.environ) -> str:
         """The API key in force: the environment variable's, else the config's ("" = none)."""

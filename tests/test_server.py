@@ -115,7 +115,8 @@ class FakeStore:
     def __init__(self):
         self.manifests = {n: SimpleNamespace(name=n, role=role, variants={"q4": {"bytes": 5 * MiB}},
                                              variant_bytes=lambda v: 5 * MiB,
-                                             provenance={"source": "test"}, variant_path=self._variant(n))
+                                             provenance={"source": "test"}, variant_path=self._variant(n),
+                                             architecture={})
                           for n, role in (("tiny", "target"), ("other", "target"), ("a-draft", "draft"))}
 
     @staticmethod
@@ -520,7 +521,7 @@ def test_a_target_pulled_with_its_gguf_alone_loads_on_the_native_engine(h, tmp_p
         pytest.skip(kernels.NOT_BUILT)
     gguf = tmp_path / "bare.gguf"
     gguf.write_bytes(b"GGUF" + bytes(4 * MiB))
-    bare = SimpleNamespace(name="bare", role="target", variants={}, provenance={"source": "test"}, gguf=gguf,
+    bare = SimpleNamespace(name="bare", role="target", variants={}, provenance={"source": "test"}, gguf=gguf, architecture={},
                            variant_path=FakeStore._variant("bare"))
     h.backend.store.manifests["bare"] = bare
     assert h.backend._plan("bare", None) == ("q4", int(gguf.stat().st_size * NATIVE_FOOTPRINT_PER_FILE_BYTE))

@@ -390,6 +390,11 @@ class Tokenizer:
         return IncrementalDetokenizer(self, skip_special_tokens=skip_special_tokens)
 
     @property
+    def chat_template(self) -> str:
+        """The model's own (GGUF) chat template, as Jinja text ("" when it has none)."""
+        return self._config.get("chat_template") or ""
+
+    @property
     def template_knows_tools(self) -> bool:
         """The chat template renders a `tools` list and tool turns itself (Qwen2.5's does)."""
         return "tools" in (self._config.get("chat_template") or "")

@@ -89,6 +89,9 @@ class Backend(Protocol):
     def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = ..., timeout: float | None = None,
               progress: Callable[[str], None] | None = None) -> Checked: ...
     def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run: ...
+    def pull(self, name: str, progress: Callable[[str], None]) -> None: ...  # a catalogued model into the store
+    # load a target (or unload it: keep_alive 0) with no request to run; its name
+    def warm(self, name: str | None, keep_alive: float | None, timeout: float | None = None) -> str: ...
     def record(self, completion: Completion) -> None: ...  # count a finished request
     def hint(self, req: GenerationRequest) -> None: ...  # a checked request will wait in the queue
     def resident_bytes(self) -> int: ...
@@ -207,6 +210,28 @@ class EngineBackend:
             lease.release()
             raise
 
+    def warm(self, name: str | None, keep_alive: float | None, timeout: float | None = None) -> str:
+        """Ollama's request with no prompt: load target `name` (None: the default) as a request
+        would, and let its keep-alive start; keep_alive 0 unloads it now (or once its requests end)
+        instead.  Returns the target's name."""
+        if not self.started:
+            raise UnavailableError(f"the daemon is starting: loading {self.config.model.target}")
+        name = name or self.config.model.target
+        self._plan(name, None)  # an unknown name or a draft is refused as a request's "model"
+        if keep_alive == 0:
+            self.targets.unload(name)
+            return name
+        default = KEEP_FOREVER if name == self.config.model.target else self.keep_alive
+        self.targets.acquire(name, None, keep_alive, default, timeout=timeout).release()
+        return name
+
+    def pull(self, name: str, progress: Callable[[str], None]) -> None:
+        """Fetch and convert a catalogued model into the store (memspec.models.pull), as `memspec
+        pull NAME` does; progress hears each step."""
+        from memspec.models.pull import pull
+
+        pull(self.store, name, None, progress=progress, runtime=self.config.runtime)
+
     def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run:
         # The run holds the engine that checked it (and the draft it picks) until it is closed.
         engine = checked.engine
@@ -237,6 +262,7 @@ class EngineBackend:
             "name": m.name, "role": m.role, "variants": self.store.runnable(m),
             "source": m.provenance.get("source", ""), "resident": m.name in resident,
             "resident_variant": resident.get(m.name, ""),
+            "architecture": dict(m.architecture), "provenance": dict(m.provenance),
         } for m in self.store.list()]
 
     def tokenizer(self, name: str | None) -> Tokenizer:

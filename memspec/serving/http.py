@@ -5,6 +5,8 @@
     GET  /health                200 while serving, 503 while starting or draining
     GET  /metrics               Prometheus text (memspec.serving.prometheus)
     POST /tokenize              POST /detokenize        (llama-server's: text <-> a target's token ids)
+    POST /api/chat              POST /api/generate      (Ollama's: NDJSON streams, or whole)
+    GET  /api/tags   GET /api/ps   POST /api/show   GET /api/version   POST /api/pull
 
 It runs inside the daemon (uvicorn on its own thread and event loop; Starlette
 routes) and generates through the same Service as gRPC, so admission, limits,
@@ -13,7 +15,9 @@ thread of its own (`Pump`: the engine is blocking NumPy and ONNX Runtime work)
 and hands its chunks to the event loop.  A client that disconnects sets the
 request's cancel event at once: a queued request leaves the queue, a running one
 stops at its next step, and its KV cache is freed.  Wire types are in
-memspec.serving.openai; every error leaves through `_error` in OpenAI's shape.
+memspec.serving.openai and memspec.serving.ollama; every error leaves through `_error`, in
+the shape of the API it answers ({"error": {...}} for /v1, {"error": "..."} for /api).
+[http] cors_origins lets browser front ends on those origins call the API (off by default).
 
 A request for n choices (OpenAI's `n`) runs as n requests of the Service, each on
 its own Pump and all at once (`Choices`), so that admission counts n and the
@@ -40,18 +44,22 @@ from typing import Any, Callable, Iterator
 import uvicorn
 from starlette.applications import Starlette
 from starlette.exceptions import HTTPException
+from starlette.middleware import Middleware
+from starlette.middleware.cors import CORSMiddleware
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import JSONResponse, Response
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+
+from memspec import __version__
 
 from memspec.config import HttpConfig
 from memspec.errors import (
     AuthError, CancelledError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError,
     ModelNotFoundError, RequestTooLargeError,
 )
-from memspec.models.tools import CallStream
+from memspec.models.tools import CallStream, parse_calls
 from memspec.request import quote
-from memspec.serving import openai, prometheus
+from memspec.serving import ollama, openai, prometheus
 from memspec.serving.address import LOOPBACK_HOSTS
 from memspec.serving.service import Final, Service
 
@@ -178,14 +186,26 @@ class Api:
                   Route("/health", self.health, methods=["GET"]),
                   Route("/metrics", self.prometheus, methods=["GET"]),
                   Route("/tokenize", self.tokenize, methods=["POST"]),
-                  Route("/detokenize", self.detokenize, methods=["POST"])]
-        self.app = Starlette(routes=routes, exception_handlers={HTTPException: self._http_error,
-                                                                Exception: self._internal})
+                  Route("/detokenize", self.detokenize, methods=["POST"]),
+                  # Ollama's API (memspec.serving.ollama)
+                  Route("/", self.root, methods=["GET"]),
+                  Route("/api/chat", self.ollama_chat, methods=["POST"]),
+                  Route("/api/generate", self.ollama_generate, methods=["POST"]),
+                  Route("/api/tags", self.ollama_tags, methods=["GET"]),
+                  Route("/api/ps", self.ollama_ps, methods=["GET"]),
+                  Route("/api/show", self.ollama_show, methods=["POST"]),
+                  Route("/api/version", self.ollama_version, methods=["GET"]),
+                  Route("/api/pull", self.ollama_pull, methods=["POST"])]
+        middleware = [Middleware(CORSMiddleware, allow_origins=list(config.cors_origins), allow_methods=["*"],
+                                 allow_headers=["*"])] if config.cors_origins else []
+        self.app = Starlette(routes=routes, middleware=middleware,
+                             exception_handlers={HTTPException: self._http_error, Exception: self._internal})
 
     # -- errors ----------------------------------------------------------------------------
     @staticmethod
-    def _error(exc: BaseException, headers: dict | None = None) -> JSONResponse:
-        status, body = openai.error(exc)
+    def _error(exc: BaseException, headers: dict | None = None, wire=openai) -> JSONResponse:
+        """The error response in the shape of `wire`'s API (memspec.serving.openai or .ollama)."""
+        status, body = wire.error(exc)
         headers = dict(headers or {})
         if status == 429:
             headers["Retry-After"] = "1"
@@ -194,14 +214,20 @@ class Api:
         return JSONResponse(body, status, headers=headers)
 
     async def _http_error(self, request: Request, exc: HTTPException) -> JSONResponse:
-        """Starlette's own 404 (no route) and 405 (wrong method), in OpenAI's shape."""
+        """Starlette's own 404 (no route) and 405 (wrong method), in OpenAI's shape (Ollama's under /api)."""
         if exc.status_code == 405:
             msg = f"{request.method} is not allowed on {request.url.path}; use {exc.headers.get('Allow', '')}"
+        elif request.url.path.startswith("/api/"):
+            msg = (f"no route {request.method} {quote(request.url.path)}; memspec serves Ollama's POST /api/chat, "
+                   f"POST /api/generate, GET /api/tags, GET /api/ps, POST /api/show, GET /api/version and "
+                   f"POST /api/pull (not embeddings, create, copy, push or delete)")
         else:
             msg = (f"no route {request.method} {quote(request.url.path)}; the API has POST /v1/chat/completions, "
                    f"POST /v1/completions, GET /v1/models, GET /health, GET /metrics, POST /tokenize, POST /detokenize")
         body = {"error": {"message": msg, "type": "invalid_request_error", "param": None,
                           "code": "method_not_allowed" if exc.status_code == 405 else "not_found"}}
+        if request.url.path.startswith("/api/"):
+            body = {"error": msg}
         return JSONResponse(body, exc.status_code, headers=exc.headers)
 
     async def _internal(self, request: Request, exc: Exception) -> JSONResponse:
@@ -336,12 +362,17 @@ class Api:
         parse.parsed = parsed
         return parse
 
-    async def _generate(self, request: Request, parser, method: str) -> Response:
+    async def _generate(self, request: Request, parser, method: str, wire=openai, reply=None,
+                        body: bytes | None | bool = False) -> Response:
+        """One generation request: its body (unless read already: `body`) parsed by `parser`, run,
+        and answered by `reply` (a Reply class: OpenAI's by default), errors in `wire`'s shape."""
         limit = body_limit(self.backend.config.limits)
-        try:
-            body = await self._body(request, limit)
-        except ClientDisconnect:  # gone before its body arrived: nothing to answer
-            return Response(status_code=499)
+        arrived = time.monotonic()  # Ollama's total_duration counts from here
+        if body is False:
+            try:
+                body = await self._body(request, limit)
+            except ClientDisconnect:  # gone before its body arrived: nothing to answer
+                return Response(status_code=499)
         client = request.client
         fields = {"method": method, "peer": f"{client.host}:{client.port}" if client else ""}
         cancel = threading.Event()
@@ -383,19 +414,170 @@ class Api:
                 else:  # an error (the first choice to fail fails them all) or the client is gone
                     cancel.set()
                     _stop(timer, watcher)
-                    return self._error(_deadline(value, expired)) if kind == "error" else Response(status_code=499)
+                    return (self._error(_deadline(value, expired), wire=wire) if kind == "error"
+                            else Response(status_code=499))
         except BaseException:
             cancel.set()
             _stop(timer, watcher)
             raise
         api = parse.parsed[0]
-        run = Reply(api, choices, first, fields, expired, lambda: _stop(timer, watcher))
+        run = (reply or Reply)(api, choices, first, fields, expired, lambda: _stop(timer, watcher), arrived)
         if api.stream:
             return run
         try:
             return await run.whole()
         finally:
             run.done()
+
+
+    # -- Ollama's API ------------------------------------------------------------------------------
+    async def root(self, request: Request) -> Response:
+        """GET / (and HEAD): what Ollama's clients probe to see that a server runs."""
+        return PlainTextResponse("memspec is running (Ollama's API under /api, OpenAI's under /v1)")
+
+    async def ollama_chat(self, request: Request) -> Response:
+        return await self._ollama(request, ollama.parse_chat, "POST /api/chat", "messages")
+
+    async def ollama_generate(self, request: Request) -> Response:
+        return await self._ollama(request, ollama.parse_generate, "POST /api/generate", "prompt")
+
+    def _names(self) -> set[str]:
+        return {r["name"] for r in self.backend.models()}
+
+    async def _ollama(self, request: Request, parse, method: str, text_field: str) -> Response:
+        """/api/chat or /api/generate: a generation, or (no messages, no prompt) a load or an unload."""
+        limit = body_limit(self.backend.config.limits)
+        try:
+            body = await self._body(request, limit)
+        except ClientDisconnect:
+            return Response(status_code=499)
+
+        def parser(data, max_tokens):
+            return parse(data, max_tokens, self._names())
+
+        try:
+            data = json.loads(body) if body is not None else None
+        except (UnicodeDecodeError, ValueError):
+            data = None  # refused, and counted, as a generation's bad body
+        if isinstance(data, dict) and not data.get(text_field):
+            return await self._ollama_load(request, data, parser)
+        return await self._generate(request, parser, method, wire=ollama, reply=OllamaReply, body=body)
+
+    async def _ollama_load(self, request: Request, data: dict, parser) -> Response:
+        """Ollama's request with no prompt: load its model (keep_alive 0: unload it) and say so."""
+        t0 = self.clock()
+        try:
+            self._authorize(request)
+            req = await asyncio.to_thread(parser, data, self.backend.config.limits.max_tokens)
+            timeout = self.config.timeout_seconds or None
+            await asyncio.to_thread(self.backend.warm, req.request.model, req.request.keep_alive, timeout)
+        except MemspecError as exc:
+            return self._error(exc, wire=ollama)
+        answer = ollama.loaded(req, ollama.unloads(req), self.clock() - t0)
+        if req.stream:
+            return Response(_ndjson(answer), media_type=NDJSON)
+        return JSONResponse(answer)
+
+    async def _ollama_call(self, request: Request, answer: Callable[[Any], Any], body: bool = False) -> Response:
+        """A small /api route: the key, the body as JSON when it has one, then answer(body) on a thread."""
+        limit = body_limit(self.backend.config.limits)
+        try:
+            self._authorize(request)
+            data = None
+            if body:
+                raw = await self._body(request, limit)
+                if raw is None:
+                    raise RequestTooLargeError(f"body: larger than {limit} bytes")
+                try:
+                    data = json.loads(raw)
+                except (UnicodeDecodeError, ValueError) as exc:
+                    raise InvalidRequestError(f"body: is not valid JSON ({exc})") from None
+            out = await asyncio.to_thread(answer, data)
+        except ClientDisconnect:
+            return Response(status_code=499)
+        except MemspecError as exc:
+            return self._error(exc, wire=ollama)
+        return out if isinstance(out, Response) else JSONResponse(out)
+
+    async def ollama_tags(self, request: Request) -> Response:
+        return await self._ollama_call(request, lambda _: ollama.tags(self.backend.models()))
+
+    async def ollama_ps(self, request: Request) -> Response:
+        def answer(_):
+            st = self.backend.status()
+            return ollama.ps(self.backend.models(), st.targets, st.resident)
+
+        return await self._ollama_call(request, answer)
+
+    async def ollama_show(self, request: Request) -> Response:
+        def answer(data):
+            rows = self.backend.models()
+            given, name = ollama.parse_model(data, {r["name"] for r in rows})
+            row = next((r for r in rows if r["name"] == name and r["role"] == "target"), None)
+            if row is None:
+                raise ModelNotFoundError(f"model: {quote(given)} is not a target in the store; GET /api/tags lists "
+                                         f"them")
+            return ollama.show(row, self.backend.tokenizer(name).chat_template)
+
+        return await self._ollama_call(request, answer, body=True)
+
+    async def ollama_version(self, request: Request) -> Response:
+        return JSONResponse({"version": __version__})
+
+    async def ollama_pull(self, request: Request) -> Response:
+        """The store's model at once; a catalogued one is pulled (the progress as status lines)."""
+        from memspec.models.catalog import KNOWN_DRAFTS, KNOWN_MODELS
+
+        loop = asyncio.get_running_loop()
+
+        def answer(data):
+            stream = data.get("stream", True) if isinstance(data, dict) else True
+            known = {r["name"] for r in self.backend.models()}
+            given, name = ollama.parse_model(data, known | set(KNOWN_MODELS) | set(KNOWN_DRAFTS))
+            if name in known:
+                return _pulled(stream, [])
+            if name not in KNOWN_MODELS and name not in KNOWN_DRAFTS:
+                raise ModelNotFoundError(f"model: {quote(given)} is neither in the store nor one memspec knows how to "
+                                         f"pull; known: {', '.join((*KNOWN_MODELS, *KNOWN_DRAFTS))}")
+            if not stream:
+                self.backend.pull(name, lambda msg: None)
+                return _pulled(False, [])
+            return StreamingResponse(_pull_lines(loop, lambda say: self.backend.pull(name, say)), media_type=NDJSON)
+
+        return await self._ollama_call(request, answer, body=True)
+
+
+NDJSON = "application/x-ndjson"
+
+
+def _ndjson(obj: Any) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode() + b"\n"
+
+
+def _pulled(stream: bool, lines: list[str]) -> Response:
+    if not stream:
+        return JSONResponse({"status": "success"})
+    return Response(b"".join(_ndjson({"status": s}) for s in [*lines, "success"]), media_type=NDJSON)
+
+
+async def _pull_lines(loop: asyncio.AbstractEventLoop, run: Callable[[Callable[[str], None]], Any]):
+    """`run(say)` on a thread; each line it says as {"status": ...}, then success or {"error": ...}."""
+    queue: asyncio.Queue = asyncio.Queue()
+
+    def work():
+        try:
+            run(lambda msg: loop.call_soon_threadsafe(queue.put_nowait, ("status", msg)))
+            loop.call_soon_threadsafe(queue.put_nowait, ("status", "success"))
+        except BaseException as exc:  # noqa: BLE001 - every failure goes back to the client
+            loop.call_soon_threadsafe(queue.put_nowait, ("error", ollama.error(exc)[1]["error"]))
+        loop.call_soon_threadsafe(queue.put_nowait, ("end", None))
+
+    threading.Thread(target=work, name="memspec-pull", daemon=True).start()
+    while True:
+        kind, value = await queue.get()
+        if kind == "end":
+            return
+        yield _ndjson({kind: value})
 
 
 def _deadline(exc: BaseException, expired: threading.Event) -> BaseException:
@@ -438,9 +620,13 @@ class Reply:
     """One request's answer, all its choices: whole (JSON), or streamed (an ASGI response of
     server-sent events, the choices' chunks interleaved as they come, each carrying its index)."""
 
+    HEADERS = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
+               (b"x-accel-buffering", b"no")]
+
     def __init__(self, api: openai.ApiRequest, choices: Choices, first: list, fields: dict,
-                 expired: threading.Event, done: Callable):
+                 expired: threading.Event, done: Callable, arrived: float = 0.0):
         self.api, self.choices, self.first, self.expired, self.done = api, choices, first, expired, done
+        self.arrived = arrived  # when the request came in (the Api's clock)
         self.fields = fields  # the request's (choice 0's) log line: "model" is set once it runs
         self.id = ("chatcmpl-" if api.kind == "chat" else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
@@ -490,9 +676,7 @@ class Reply:
                                             logprobs))
 
     async def __call__(self, scope, receive, send) -> None:
-        headers = [(b"content-type", b"text/event-stream; charset=utf-8"), (b"cache-control", b"no-cache"),
-                   (b"x-accel-buffering", b"no")]
-        await send({"type": "http.response.start", "status": 200, "headers": headers})
+        await send({"type": "http.response.start", "status": 200, "headers": self.HEADERS})
         try:
             async for data in self._events():
                 await send({"type": "http.response.body", "body": data, "more_body": True})
@@ -551,6 +735,56 @@ class Reply:
         for k, call in enumerate(found, start=calls.calls - len(found)):  # calls: found so far, these too
             for c in openai.tool_call_chunks(self.api, self.id, self.created, model, k, call, index):
                 yield _sse(c)
+
+
+class OllamaReply(Reply):
+    """An Ollama answer (memspec.serving.ollama): whole, one JSON object; or streamed, NDJSON lines,
+    the last with "done": true, its counts and durations.  Text that may be a tool call is held
+    back until the call is whole (then it goes out as message.tool_calls)."""
+
+    HEADERS = [(b"content-type", NDJSON.encode()), (b"cache-control", b"no-cache"), (b"x-accel-buffering", b"no")]
+
+    def _final(self, item: Final, text: str, calls: list) -> dict:
+        load_s = self.fields.get("check_ms", 0.0) / 1e3  # the wait for its target (memspec.serving.service)
+        return ollama.final(self.api, item, time.monotonic() - self.arrived, load_s, text, calls)
+
+    async def whole(self) -> Response:
+        texts, final = [], None
+        try:
+            async for _, item in self.items():
+                if isinstance(item, Final):
+                    final = item
+                elif not isinstance(item, Progress):
+                    texts.append(item.text)
+        except Exception as exc:  # noqa: BLE001
+            self.choices.cancel.set()
+            return Api._error(_deadline(exc, self.expired), wire=ollama)
+        if final is None or final.completion.finish_reason == "cancelled":
+            self.choices.cancel.set()
+            return Api._error(self._ended_early(), wire=ollama)
+        text = "".join(texts)
+        content, calls = parse_calls(text) if self.api.tools else (text, [])
+        return JSONResponse(self._final(final, content, calls))
+
+    async def _events(self):
+        calls = CallStream() if self.api.tools else None
+        try:
+            async for _, item in self.items():
+                if isinstance(item, Progress):  # Ollama's stream is silent while its model loads
+                    continue
+                if isinstance(item, Final):
+                    if item.completion.finish_reason == "cancelled":
+                        raise self._ended_early()
+                    yield _ndjson(self._final(item, calls.flush() if calls is not None else "", []))
+                    return
+                pieces = calls.feed(item.text) if calls is not None else [item.text]
+                text = "".join(p for p in pieces if isinstance(p, str))
+                found = [p for p in pieces if not isinstance(p, str)]
+                if text or found:
+                    yield _ndjson(ollama.chunk(self.api, text, found))
+        except Exception as exc:  # noqa: BLE001 - after the 200, an error is a line
+            self.choices.cancel.set()
+            yield _ndjson(ollama.error(_deadline(exc, self.expired))[1])
 
 
 # -- the server thread ------------------------------------------------------------------------------

@@ -87,7 +87,9 @@ class Service:
             if req.model:
                 fields["model"] = req.model
             # holds its target (loaded first if need be) until the request ends
+            t_check = self.clock()
             checked = self.backend.check(req, cancel.is_set, time_remaining(), _logged(progress, fields))
+            fields["check_ms"] = round((self.clock() - t_check) * 1e3, 3)  # its target's load, if it waited for one
             try:
                 fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft,
                               policy=str(req.policy) if req.policy is not None else None)
