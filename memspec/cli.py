@@ -196,16 +196,51 @@ def _daemon(args):
 
     client = Client(args.address)
     if explicit:
+        _wait_while_starting(client, address)
         return client
     try:
         state = client.health()
     except UnavailableError:
         state = "UNAVAILABLE"
+    if state == "NOT_SERVING" and _wait_while_starting(client, address):
+        state = "SERVING"
     if state != "SERVING":
         client.close()
         _progress(f"memspec: the daemon at {address} is {state.lower()}; generating locally")
         return None
     return client
+
+
+START_WAIT_S = 600.0  # how long generate and chat wait for a daemon still loading its default target
+START_POLL_S = 0.5
+
+
+def _wait_while_starting(client, address, timeout: float | None = None) -> bool:
+    """Wait, saying so on stderr, while the daemon is starting (loading its default target), as
+    a request waits for a target the daemon loads on demand; True once it serves.  False at once
+    when it is not starting (draining, or not answering: the request says what is wrong);
+    CLIError when it is still starting after `timeout` seconds."""
+    import time
+
+    timeout = START_WAIT_S if timeout is None else timeout
+    t0, told = time.monotonic(), False
+    while True:
+        try:
+            st = Status.from_dict(client.status())
+        except MemspecError:
+            return False
+        if st.state != "starting":
+            return st.state == "serving"
+        if not told:
+            loading = [t.name for t in st.targets if t.state == "loading"]
+            what = f"loading {', '.join(loading)}" if loading else "loading its target"
+            _progress(f"memspec: the daemon at {address} is starting ({what}); waiting for it, up to "
+                      f"{timeout:g} s (`memspec status` shows it)")
+            told = True
+        if time.monotonic() - t0 >= timeout:
+            raise CLIError(f"the daemon at {address} is still starting after {timeout:g} s; `memspec status` "
+                           f"shows what it loads, its log (journalctl -u memspec) why it takes long")
+        time.sleep(START_POLL_S)
 
 
 def _run(args, req, engine=None):
