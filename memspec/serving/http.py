@@ -328,9 +328,10 @@ class Api:
         return bytes(data)
 
     def _parse(self, request: Request, body: bytes | None, limit: int, parser,
-               spawn: Callable[[openai.ApiRequest], None]) -> Callable:
+               spawn: Callable[[openai.ApiRequest], None], json_type: bool = True) -> Callable:
         """What Service.generate calls to build the request (its first choice's; `spawn` starts the
-        others): every refusal in it is counted and logged."""
+        others): every refusal in it is counted and logged.  json_type: the body must say it is JSON
+        (OpenAI's API; Ollama's reads the body as JSON whatever it says, as curl sends it bare)."""
         content_type = request.headers.get("content-type", "").split(";")[0].strip().lower()
 
         def parse():
@@ -338,7 +339,7 @@ class Api:
             if body is None:
                 raise RequestTooLargeError(f"body: larger than {limit} bytes, which the daemon's [limits] allow for "
                                            f"any request; shorten the prompt or messages")
-            if content_type not in JSON_TYPES:
+            if json_type and content_type not in JSON_TYPES:
                 raise InvalidRequestError(f"Content-Type: {quote(content_type or '(none)', 48)}; send the body as "
                                           f"JSON with \"Content-Type: application/json\"")
             try:
@@ -393,7 +394,7 @@ class Api:
                 own = {"method": method, "peer": fields["peer"], "n": api.n, "choice": i}  # a log line each
                 choices.start(i, self.service.generate(lambda req=api.choice(i): req, cancel, remaining, own))
 
-        parse = self._parse(request, body, limit, parser, spawn)
+        parse = self._parse(request, body, limit, parser, spawn, json_type=wire is openai)
 
         def progress(message: str) -> None:  # a stream hears how the load of its target goes (SSE comments)
             if parse.parsed and parse.parsed[0].stream:
