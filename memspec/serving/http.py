@@ -51,7 +51,6 @@ from starlette.responses import JSONResponse, PlainTextResponse, Response, Strea
 from starlette.routing import Route
 
 from memspec import __version__
-
 from memspec.config import HttpConfig
 from memspec.errors import (
     AuthError, CancelledError, ConfigError, DeadlineExceededError, InvalidRequestError, MemspecError,

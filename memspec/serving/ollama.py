@@ -82,10 +82,6 @@ class OllamaRequest:
     def tools(self) -> bool:
         return self.api.tools
 
-    @property
-    def logprobs(self):
-        return None
-
     def choice(self, index: int):
         return self.api.choice(index)
 
