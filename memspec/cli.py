@@ -579,7 +579,7 @@ def build_parser(dev_command: str | None = None) -> argparse.ArgumentParser:
                     help="unix:///path.sock, a socket path, HOST:PORT, or PORT for loopback TCP "
                          "(default: [server] listen, else the default socket)")
     sv.add_argument("--http", metavar="HOST:PORT",
-                    help="also serve the OpenAI-compatible HTTP API there (PORT or :PORT: loopback; "
+                    help="also serve the HTTP API there, OpenAI's and Ollama's (PORT or :PORT: loopback; "
                          "default: [http] listen, else off)")
     _model_option(sv)
     sv.set_defaults(func=cmd_serve)
