@@ -156,6 +156,7 @@ def test_a_request_without_messages_loads_and_keep_alive_0_unloads(client, f):
     (dict(model="tiny", messages=ask(), options={"temperature": 9.0}), 400, "options.temperature: 9.0 is out of range"),
     (dict(model="tiny", messages=ask(), options={"num_predict": 0}), 400, "options.num_predict"),
     (dict(model="tiny", messages=ask(), options={"num_ctx": "big"}), 400, "options.num_ctx: must be an integer"),
+    (dict(model="tiny", messages=ask(), options={"stop": ["a", ""]}), 400, "options.stop[1]: length 0"),
     (dict(model="tiny", messages=[{"role": "user", "content": "hi", "images": ["aGk="]}]), 400, "images"),
     (dict(model="tiny", messages=ask(), think=True), 400, "think"),
     (dict(model="tiny", messages=[{"role": "wizard", "content": "hi"}]), 400, "messages[0].role"),

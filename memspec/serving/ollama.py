@@ -57,8 +57,8 @@ _REFUSED = {
 }
 # what validate() names, as the Ollama field the client sent
 _RENAMED = {"max_tokens": "options.num_predict", "repetition_penalty": "options.repeat_penalty",
-            **{k: f"options.{k}" for k in ("temperature", "top_k", "top_p", "min_p", "seed", "presence_penalty",
-                                          "frequency_penalty")}}
+            **{k: f"options.{k}" for k in ("temperature", "top_k", "top_p", "min_p", "seed", "stop",
+                                          "presence_penalty", "frequency_penalty")}}
 
 
 @dataclass(frozen=True)
@@ -257,8 +257,9 @@ def error(exc: BaseException) -> tuple[int, dict]:
     st = status_of(exc)
     message = str(exc) if st is not INTERNAL else f"internal error: {type(exc).__name__}: {exc}"
     head, colon, rest = message.partition(": ")
-    if colon and head in _RENAMED:
-        message = f"{_RENAMED[head]}: {rest}"
+    field, bracket, index = head.partition("[")  # stop[1]: options.stop[1]
+    if colon and field in _RENAMED:
+        message = f"{_RENAMED[field]}{bracket}{index}: {rest}"
     elif colon and head.startswith("response_format"):
         message = f"format: {rest}"
     return st.http, {"error": message}
