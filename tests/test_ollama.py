@@ -237,3 +237,30 @@ def test_cors_origins_are_read_from_the_config(tmp_path):
     path.write_text('[http]\ncors_origins = "http://localhost:3000"\n')
     with pytest.raises(ConfigError, match="cors_origins must be a list of strings"):
         load_config(path)
+
+
+def test_a_pull_streams_its_progress_as_status_lines_and_a_failure_as_an_error_line():
+    import asyncio
+
+    from memspec.errors import ModelNotFoundError
+    from memspec.serving.http import _pull_lines
+
+    async def lines(run):
+        return [json.loads(b) async for b in _pull_lines(asyncio.get_running_loop(), run)]
+
+    def fine(say):
+        say("pulling x")
+        say("converting x")
+
+    def broken(say):
+        say("pulling x")
+        raise ModelNotFoundError("the wheel is gone")
+
+    assert asyncio.run(lines(fine)) == [{"status": "pulling x"}, {"status": "converting x"}, {"status": "success"}]
+    assert asyncio.run(lines(broken)) == [{"status": "pulling x"}, {"error": "the wheel is gone"}]
+
+
+def test_the_root_says_a_server_runs_as_ollamas_clients_probe_it(f):
+    status, headers, text = f.request("GET", "/")
+    assert status == 200 and text.startswith("memspec is running")
+    assert f.request("HEAD", "/")[0] == 200
