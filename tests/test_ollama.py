@@ -86,8 +86,9 @@ def test_options_reach_the_request_under_memspec_names(client, f):
     assert (s.temperature, s.top_k, s.top_p, s.min_p, s.seed) == (0.7, 5, 0.9, 0.05, 42)
     assert (s.repetition_penalty, s.presence_penalty, s.frequency_penalty) == (1.1, 0.5, 0.25)
     assert req.max_tokens == 2 and req.stop == ("zz",)
-    client.chat(model="tiny", messages=ask(), options={"num_predict": -1})  # -1: the route's default
-    assert f.h.engine.requests[-1].max_tokens == f.h.backend.config.limits.max_tokens
+    client.chat(model="tiny", messages=ask(), options={"num_predict": -1, "seed": -1})  # Ollama's defaults
+    req = f.h.engine.requests[-1]
+    assert req.max_tokens == f.h.backend.config.limits.max_tokens and req.sampling.seed is None
 
 
 def test_format_json_and_a_schema_constrain_the_answer(client, f):

@@ -6,7 +6,8 @@ both routes share one reading of sampling, tools, keep_alive and the default of 
 what only Ollama has is read here:
 
     options      temperature, top_k, top_p, min_p, seed, stop, presence_penalty, frequency_penalty
-                 as they are; num_predict -> max_tokens (-1, -2 or absent: the route's default);
+                 as they are (seed -1: a fresh one, as Ollama's default); num_predict -> max_tokens
+                 (-1, -2 or absent: the route's default);
                  repeat_penalty -> repetition_penalty; num_ctx and the runner's own knobs (num_thread,
                  num_gpu, mirostat, ...) are accepted and change nothing (listed as ignored)
     format       "json" (any JSON object) or a JSON schema: the request's Constraint
@@ -134,6 +135,8 @@ def _options(options: Any) -> tuple[dict, list[str]]:
         elif key in _OPTIONS and (isinstance(value, bool) or not isinstance(value, (int, float))
                                   or not math.isfinite(value)):
             raise _bad(where, f"must be a number, got {_kind(value)} {quote(str(value), 32)}")
+        if key == "seed" and value < 0:  # Ollama's default, -1: a fresh seed each request
+            continue
         if key == "num_predict":
             if value < 0:  # -1: until the end (the route's default); -2: until the context is full, the same here
                 continue
