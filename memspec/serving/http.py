@@ -436,15 +436,15 @@ class Api:
         return PlainTextResponse("memspec is running (Ollama's API under /api, OpenAI's under /v1)")
 
     async def ollama_chat(self, request: Request) -> Response:
-        return await self._ollama(request, ollama.parse_chat, "POST /api/chat", "messages")
+        return await self._ollama(request, ollama.parse_chat, "POST /api/chat", "chat")
 
     async def ollama_generate(self, request: Request) -> Response:
-        return await self._ollama(request, ollama.parse_generate, "POST /api/generate", "prompt")
+        return await self._ollama(request, ollama.parse_generate, "POST /api/generate", "generate")
 
     def _names(self) -> set[str]:
         return {r["name"] for r in self.backend.models()}
 
-    async def _ollama(self, request: Request, parse, method: str, text_field: str) -> Response:
+    async def _ollama(self, request: Request, parse, method: str, kind: str) -> Response:
         """/api/chat or /api/generate: a generation, or (no messages, no prompt) a load or an unload."""
         limit = body_limit(self.backend.config.limits)
         try:
@@ -459,7 +459,7 @@ class Api:
             data = json.loads(body) if body is not None else None
         except (UnicodeDecodeError, ValueError):
             data = None  # refused, and counted, as a generation's bad body
-        if isinstance(data, dict) and not data.get(text_field):
+        if ollama.load_only(kind, data):
             return await self._ollama_load(request, data, parser)
         return await self._generate(request, parser, method, wire=ollama, reply=OllamaReply, body=body)
 

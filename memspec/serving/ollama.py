@@ -71,7 +71,6 @@ class OllamaRequest:
     api: openai.ApiRequest  # the request as the OpenAI route reads it (model mapped to a store name)
     stream: bool = True
     ignored: tuple[str, ...] = ()  # fields and options that change nothing here
-    load_only: bool = False  # no prompt or messages: load the model (or unload it, keep_alive 0), as Ollama does
 
     n = 1  # one answer
 
@@ -188,13 +187,22 @@ def _common(body: Any, names: set[str]) -> tuple[str, dict, list[str]]:
     return name or "", fields, ignored
 
 
+def load_only(kind: str, body: Any) -> bool:
+    """A request with no messages (chat) or no prompt (generate): Ollama's way to load a model, or
+    with keep_alive 0 to unload it.  It parses with a stand-in turn, and nothing is generated."""
+    return isinstance(body, dict) and not body.get("messages" if kind == "chat" else "prompt")
+
+
+_STAND_IN = "."  # the turn a load-only request parses with
+
+
 def _request(kind: str, name: str, api: openai.ApiRequest, body: dict, fields: dict, ignored: list[str],
-             known: set[str], load_only: bool) -> OllamaRequest:
+             known: set[str]) -> OllamaRequest:
     constraint = _format(body.get("format"))
     if constraint is not None:
         api = replace(api, request=replace(api.request, constraint=constraint))
     ignored = ignored + sorted(set(body) - known)
-    return OllamaRequest(kind, name or api.request.model or "", api, fields["stream"], tuple(ignored), load_only)
+    return OllamaRequest(kind, name or api.request.model or "", api, fields["stream"], tuple(ignored))
 
 
 _SHARED = {"model", "name", "stream", "options", "format", "keep_alive", "think", EXTENSION, *_REFUSED}
@@ -217,10 +225,9 @@ def parse_chat(body: Any, max_tokens_limit: int, names: set[str]) -> OllamaReque
                 m = {k: v for k, v in m.items() if k != "thinking"}  # an earlier answer's thoughts: not replayed
             m = {k: v for k, v in m.items() if k not in ("images", "tool_name")}
         turns.append(m)
-    load_only = not turns
-    oa = dict(fields, messages=turns or [{"role": "user", "content": "."}], tools=body.get("tools"))
+    oa = dict(fields, messages=turns or [{"role": "user", "content": _STAND_IN}], tools=body.get("tools"))
     api = openai.parse_chat(oa, max_tokens_limit)
-    return _request("chat", name, api, body, fields, ignored, _SHARED | {"messages", "tools"}, load_only)
+    return _request("chat", name, api, body, fields, ignored, _SHARED | {"messages", "tools"})
 
 
 def parse_generate(body: Any, max_tokens_limit: int, names: set[str]) -> OllamaRequest:
@@ -232,15 +239,15 @@ def parse_generate(body: Any, max_tokens_limit: int, names: set[str]) -> OllamaR
     system = body.get("system")
     system = "" if system is None else openai._text(system, "system")
     raw = openai._bool(body, "raw")
-    load_only = not prompt
+    prompt = prompt or _STAND_IN  # none: a load (load_only)
     if raw:
         if system:
             raise _bad("system", "a raw prompt has no chat template to put a system turn in")
-        api = openai.parse_completion(dict(fields, prompt=prompt or "."), max_tokens_limit)
+        api = openai.parse_completion(dict(fields, prompt=prompt), max_tokens_limit)
     else:
-        turns = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt or "."}]
+        turns = [{"role": "system", "content": system}] * bool(system) + [{"role": "user", "content": prompt}]
         api = openai.parse_chat(dict(fields, messages=turns), max_tokens_limit)
-    return _request("generate", name, api, body, fields, ignored, _SHARED | {"prompt", "system", "raw"}, load_only)
+    return _request("generate", name, api, body, fields, ignored, _SHARED | {"prompt", "system", "raw"})
 
 
 def parse_model(body: Any, names: set[str]) -> tuple[str, str]:
