@@ -220,7 +220,17 @@ def render() -> str:
     out += ["## Environment variables", "", "| variable | what |", "| --- | --- |"]
     for name in sorted(variables_read()):
         out.append(f"| `{name}` | {_cell(ENVIRONMENT.get(name, 'not described: add it to scripts/reference.py'))} |")
-    return "\n".join(line.rstrip() for line in out).rstrip() + "\n"
+    page = "\n".join(line.rstrip() for line in out).rstrip() + "\n"
+    return _relative(page)
+
+
+def _relative(page: str) -> str:
+    """Defaults that are paths inside the checkout (`train-predictor --out`) shown relative to it,
+    so the page is the same in every clone."""
+    import memspec
+    for root in {REPO, Path(memspec.__file__).resolve().parents[1]}:
+        page = page.replace(f"{root}/", "")
+    return page
 
 
 def main(argv: list[str] | None = None) -> int:
