@@ -119,7 +119,8 @@ class Service:
             raise CancelledError("cancelled before it started")  # the client left while it was checked
         if self.admission.would_queue():  # preload what it will want while it waits
             self.backend.hint(req)
-        with self.admission.enter(checked.kv_bytes, time_remaining(), cancel.is_set) as slot:
+        need = f"prompt {len(checked.prompt_ids)} tokens + max_tokens {checked.max_new}"
+        with self.admission.enter(checked.kv_bytes, time_remaining(), cancel.is_set, need) as slot:
             self.counters.count("started")
             clock.queued(slot.queued_s)
             fields["queue_ms"] = round(slot.queued_s * 1e3, 3)

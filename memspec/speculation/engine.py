@@ -10,6 +10,8 @@ timing lives here, once, for both.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -17,10 +19,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from memspec.errors import ContextOverflowError, InvalidRequestError
+from memspec.errors import InsufficientMemoryError, InvalidRequestError
 from memspec.models import tools
 from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, Limits, Timings, TokenLogprob,
-                             check_logit_bias, validate)
+                             check_logit_bias, new_tokens, validate)
 from memspec.runtime.contracts import BatchedPass, TargetModel  # noqa: F401 (TargetModel: re-exported)
 from memspec.runtime.costs import CostCache, LiveCosts, pass_costs
 from memspec.runtime.memory import request_kv_bytes
@@ -47,18 +49,20 @@ class Engine:
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
                  drafts: DraftSource | None = None, spec: SpecConfig = SpecConfig(),
-                 costs: CostCache | None = None, batched: BatchedPass | None = None, prefix_cache_bytes: int = 0):
+                 costs: CostCache | None = None, batched: BatchedPass | None = None, prefix_cache_bytes: int = 0,
+                 prefill_chunk: int = 512):
         """batched: one target pass over several requests' rows (memspec.runtime.target.open_batched;
         memspec.build opens it, before the draft source, so that the budget counts any copy of the
         weights it holds): concurrent requests share it; None: each request runs its own passes.
         prefix_cache_bytes > 0: keep recent prompts' K/V up to that many bytes, for prompts that
-        start the same way (memspec.runtime.prefixes), where the target's rows allow it."""
+        start the same way (memspec.runtime.prefixes), where the target's rows allow it.
+        prefill_chunk: prompt tokens per batched pass ([runtime] prefill_chunk; memspec.speculation.batching)."""
         self.target = target
         self.batch = None
         if batched is not None:
             from memspec.speculation.batching import BatchLoop
 
-            self.batch = BatchLoop(batched)
+            self.batch = BatchLoop(batched, prefill_chunk=prefill_chunk)
         self.pass_cost_s: dict[int, list[float]] | None = None  # batched: [b][k] = a pass of b rows x k
         self.limits = limits
         self.clock = clock
@@ -171,13 +175,13 @@ class Engine:
         ids = tok.encode(text)
         if not ids:
             raise InvalidRequestError("prompt: encodes to no tokens")
-        cap = self.target.session.max_context
-        if len(ids) >= cap:
-            raise ContextOverflowError(
-                f"prompt: {len(ids)} tokens do not fit the context of {cap} tokens "
-                f"(at least one token must be left to generate)"
-            )
+        self.max_new(req, ids)  # ContextOverflowError: the prompt, or it and max_tokens, do not fit the context
         return ids
+
+    def max_new(self, req: GenerationRequest, prompt: list[int]) -> int:
+        """The most new tokens `req` gets after `prompt` (memspec.request.new_tokens): its max_tokens,
+        or with none, to the end of the context within [limits] max_tokens."""
+        return new_tokens(req.max_tokens, len(prompt), self.target.session.max_context, self.limits.max_tokens)
 
     @staticmethod
     def constraint(req: GenerationRequest) -> Constraint | None:
@@ -261,7 +265,7 @@ class Engine:
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int:
         """The KV memory this request may touch (memory.request_kv_bytes): what admission checks
         against free memory and what the draft source reserves in its budget while it runs."""
-        return request_kv_bytes(len(prompt) + req.max_tokens, self.target.session.cache_nbytes,
+        return request_kv_bytes(len(prompt) + self.max_new(req, prompt), self.target.session.cache_nbytes,
                                 self.drafts.draft_kv_sizers(req),
                                 slack=self.spec.gamma_max + 1 + (TREE_ROWS if self.spec.trees else 0))
 
@@ -273,7 +277,13 @@ class Engine:
         if prompt is None:
             prompt = self.check(req)
         cancelled = cancel.is_set if cancel is not None else (lambda: False)
-        with self.drafts.reserve_kv(self.kv_bytes(req, prompt), cancelled):  # held while it runs
+        req = dataclasses.replace(req, max_tokens=self.max_new(req, prompt))  # None: to the context's end
+        with contextlib.ExitStack() as held:  # its KV caches, held in the budget while it runs
+            try:
+                held.enter_context(self.drafts.reserve_kv(self.kv_bytes(req, prompt), cancelled))
+            except InsufficientMemoryError as exc:  # the figures of what it asked for, beside the memory's
+                raise InsufficientMemoryError(f"prompt {len(prompt)} tokens + max_tokens {req.max_tokens}: "
+                                              f"{exc}") from None
             yield from self._stream(req, cancel, t0, prompt)
 
     def _stream(self, req: GenerationRequest, cancel: threading.Event | None, t0: float,
