@@ -92,7 +92,7 @@ class FakeEngine:
     def kv_bytes(self, req, prompt):
         return self.target.session.cache_nbytes(len(prompt) + self.max_new(req, prompt))
 
-    def stream(self, req, cancel=None, prompt=None):
+    def stream(self, req, cancel=None, prompt=None, progress=None):
         if prompt is None:
             prompt = self.check(req)
         if self.fail:

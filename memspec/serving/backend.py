@@ -48,7 +48,8 @@ class ServingEngine(Protocol):
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int: ...  # memory.request_kv_bytes
     def max_new(self, req: GenerationRequest, prompt: list[int]) -> int: ...  # request.new_tokens
     def stream(self, req: GenerationRequest, cancel: threading.Event | None = None,
-               prompt: list[int] | None = None) -> Iterator[Chunk | Completion]: ...
+               prompt: list[int] | None = None,
+               progress: Callable[[str], None] | None = None) -> Iterator[Chunk | Completion]: ...
     def calibrate(self) -> list[float] | None: ...  # measure verification cost once
     def close(self) -> None: ...
 
@@ -91,7 +92,9 @@ class Backend(Protocol):
     # load its target if need be (telling progress how the load goes); its prompt ids and KV bytes
     def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = ..., timeout: float | None = None,
               progress: Callable[[str], None] | None = None) -> Checked: ...
-    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run: ...
+    # stream it; progress: told how far a long prompt's prefill has come
+    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked,
+             progress: Callable[[str], None] | None = None) -> Run: ...
     def record(self, completion: Completion) -> None: ...  # count a finished request
     def hint(self, req: GenerationRequest) -> None: ...  # a checked request will wait in the queue
     def resident_bytes(self) -> int: ...
@@ -210,10 +213,11 @@ class EngineBackend:
             lease.release()
             raise
 
-    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run:
+    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked,
+             progress: Callable[[str], None] | None = None) -> Run:
         # The run holds the engine that checked it (and the draft it picks) until it is closed.
         engine = checked.engine
-        return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel, checked.prompt_ids))
+        return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel, checked.prompt_ids, progress))
 
     def hint(self, req: GenerationRequest) -> None:
         """A checked request is about to wait in the queue: let the draft source preload its draft."""
