@@ -66,11 +66,11 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
 
 def fit_context(config: Config, store, name: str, manifest, session, with_drafts: bool = True, probe=None):
     """The context target `name` (its manifest, and `session`: its engine, loaded) gets
-    (memspec.runtime.context.choose): the
-    configured max_context for it, or for "auto" its trained context within the memory that
-    [server] max_concurrent requests' KV caches (the target's, and the largest draft's beside it)
-    may take: the memory budget less what the process holds with the target loaded and its largest
-    draft, or with no budget the system's available memory less [server] memory_headroom_mb."""
+    (memspec.runtime.context.choose): the configured max_context for it, or for "auto" its trained
+    context within the memory that [server] max_concurrent requests' KV caches (the target's, and
+    the largest draft's beside it) may take: the memory budget less what the process holds with the
+    target loaded and its largest draft, or with no budget the system's available memory less
+    [server] memory_headroom_mb.  The engine reports its own KV bytes a token (an INT8 cache its own)."""
     from memspec.runtime.context import choose, setting_for, trained_context
     from memspec.runtime.memory import MiB, PsutilProbe, memory_budget, planned_draft_footprint
     from memspec.scheduling.scheduler import draft_kv_sizers
