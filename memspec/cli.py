@@ -99,7 +99,7 @@ def _request(args, messages=None):
         prompt=None if messages else args.prompt,
         messages=tuple(messages) if messages else None,
         raw=getattr(args, "raw", False),
-        max_tokens=args.max_tokens if args.max_tokens is not None else 256,
+        max_tokens=args.max_tokens,  # None: until the end of sequence or of the context
         sampling=SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p, seed=args.seed,
                                 min_p=args.min_p, frequency_penalty=args.frequency_penalty,
                                 presence_penalty=args.presence_penalty, repetition_penalty=args.repetition_penalty,
@@ -407,7 +407,8 @@ def _targets(st: Status) -> list[str]:
     for t in st.targets:
         if t.state != "unloaded":
             drafts = ", ".join(t.drafts) or "none yet (a draft loads when a request first wants it)"
-            out.append(f"{t.name:<24} {t.variant:<6} {_mib(t.bytes):>11}  {t.state:<9} "
+            context = f"{t.context:,}" if t.context else "-"
+            out.append(f"{t.name:<24} {t.variant:<6} {_mib(t.bytes):>11}  {context:>8}  {t.state:<9} "
                        f"{_until(t) if t.state == 'loaded' else '':<16} resident drafts: {drafts}")
     return out
 
@@ -421,7 +422,7 @@ def cmd_ps(args) -> int:
         print(json.dumps([t for t in raw.get("targets", []) if t["state"] != "unloaded"], indent=2))
         return 0
     st = Status.from_dict(raw)
-    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'STATE':<9} {'UNLOADS':<16} RESIDENT DRAFTS")
+    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'CONTEXT':>8}  {'STATE':<9} {'UNLOADS':<16} RESIDENT DRAFTS")
     for line in _targets(st):
         print(line)
     budget = _mib(st.budget_bytes) if st.budget_bytes else "none"
@@ -462,7 +463,8 @@ def cmd_bench(args) -> int:
 
 # -- parser --------------------------------------------------------------------------
 def _sampling_options(g: argparse.ArgumentParser) -> None:
-    g.add_argument("--max-tokens", type=int, default=None, help="most new tokens (default 256)")
+    g.add_argument("--max-tokens", type=int, default=None,
+                   help="most new tokens (default: until the answer or the context ends, within [limits] max_tokens)")
     g.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     g.add_argument("--top-k", type=int, default=0, help="0 = off")
     g.add_argument("--top-p", type=float, default=1.0)

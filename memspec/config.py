@@ -16,6 +16,7 @@ from typing import Any
 from memspec.errors import ConfigError
 from memspec.request import Limits
 from memspec.runtime.config import SessionConfig
+from memspec.runtime.context import check_setting
 from memspec.scheduling.config import SchedulerConfig
 from memspec.speculation.config import SpecConfig
 
@@ -107,6 +108,18 @@ def _wrong_type(default: Any, val: Any) -> bool:
     return False
 
 
+def _per_model_context(val: Any, where: str) -> tuple[tuple[str, int | str], ...]:
+    """[runtime] model_max_context: a table of store name -> tokens or "auto"."""
+    if not isinstance(val, dict):
+        raise ConfigError(f"{where} must be a table of model name = tokens or \"auto\", e.g. "
+                          f"{{ \"qwen2.5-coder-1.5b\" = 8192 }}; got {val!r}")
+    return tuple((str(k), check_setting(v, f"{where}.{k}")) for k, v in sorted(val.items()))
+
+
+# options whose value is not one TOML type: checked by their own function (value, where) -> value
+_SPECIAL = {("runtime", "max_context"): check_setting, ("runtime", "model_max_context"): _per_model_context}
+
+
 def _section(cls: type, name: str, values: Any) -> Any:
     if not isinstance(values, dict):
         raise ConfigError(f"[{name}] must be a table, got {type(values).__name__}")
@@ -119,6 +132,10 @@ def _section(cls: type, name: str, values: Any) -> Any:
         raise ConfigError(f"[{name}]: unknown option(s) {', '.join(unknown)}; known: {', '.join(fields)}")
     out = {}
     for key, val in values.items():
+        special = _SPECIAL.get((name, key))
+        if special is not None:
+            out[key] = special(val, f"[{name}] {key}")
+            continue
         default = getattr(cls(), key)
         if isinstance(default, tuple):
             if not isinstance(val, list) or not all(isinstance(v, str) for v in val):

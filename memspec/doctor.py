@@ -28,7 +28,9 @@ meaning bumps "schema"):
     memory          {total_bytes, available_bytes, cgroup_limit_bytes (0: none), budget_bytes (0: none), budget_from}
     bandwidth       {bytes_per_s, buffer_bytes, passes, threads, seconds, others_cpu_share (0..1: the CPU other
                      processes used meanwhile; past 0.25 a warning says the figure reads low)}
-    default_target  {name, variant, engine (null: none can run it), pulled, footprint_bytes}
+    default_target  {name, variant, engine (null: none can run it), pulled, footprint_bytes, context (tokens the
+                     daemon would give it: [runtime] max_context, "auto" within the memory; null: it did not
+                     load), context_reason}
     targets         [{name, default, engine, variant, bytes_per_token, limit_tok_per_s, error}] per pulled target
     exactness       [{engine, variant, exact, pad_rows, max_diff, reason, load_s, error}] per engine, default target
     speed           null without --speed; else {engine, variant, tokens, tok_per_s, limit_tok_per_s, share_of_limit,
@@ -350,7 +352,8 @@ def examine(config: Config, speed: bool = False, probe_seconds: float | None = N
     report["speed"] = None
     report["warnings"] += busy_warnings(report)
     report["default_target"] = {"name": name, "variant": config.model.variant, "engine": None,
-                                "pulled": manifest is not None, "footprint_bytes": None}
+                                "pulled": manifest is not None, "footprint_bytes": None,
+                                "context": None, "context_reason": None}
     report["targets"], report["exactness"] = [], []
     if report["kernels"]["built"] and report["kernels"]["error"]:  # they do not load: no engine is chosen
         report["problems"].append(f"the native kernels do not load: {report['kernels']['error']}")
@@ -394,6 +397,11 @@ def check_default(report: dict, store, manifest, config: Config, speed: bool) ->
         if target is not None and engine == default["engine"]:
             served = (target, row)  # the one the daemon would run
         del target  # the other engine's goes now, before --speed decodes
+    if served is not None:  # the context the daemon would give it (memspec.runtime.context)
+        from memspec.build import fit_context
+
+        choice = fit_context(config, store, name, manifest, served[0])
+        default.update(context=choice.tokens, context_reason=choice.reason)
     if default["engine"] and served is None:
         why = "; ".join(f"{r['engine']}: {r['error']}" for r in report["exactness"] if r["error"])
         problems.append(f"{name} does not load on the {default['engine']} engine ([runtime] backend = "
@@ -494,6 +502,9 @@ def _target_lines(r: dict) -> list[str]:
         else:
             verdict = f"NOT exact: {e['reason']}"
         out.append(f"exactness   {name} on {e['engine']}: {verdict}")
+    d = r["default_target"]
+    if d.get("context"):
+        out.append(f"context     {name}: {d['context']:,} tokens ({d['context_reason']})")
     sp = r["speed"]
     if sp:
         share = (f", {sp['share_of_limit']:.0%} of the {sp['limit_tok_per_s']:.1f} tok/s limit"

@@ -9,7 +9,7 @@ import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 
-from memspec.errors import InvalidRequestError
+from memspec.errors import ContextOverflowError, InvalidRequestError
 
 ROLES = ("system", "user", "assistant", "tool")  # "tool": a tool's result (memspec.models.tools)
 FINISH_REASONS = ("stop", "length", "eos", "cancelled")
@@ -25,7 +25,7 @@ POLICY_FORMS = ("target-only", "fixed:<draft>", "bandit", "memspec", "oracle")  
 class Limits:
     """Bounds every request is checked against (from the config)."""
 
-    max_tokens: int = 4096  # most new tokens one request may ask for
+    max_tokens: int = 0  # most new tokens one request may ask for or get; 0 = as many as the context holds
     max_prompt_chars: int = 65536  # longest prompt text accepted
     max_stop: int = 8  # most stop strings
     max_stop_chars: int = 64  # longest stop string
@@ -134,7 +134,8 @@ class GenerationRequest:
     prompt: str | None = None  # raw text, or the user turn when chat is applied
     messages: tuple[tuple[str, str], ...] | None = None  # ((role, content), ...) chat turns
     raw: bool = False  # send `prompt` as is, without the chat template
-    max_tokens: int = 256  # most new tokens
+    max_tokens: int | None = None  # most new tokens; None: until the end of sequence or of the context,
+    #                                 bounded by [limits] max_tokens (new_tokens)
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()  # generation ends before any of these strings
     draft: str | None = None  # force one draft (NO_DRAFT = target only)
@@ -224,8 +225,8 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
         if len(c.text) > limits.max_prompt_chars:
             raise _bad(c.field, f"{len(c.text)} characters; at most {limits.max_prompt_chars}")
     _check_tools(req, limits)
-    if not 1 <= req.max_tokens <= limits.max_tokens:
-        raise _bad("max_tokens", f"{req.max_tokens} is out of range; allowed 1..{limits.max_tokens}")
+    if req.max_tokens is not None and not 1 <= req.max_tokens <= (limits.max_tokens or req.max_tokens):
+        raise _bad("max_tokens", f"{req.max_tokens} is out of range; allowed 1..{limits.max_tokens or 'the context'}")
     s = req.sampling
     if not (s.temperature == 0.0 or 0.0 < s.temperature <= 2.0) or s.temperature != s.temperature:
         raise _bad("temperature", f"{s.temperature} is out of range; allowed 0 (greedy) or (0, 2]")
@@ -252,6 +253,26 @@ def validate(req: GenerationRequest, limits: Limits = Limits()) -> None:
     for i, st in enumerate(req.stop):
         if not st or len(st) > limits.max_stop_chars:
             raise _bad(f"stop[{i}]", f"length {len(st)}; allowed 1..{limits.max_stop_chars} characters")
+
+
+def new_tokens(asked: int | None, prompt_tokens: int, context: int, limit: int = 0) -> int:
+    """The most new tokens a request gets, the one rule of every route (OpenAI's, Ollama's, gRPC, the
+    CLI): `asked` (its max_tokens, Ollama's num_predict), or None for "until the end of sequence or
+    of the context", as OpenAI's API, llama-server and Ollama do, bounded by `limit` ([limits]
+    max_tokens; 0: none but the context).  ContextOverflowError (HTTP 400, gRPC INVALID_ARGUMENT),
+    naming both figures and the context, where the prompt leaves no room or prompt + asked does not fit."""
+    room = context - prompt_tokens
+    if room < 1:
+        raise ContextOverflowError(f"prompt: {prompt_tokens} tokens do not fit the context of {context} tokens "
+                                   f"(at least one token must be left to generate)")
+    if asked is None:
+        return min(room, limit) if limit > 0 else room
+    if asked > room:
+        raise ContextOverflowError(f"max_tokens: the prompt's {prompt_tokens} tokens + max_tokens {asked} = "
+                                   f"{prompt_tokens + asked} tokens do not fit the context of {context} tokens; "
+                                   f"ask for at most {room} new tokens, or leave max_tokens out to generate to "
+                                   f"the end of the context")
+    return asked
 
 
 def _check_tools(req: GenerationRequest, limits: Limits) -> None:

@@ -180,10 +180,13 @@ def test_long_prompts_are_prefilled_in_chunks(tiny):
     target, _ = tiny
     loop = BatchLoop(BatchedTarget(target, rows=2), prefill_chunk=8)
     s = loop.join()
+    told = []
+    s.progress = lambda done, total: told.append((done, total))  # the engine logs it and tells the stream
     c = target.new_cache()
     prompt = list(range(1, 30))
     got = s.forward(c, prompt, keep=1)
     assert c.length == len(prompt) and loop.stats.passes == 4  # 8 + 8 + 8 + 5
+    assert told == [(8, 29), (16, 29), (24, 29)]  # after each chunk; the last comes with its logits
     np.testing.assert_allclose(got, target.forward(target.new_cache(), prompt, keep=1), atol=1e-4)
     s.leave()
     loop.close()

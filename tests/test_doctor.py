@@ -24,7 +24,7 @@ SECTION_KEYS = {  # the schema memspec/doctor.py documents
     "gpu": {"found", "name", "memory_bytes", "source", "variant", "pulled", "note"},
     "memory": {"total_bytes", "available_bytes", "cgroup_limit_bytes", "budget_bytes", "budget_from"},
     "bandwidth": {"bytes_per_s", "buffer_bytes", "passes", "threads", "seconds", "others_cpu_share"},
-    "default_target": {"name", "variant", "engine", "pulled", "footprint_bytes"},
+    "default_target": {"name", "variant", "engine", "pulled", "footprint_bytes", "context", "context_reason"},
 }
 TARGET_KEYS = {"name", "default", "engine", "variant", "bytes_per_token", "limit_tok_per_s", "error"}
 EXACTNESS_KEYS = {"engine", "variant", "exact", "pad_rows", "max_diff", "reason", "load_s", "error"}
@@ -300,6 +300,9 @@ def test_the_report_on_this_machine(gguf_only_home, capsys, monkeypatch, quick):
     assert set(sp) == SPEED_KEYS and sp["engine"] == "native" and sp["tokens"] == doctor.SPEED_TOKENS
     assert sp["tok_per_s"] > 0 and sp["share_of_limit"] == pytest.approx(sp["tok_per_s"] / t["limit_tok_per_s"])
     assert r["default_target"]["footprint_bytes"] > 98_362_432  # the mapped GGUF and the pass's buffers
+    # the context the daemon would give it: "auto", SmolLM2's trained 8,192 within the available memory
+    d = r["default_target"]
+    assert 0 < d["context"] <= 8192 and d["context_reason"].startswith("auto: the model's trained context 8192")
 
     rc, text, _ = run(capsys, home=gguf_only_home, monkeypatch=monkeypatch)
     assert rc == 0
@@ -307,6 +310,7 @@ def test_the_report_on_this_machine(gguf_only_home, capsys, monkeypatch, quick):
     assert {"system", "cpu", "kernels", "onnxruntime", "gpu", "memory", "bandwidth", "target", "exactness",
             "verdict"} <= lines
     assert f"path {kernels.isa()} " in text and "smollm2-135m on native: exact" in text
+    assert f"context     smollm2-135m: {d['context']:,} tokens (auto: " in text
     assert "speed" not in lines  # without --speed
 
 

@@ -21,7 +21,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from fakes import wait_for
-from test_server import Harness
+from test_server import CONTEXT, MiB, Harness
 
 from memspec.config import HttpConfig, ServerConfig
 from memspec.errors import STATUS, ConfigError
@@ -214,6 +214,9 @@ def test_models_list_the_store_targets_and_say_which_is_resident(f):
     assert set(rows) == {"tiny", "other"}  # the draft is not a model to ask for
     assert rows["tiny"]["memspec"]["resident"] and not rows["other"]["memspec"]["resident"]
     assert rows["tiny"]["loaded"] is True and rows["other"]["loaded"] is False
+    # the context a loaded target has (its engine's), and the one each was trained for (the manifest's)
+    assert rows["tiny"]["memspec"]["max_context"] == CONTEXT and rows["other"]["memspec"]["max_context"] == 0
+    assert rows["other"]["memspec"]["trained_context"] == 4 * CONTEXT
     assert f.request("GET", "/v1/models/tiny")[2]["id"] == "tiny"
     status, _, body = f.request("GET", "/v1/models/a-draft")
     assert status == 404 and body["error"]["code"] == "model_not_found"
@@ -466,6 +469,8 @@ BAD = [  # (name, path, body or raw text, headers, status, param, code)
     ("echo", "/v1/completions", {"prompt": "a", "echo": True}, None, 400, "echo", None),
     ("a prompt over the context", "/v1/completions", {"prompt": "a " * 80, "max_tokens": 1}, None, 400, "prompt",
      "context_length_exceeded"),
+    ("a prompt and max_tokens over the context", "/v1/completions", {"prompt": "a " * 20, "max_tokens": 50}, None,
+     400, "max_tokens", "context_length_exceeded"),
     ("a body over the limit", CHAT, "x" * (body_limit(Limits(max_tokens=50, max_prompt_chars=200)) + 1), None, 413, None, "request_too_large"),
 ]
 
@@ -481,6 +486,34 @@ def test_a_bad_input_gets_its_status_and_an_openai_error_and_the_daemon_keeps_se
     assert (err["param"], err["code"]) == (param, code), err
     assert f.post(GOOD)[0] == 200  # still serving
     assert f.h.engine.open == 0 and f.h.admission.snapshot() == {"active": 0, "waiting": 0, "kv_bytes": 0}
+
+
+def test_what_does_not_fit_the_context_or_the_memory_names_its_figures_and_the_daemon_keeps_serving(make):
+    """Issue 69: a 400 names the prompt's tokens, max_tokens and the context; a request whose KV
+    cannot fit the memory now is a 507 with the figures; then the daemon answers again."""
+    f = make(memory=300 * MiB, memory_headroom_mb=300)
+    status, _, out = f.post({"prompt": "a " * 20, "max_tokens": 50}, path="/v1/completions")
+    assert status == 400 and out["error"]["message"] == (
+        f"max_tokens: the prompt's 20 tokens + max_tokens 50 = 70 tokens do not fit the context of {CONTEXT} "
+        f"tokens; ask for at most {CONTEXT - 20} new tokens, or leave max_tokens out to generate to the end of "
+        f"the context")
+    status, _, out = f.post({"prompt": "a b", "max_tokens": 5}, path="/v1/completions")
+    assert status == 507 and out["error"]["code"] == "insufficient_memory"
+    assert "(prompt 2 tokens + max_tokens 5): its KV cache needs" in out["error"]["message"]
+    assert "the system has 300 MiB available and 300 MiB must stay free" in out["error"]["message"]
+    f.h.memory = 8 << 30
+    status, _, out = f.post({"prompt": "a b", "max_tokens": 5}, path="/v1/completions")
+    assert status == 200 and out["choices"][0]["text"]
+
+
+def test_no_max_tokens_runs_to_the_end_of_the_context_within_the_limit(f):
+    """A request that names no max_tokens is not cut at 256 (nor any fixed number): it runs to the
+    end of sequence or of the context, within [limits] max_tokens (50 in this harness)."""
+    status, _, out = f.post({"prompt": "a " * 10}, path="/v1/completions")  # the context leaves 54
+    assert status == 200 and out["usage"]["completion_tokens"] == 50 and out["choices"][0]["finish_reason"] == "length"
+    status, _, out = f.post({"prompt": "a " * 40}, path="/v1/completions")  # the context leaves 24
+    assert status == 200 and out["usage"]["completion_tokens"] == CONTEXT - 40
+    assert f.h.engine.requests[-1].max_tokens == CONTEXT - 40
 
 
 def test_bad_inputs_are_counted_as_invalid_and_logged_like_grpc_ones(f, caplog):

@@ -32,7 +32,8 @@ from memspec.errors import (
     RemoteError, UnavailableError,
 )
 from memspec.serving.notify import Notifier
-from memspec.request import Chunk, Completion, Constraint, GenerationRequest, Limits, SpecStats, Timings, Tool, validate
+from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, Limits, SpecStats, Timings, Tool,
+                             new_tokens, validate)
 from memspec.serving.status import DraftStatus, Status
 from memspec.serving.server import MemSpecServicer, create_server
 from memspec.speculation.sources import DraftPool, DraftRow, SourceStatus
@@ -85,15 +86,19 @@ class FakeEngine:
         self.checks += 1
         return self.prompt_ids(req)
 
-    def kv_bytes(self, req, prompt):
-        return self.target.session.cache_nbytes(len(prompt) + req.max_tokens)
+    def max_new(self, req, prompt):
+        return new_tokens(req.max_tokens, len(prompt), CONTEXT, self.limits.max_tokens)
 
-    def stream(self, req, cancel=None, prompt=None):
+    def kv_bytes(self, req, prompt):
+        return self.target.session.cache_nbytes(len(prompt) + self.max_new(req, prompt))
+
+    def stream(self, req, cancel=None, prompt=None, progress=None):
         if prompt is None:
             prompt = self.check(req)
         if self.fail:
             raise RuntimeError("boom")
         words = (req.prompt or req.messages[-1][1]).split()[::-1]
+        req = dataclasses.replace(req, max_tokens=self.max_new(req, prompt))
         self.requests.append(req)
         self.open += 1
         out, finish = [], "length"
@@ -116,7 +121,7 @@ class FakeStore:
         self.manifests = {n: SimpleNamespace(name=n, role=role, variants={"q4": {"bytes": 5 * MiB}},
                                              variant_bytes=lambda v: 5 * MiB,
                                              provenance={"source": "test"}, variant_path=self._variant(n),
-                                             architecture={})
+                                             architecture={"context_length": 4 * CONTEXT})
                           for n, role in (("tiny", "target"), ("other", "target"), ("a-draft", "draft"))}
 
     @staticmethod
@@ -430,9 +435,12 @@ def test_a_failing_queue_hint_does_not_fail_the_request(make):
 
 def test_request_over_free_memory_is_resource_exhausted(make):
     h = make(memory=300 * MiB, memory_headroom_mb=300)
-    with pytest.raises(OverloadedError, match="the system has 300 MiB available"):
+    # no max_tokens: to the end of the context (64 tokens) within [limits] max_tokens (50), whose KV does not
+    # fit: RESOURCE_EXHAUSTED (HTTP 507), naming what it asked for beside the memory's figures
+    with pytest.raises(errors.InsufficientMemoryError, match=r"prompt 1 tokens \+ max_tokens 50\): its KV cache "
+                                                             r"needs 0 MiB but the system has 300 MiB available"):
         list(h.client.generate("hi"))
-    h.memory = 8 << 30
+    h.memory = 8 << 30  # the daemon keeps serving
     collect(h.client.generate("hi", max_tokens=1))
 
 
@@ -521,7 +529,8 @@ def test_a_target_pulled_with_its_gguf_alone_loads_on_the_native_engine(h, tmp_p
         pytest.skip(kernels.NOT_BUILT)
     gguf = tmp_path / "bare.gguf"
     gguf.write_bytes(b"GGUF" + bytes(4 * MiB))
-    bare = SimpleNamespace(name="bare", role="target", variants={}, provenance={"source": "test"}, gguf=gguf, architecture={},
+    bare = SimpleNamespace(name="bare", role="target", variants={}, provenance={"source": "test"}, gguf=gguf,
+                           architecture={},
                            variant_path=FakeStore._variant("bare"))
     h.backend.store.manifests["bare"] = bare
     assert h.backend._plan("bare", None) == ("q4", int(gguf.stat().st_size * NATIVE_FOOTPRINT_PER_FILE_BYTE))
@@ -1005,8 +1014,10 @@ def test_a_request_names_its_target_and_keep_alive_and_ps_shows_them(h, capsys):
     assert (rows["other"]["state"], rows["other"]["loads"], rows["other"]["active"]) == ("loaded", 1, 0)
     assert main(["ps", "--address", str(h.path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["NAME", "VAR", "SIZE", "STATE", "UNLOADS", "RESIDENT", "DRAFTS"]
+    assert out[0].split() == ["NAME", "VAR", "SIZE", "CONTEXT", "STATE", "UNLOADS", "RESIDENT", "DRAFTS"]
     assert out[1].split()[0] == "other" and "in 600 s" in out[1] and "resident drafts: none yet" in out[1]
+    assert out[1].split()[4:6] == [str(CONTEXT), "loaded"]  # the context the engine has, in tokens
+    assert rows["other"]["context"] == CONTEXT
     assert out[2].split()[0] == "tiny" and "never (kept)" in out[2]
     with pytest.raises(ModelNotFoundError, match="model: 'nope' is not in the store; the pulled targets are ") as err:
         list(h.client.generate("a", model="nope"))

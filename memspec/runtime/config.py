@@ -38,7 +38,13 @@ class SessionConfig:
     draft_threads: int = 0  # threads of each draft; 0 = by its size: one for a small draft (a second
     #                         pool would only wait), one per physical core for one of LARGE_DRAFT_BYTES
     #                         or more (a 0.5B sibling's step is memory-bound); draft pools never spin
-    max_context: int = 2048  # KV capacity in tokens (prompt + generated)
+    max_context: int | str = "auto"  # KV capacity in tokens (prompt + generated); "auto": the model's trained
+    #                                  context, capped so that [server] max_concurrent requests' KV fit the
+    #                                  memory (memspec.runtime.context)
+    model_max_context: tuple[tuple[str, int | str], ...] = ()  # per target: ((store name, tokens or "auto"),
+    #                                  ...); in the config file a table, { "qwen2.5-coder-1.5b" = 8192 }
+    prefill_chunk: int = 512  # prompt tokens per batched pass: a long prompt is fed in chunks between the
+    #                           other requests' decode steps, so that their tokens keep coming (batching on)
     prefix_cache_mb: int = 64  # K/V of recent prompts kept for the next prompt that starts the same way
     #                            (memspec.runtime.prefixes; targets exact at any row count only); 0 = off
     batching: bool | str = "auto"  # concurrent requests share one batched target pass, [server]

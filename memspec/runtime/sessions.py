@@ -31,6 +31,7 @@ try:
 except ImportError:  # memspec does not depend on one ONNX Runtime build: the machine picks it
     raise ConfigError(onnxruntime_missing()) from None
 from memspec.runtime.config import SessionConfig
+from memspec.runtime.context import opening_context
 from memspec.runtime.contracts import UNCHECKED, RowCheck, physical_cores
 from memspec.runtime.invariance import settle
 from memspec.runtime.kvcache import PAGE, KVCache, kv_cache_nbytes  # noqa: F401 (PAGE: re-exported)
@@ -141,7 +142,7 @@ class DecoderSession:
         except Exception as exc:
             raise ModelFormatError(f"onnxruntime cannot load {self.path}: {exc}") from None
         self.device = "cuda" if self.session.get_providers()[0] != "CPUExecutionProvider" else "cpu"
-        self._read_layout(config.max_context)
+        self._read_layout(opening_context(config.max_context, None))  # "auto" unresolved: the former 2048
         # the self-check's finding (and the padding it settled on: pad_rows), or UNCHECKED
         self.rows: RowCheck = settle(self, escalate=min_rows >= 2) if check_rows else UNCHECKED
 

@@ -20,6 +20,7 @@ import logging
 from pathlib import Path
 
 from memspec.runtime.config import SessionConfig
+from memspec.runtime.context import opening_context, setting_for, trained_context
 from memspec.runtime.contracts import BatchedPass, Target, TargetModel
 from memspec.runtime.plan import Plan, plan
 
@@ -68,6 +69,9 @@ def open_draft(path: Path, engine: str, config: SessionConfig, threads: int) -> 
     providers (config.draft_providers, else the target's), with threads that sleep as soon as a step
     ends (a spinning pool would steal the cores the target verifies on next).  A draft only
     proposes: its rows need no invariance check."""
+    # a draft's cache is as long as its request's target cache (memspec.build passes the target's
+    # context here); "auto" from a caller that resolved none is the former fixed default
+    config = dataclasses.replace(config, max_context=opening_context(config.max_context, None))
     if engine == "native":
         from memspec.runtime.native_target import NativeTarget
 
@@ -81,7 +85,12 @@ def open_draft(path: Path, engine: str, config: SessionConfig, threads: int) -> 
 
 def open_target(store, planned: Plan, config: SessionConfig) -> Target:
     """The target engine the plan names (memspec.runtime.plan): its GGUF on the native engine, or
-    its graph in ONNX Runtime.  Files are checked against the manifest before they are parsed."""
+    its graph in ONNX Runtime.  Files are checked against the manifest before they are parsed.  Its
+    context: the configured one for this target, "auto" its trained context (memspec.runtime.context;
+    memspec.build then caps it to the memory)."""
+    setting = setting_for(config.max_context, config.model_max_context, planned.name)
+    config = dataclasses.replace(config, max_context=opening_context(
+        setting, trained_context(planned.manifest.architecture)))
     if planned.engine == "native":
         from memspec.runtime.native_target import NativeTarget
 

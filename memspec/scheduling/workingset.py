@@ -29,7 +29,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Callable
 
-from memspec.errors import CancelledError, ConfigError, InvalidRequestError, OverloadedError
+from memspec.errors import CancelledError, ConfigError, InsufficientMemoryError, InvalidRequestError
 from memspec.runtime.memory import Ledger, MemoryProbe, MiB, reclaim, tune_malloc
 
 log = logging.getLogger("memspec.workingset")
@@ -212,7 +212,7 @@ class WorkingSet:
     def reserve(self, key: str, nbytes: int, cancelled: Callable[[], bool] = lambda: False) -> None:
         """Account a running request's KV caches under `key`, evicting unleased drafts (lowest
         value per byte first) to make room.  While other requests' caches fill the budget it
-        waits for them to end; OverloadedError when nothing running would free enough,
+        waits for them to end; InsufficientMemoryError (507) when nothing running would free enough,
         CancelledError when `cancelled()` turns true while it waits."""
         victims: tuple[str, ...] = ()
         with self._cond:
@@ -222,7 +222,7 @@ class WorkingSet:
                     victims = adm.victims
                     break
                 if not self._kv:  # nothing running will free memory: waiting cannot help
-                    raise OverloadedError(
+                    raise InsufficientMemoryError(
                         f"not enough memory for this request: its KV caches need {nbytes / MiB:.1f} MiB, and the "
                         f"budget of {self.budget / MiB:.0f} MiB holds {self.used_bytes() / MiB:.1f} MiB of models; "
                         f"ask for fewer tokens or raise [scheduler] budget_mb")

@@ -19,7 +19,8 @@ from collections import deque
 from dataclasses import dataclass
 from typing import Callable
 
-from memspec.errors import CancelledError, DeadlineExceededError, OverloadedError, UnavailableError
+from memspec.errors import (CancelledError, DeadlineExceededError, InsufficientMemoryError, OverloadedError,
+                            UnavailableError)
 
 MiB = 1 << 20
 POLL_S = 0.05  # how often a waiting request re-checks cancellation and memory
@@ -110,8 +111,10 @@ class Admission:
 
     # -- enter / leave ---------------------------------------------------------------
     def enter(self, kv_bytes: int, timeout: float | None = None,
-              cancelled: Callable[[], bool] = lambda: False) -> Slot:
-        """Wait for a slot; raise OverloadedError, UnavailableError, DeadlineExceededError or CancelledError."""
+              cancelled: Callable[[], bool] = lambda: False, need: str = "") -> Slot:
+        """Wait for a slot; raise OverloadedError (the queue is full), InsufficientMemoryError (its KV
+        cannot fit even once the running requests end; `need`: what it asked for, in words, which
+        the message starts with), UnavailableError, DeadlineExceededError or CancelledError."""
         t0 = self._clock()
         deadline = None if timeout is None else t0 + timeout
         me = object()
@@ -127,7 +130,7 @@ class Admission:
                 )
             self._waiting.append(me)
             try:
-                self._wait_turn(me, kv_bytes, deadline, cancelled)
+                self._wait_turn(me, kv_bytes, deadline, cancelled, need)
             finally:
                 self._waiting.remove(me)
                 self._cond.notify_all()
@@ -135,7 +138,8 @@ class Admission:
             self._reserved += kv_bytes
         return Slot(self, kv_bytes, self._clock() - t0)
 
-    def _wait_turn(self, me: object, kv_bytes: int, deadline: float | None, cancelled: Callable[[], bool]) -> None:
+    def _wait_turn(self, me: object, kv_bytes: int, deadline: float | None, cancelled: Callable[[], bool],
+                   need: str = "") -> None:
         while True:
             cfg = self.config
             if self._waiting[0] is me and self._active < cfg.max_concurrent:
@@ -143,7 +147,7 @@ class Admission:
                 if why is None:
                     return
                 if self._active == 0:  # nothing running will free memory: waiting cannot help
-                    raise OverloadedError(f"not enough memory for this request: {why}")
+                    raise InsufficientMemoryError(f"not enough memory for this request{need and f' ({need})'}: {why}")
             if cancelled():
                 raise CancelledError("cancelled while queued")
             wait = POLL_S

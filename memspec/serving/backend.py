@@ -25,6 +25,7 @@ from memspec.models.tokenizer import Tokenizer
 from memspec.errors import ConfigError, InvalidRequestError, ModelNotFoundError, UnavailableError
 from memspec.request import (KEEP_FOREVER, Chunk, Completion, GenerationRequest, Limits, SpecStats, from_plain,
                              parse_keep_alive, quote, validate)
+from memspec.runtime.context import trained_context
 from memspec.runtime.memory import MemoryProbe, MiB, PsutilProbe, memory_budget
 from memspec.runtime.plan import plan
 from memspec.scheduling.scheduler import check_draft_names
@@ -45,8 +46,10 @@ class ServingEngine(Protocol):
 
     def check(self, req: GenerationRequest) -> list[int]: ...  # validate fully; the prompt ids
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int: ...  # memory.request_kv_bytes
+    def max_new(self, req: GenerationRequest, prompt: list[int]) -> int: ...  # request.new_tokens
     def stream(self, req: GenerationRequest, cancel: threading.Event | None = None,
-               prompt: list[int] | None = None) -> Iterator[Chunk | Completion]: ...
+               prompt: list[int] | None = None,
+               progress: Callable[[str], None] | None = None) -> Iterator[Chunk | Completion]: ...
     def calibrate(self) -> list[float] | None: ...  # measure verification cost once
     def close(self) -> None: ...
 
@@ -76,6 +79,7 @@ class Checked:
     prompt_ids: list[int]
     kv_bytes: int
     lease: TargetLease | None = None  # None: nothing to hand back
+    max_new: int = 0  # the most new tokens it gets (memspec.request.new_tokens)
 
     def release(self) -> None:
         """The request ended: its target's keep-alive starts once no other request holds it."""
@@ -88,7 +92,9 @@ class Backend(Protocol):
     # load its target if need be (telling progress how the load goes); its prompt ids and KV bytes
     def check(self, req: GenerationRequest, cancelled: Callable[[], bool] = ..., timeout: float | None = None,
               progress: Callable[[str], None] | None = None) -> Checked: ...
-    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run: ...
+    # stream it; progress: told how far a long prompt's prefill has come
+    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked,
+             progress: Callable[[str], None] | None = None) -> Run: ...
     def pull(self, name: str, progress: Callable[[str], None]) -> None: ...  # a catalogued model into the store
     # load a target (or unload it: keep_alive 0) with no request to run; its name
     def warm(self, name: str | None, keep_alive: float | None, timeout: float | None = None) -> str: ...
@@ -205,7 +211,7 @@ class EngineBackend:
         try:
             engine = lease.engine
             prompt = engine.check(req)  # limits, draft, policy, context; raises InvalidRequest / ContextOverflow
-            return Checked(engine, prompt, engine.kv_bytes(req, prompt), lease)
+            return Checked(engine, prompt, engine.kv_bytes(req, prompt), lease, engine.max_new(req, prompt))
         except BaseException:
             lease.release()
             raise
@@ -232,10 +238,11 @@ class EngineBackend:
 
         pull(self.store, name, None, progress=progress, runtime=self.config.runtime)
 
-    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked) -> Run:
+    def open(self, req: GenerationRequest, cancel: threading.Event, checked: Checked,
+             progress: Callable[[str], None] | None = None) -> Run:
         # The run holds the engine that checked it (and the draft it picks) until it is closed.
         engine = checked.engine
-        return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel, checked.prompt_ids))
+        return Run(engine.target.name, engine.target.variant, engine.stream(req, cancel, checked.prompt_ids, progress))
 
     def hint(self, req: GenerationRequest) -> None:
         """A checked request is about to wait in the queue: let the draft source preload its draft."""
@@ -257,12 +264,16 @@ class EngineBackend:
         return sum(m["bytes"] for _, e in self.targets.engines() for m in _resident(e))
 
     def models(self) -> list[dict]:
-        resident = {m["name"]: m["variant"] for _, e in self.targets.engines() for m in _resident(e)}
+        engines = self.targets.engines()
+        resident = {m["name"]: m["variant"] for _, e in engines for m in _resident(e)}
+        contexts = {name: e.target.session.max_context for name, e in engines}
         return [{
             "name": m.name, "role": m.role, "variants": self.store.runnable(m),
             "source": m.provenance.get("source", ""), "resident": m.name in resident,
             "resident_variant": resident.get(m.name, ""),
             "architecture": dict(m.architecture), "provenance": dict(m.provenance),
+            # the context it has while loaded (memspec.runtime.context), and the one it was trained for
+            "context": contexts.get(m.name, 0), "trained_context": trained_context(m.architecture) or 0,
         } for m in self.store.list()]
 
     def tokenizer(self, name: str | None) -> Tokenizer:
@@ -324,8 +335,8 @@ class EngineBackend:
     def status(self) -> ModelsStatus:
         engines = self.targets.engines()  # most recently used first
         # a loaded target's variant as its engine runs it ("gguf" on the native engine), as "resident" says
-        runs = {name: e.target.variant for name, e in engines}
-        targets = [dict(r, variant=runs[r["name"]]) if r["name"] in runs else r for r in self.targets.status()]
+        runs = {name: dict(variant=e.target.variant, context=e.target.session.max_context) for name, e in engines}
+        targets = [dict(r, **runs[r["name"]]) if r["name"] in runs else r for r in self.targets.status()]
         drafts: dict[str, DraftStatus] = {}
         for _, engine in engines:  # a draft every target has (prompt lookup) is listed once: counters are by name
             for d in self._draft_rows(engine.drafts.report()):

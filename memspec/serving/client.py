@@ -69,7 +69,7 @@ class Client:
             req: the request (checked by the daemon against its limits).
             timeout: deadline in seconds for the whole stream (None = the client's default).
             default_max_tokens: ignore req.max_tokens and let the daemon pick its
-                default (256, or its [limits] max_tokens when lower).
+                default (until the end of sequence or of the context, within its [limits] max_tokens).
         Returns:
             an iterator of Chunk (text delta, token ids), then one Completion.
             Stopping early (break, close()) cancels the call: the daemon stops
@@ -124,7 +124,7 @@ class Client:
             as `stream`, while iterating.
         """
         return self.stream(GenerationRequest(
-            prompt=prompt, raw=raw, max_tokens=max_tokens or 0,
+            prompt=prompt, raw=raw, max_tokens=max_tokens,
             sampling=_sampling(temperature, top_k, top_p, seed, min_p, frequency_penalty, presence_penalty,
                                repetition_penalty, logit_bias),
             stop=tuple(stop), draft=draft, policy=_policy(policy), model=model,
@@ -154,7 +154,7 @@ class Client:
             except (KeyError, TypeError) as exc:
                 raise InvalidRequestError(f"messages[{i}]: expected (role, content) or a dict with both ({exc})") from None
         return self.stream(GenerationRequest(
-            messages=tuple(turns), max_tokens=max_tokens or 0,
+            messages=tuple(turns), max_tokens=max_tokens,
             sampling=_sampling(temperature, top_k, top_p, seed, min_p, frequency_penalty, presence_penalty,
                                repetition_penalty, logit_bias),
             stop=tuple(stop), draft=draft, policy=_policy(policy), model=model,

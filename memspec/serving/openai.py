@@ -221,7 +221,7 @@ def _sampling_and_options(body: dict, limits_max_tokens: int) -> dict:
         raise _bad(f"{EXTENSION}.{unknown_ext[0]}", "unknown option; known: draft, policy, top_k")
     max_tokens = _int(body, "max_completion_tokens", None)
     if max_tokens is None:
-        max_tokens = _int(body, "max_tokens", min(_REQ.max_tokens, limits_max_tokens))
+        max_tokens = _int(body, "max_tokens", None)  # None: to the end of sequence or context (request.new_tokens)
     seed = _int(body, "seed", None)
     top_k = _int(ext, "top_k", _int(body, "top_k", _SAMPLING.top_k))  # vLLM and llama.cpp take it at the top too
     draft = ext.get("draft")
@@ -613,4 +613,6 @@ def model(row: dict, created: int) -> dict:
     return {"id": row["name"], "object": "model", "created": created, "owned_by": "memspec",
             "loaded": row["resident"],  # an extra field, as OpenAI-compatible servers add them
             EXTENSION: {"resident": row["resident"], "variant": row["resident_variant"],
-                        "variants": sorted(row["variants"])}}
+                        "variants": sorted(row["variants"]),
+                        # tokens of prompt + answer while loaded (0: not loaded), and what it was trained for
+                        "max_context": row.get("context", 0), "trained_context": row.get("trained_context", 0)}}

@@ -74,7 +74,8 @@ class Service:
         client goes away (checked while queued and at every step); time_remaining: seconds
         left before its deadline (None: none), asked when it joins the queue; fields: the
         request's log line, which the caller may have started ("method", "peer"); progress: told
-        how the load of its target goes while it waits for one (TargetSet.acquire), and logged.
+        how the load of its target goes while it waits for one (TargetSet.acquire), and logged, then
+        how far its prompt's prefill has come where it is fed in chunks (the engine logs that).
         Raises the named exception (memspec.errors.STATUS) of whatever refused or ended it.
         """
         t0 = self.clock()
@@ -93,7 +94,7 @@ class Service:
             try:
                 fields.update(kv_bytes=checked.kv_bytes, max_tokens=req.max_tokens, draft=req.draft,
                               policy=str(req.policy) if req.policy is not None else None)
-                for item in self._run(req, checked, cancel, time_remaining, fields, clock):
+                for item in self._run(req, checked, cancel, time_remaining, fields, clock, progress):
                     if isinstance(item, Final):
                         outcome, code = "completed", "OK"  # a cancel after this is not a cancelled request
                         tokens = (len(item.completion.prompt_token_ids), len(item.completion.token_ids))
@@ -115,17 +116,20 @@ class Service:
             log.info("request", extra={"fields": fields})
 
     def _run(self, req: GenerationRequest, checked, cancel: threading.Event, time_remaining: Callable,
-             fields: dict, clock: RequestClock) -> Iterator[Chunk | Final]:
-        """Admission, then the engine's stream: Chunks, then a Final."""
+             fields: dict, clock: RequestClock,
+             progress: Callable[[str], None] | None = None) -> Iterator[Chunk | Final]:
+        """Admission, then the engine's stream: Chunks, then a Final.  progress: told how far a long
+        prompt's prefill has come (the engine logs it too)."""
         if cancel.is_set():
             raise CancelledError("cancelled before it started")  # the client left while it was checked
         if self.admission.would_queue():  # preload what it will want while it waits
             self.backend.hint(req)
-        with self.admission.enter(checked.kv_bytes, time_remaining(), cancel.is_set) as slot:
+        need = f"prompt {len(checked.prompt_ids)} tokens + max_tokens {checked.max_new}"
+        with self.admission.enter(checked.kv_bytes, time_remaining(), cancel.is_set, need) as slot:
             self.counters.count("started")
             clock.queued(slot.queued_s)
             fields["queue_ms"] = round(slot.queued_s * 1e3, 3)
-            run = self.backend.open(req, cancel, checked)
+            run = self.backend.open(req, cancel, checked, progress)
             fields.update(model=run.model, variant=run.variant)
             try:
                 for item in run.items:

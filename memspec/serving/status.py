@@ -70,6 +70,7 @@ class TargetStatus:
     load_seconds: float = 0.0
     failed_loads: int = 0
     refused: int = 0  # loads refused: it did not fit the memory
+    context: int = 0  # its context in tokens while loaded (memspec.runtime.context); 0 = not loaded
 
 
 @dataclass(frozen=True)

@@ -165,14 +165,14 @@ def _opt(msg: Message, name: str, default):
 
 
 def request_from_pb(m, max_tokens_limit: int | None = None) -> GenerationRequest:
-    """A GenerateRequest as the engine's GenerationRequest (unset fields take the defaults;
-    an unset max_tokens is the default capped at the server's limit)."""
-    default_max = min(_REQ.max_tokens, max_tokens_limit or _REQ.max_tokens)
+    """A GenerateRequest as the engine's GenerationRequest (unset fields take the defaults; an unset
+    max_tokens is None: until the end of sequence or of the context, within the server's limit,
+    memspec.request.new_tokens).  max_tokens_limit: unused, kept for callers."""
     return GenerationRequest(
         prompt=_opt(m, "prompt", None),
         messages=tuple((x.role, x.content) for x in m.messages) or None,
         raw=m.raw,
-        max_tokens=_opt(m, "max_tokens", default_max),
+        max_tokens=_opt(m, "max_tokens", None),
         sampling=SamplingParams(
             temperature=_opt(m, "temperature", _SAMPLING.temperature),
             top_k=_opt(m, "top_k", _SAMPLING.top_k),
@@ -239,7 +239,7 @@ def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
     s = req.sampling
     m = pb2.GenerateRequest(
         messages=[pb2.ChatMessage(role=r, content=c) for r, c in req.messages or ()], raw=req.raw,
-        max_tokens=req.max_tokens, temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(req.stop),
+        temperature=s.temperature, top_p=s.top_p, top_k=s.top_k, stop=list(req.stop),
     )
     for name in ("min_p", "frequency_penalty", "presence_penalty", "repetition_penalty"):
         if getattr(s, name) != getattr(_SAMPLING, name):  # unset: an older daemon sees no field it lacks
@@ -260,8 +260,8 @@ def request_to_pb(req: GenerationRequest, default_max_tokens: bool = False):
             m.json_object = True
         else:
             setattr(m, c.kind, c.text)
-    if default_max_tokens:
-        m.ClearField("max_tokens")
+    if req.max_tokens is not None and not default_max_tokens:  # unset: to the end of sequence or context
+        m.max_tokens = req.max_tokens
     return m
 
 

@@ -16,8 +16,10 @@ the loop is the one owner of the target; the slots are plain state.
 
 A row's logits are its solo logits bit for bit, whatever else is in the pass (bench/batch_pass.py
 measures it; memspec.runtime.batch says why), so batching changes no request's output.
-Prompts longer than `prefill_chunk` tokens are fed in chunks, one per pass, so a long prompt
-does not stall the other rows for its whole prefill.
+Prompts longer than `prefill_chunk` tokens ([runtime] prefill_chunk) are fed in chunks, one per
+pass, each pass shared with the other rows' decode steps: a long prompt does not stall the other
+requests for its whole prefill (vLLM's chunked prefill), and its rows are what one pass would give
+them, so no answer changes.  A slot's `progress(done, total)` hears of each chunk.
 """
 
 from __future__ import annotations
@@ -85,6 +87,8 @@ class Slot:
     def __init__(self, loop: "BatchLoop"):
         self._loop = loop
         self.left = False
+        # told (prompt tokens fed, of how many) after each chunk of a prompt fed in several
+        self.progress: Callable[[int, int], None] | None = None
 
     def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:
         """Feed `ids` after the cache's committed tokens in the next batched pass(es); (keep, V)."""
@@ -94,10 +98,12 @@ class Slot:
         if cache.length + len(ids) > cache.capacity:
             raise ContextOverflowError(
                 f"context overflow: {cache.length} cached + {len(ids)} new tokens > capacity {cache.capacity}")
-        chunk = self._loop.prefill_chunk
-        while len(ids) > chunk:  # a long prompt: one chunk per pass
+        chunk, total, done = self._loop.prefill_chunk, len(ids), 0
+        while len(ids) > chunk:  # a long prompt: one chunk per pass, beside the other rows' steps
             self._loop.run(self, _Row(cache, ids[:chunk], 1))
-            ids = ids[chunk:]
+            ids, done = ids[chunk:], done + chunk
+            if self.progress is not None:
+                self.progress(done, total)
         return self._loop.run(self, _Row(cache, ids, keep))
 
     def leave(self) -> None:

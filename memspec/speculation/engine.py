@@ -10,6 +10,8 @@ timing lives here, once, for both.
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -17,10 +19,10 @@ from typing import Callable, Iterator
 
 import numpy as np
 
-from memspec.errors import ContextOverflowError, InvalidRequestError
+from memspec.errors import InsufficientMemoryError, InvalidRequestError
 from memspec.models import tools
 from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, Limits, Timings, TokenLogprob,
-                             check_logit_bias, validate)
+                             check_logit_bias, new_tokens, validate)
 from memspec.runtime.contracts import BatchedPass, TargetModel  # noqa: F401 (TargetModel: re-exported)
 from memspec.runtime.costs import CostCache, LiveCosts, pass_costs
 from memspec.runtime.memory import request_kv_bytes
@@ -38,6 +40,7 @@ from memspec.speculation.stopping import StopMatcher
 
 Clock = Callable[[], float]
 TREE_ROWS = 4  # rows a token tree may add to the longest chain: the cost curve is measured that far
+PREFILL_LOG_S = 2.0  # how often the log says how far a prompt fed in chunks has come
 log = logging.getLogger(__name__)
 
 
@@ -47,18 +50,20 @@ class Engine:
 
     def __init__(self, target: TargetModel, limits: Limits = Limits(), clock: Clock = time.perf_counter,
                  drafts: DraftSource | None = None, spec: SpecConfig = SpecConfig(),
-                 costs: CostCache | None = None, batched: BatchedPass | None = None, prefix_cache_bytes: int = 0):
+                 costs: CostCache | None = None, batched: BatchedPass | None = None, prefix_cache_bytes: int = 0,
+                 prefill_chunk: int = 512):
         """batched: one target pass over several requests' rows (memspec.runtime.target.open_batched;
         memspec.build opens it, before the draft source, so that the budget counts any copy of the
         weights it holds): concurrent requests share it; None: each request runs its own passes.
         prefix_cache_bytes > 0: keep recent prompts' K/V up to that many bytes, for prompts that
-        start the same way (memspec.runtime.prefixes), where the target's rows allow it."""
+        start the same way (memspec.runtime.prefixes), where the target's rows allow it.
+        prefill_chunk: prompt tokens per batched pass ([runtime] prefill_chunk; memspec.speculation.batching)."""
         self.target = target
         self.batch = None
         if batched is not None:
             from memspec.speculation.batching import BatchLoop
 
-            self.batch = BatchLoop(batched)
+            self.batch = BatchLoop(batched, prefill_chunk=prefill_chunk)
         self.pass_cost_s: dict[int, list[float]] | None = None  # batched: [b][k] = a pass of b rows x k
         self.limits = limits
         self.clock = clock
@@ -171,13 +176,13 @@ class Engine:
         ids = tok.encode(text)
         if not ids:
             raise InvalidRequestError("prompt: encodes to no tokens")
-        cap = self.target.session.max_context
-        if len(ids) >= cap:
-            raise ContextOverflowError(
-                f"prompt: {len(ids)} tokens do not fit the context of {cap} tokens "
-                f"(at least one token must be left to generate)"
-            )
+        self.max_new(req, ids)  # ContextOverflowError: the prompt, or it and max_tokens, do not fit the context
         return ids
+
+    def max_new(self, req: GenerationRequest, prompt: list[int]) -> int:
+        """The most new tokens `req` gets after `prompt` (memspec.request.new_tokens): its max_tokens,
+        or with none, to the end of the context within [limits] max_tokens."""
+        return new_tokens(req.max_tokens, len(prompt), self.target.session.max_context, self.limits.max_tokens)
 
     @staticmethod
     def constraint(req: GenerationRequest) -> Constraint | None:
@@ -191,14 +196,18 @@ class Engine:
     def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: np.random.Generator,
               metrics: SpecMetrics, cancelled: Callable[[], bool] = lambda: False,
               on_rows: Callable[[np.ndarray], None] | None = None,
-              grammar: GrammarMask | None = None) -> Iterator[list[int]]:
+              grammar: GrammarMask | None = None,
+              progress: Callable[[str], None] | None = None) -> Iterator[list[int]]:
         """The decode loop for this request: speculative when a draft is chosen, else target only.
         grammar: the mask of the request's constraint (self.grammars.mask), which the caller reads
-        to end the answer once the grammar is complete."""
+        to end the answer once the grammar is complete.  progress: told how far a prompt fed in
+        chunks (the batch loop's prefill_chunk) has come, as the log is (prefill_progress)."""
         select = self.drafts.selector(req, prompt, cache.capacity, cancelled)
         costs = self._verify_costs() if select is not None else None
         select = select or NoDraft()
         slot = self.batch.join() if self.batch is not None else None
+        if slot is not None:
+            slot.progress = self.prefill_progress(progress)
         context = list(prompt)  # what the cache holds at each yield: context[:cache.length]
         # a shaped request runs the same loop on a batch slot: only the target pass is shared
         # a request's own passes correct the pass costs; a batched pass's rows are other requests' too
@@ -222,6 +231,24 @@ class Engine:
             if slot is not None:  # the slot is free for the next pass, and the cache for the OS
                 slot.leave()
                 self.batch.release(cache)
+
+    def prefill_progress(self, progress: Callable[[str], None] | None = None,
+                         every_s: float = PREFILL_LOG_S) -> Callable[[int, int], None]:
+        """What a slot tells after each chunk of a prompt fed in several passes: the log (at most
+        every `every_s`) and `progress` (an HTTP stream's comments) hear how far it is."""
+        t0, told = self.clock(), [-every_s]
+
+        def tell(done: int, total: int) -> None:
+            now = self.clock()
+            message = (f"prefill: {done:,} of {total:,} prompt tokens ({done / total:.0%}), "
+                       f"{now - t0:.1f} s, {done / max(now - t0, 1e-9):.0f} tok/s")
+            if now - told[0] >= every_s:
+                told[0] = now
+                log.info("%s: %s", self.target.name, message)
+            if progress is not None:
+                progress(message)
+
+        return tell
 
     def shaper(self, req: GenerationRequest, prompt: list[int], grammar: GrammarMask | None = None) -> LogitsShaper:
         """The request's logits shaper (memspec.speculation.logits): its sampling controls, then its
@@ -261,23 +288,31 @@ class Engine:
     def kv_bytes(self, req: GenerationRequest, prompt: list[int]) -> int:
         """The KV memory this request may touch (memory.request_kv_bytes): what admission checks
         against free memory and what the draft source reserves in its budget while it runs."""
-        return request_kv_bytes(len(prompt) + req.max_tokens, self.target.session.cache_nbytes,
+        return request_kv_bytes(len(prompt) + self.max_new(req, prompt), self.target.session.cache_nbytes,
                                 self.drafts.draft_kv_sizers(req),
                                 slack=self.spec.gamma_max + 1 + (TREE_ROWS if self.spec.trees else 0))
 
     def stream(self, req: GenerationRequest, cancel: threading.Event | None = None,
-               prompt: list[int] | None = None) -> Iterator[Chunk | Completion]:
+               prompt: list[int] | None = None,
+               progress: Callable[[str], None] | None = None) -> Iterator[Chunk | Completion]:
         """Yield Chunks as tokens are committed, then one Completion.  `prompt`: the ids
-        check() returned for this request, when the caller checked it already."""
+        check() returned for this request, when the caller checked it already.  progress: told how
+        far a long prompt's prefill has come, chunk by chunk (batched engines: steps)."""
         t0 = self.clock()
         if prompt is None:
             prompt = self.check(req)
         cancelled = cancel.is_set if cancel is not None else (lambda: False)
-        with self.drafts.reserve_kv(self.kv_bytes(req, prompt), cancelled):  # held while it runs
-            yield from self._stream(req, cancel, t0, prompt)
+        req = dataclasses.replace(req, max_tokens=self.max_new(req, prompt))  # None: to the context's end
+        with contextlib.ExitStack() as held:  # its KV caches, held in the budget while it runs
+            try:
+                held.enter_context(self.drafts.reserve_kv(self.kv_bytes(req, prompt), cancelled))
+            except InsufficientMemoryError as exc:  # the figures of what it asked for, beside the memory's
+                raise InsufficientMemoryError(f"prompt {len(prompt)} tokens + max_tokens {req.max_tokens}: "
+                                              f"{exc}") from None
+            yield from self._stream(req, cancel, t0, prompt, progress)
 
     def _stream(self, req: GenerationRequest, cancel: threading.Event | None, t0: float,
-                prompt: list[int]) -> Iterator[Chunk | Completion]:
+                prompt: list[int], progress: Callable[[str], None] | None = None) -> Iterator[Chunk | Completion]:
         cache = self.target.session.new_cache()
         cached = self.prefixes.fill(cache, prompt) if self.prefixes is not None else 0  # only the rest is computed
         rng = np.random.default_rng(req.sampling.seed)
@@ -293,7 +328,7 @@ class Engine:
         constraint = self.constraint(req)
         grammar = self.grammars.mask(constraint) if constraint is not None else None
         steps = self.steps(cache, prompt, req, rng, metrics, cancel.is_set if cancel is not None else lambda: False,
-                           on_rows, grammar)
+                           on_rows, grammar, progress)
         try:
             for committed in steps:
                 if t_first is None:
