@@ -21,6 +21,7 @@ def test_the_draft_vocabulary_is_the_fewest_most_used_tokens_that_cover_the_shar
     assert draft_vocabulary(answers, 12, coverage=0.9).tolist() == [5, 7, 3]  # a tie: the lower id first
     assert draft_vocabulary(answers, 12, coverage=1.0).tolist() == [5, 7, 3, 9]
     assert draft_vocabulary(answers, 12, coverage=0.5, required=[11, 5]).tolist() == [11, 5]
+    assert draft_vocabulary(answers, 12, coverage=0.8, size=5).tolist() == [5, 7, 0, 1, 2]  # then the lowest ids
     assert to_draft_ids(np.array([7, 9, 5]), np.array([5, 7], np.int32), 12).tolist() == [1, -1, 0]
     with pytest.raises(ValueError, match="coverage"):
         draft_vocabulary(answers, 12, coverage=0)

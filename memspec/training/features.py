@@ -47,9 +47,11 @@ COVERAGE = 0.99  # share of the answers' token occurrences the draft vocabulary 
 
 
 def draft_vocabulary(answers: Sequence[Sequence[int]], vocab: int, coverage: float = COVERAGE,
-                     required: Sequence[int] = ()) -> np.ndarray:
+                     required: Sequence[int] = (), size: int = 0) -> np.ndarray:
     """Target ids of a draft vocabulary: `required` ids first (an end-of-sequence id, say), then the
-    answers' tokens by count (ties: the lower id), as few as cover `coverage` of all occurrences.
+    answers' tokens by count (ties: the lower id), as few as cover `coverage` of all occurrences;
+    then, up to `size` ids in all, the lowest ids not yet in it (a BPE tokenizer merged them first:
+    its corpus's commonest), for the tokens a small set of answers never showed.
     (Vd,) int32; its index is the draft id."""
     if not 0 < coverage <= 1:
         raise ValueError(f"coverage must be in (0, 1], got {coverage}")
@@ -63,7 +65,11 @@ def draft_vocabulary(answers: Sequence[Sequence[int]], vocab: int, coverage: flo
     order = order[counts[order] > 0]
     n = int(np.searchsorted(np.cumsum(counts[order]), coverage * total - 1e-9)) + 1  # first n reaching it
     head = [int(i) for i in dict.fromkeys(int(r) for r in required)]
-    return np.asarray(head + [int(i) for i in order[:n] if int(i) not in set(head)], dtype=np.int32)
+    ids = head + [int(i) for i in order[:n] if int(i) not in set(head)]
+    if len(ids) < size:
+        taken = set(ids)
+        ids += [i for i in range(vocab) if i not in taken][:size - len(ids)]
+    return np.asarray(ids, dtype=np.int32)
 
 
 def to_draft_ids(ids: np.ndarray, vocab: np.ndarray, target_vocab: int) -> np.ndarray:

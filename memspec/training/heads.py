@@ -177,5 +177,5 @@ def agreement(head: Head, data: dict[str, np.ndarray], groups: dict[int, str] | 
     out = {"rows": int(len(rows)), "agreement": round(float(hit.mean()), 4) if len(rows) else 0.0}
     if groups:
         names = np.array([groups.get(int(s), "") for s in data["seq"][rows]])
-        out["by_group"] = {g: round(float(hit[names == g].mean()), 4) for g in sorted(set(names)) if g}
+        out["by_group"] = {str(g): round(float(hit[names == g].mean()), 4) for g in sorted(set(names)) if g}
     return out
