@@ -42,12 +42,18 @@ class ReferenceLlama:
 
     def logits(self, ids: list[int]) -> np.ndarray:
         """(T, V) float64 logits for every position of `ids`."""
+        return self.hidden_states(ids)[-1] @ self.head.T
+
+    def hidden_states(self, ids: list[int]) -> list[np.ndarray]:
+        """n_layers + 1 arrays (T, H) float64, as a Hugging Face model's hidden_states: the
+        embeddings, the residual stream after each layer but the last, the final norm's output."""
         c = self.cfg
         T = len(ids)
         x = self.emb[np.asarray(ids)]
         pos = np.arange(T, dtype=np.float64)
         mask = np.triu(np.full((T, T), -np.inf), 1)
         rep = c.n_heads // c.n_kv_heads
+        states = [x]
         for L in self.layers:
             h = self._rms(x, L["attn_norm"])
             q = (h @ L["attn_q"].T + L["attn_q.bias"]).reshape(T, c.n_heads, c.head_dim).transpose(1, 0, 2)
@@ -63,7 +69,8 @@ class ReferenceLlama:
             h = self._rms(x, L["ffn_norm"])
             g = h @ L["ffn_gate"].T
             x = x + ((g / (1 + np.exp(-g))) * (h @ L["ffn_up"].T)) @ L["ffn_down"].T
-        return self._rms(x, self.norm) @ self.head.T
+            states.append(x)
+        return states[:-1] + [self._rms(x, self.norm)]
 
 
 def first_position_logits(model: GGUFModel, token: int) -> np.ndarray:

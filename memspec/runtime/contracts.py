@@ -60,6 +60,7 @@ class Target(Protocol):
     rows: RowCheck  # the self-check at load: is a row's result the same at any row count?
     prefix_reuse: bool  # may a prompt start from another's stored K/V (memspec.runtime.prefixes)?
     trees: bool  # may a pass verify a token tree (forward_tree, then the cache's keep_path)? native only
+    features: bool  # may a pass also return its rows' hidden states (FeatureTarget)? native only
 
     def new_cache(self, capacity: int | None = None) -> KVCache: ...
 
@@ -75,6 +76,30 @@ class Target(Protocol):
     def cost_key(self, max_k: int) -> str: ...
 
     def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]: ...
+
+
+class FeatureTarget(Target, Protocol):
+    """A target whose passes also hand over the hidden states of the rows they keep (`features` is
+    True): what a draft that reads the target's features (EAGLE, Medusa) proposes from, at no
+    extra pass.  `features` names hidden states as a Hugging Face model's hidden_states: 0 the
+    token's embedding, i in 1..n_layers-1 the residual stream after layer i-1, n_layers the final
+    norm's output (the head's input); negative from the end (-1: the head's input).  A row's hidden
+    states are bit for bit what it gets fed alone, like its logits."""
+
+    n_layers: int  # decoder layers
+    hidden_size: int  # H, the width of one hidden state
+
+    def forward(self, cache: KVCache, ids: Sequence[int], keep: int = 1,
+                features: Sequence[int] | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]: ...
+    # with features: (logits (keep, V), hidden (keep, len(features), H))
+
+    def forward_batch(self, caches: Sequence[KVCache], feeds: Sequence[Sequence[int]], keeps: Sequence[int],
+                      features: Sequence[int] | None = None) -> list: ...
+    # with features: per sequence (logits (keeps[i], V), hidden (keeps[i], len(features), H))
+
+    def forward_tree(self, cache: KVCache, ids: Sequence[int], parents: Sequence[int],
+                     features: Sequence[int] | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]: ...
+    # with features: (logits (n, V), hidden (n, len(features), H)), every node's
 
 
 class BatchedPass(Protocol):

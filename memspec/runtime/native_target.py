@@ -7,6 +7,7 @@
     rows = t.forward_batch([c1, c2], [ids1, ids2], keeps=[k1, k2])   # one pass; a list of (k_i, V)
     rows = t.forward_tree(c, ids, parents)                      # a token tree: (n, V), every node's row
     c.keep_path(start, path)                                    # keep one root-to-node path of it
+    logits, hidden = t.forward(c, ids, keep=k, features=[-1])   # and the rows' hidden states: (k, 1, H)
 
 The file is memory-mapped and its blocks are computed on where they lie (memspec/runtime/native/:
 the C extension memspec.runtime._native): no conversion, no second copy.  The matrices the CPU's
@@ -92,6 +93,8 @@ class NativeTarget:
     prefix_reuse = True
     # a pass may verify a token tree (forward_tree): each node's row is exact by construction
     trees = True
+    # a pass may also return its kept rows' hidden states (features=), copied out of the pass itself
+    features = True
 
     def __init__(self, path: str | Path, threads: int = 0, max_context: int = 2048, isa: str | None = None,
                  check_rows: bool = True):
@@ -104,6 +107,7 @@ class NativeTarget:
         self.max_context = max_context
         self.vocab_size = cfg.vocab
         self.n_layers, self.kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
+        self.hidden_size = cfg.hidden
         self.threads = threads or physical_cores()
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -162,16 +166,31 @@ class NativeTarget:
         return step_costs(self, max_k, context, repeats)
 
     # -- forward ------------------------------------------------------------
-    def forward(self, cache: NativeCache, ids: Sequence[int], keep: int = 1) -> np.ndarray:
+    def feature_index(self, features: Sequence[int]) -> np.ndarray:
+        """The hidden states `features` names, as the extension numbers them (int32): 0 the token's
+        embedding, i in 1..n_layers-1 the residual stream after layer i-1, n_layers the final norm's
+        output (the head's input), as a Hugging Face model's hidden_states; a negative index counts
+        from the end of those n_layers + 1 (-1: the head's input)."""
+        n = self.n_layers + 1
+        if not len(features) or any(not -n <= int(f) < n for f in features):
+            raise ValueError(f"features must name one or more of the {n} hidden states (-{n}..{n - 1}); "
+                             f"got {list(features)}")
+        return np.asarray([int(f) % n for f in features], dtype=np.int32)
+
+    def forward(self, cache: NativeCache, ids: Sequence[int], keep: int = 1,
+                features: Sequence[int] | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Feed `ids` after the committed tokens; return the logits of the last `keep` positions,
-        (keep, V) float32.  cache.length advances by len(ids)."""
-        return self.forward_batch([cache], [ids], [keep])[0]
+        (keep, V) float32.  cache.length advances by len(ids).  features (feature_index): return
+        (logits, hidden), hidden (keep, len(features), H) float32 the same rows' hidden states."""
+        return self.forward_batch([cache], [ids], [keep], features)[0]
 
     def forward_batch(self, caches: Sequence[NativeCache], feeds: Sequence[Sequence[int]],
-                      keeps: Sequence[int]) -> list[np.ndarray]:
+                      keeps: Sequence[int], features: Sequence[int] | None = None) -> list:
         """One pass over several sequences: feeds[i] after caches[i]'s committed tokens; returns, per
         sequence, the logits of its last keeps[i] positions, (keeps[i], V) float32.  Each row's logits
-        are what it would get alone.  A cache may appear only once."""
+        are what it would get alone.  A cache may appear only once.  features (feature_index): per
+        sequence (logits, hidden), hidden (keeps[i], len(features), H) float32 those rows' hidden
+        states, copied out of the pass (no extra work; bit for bit what the row gets alone)."""
         if not len(caches) == len(feeds) == len(keeps) or not caches:
             raise ValueError(f"a pass takes one or more sequences, each with one cache, one feed and one keep "
                              f"(got {len(caches)} caches, {len(feeds)} feeds, {len(keeps)} keeps)")
@@ -192,19 +211,26 @@ class NativeTarget:
             seq.extend([s] * n)
         logits = np.empty((len(keep), self.vocab_size), dtype=np.float32)
         i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+        index = None if features is None else self.feature_index(features)
+        hidden = None if index is None else np.empty((len(keep), len(index) * self.hidden_size), np.float32)
         self.model.forward([c.data for c in caches], [c.capacity for c in caches], i32(ids), i32(pos), i32(seq),
-                           i32(keep), logits)
+                           i32(keep), logits, None, hidden, index)
         for cache, feed in zip(caches, feeds):
             cache.length += len(feed)
-        return [logits[s: s + k] for s, k in spans]
+        if hidden is None:
+            return [logits[s: s + k] for s, k in spans]
+        hidden = hidden.reshape(len(keep), len(index), self.hidden_size)
+        return [(logits[s: s + k], hidden[s: s + k]) for s, k in spans]
 
-    def forward_tree(self, cache: NativeCache, ids: Sequence[int], parents: Sequence[int]) -> np.ndarray:
+    def forward_tree(self, cache: NativeCache, ids: Sequence[int], parents: Sequence[int],
+                     features: Sequence[int] | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """One pass over a token tree after the committed tokens: node i feeds ids[i] under node
         parents[i] (-1 for the root, node 0; every other parent an earlier node).  Node i sits at
         position cache.length + its depth and attends the committed tokens, then its ancestors and
         itself: its logits are, bit for bit, those of the chain root .. i fed alone (model.h).
         Returns every node's logits, (n, V) float32; cache.length advances by n (slot cache.length + i
-        holds node i's K/V until keep_path keeps one path)."""
+        holds node i's K/V until keep_path keeps one path).  features (feature_index): (logits, hidden),
+        hidden (n, len(features), H) every node's hidden states, those of its chain fed alone."""
         n = len(ids)
         if n != len(parents) or n < 1 or parents[0] != -1 or any(not 0 <= a < i for i, a in enumerate(parents) if i):
             raise ValueError(f"a token tree is a root (parent -1) and nodes each under an earlier one; got parents "
@@ -218,10 +244,12 @@ class NativeTarget:
             depth[i] = depth[parents[i]] + 1
         logits = np.empty((n, self.vocab_size), dtype=np.float32)
         i32 = lambda v: np.asarray(v, dtype=np.int32)  # noqa: E731
+        index = None if features is None else self.feature_index(features)
+        hidden = None if index is None else np.empty((n, len(index) * self.hidden_size), np.float32)
         self.model.forward([cache.data], [cache.capacity], i32(ids), i32([cache.length + d for d in depth]),
-                           i32([0] * n), i32(range(n)), logits, i32(parents))
+                           i32([0] * n), i32(range(n)), logits, i32(parents), hidden, index)
         cache.length += n
-        return logits
+        return logits if hidden is None else (logits, hidden.reshape(n, len(index), self.hidden_size))
 
 
 class NativeBatch:

@@ -101,6 +101,7 @@ class DecoderSession:
     # are not everywhere (memspec.runtime.invariance); its caches offer no prefix copy either
     prefix_reuse = False
     trees = False  # its attention takes chains only: drafts are verified as chains (NativeTarget.forward_tree)
+    features = False  # its graph outputs logits and K/V only: no hidden states (contracts.FeatureTarget)
 
     def __init__(self, path: str | Path, config: SessionConfig = SessionConfig(), arena: bool = False,
                  threads: int | None = None, min_rows: int = 1, spinning: bool = True, check_rows: bool = False):

@@ -83,6 +83,7 @@ class Slot:
     """One request's place in the batch; `forward` stands in for DecoderSession.forward."""
 
     trees = False  # a batched pass takes chains only (the loop verifies drafts as chains)
+    features = False  # a slot hands over logits only (contracts.FeatureTarget)
 
     def __init__(self, loop: "BatchLoop"):
         self._loop = loop

@@ -420,6 +420,26 @@ static void head_in(struct pass *p, int j) {
     rms_norm(p->x + (size_t)p->b->keep[j] * H, &p->m->out_norm, H, p->m->rms_eps, p->h + (size_t)j * H);
 }
 
+/* Hidden state `index` (struct batch's numbering) of every kept row into the features, where the
+ * batch asks for it: the embedding (index 0) is x; the residual stream after layer index-1 is x plus
+ * that layer's MLP output in o, added as the next layer adds it (attn_in, last_out); the head's
+ * input is h, kept row j at row j (head_in). */
+static void take_features(struct pass *p, int index) {
+    const struct batch *b = p->b;
+    int H = p->m->hidden, n = b->n_features;
+    for (int f = 0; f < n; f++) {
+        if (b->feature_index[f] != index) continue;
+        for (int j = 0; j < b->n_keep; j++) {
+            float *y = b->features + ((size_t)j * n + f) * H;
+            const float *x = p->x + (size_t)b->keep[j] * H, *o = p->o + (size_t)b->keep[j] * H;
+            if (index == p->m->n_layers) memcpy(y, p->h + (size_t)j * H, sizeof(float) * H);
+            else if (index == 0) memcpy(y, x, sizeof(float) * H);
+            else
+                for (int i = 0; i < H; i++) y[i] = x[i] + o[i];
+        }
+    }
+}
+
 static int layer_forward(struct pass *p) {
     const struct model *m = p->m;
     const struct layer *L = p->L;
@@ -457,6 +477,9 @@ static int check_batch(const struct model *m, const struct batch *b, int *root, 
     }
     for (int j = 0; j < b->n_keep; j++)
         if (b->keep[j] < 0 || b->keep[j] >= b->t) return -2;
+    if (b->n_features < 0 || (b->n_features > 0 && (!b->feature_index || !b->features))) return -2;
+    for (int f = 0; f < b->n_features; f++)
+        if (b->feature_index[f] < 0 || b->feature_index[f] > m->n_layers) return -2;
     return 0;
 }
 
@@ -518,15 +541,18 @@ int model_forward(const struct model *m, const struct batch *b) {
             p.rot[(size_t)t * hd + hd / 2 + i] = (float)sin(angle);
         }
     }
+    take_features(&p, 0);
     for (int l = 0; l < m->n_layers && rc == 0; l++) {
         p.layer = l, p.L = &m->layers[l];
         rc = layer_forward(&p);
+        if (rc == 0 && l + 1 < m->n_layers) take_features(&p, l + 1);
     }
     if (rc == 0 && b->n_keep > 0) { /* the last MLP output added, the final norm and the head, for the kept rows */
         run_rows(&p, T, last_out);
         const struct tensor *head[1] = {&m->output};
         float *out[1] = {b->logits};
         rc = stage(&p, head_in, p.h, b->n_keep, H, head, out, 1, NULL);
+        if (rc == 0) take_features(&p, m->n_layers);
     }
     pool_park(m->pool);
     free(arena);

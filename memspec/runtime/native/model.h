@@ -58,9 +58,18 @@ struct batch {
     const int32_t *ids, *pos, *seq, *keep, *parent;
     struct kv *caches; /* s of them */
     float *logits;
+    /* Features (n_features 0: none): hidden states of the kept rows, copied out of the pass's own
+     * rows (no extra work, the same bits as the row's logits at any T and thread count).  For kept
+     * row j and f < n_features, features[(j * n_features + f) * hidden ...] gets hidden state
+     * feature_index[f], numbered as a Hugging Face model's hidden_states: 0 the token's embedding,
+     * i in 1..n_layers-1 the residual stream after layer i-1, n_layers the final norm's output
+     * (the head's input). */
+    int n_features;
+    const int32_t *feature_index;
+    float *features;
 };
 
-/* 0 on success; -1 out of memory; -2 a bad batch (ids, positions or sequences out of range). */
+/* 0 on success; -1 out of memory; -2 a bad batch (ids, positions, sequences or feature indices out of range). */
 int model_forward(const struct model *m, const struct batch *b);
 
 #endif

@@ -482,24 +482,34 @@ static int get_ints(PyObject *obj, Py_buffer *b, const char *what, Py_ssize_t n)
 }
 
 PyDoc_STRVAR(forward_doc,
-"forward(caches, capacities, ids, pos, seq, keep, logits, parent=None)\n\n"
+"forward(caches, capacities, ids, pos, seq, keep, logits, parent=None, features=None, feature_index=None)\n\n"
 "One pass: row t feeds ids[t] of sequence seq[t] at position pos[t] (int32 arrays of T), its key and\n"
 "value written into caches[seq[t]] (writable float16 buffers of n_layers*2*n_kv_heads*capacity*head_dim\n"
 "values); logits (len(keep), vocab) float32 receives the rows keep[j].  The GIL is released while it\n"
 "runs.  parent (int32 of T, optional): a token tree, each row's parent row or -1 (model.h's struct\n"
-"batch).  ValueError on a bad batch.");
+"batch).  features (float32 (len(keep), len(feature_index) * hidden)) and feature_index (int32, each\n"
+"in 0..n_layers), both or neither: each kept row's hidden states, numbered as a Hugging Face model's\n"
+"hidden_states (0 the embedding, i the residual after layer i-1, n_layers the final norm's output),\n"
+"copied out of the pass (model.h's struct batch).  ValueError on a bad batch.");
 
 static PyObject *model_forward_py(ModelObject *self, PyObject *args) {
     PyObject *caches, *caps, *ids_o, *pos_o, *seq_o, *keep_o, *logits_o, *parent_o = Py_None;
-    if (!PyArg_ParseTuple(args, "OOOOOOO|O", &caches, &caps, &ids_o, &pos_o, &seq_o, &keep_o, &logits_o, &parent_o))
+    PyObject *features_o = Py_None, *index_o = Py_None;
+    if (!PyArg_ParseTuple(args, "OOOOOOO|OOO", &caches, &caps, &ids_o, &pos_o, &seq_o, &keep_o, &logits_o, &parent_o,
+                          &features_o, &index_o))
         return NULL;
+    if ((features_o == Py_None) != (index_o == Py_None)) {
+        PyErr_SetString(PyExc_ValueError, "features and feature_index go together: give both or neither");
+        return NULL;
+    }
     struct model *m = &self->m;
     Py_ssize_t s = PySequence_Check(caches) ? PySequence_Size(caches) : -1;
     if (s < 1 || !PySequence_Check(caps) || PySequence_Size(caps) != s) {
         PyErr_SetString(PyExc_ValueError, "caches and capacities must be sequences of one or more, of equal length");
         return NULL;
     }
-    Py_buffer ids, pos, seq, keep, logits, parent;
+    Py_buffer ids, pos, seq, keep, logits, parent, features, index;
+    int have_features = 0;
     Py_buffer *bufs = calloc((size_t)s, sizeof(Py_buffer));
     struct kv *kvs = calloc((size_t)s, sizeof(struct kv));
     int held = 0, have = 0;
@@ -542,8 +552,18 @@ static PyObject *model_forward_py(ModelObject *self, PyObject *args) {
         if (get_ints(parent_o, &parent, "parent", ids.shape[0])) goto done;
         have = 6;
     }
+    if (index_o != Py_None) {
+        if (get_ints(index_o, &index, "feature_index", -1)) goto done;
+        have_features = 1;
+        if (get_matrix(features_o, &features, PyBUF_WRITABLE, "features", keep.shape[0],
+                       index.shape[0] * (Py_ssize_t)m->hidden))
+            goto done;
+        have_features = 2;
+    }
     struct batch b = {(int)ids.shape[0], (int)s, (int)keep.shape[0], ids.buf, pos.buf, seq.buf, keep.buf,
-                      have == 6 ? parent.buf : NULL, kvs, logits.buf};
+                      have == 6 ? parent.buf : NULL, kvs, logits.buf,
+                      have_features ? (int)index.shape[0] : 0, have_features ? index.buf : NULL,
+                      have_features ? features.buf : NULL};
     int rc;
     Py_BEGIN_ALLOW_THREADS
     pthread_mutex_lock(&self->lock);
@@ -553,13 +573,15 @@ static PyObject *model_forward_py(ModelObject *self, PyObject *args) {
     if (rc == -1) PyErr_NoMemory();
     else if (rc == -2)
         PyErr_SetString(PyExc_ValueError, "a bad batch: a token id outside the vocabulary, a position outside its "
-                        "cache, a sequence or kept row out of range, no rows, or a tree row whose parent is not an earlier row of its "
-                        "tree one position before it");
+                        "cache, a sequence or kept row out of range, no rows, a tree row whose parent is not an earlier row of its "
+                        "tree one position before it, or a feature index outside 0..n_layers");
     else {
         Py_INCREF(Py_None);
         result = Py_None;
     }
 done:
+    if (have_features >= 2) PyBuffer_Release(&features);
+    if (have_features >= 1) PyBuffer_Release(&index);
     if (have >= 6) PyBuffer_Release(&parent);
     if (have >= 5) PyBuffer_Release(&logits);
     if (have >= 4) PyBuffer_Release(&keep);
