@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 LARGE_DRAFT_BYTES = 64 * 2**20  # a draft this large runs on every core when draft_threads = 0
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")  # ONNX Runtime's, in `providers`
+KV_FORMATS = ("f16", "q8")  # [runtime] kv: the native engine's KV cache formats (native/attention.h)
 NATIVE_VARIANT = "gguf"  # what status and the store call a native target's variant: the GGUF file itself
 
 
@@ -39,6 +40,8 @@ class SessionConfig:
     #                         pool would only wait), one per physical core for one of LARGE_DRAFT_BYTES
     #                         or more (a 0.5B sibling's step is memory-bound); draft pools never spin
     max_context: int = 2048  # KV capacity in tokens (prompt + generated)
+    kv: str = "f16"  # the native engine's KV cache: "f16", or "q8" (int8 with a float32 scale per
+    #                  position and KV head: about half the bytes; memspec.runtime.native_target)
     prefix_cache_mb: int = 64  # K/V of recent prompts kept for the next prompt that starts the same way
     #                            (memspec.runtime.prefixes; targets exact at any row count only); 0 = off
     batching: bool | str = "auto"  # concurrent requests share one batched target pass, [server]
@@ -51,3 +54,10 @@ class SessionConfig:
     #                                greedy speculative output is target-only output token for token
     #                                (on q4 ~2% of tokens flip otherwise); graphs that pad attention
     #                                themselves (memspec.attention_pad) need neither, and ignore it
+
+    def __post_init__(self):
+        if self.kv not in KV_FORMATS:
+            from memspec.errors import ConfigError
+
+            raise ConfigError(f"[runtime] kv: {self.kv!r} is not a KV cache format; choose one of "
+                              f"{', '.join(KV_FORMATS)}")
