@@ -44,7 +44,7 @@ def test_every_path_and_architecture_computes_the_same_bits(tmp_path):
     if cc is None:
         pytest.skip("no C compiler")
     scalar = _selftest([cc], tmp_path / "selftest", [], "scalar")
-    assert len(scalar.splitlines()) == 13, scalar  # 10 types, then floatops, quantize and attention
+    assert len(scalar.splitlines()) == 14, scalar  # 10 types, then floatops, quantize, attention (f16, q8)
     assert _selftest([cc], tmp_path / "selftest", []) == scalar  # the best path here (AVX2 where present)
     cross, qemu = shutil.which("aarch64-linux-gnu-gcc"), shutil.which("qemu-aarch64")
     if not (cross and qemu):

@@ -35,7 +35,12 @@ def test_a_row_is_the_same_fed_alone_in_chunks_or_among_other_sequences(gguf_pat
     their chunks (model.c's deal), which must change no output."""
     from memspec.runtime.native_target import NativeTarget
 
-    t = native if threads == 2 else NativeTarget(gguf_path, threads=threads, max_context=128)
+    assert_rows_exact(native if threads == 2 else NativeTarget(gguf_path, threads=threads, max_context=128), native,
+                      threads)
+
+
+def assert_rows_exact(t, native, threads):
+    """t's rows, fed alone, in chunks and among other sequences, are `native`'s of one pass (2 threads)."""
     ref = whole(native, IDS[:24])  # 2 threads, one pass of 24 rows
     one = t.new_cache()
     alone = np.concatenate([t.forward(one, [i]) for i in IDS[:24]])
@@ -509,3 +514,121 @@ def test_the_readme_quick_start_answers_right_on_the_default_target(native_engin
         answer = native_engine.generate(GenerationRequest(prompt=args[-1], max_tokens=256, draft=draft)).text
         assert re.search(pattern, answer, re.IGNORECASE), (args, answer)
     assert f'generate "{lines[0][-1]}"' in (repo / "setup.sh").read_text()
+
+
+# -- INT8 KV ([runtime] kv = "q8") ------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def native_q8(gguf_path):
+    from memspec.runtime.native_target import NativeTarget
+
+    return NativeTarget(gguf_path, threads=2, max_context=128, kv="q8")
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+def test_q8_rows_are_the_same_fed_alone_in_chunks_or_among_other_sequences(gguf_path, native_q8, threads):
+    """Each position's int8 key and value are quantized once, from that row alone, and every row (its
+    own position included) attends them as read back: the same bits at any row count and threads."""
+    from memspec.runtime.native_target import NativeTarget
+
+    assert native_q8.rows.exact and native_q8.model.kv == "q8"
+    assert_rows_exact(NativeTarget(gguf_path, threads=threads, max_context=128, kv="q8"), native_q8, threads)
+
+
+@pytest.mark.parametrize("context", [0, 37])
+def test_q8_tree_rows_are_their_chains_fed_alone(native_q8, context):
+    rng = np.random.default_rng(context)
+    ctx = list(map(int, rng.integers(0, 49152, context)))
+    for parents in TREES[2:]:
+        ids = list(map(int, rng.integers(0, 49152, len(parents))))
+        c = native_q8.new_cache()
+        if ctx:
+            native_q8.forward(c, ctx)
+        rows = native_q8.forward_tree(c, ids, parents)
+        for i in range(len(ids)):
+            chain, node = [], i
+            while node >= 0:
+                chain.insert(0, ids[node])
+                node = parents[node]
+            assert np.array_equal(rows[i], whole(native_q8, ctx + chain)[-1]), (parents, i)
+    c = native_q8.new_cache()  # and a kept branch leaves that chain's cache
+    native_q8.forward(c, IDS[:11])
+    native_q8.forward_tree(c, [IDS[11], 101, 102, 201], [-1, 0, 1, 0])
+    c.keep_path(11, [0, 3])
+    assert np.array_equal(native_q8.forward(c, IDS[30:33], keep=3), whole(native_q8, IDS[:12] + [201] + IDS[30:33])[-3:])
+
+
+def test_q8_every_path_of_this_cpu_gives_the_same_logits(gguf_path, native_q8):
+    """The scalar reference and this CPU's SIMD paths on SmolLM2's real keys and values: the int8 tiles'
+    conversion and the scales applied after the dot and before the mix, bit for bit, across tiles
+    (64 positions of 64 dims) and groups of 8 keys."""
+    from memspec.runtime.native_target import NativeTarget
+
+    ids = IDS + IDS[:30]  # 78 positions: past one tile
+    want = whole(native_q8, ids)
+    for isa in kernels.isas():
+        other = NativeTarget(gguf_path, threads=2, max_context=128, isa=isa, kv="q8")
+        assert np.array_equal(whole(other, ids), want), isa
+
+
+def test_q8_logits_stay_close_to_f16_and_its_prefixes_load(native, native_q8):
+    """q8 changes the logits (it is another cache), a little: the top token of most rows of a real
+    prompt is f16's; and a q8 prefix copied into another cache gives the whole prompt's logits."""
+    ids = [1, 9690, 198, 2683, 359, 253, 5356, 31581, 28, 3570, 16185, 198, 1, 4093, 198, 504, 314, 28, 216]
+    f16, q8 = whole(native, ids), whole(native_q8, ids)
+    assert not np.array_equal(f16, q8)
+    assert (f16.argmax(1) == q8.argmax(1)).mean() >= 0.9
+    other = native_q8.new_cache()
+    native_q8.forward(other, ids[:12] + [42, 43], keep=1)
+    c = native_q8.new_cache()
+    c.load_prefix(other.prefix(12), 12)
+    assert np.array_equal(native_q8.forward(c, ids[12:], keep=len(ids) - 12), q8[12:])
+
+
+def test_a_q8_cache_is_about_half_the_bytes_and_the_budget_counts_it(native, native_q8):
+    """Measured on the allocated buffers: SmolLM2's q8 cache is (64 + 4) / 128 of the f16 one's bytes;
+    the per-token figure and the resident bytes the budget reserves are those buffers'."""
+    f16, q8 = native.new_cache(), native_q8.new_cache()
+    assert q8.data.dtype == np.uint8 and f16.data.dtype == np.uint16
+    assert q8.nbytes / f16.nbytes == (64 + 4) / 128 < 0.54
+    for t, c in ((native, f16), (native_q8, q8)):
+        assert t.kv_bytes_per_token() * c.capacity == c.nbytes == t.cache_nbytes(c.capacity)
+        # a cache's rows as written: the bytes of a position within one (layer, K/V, head) row of the buffer
+        assert c.data[0, 0, 0, 1:].ctypes.data - c.data[0, 0, 0, :].ctypes.data == t.kv_bytes_per_token() // (
+            2 * t.n_layers * t.kv_heads)
+    assert native_q8.cache_nbytes(100) < 0.6 * native.cache_nbytes(100)
+
+
+def test_the_config_names_the_kv_format_and_refuses_another(tmp_path):
+    from memspec.config import load_config
+    from memspec.errors import ConfigError
+    from memspec.runtime.config import SessionConfig
+
+    (tmp_path / "q8.toml").write_text('[runtime]\nkv = "q8"\n')
+    assert load_config(tmp_path / "q8.toml").runtime.kv == "q8" and SessionConfig().kv == "f16"
+    with pytest.raises(ConfigError, match=r"\[runtime\] kv: 'q4' is not a KV cache format; choose one of f16, q8"):
+        SessionConfig(kv="q4")
+
+
+@pytest.fixture(scope="module")
+def native_engine_q8(model_store):
+    from memspec.runtime.config import SessionConfig
+    from memspec.build import load_pool
+    from memspec.runtime.target import load_target
+    from memspec.speculation.engine import Engine
+    from memspec.speculation.sources import DraftPool
+
+    config = SessionConfig(max_context=512, backend="native", intra_op_threads=2, kv="q8")
+    target = load_target(model_store, "smollm2-135m", "q4", config)
+    return Engine(target, drafts=DraftPool(load_pool(model_store, "smollm2-135m", 49152, config)))
+
+
+def test_q8_speculative_output_is_q8_target_only_output_with_every_draft(native_engine, native_engine_q8):
+    """Greedy under [runtime] kv = "q8": every shipped draft and prompt lookup give the q8 target's own
+    answer token for token; and the engine reserves the q8 cache's bytes for a request."""
+    from memspec.request import GenerationRequest
+
+    assert native_engine_q8.target.session.kv == "q8" and native_engine_q8.target.session.rows.exact
+    assert_every_draft_keeps_target_only_output(native_engine_q8, max_tokens=40)
+    req = GenerationRequest(prompt="Name three colors.", max_tokens=100)
+    prompt = list(range(1, 60))
+    assert native_engine_q8.kv_bytes(req, prompt) < native_engine.kv_bytes(req, prompt)

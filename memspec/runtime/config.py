@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 LARGE_DRAFT_BYTES = 64 * 2**20  # a draft this large runs on every core when draft_threads = 0
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")  # ONNX Runtime's, in `providers`
+KV_FORMATS = ("f16", "q8")  # [runtime] kv: the native engine's KV cache formats (native/attention.h)
 NATIVE_VARIANT = "gguf"  # what status and the store call a native target's variant: the GGUF file itself
 
 
@@ -45,6 +46,8 @@ class SessionConfig:
     #                                  ...); in the config file a table, { "qwen2.5-coder-1.5b" = 8192 }
     prefill_chunk: int = 512  # prompt tokens per batched pass: a long prompt is fed in chunks between the
     #                           other requests' decode steps, so that their tokens keep coming (batching on)
+    kv: str = "f16"  # the native engine's KV cache: "f16", or "q8" (int8 with a float32 scale per
+    #                  position and KV head: about half the bytes; memspec.runtime.native_target)
     prefix_cache_mb: int = 64  # K/V of recent prompts kept for the next prompt that starts the same way
     #                            (memspec.runtime.prefixes; targets exact at any row count only); 0 = off
     batching: bool | str = "auto"  # concurrent requests share one batched target pass, [server]
@@ -57,3 +60,10 @@ class SessionConfig:
     #                                greedy speculative output is target-only output token for token
     #                                (on q4 ~2% of tokens flip otherwise); graphs that pad attention
     #                                themselves (memspec.attention_pad) need neither, and ignore it
+
+    def __post_init__(self):
+        if self.kv not in KV_FORMATS:
+            from memspec.errors import ConfigError
+
+            raise ConfigError(f"[runtime] kv: {self.kv!r} is not a KV cache format; choose one of "
+                              f"{', '.join(KV_FORMATS)}")

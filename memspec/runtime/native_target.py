@@ -15,8 +15,10 @@ path multiplies 8 rows at a time (Q4_K and Q6_K on AVX2) are repacked at load in
 order, losslessly, and their mapped pages dropped: `file_bytes` counts what stays resident.  A row's logits are
 one fixed sequence of operations on that row's sequence and the weights, so they are the same
 bit for bit whether its token is fed alone, among draft tokens, or beside other sequences' rows,
-at any thread count (model.h).  The KV cache is float16, one buffer per sequence whose pages the
-OS commits as positions are written; rollback is a shorter `length`.
+at any thread count (model.h).  The KV cache is float16 (kv="f16"), or int8 with one float32 scale
+per position and KV head (kv="q8": about half the bytes; a row quantized once, when its position is
+fed, from its own values, so logits stay exact at any row count), one buffer per sequence whose pages
+the OS commits as positions are written; rollback is a shorter `length`.
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ import numpy as np
 from memspec.errors import ModelFormatError
 from memspec.models.gguf import TensorInfo, decoder_config, read_layout
 from memspec.runtime import kernels
+from memspec.runtime.config import KV_FORMATS
 from memspec.runtime.costs import cost_key, step_costs
 from memspec.runtime.contracts import UNCHECKED, RowCheck, physical_cores
 from memspec.runtime.invariance import check
@@ -40,16 +43,25 @@ LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.w
                  "ffn_up.weight", "ffn_down.weight")  # the order memspec.runtime._native.Model reads them in
 OPTIONAL = {"attn_q.bias", "attn_k.bias", "attn_v.bias"}  # qwen2 has them, llama not
 NEOX_ROPE = {"qwen2"}  # architectures whose rotary pairs are (i, i + d/2); llama's GGUF rows pair (2i, 2i+1)
-KV_ITEMSIZE = 2  # float16
+def kv_row_bytes(kv: str, head_dim: int) -> int:
+    """Bytes of one position's key or value for one KV head: head_dim float16s, or (q8) head_dim
+    int8s and their float32 scale."""
+    if kv not in KV_FORMATS:
+        raise ValueError(f"kv = {kv!r}: the native engine's KV cache is one of {', '.join(KV_FORMATS)}")
+    return head_dim + 4 if kv == "q8" else 2 * head_dim
 
 
 class NativeCache(KVCache):
-    """One sequence's keys and values: (layers, K/V, kv heads, capacity, head_dim) float16."""
+    """One sequence's keys and values: (layers, K/V, kv heads, capacity, head_dim) float16 (as
+    uint16), or for kv="q8" (layers, K/V, kv heads, capacity, head_dim + 4) bytes: each position's
+    int8s, then their float32 scale."""
 
-    def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int):
+    def __init__(self, capacity: int, n_layers: int, kv_heads: int, head_dim: int, kv: str = "f16"):
         super().__init__(capacity)  # no slack: a native pass is never padded
         # the OS commits pages as positions are written (kvcache.committed_as_written)
-        self.data = committed_as_written((n_layers, 2, kv_heads, capacity, head_dim), np.uint16)
+        row, dtype = (kv_row_bytes(kv, head_dim), np.uint8) if kv == "q8" else (head_dim, np.uint16)
+        self.kv = kv
+        self.data = committed_as_written((n_layers, 2, kv_heads, capacity, row), dtype)
 
     @property
     def nbytes(self) -> int:
@@ -97,9 +109,9 @@ class NativeTarget:
     features = True
 
     def __init__(self, path: str | Path, threads: int = 0, max_context: int = 2048, isa: str | None = None,
-                 check_rows: bool = True):
+                 check_rows: bool = True, kv: str = "f16"):
         """check_rows: run the row-invariance self-check at load (a target's answer depends on it; a
-        draft's, which only proposes, does not: UNCHECKED)."""
+        draft's, which only proposes, does not: UNCHECKED).  kv: the KV cache's format, "f16" or "q8"."""
         self.path = Path(path)
         meta, tensors = read_layout(self.path)
         self.config = cfg = decoder_config(meta, tensors, self.path.name)
@@ -108,6 +120,7 @@ class NativeTarget:
         self.vocab_size = cfg.vocab
         self.n_layers, self.kv_heads, self.head_dim = cfg.n_layers, cfg.n_kv_heads, cfg.head_dim
         self.hidden_size = cfg.hidden
+        self.kv, self.kv_row_bytes = kv, kv_row_bytes(kv, cfg.head_dim)
         self.threads = threads or physical_cores()
         with open(self.path, "rb") as f:
             self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
@@ -127,7 +140,7 @@ class NativeTarget:
         try:
             self.model = native.Model(self._map, config, spec("token_embd.weight"), spec("output_norm.weight"),
                                       spec(head), layers, self.threads, isa=isa,
-                                      release_packed=True)
+                                      release_packed=True, kv=kv)
         except ValueError as exc:  # an unsupported type, a wrong shape, a truncated file
             raise ModelFormatError(f"{self.path.name}: {exc}") from None
         self.file_bytes = self._resident_bytes()
@@ -145,21 +158,20 @@ class NativeTarget:
 
     # -- caches -------------------------------------------------------------
     def new_cache(self, capacity: int | None = None) -> NativeCache:
-        return NativeCache(capacity or self.max_context, self.n_layers, self.kv_heads, self.head_dim)
+        return NativeCache(capacity or self.max_context, self.n_layers, self.kv_heads, self.head_dim, self.kv)
 
     def kv_bytes_per_token(self) -> int:
-        return 2 * self.n_layers * self.kv_heads * self.head_dim * KV_ITEMSIZE
+        return 2 * self.n_layers * self.kv_heads * self.kv_row_bytes
 
     def cache_nbytes(self, tokens: int) -> int:
         """Resident bytes of one sequence's cache once it holds `tokens` tokens: the pages of each
         (layer, K/V, head) row written so far (memspec.runtime.kvcache.kv_cache_nbytes)."""
-        return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.head_dim, tokens, self.max_context,
-                               KV_ITEMSIZE)
+        return kv_cache_nbytes(2 * self.n_layers * self.kv_heads, self.kv_row_bytes, tokens, self.max_context, 1)
 
     # -- costs --------------------------------------------------------------
     def cost_key(self, max_k: int) -> str:
         """What measure_step_costs(max_k) depends on (memspec.runtime.costs keeps curves by it)."""
-        return cost_key(self.path, max_k, ["memspec-native", kernels.build_id(), self.isa], self.threads, 1)
+        return cost_key(self.path, max_k, ["memspec-native", kernels.build_id(), self.isa, self.kv], self.threads, 1)
 
     def measure_step_costs(self, max_k: int, context: int = 64, repeats: int = 3) -> list[float]:
         """memspec.runtime.costs.step_costs: seconds of a pass over k = 1..max_k tokens."""

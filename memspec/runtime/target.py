@@ -95,7 +95,7 @@ def open_target(store, planned: Plan, config: SessionConfig) -> Target:
         from memspec.runtime.native_target import NativeTarget
 
         gguf = store.gguf_of(planned.manifest)  # ModelFormatError: missing or not the one pulled
-        return NativeTarget(gguf, threads=config.intra_op_threads, max_context=config.max_context)
+        return NativeTarget(gguf, threads=config.intra_op_threads, max_context=config.max_context, kv=config.kv)
     from memspec.runtime.sessions import DecoderSession
 
     if planned.warning:

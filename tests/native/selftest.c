@@ -238,47 +238,62 @@ static int check_quantize(const struct dot_isa *isa) {
     return 0;
 }
 
-/* attention.h on this path: scores and mix over float16 keys and values, at head sizes that are and are
- * not a multiple of 64 (the AVX2 mix keeps 64 dimensions in registers) or too wide for a tile of 8
- * keys (520), position counts around groups of 8 keys and tiles (32 and 64 rows at 128 and 64 dims),
- * for 1..5 queries at once with counts that differ as a sequence's rows do.  Each query alone must
- * give the bits it gives among others; one line with a hash of all the bits, which the test compares
- * across paths. */
-static int check_attention(const struct dot_isa *isa) {
+/* attention.h on this path: scores and mix over float16 keys and values (KV_F16), then over int8 rows
+ * with their scales (KV_Q8, quantized here by kv_q8_row from random floats, a few rows all zeros), at
+ * head sizes that are and are not a multiple of 64 (the AVX2 mix keeps 64 dimensions in registers) or
+ * too wide for a tile of 8 keys (520), position counts around groups of 8 keys and tiles (32 and 64
+ * rows at 128 and 64 dims), for 1..5 queries at once with counts that differ as a sequence's rows do.
+ * Each query alone must give the bits it gives among others; one line per format with a hash of all
+ * the bits (the KV_Q8 rows' too), which the test compares across paths. */
+static int check_attention(const struct dot_isa *isa, int type) {
     const struct attn_isa *at = attn_isa_for(isa->name);
     static const int dims[] = {8, 64, 80, 128, 520}, counts[] = {1, 3, 4, 5, 37, 70};
     enum { MAXN = 74, MAXD = 520, MAXQ = 5 };
-    static uint16_t kv[2][MAXN * MAXD];
-    static float q[MAXQ][MAXD], w[MAXQ][MAXN + 8], out[MAXQ][MAXD], w1[MAXN + 8], out1[MAXD];
+    static uint8_t kv[2][MAXN * (MAXD * 2)];
+    static float q[MAXQ][MAXD], w[MAXQ][MAXN + 8], out[MAXQ][MAXD], w1[MAXN + 8], out1[MAXD], x[MAXD];
     uint64_t h = 0xcbf29ce484222325ull;
     int bad = 0;
     for (size_t d = 0; d < sizeof(dims) / sizeof(dims[0]); d++)
         for (size_t c = 0; c < sizeof(counts) / sizeof(counts[0]); c++)
             for (int nq = 1; nq <= MAXQ; nq += 2) {
                 int hd = dims[d], n = counts[c];
+                size_t rb = kv_row_bytes(type, hd);
+                float scale = type == KV_Q8 ? 1.0f / sqrtf((float)hd) : 0.125f; /* the engine's, not a power of 2 at 128 */
                 struct attn_query qs[MAXQ];
-                for (int i = 0; i < (n + nq) * hd; i++) /* normal float16s of either sign, about 2^-3 .. 2^1 */
-                    kv[0][i] = (uint16_t)(0x3000 | (next() & 0x93FF)), kv[1][i] = (uint16_t)(0x3000 | (next() & 0x93FF));
+                for (int i = 0; type == KV_F16 && i < (n + nq) * hd; i++) /* normal float16s of either sign, about 2^-3 .. 2^1 */
+                    for (int which = 0; which < 2; which++) {
+                        uint16_t f = (uint16_t)(0x3000 | (next() & 0x93FF));
+                        memcpy(kv[which] + 2 * (size_t)i, &f, 2);
+                    }
+                for (int r = 0; type == KV_Q8 && r < n + nq; r++) /* floats of a row's own size, 1 row in 16 zeros */
+                    for (int which = 0; which < 2; which++) {
+                        uint8_t *row = kv[which] + (size_t)r * rb;
+                        float mag = (float)(1 + next() % 64) * 0.0625f, zero = next() % 16 == 0;
+                        for (int e = 0; e < hd; e++) x[e] = zero ? 0.0f : uniform() * mag;
+                        kv_q8_row(x, hd, row);
+                        h = fnv(h, row, rb);
+                    }
                 for (int i = 0; i < nq; i++) {
                     for (int e = 0; e < hd; e++) q[i][e] = uniform(), out[i][e] = 0.0f;
                     qs[i] = (struct attn_query){q[i], n + (i * 3) % (nq + 1), w[i], out[i]}; /* rows a few apart */
                 }
-                at->scores(qs, nq, kv[0], hd, 0.125f);
-                at->mix(qs, nq, kv[1], hd);
+                at->scores(qs, nq, kv[0], type, hd, scale);
+                at->mix(qs, nq, kv[1], type, hd);
                 for (int i = 0; i < nq; i++) {
                     int ni = qs[i].n;
                     struct attn_query one = {q[i], ni, w1, out1};
                     for (int e = 0; e < hd; e++) out1[e] = 0.0f;
-                    at->scores(&one, 1, kv[0], hd, 0.125f);
-                    at->mix(&one, 1, kv[1], hd);
+                    at->scores(&one, 1, kv[0], type, hd, scale);
+                    at->mix(&one, 1, kv[1], type, hd);
                     if (memcmp(w1, w[i], sizeof(float) * ni) != 0 || memcmp(out1, out[i], sizeof(float) * hd) != 0) {
-                        printf("attention: query %d of %d (n %d, head %d) differs alone\n", i, nq, ni, hd);
+                        printf("attention %s: query %d of %d (n %d, head %d) differs alone\n",
+                               type == KV_Q8 ? "q8" : "f16", i, nq, ni, hd);
                         bad = 1;
                     }
                     h = fnv(fnv(h, w[i], sizeof(float) * ni), out[i], sizeof(float) * hd);
                 }
             }
-    printf("attention %016llx\n", (unsigned long long)h);
+    printf("attention%s %016llx\n", type == KV_Q8 ? " q8" : "", (unsigned long long)h);
     return bad;
 }
 
@@ -296,5 +311,6 @@ int main(int argc, char **argv) {
     bad |= check_lanes(); /* after the types: their random blocks stay what they were */
     bad |= check_floatops(isa);
     bad |= check_quantize(isa);
-    return bad | check_attention(isa);
+    bad |= check_attention(isa, KV_F16);
+    return bad | check_attention(isa, KV_Q8);
 }

@@ -1,10 +1,14 @@
-/* attention.h: the scalar path (the reference), the AVX2 + F16C path and the NEON path.
+/* attention.h: the scalar path (the reference), the AVX2 + F16C path and the NEON path, and the
+ * KV_Q8 rows' quantization.
  *
  * The SIMD paths share one driver (struct tiles): a tile of keys or values is converted to float32
- * once (TILE_FLOATS, in L1), then each query runs over it with the path's own kernel; a query's
- * arithmetic is the reference's whatever the tile and the others. */
+ * once (TILE_FLOATS, in L1; KV_Q8: the int8s as they are, the scales aside), then each query runs
+ * over it with the path's own kernel; a KV_Q8 tile's scales are applied to each query's scores after
+ * its kernel (with scale 1: x * 1 is x), or to its weights before the mix.  A query's arithmetic is
+ * the reference's whatever the tile and the others. */
 #include "attention.h"
 
+#include <math.h>
 #include <string.h>
 
 #include "quants.h"
@@ -17,23 +21,55 @@ static int longest(const struct attn_query *qs, int nq) {
     return n;
 }
 
-static void scores_scalar(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
+void kv_q8_row(const float *x, int hd, uint8_t *row) {
+    float amax = 0.0f;
+    for (int i = 0; i < hd; i++) {
+        float a = fabsf(x[i]);
+        amax = a > amax ? a : amax; /* a NaN is skipped */
+    }
+    float id = amax > 0.0f ? 127.0f / amax : 0.0f, s = amax / 127.0f;
+    for (int i = 0; i < hd; i++) {
+        float v = (x[i] * id + 12582912.0f) - 12582912.0f; /* round half to even: quants.c's round_even */
+        row[i] = (uint8_t)(int8_t)(v >= -127.0f && v <= 127.0f ? v : 0.0f);
+    }
+    memcpy(row + hd, &s, sizeof(s));
+}
+
+/* Element d of a row as a float (exactly), and a KV_Q8 row's scale. */
+static inline float row_at(const uint8_t *row, int type, int d) {
+    uint16_t h;
+    if (type == KV_Q8) return (float)(int8_t)row[d];
+    memcpy(&h, row + 2 * (size_t)d, sizeof(h));
+    return fp16_to_f32(h);
+}
+
+static inline float row_scale(const uint8_t *row, int hd) {
+    float s;
+    memcpy(&s, row + hd, sizeof(s));
+    return s;
+}
+
+static void scores_scalar(const struct attn_query *qs, int nq, const uint8_t *keys, int type, int hd, float scale) {
+    size_t rb = kv_row_bytes(type, hd);
     for (int i = 0; i < nq; i++)
         for (int j = 0; j < qs[i].n; j++) {
-            const uint16_t *k = keys + (size_t)j * hd;
+            const uint8_t *k = keys + (size_t)j * rb;
             const float *q = qs[i].q;
             float a[8] = {0};
             for (int d = 0; d < hd; d += 8)
-                for (int l = 0; l < 8; l++) a[l] += q[d + l] * fp16_to_f32(k[d + l]);
-            qs[i].w[j] = (((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]))) * scale;
+                for (int l = 0; l < 8; l++) a[l] += q[d + l] * row_at(k, type, d + l);
+            float dot = ((a[0] + a[4]) + (a[2] + a[6])) + ((a[1] + a[5]) + (a[3] + a[7]));
+            qs[i].w[j] = type == KV_Q8 ? (dot * row_scale(k, hd)) * scale : dot * scale;
         }
 }
 
-static void mix_scalar(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
+static void mix_scalar(const struct attn_query *qs, int nq, const uint8_t *vals, int type, int hd) {
+    size_t rb = kv_row_bytes(type, hd);
     for (int i = 0; i < nq; i++)
         for (int j = 0; j < qs[i].n; j++) {
-            const uint16_t *v = vals + (size_t)j * hd;
-            for (int d = 0; d < hd; d++) qs[i].out[d] += qs[i].w[j] * fp16_to_f32(v[d]);
+            const uint8_t *v = vals + (size_t)j * rb;
+            float wj = type == KV_Q8 ? qs[i].w[j] * row_scale(v, hd) : qs[i].w[j];
+            for (int d = 0; d < hd; d++) qs[i].out[d] += wj * row_at(v, type, d);
         }
 }
 
@@ -44,41 +80,67 @@ static const struct attn_isa ATTN_SCALAR = {"scalar", scores_scalar, mix_scalar}
 struct tiles {
     int keys; /* keys a scores call fills at a time (its vector width); TILE_FLOATS / hd is cut to a multiple of 8 */
     void (*to_f32)(const uint16_t *h, int count, float *f); /* count float16s, a multiple of 8 */
+    void (*q8_to_f32)(const uint8_t *rows, int n, int hd, float *f); /* n KV_Q8 rows' int8s, as floats */
     /* w[0 .. nk rounded up to `keys`) for the float32 keys kf (rows of hd; the rows past nk are zeros) */
     void (*scores)(const float *q, const float *kf, int nk, int hd, float scale, float *w);
     /* out += sum_{j < m} w[j] * vf row j, each output summed over j in order */
     void (*mix)(const float *w, const float *vf, int m, int hd, float *out);
 };
 
-static void scores_tiled(const struct tiles *t, const struct attn_query *qs, int nq, const uint16_t *keys, int hd,
-                         float scale) {
-    float kf[TILE_FLOATS] __attribute__((aligned(32)));
-    int rows = (TILE_FLOATS / hd) & ~7, n = longest(qs, nq);
+/* n rows as float32 rows of hd in f, and (KV_Q8) their scales in s. */
+static void load_tile(const struct tiles *t, const uint8_t *rows, int type, int n, int hd, float *f, float *s) {
+    if (type != KV_Q8) {
+        t->to_f32((const uint16_t *)rows, n * hd, f);
+        return;
+    }
+    t->q8_to_f32(rows, n, hd, f);
+    for (int j = 0; j < n; j++) s[j] = row_scale(rows + (size_t)j * (hd + 4), hd);
+}
+
+static void scores_tiled(const struct tiles *t, const struct attn_query *qs, int nq, const uint8_t *keys, int type,
+                         int hd, float scale) {
+    float kf[TILE_FLOATS] __attribute__((aligned(32))), ks[TILE_FLOATS / 8];
+    int rows = (TILE_FLOATS / hd) & ~7, n = longest(qs, nq), q8 = type == KV_Q8;
     if (rows < 8) { /* a head too wide for a tile of 8 keys (none the engine has met): the reference */
-        scores_scalar(qs, nq, keys, hd, scale);
+        scores_scalar(qs, nq, keys, type, hd, scale);
         return;
     }
     for (int j0 = 0; j0 < n; j0 += rows) {
         int nk = n - j0 < rows ? n - j0 : rows, padded = (nk + t->keys - 1) / t->keys * t->keys;
-        t->to_f32(keys + (size_t)j0 * hd, nk * hd, kf);
+        load_tile(t, keys + (size_t)j0 * kv_row_bytes(type, hd), type, nk, hd, kf, ks);
         memset(kf + (size_t)nk * hd, 0, sizeof(float) * (size_t)(padded - nk) * hd); /* scores past n: never read */
-        for (int i = 0; i < nq; i++)
-            if (qs[i].n > j0) t->scores(qs[i].q, kf, qs[i].n - j0 < nk ? qs[i].n - j0 : nk, hd, scale, qs[i].w + j0);
+        for (int i = 0; i < nq; i++) {
+            if (qs[i].n <= j0) continue;
+            int m = qs[i].n - j0 < nk ? qs[i].n - j0 : nk;
+            float *w = qs[i].w + j0;
+            t->scores(qs[i].q, kf, m, hd, q8 ? 1.0f : scale, w);
+            if (q8)
+                for (int j = 0; j < m; j++) w[j] = (w[j] * ks[j]) * scale;
+        }
     }
 }
 
-static void mix_tiled(const struct tiles *t, const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
-    float vf[TILE_FLOATS] __attribute__((aligned(32)));
+static void mix_tiled(const struct tiles *t, const struct attn_query *qs, int nq, const uint8_t *vals, int type,
+                      int hd) {
+    float vf[TILE_FLOATS] __attribute__((aligned(32))), vs[TILE_FLOATS / 8], ws[TILE_FLOATS / 8];
     int rows = TILE_FLOATS / hd, n = longest(qs, nq);
     if (rows < 1) { /* a head wider than a tile: the reference */
-        mix_scalar(qs, nq, vals, hd);
+        mix_scalar(qs, nq, vals, type, hd);
         return;
     }
     for (int j0 = 0; j0 < n; j0 += rows) {
         int nv = n - j0 < rows ? n - j0 : rows;
-        t->to_f32(vals + (size_t)j0 * hd, nv * hd, vf);
-        for (int i = 0; i < nq; i++)
-            if (qs[i].n > j0) t->mix(qs[i].w + j0, vf, qs[i].n - j0 < nv ? qs[i].n - j0 : nv, hd, qs[i].out);
+        load_tile(t, vals + (size_t)j0 * kv_row_bytes(type, hd), type, nv, hd, vf, vs);
+        for (int i = 0; i < nq; i++) {
+            if (qs[i].n <= j0) continue;
+            int m = qs[i].n - j0 < nv ? qs[i].n - j0 : nv;
+            const float *w = qs[i].w + j0;
+            if (type == KV_Q8) {
+                for (int j = 0; j < m; j++) ws[j] = w[j] * vs[j];
+                w = ws;
+            }
+            t->mix(w, vf, m, hd, qs[i].out);
+        }
     }
 }
 #endif
@@ -90,6 +152,12 @@ static void mix_tiled(const struct tiles *t, const struct attn_query *qs, int nq
 
 AVX2 static void to_f32_avx2(const uint16_t *h, int count, float *f) {
     for (int i = 0; i < count; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+}
+
+AVX2 static void q8_to_f32_avx2(const uint8_t *rows, int n, int hd, float *f) {
+    for (int j = 0; j < n; j++, rows += hd + 4, f += hd)
+        for (int d = 0; d < hd; d += 8)
+            _mm256_storeu_ps(f + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rows + d)))));
 }
 
 /* Eight keys' scores from their 8-lane sums a[u], each as the reference adds its lanes:
@@ -146,12 +214,12 @@ AVX2 static void mix_avx2(const float *w, const float *vf, int m, int hd, float 
     if (d0 < hd) mix_block(w, vf, m, hd, d0, (hd - d0) / 8, out);
 }
 
-static const struct tiles TILES_AVX2 = {8, to_f32_avx2, scores_avx2, mix_avx2};
-static void scores_tiles_avx2(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
-    scores_tiled(&TILES_AVX2, qs, nq, keys, hd, scale);
+static const struct tiles TILES_AVX2 = {8, to_f32_avx2, q8_to_f32_avx2, scores_avx2, mix_avx2};
+static void scores_tiles_avx2(const struct attn_query *qs, int nq, const uint8_t *keys, int type, int hd, float scale) {
+    scores_tiled(&TILES_AVX2, qs, nq, keys, type, hd, scale);
 }
-static void mix_tiles_avx2(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
-    mix_tiled(&TILES_AVX2, qs, nq, vals, hd);
+static void mix_tiles_avx2(const struct attn_query *qs, int nq, const uint8_t *vals, int type, int hd) {
+    mix_tiled(&TILES_AVX2, qs, nq, vals, type, hd);
 }
 static const struct attn_isa ATTN_AVX2 = {"avx2", scores_tiles_avx2, mix_tiles_avx2};
 #endif
@@ -162,6 +230,15 @@ static const struct attn_isa ATTN_AVX2 = {"avx2", scores_tiles_avx2, mix_tiles_a
 /* fcvtl: exact. */
 static void to_f32_neon(const uint16_t *h, int count, float *f) {
     for (int i = 0; i < count; i += 4) vst1q_f32(f + i, vcvt_f32_f16(vreinterpret_f16_u16(vld1_u16(h + i))));
+}
+
+static void q8_to_f32_neon(const uint8_t *rows, int n, int hd, float *f) {
+    for (int j = 0; j < n; j++, rows += hd + 4, f += hd)
+        for (int d = 0; d < hd; d += 8) {
+            int16x8_t x = vmovl_s8(vld1_s8((const int8_t *)rows + d));
+            vst1q_f32(f + d, vcvtq_f32_s32(vmovl_s16(vget_low_s16(x))));
+            vst1q_f32(f + d + 4, vcvtq_f32_s32(vmovl_high_s16(x)));
+        }
 }
 
 /* Key u's 8 lanes (lo: 0-3, hi: 4-7) reduced as the reference: s = (0+4, 1+5, 2+6, 3+7), then
@@ -211,12 +288,12 @@ static void mix_neon(const float *w, const float *vf, int m, int hd, float *out)
     if (d0 < hd) mix_block_neon(w, vf, m, hd, d0, (hd - d0) / 4, out);
 }
 
-static const struct tiles TILES_NEON = {4, to_f32_neon, scores_neon, mix_neon};
-static void scores_tiles_neon(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale) {
-    scores_tiled(&TILES_NEON, qs, nq, keys, hd, scale);
+static const struct tiles TILES_NEON = {4, to_f32_neon, q8_to_f32_neon, scores_neon, mix_neon};
+static void scores_tiles_neon(const struct attn_query *qs, int nq, const uint8_t *keys, int type, int hd, float scale) {
+    scores_tiled(&TILES_NEON, qs, nq, keys, type, hd, scale);
 }
-static void mix_tiles_neon(const struct attn_query *qs, int nq, const uint16_t *vals, int hd) {
-    mix_tiled(&TILES_NEON, qs, nq, vals, hd);
+static void mix_tiles_neon(const struct attn_query *qs, int nq, const uint8_t *vals, int type, int hd) {
+    mix_tiled(&TILES_NEON, qs, nq, vals, type, hd);
 }
 static const struct attn_isa ATTN_NEON = {"neon", scores_tiles_neon, mix_tiles_neon};
 #endif

@@ -1,18 +1,26 @@
-/* Attention's inner loops over one sequence's float16 cache, per ISA, bit for bit alike.
+/* Attention's inner loops over one sequence's cache, per ISA, bit for bit alike.
+ *
+ * The cache holds a row per position and KV head, of one of two formats (kv_row_bytes):
+ *   KV_F16: hd float16s;
+ *   KV_Q8:  hd int8s q, then their float32 scale s (x ~= s * q; s = max|x| / 127, kv_q8_row), so
+ *           that a row is quantized once, from its own values, when it is written.
  *
  * A call takes several queries that read the same keys and values (the query heads of one KV head,
  * and the rows of one sequence in a pass), each with its own count n of positions, so that each
- * float16 key and value is converted once for all of them.  For every query, whatever the others:
+ * key and value is converted once for all of them.  For every query, whatever the others:
  *
  * scores: w[j] = (q . k_j) * scale for j < n, the dot in 8 fixed lanes (lane l sums the
  *         products d = l, l+8, ...) added in the fixed tree ((0+4)+(2+6))+((1+5)+(3+7));
- * mix:    out[d] = sum_j w[j] * v_j[d], j < n in order, one multiply and one add each.
+ *         KV_Q8: the dot over the int8s as floats, then w[j] = (dot * s_j) * scale;
+ * mix:    out[d] = sum_j w[j] * v_j[d], j < n in order, one multiply and one add each;
+ *         KV_Q8: out[d] = sum_j (w[j] * s_j) * (float)v_j[d], the same way.
  *
- * The SIMD paths convert float16 exactly (F16C, NEON's fcvtl), as the scalar path does, and do the
- * same multiplies and adds in the same order, so every path gives the same bits. */
+ * The SIMD paths convert float16 exactly (F16C, NEON's fcvtl) and int8 exactly, as the scalar path
+ * does, and do the same multiplies and adds in the same order, so every path gives the same bits. */
 #ifndef MEMSPEC_ATTENTION_H
 #define MEMSPEC_ATTENTION_H
 
+#include <stddef.h>
 #include <stdint.h>
 
 #define ATTN_PAD 8 /* w has room for n rounded up to a multiple of this (scores may fill it) */
@@ -24,10 +32,21 @@ struct attn_query {
     float *out;     /* hd floats: zeros in, the weighted sum out */
 };
 
+enum { KV_F16 = 0, KV_Q8 = 1 }; /* the cache's formats */
+
+/* Bytes of one row (one position's key or value for one KV head) of format `type`. */
+static inline size_t kv_row_bytes(int type, int hd) { return type == KV_Q8 ? (size_t)hd + 4 : (size_t)hd * 2; }
+
+/* x (hd floats) as a KV_Q8 row: s = max|x| / 127, q = round-half-even(x * 127 / max|x|) (0 for all
+ * of a row of zeros; a NaN's q is 0), as quants.c quantizes activations.  One row's bytes depend on
+ * that row alone. */
+void kv_q8_row(const float *x, int hd, uint8_t *row);
+
+/* keys / vals: rows 0..n-1 of format `type`, each kv_row_bytes(type, hd) after the last. */
 struct attn_isa {
     const char *name;
-    void (*scores)(const struct attn_query *qs, int nq, const uint16_t *keys, int hd, float scale);
-    void (*mix)(const struct attn_query *qs, int nq, const uint16_t *vals, int hd);
+    void (*scores)(const struct attn_query *qs, int nq, const uint8_t *keys, int type, int hd, float scale);
+    void (*mix)(const struct attn_query *qs, int nq, const uint8_t *vals, int type, int hd);
 };
 
 /* The path for a kernel path's name ("avx2", "avx512", "neon", "scalar"): AVX2+F16C where the CPU has

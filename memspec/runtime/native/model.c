@@ -120,8 +120,9 @@ struct pass {
     struct deal deals[3];                          /* mm[j]'s chunks, or all of them in deals[0] when joint */
 };
 
+/* The byte offset of a cache row (struct kv). */
 static size_t kv_at(const struct model *m, const struct kv *c, int layer, int which, int head, int pos) {
-    return ((((size_t)layer * 2 + which) * m->n_kv_heads + head) * c->capacity + pos) * m->head_dim;
+    return ((((size_t)layer * 2 + which) * m->n_kv_heads + head) * c->capacity + pos) * kv_row_bytes(m->kv_type, m->head_dim);
 }
 
 static void run_rows(struct pass *p, int rows, pool_fn fn) {
@@ -203,7 +204,7 @@ static int stage(struct pass *p, void (*row)(struct pass *, int), const float *x
 }
 
 /* Attention runs in units: some rows of one sequence and some query heads of one KV head, so
- * that each float16 key and value is converted once for all of their queries (attention.h).  A
+ * that each cached key and value is converted once for all of their queries (attention.h).  A
  * unit holds at most UNIT_QUERIES queries; units shrink (fewer rows, then fewer heads) until there
  * are two for each thread, and threads take them in turn.  A query's arithmetic is the same in any
  * unit, on any thread: the same bits. */
@@ -301,12 +302,12 @@ static void attend_tree(struct pass *p, const struct unit *u, struct attn_query 
                 at[k++] = i;
             }
         if (!k) continue;
-        const uint16_t *kv = c->data + kv_at(m, c, p->layer, which, u->g, p->slot[a]);
+        const uint8_t *kv = c->data + kv_at(m, c, p->layer, which, u->g, p->slot[a]);
         if (which == 0) {
-            m->attn->scores(one, k, kv, hd, 1.0f / sqrtf((float)hd));
+            m->attn->scores(one, k, kv, m->kv_type, hd, 1.0f / sqrtf((float)hd));
             for (int j = 0; j < k; j++) qs[at[j]].w[b->pos[a]] = scratch[j][0];
         } else {
-            m->attn->mix(one, k, kv, hd);
+            m->attn->mix(one, k, kv, m->kv_type, hd);
         }
     }
 }
@@ -331,7 +332,7 @@ static void attend(struct pass *p, const struct unit *u, struct attn_query *qs, 
         }
     }
     float sums[UNIT_QUERIES];
-    m->attn->scores(qs, nq, c->data + kv_at(m, c, p->layer, 0, u->g, 0), hd, 1.0f / sqrtf((float)hd));
+    m->attn->scores(qs, nq, c->data + kv_at(m, c, p->layer, 0, u->g, 0), m->kv_type, hd, 1.0f / sqrtf((float)hd));
     if (tree) {
         attend_tree(p, u, qs, nq, rows, 0);
         for (int i = 0; i < nq; i++) qs[i].n = b->pos[rows[i]] + 1;
@@ -339,7 +340,7 @@ static void attend(struct pass *p, const struct unit *u, struct attn_query *qs, 
     softmax_queries(m, qs, nq, sums);
     if (tree)
         for (int i = 0; i < nq; i++) qs[i].n = base[i];
-    m->attn->mix(qs, nq, c->data + kv_at(m, c, p->layer, 1, u->g, 0), hd);
+    m->attn->mix(qs, nq, c->data + kv_at(m, c, p->layer, 1, u->g, 0), m->kv_type, hd);
     if (tree) attend_tree(p, u, qs, nq, rows, 1);
     for (int i = 0; i < nq; i++) {
         float inv = 1.0f / sums[i];
@@ -367,7 +368,8 @@ static void attn_in(struct pass *p, int t) {
     rms_norm(x, &p->L->attn_norm, H, p->m->rms_eps, p->h + (size_t)t * H);
 }
 
-/* Row t's query, key and value: biases, rotation, and its key and value into its cache. */
+/* Row t's query, key and value: biases, rotation, and its key and value into its cache (quantized
+ * there, for KV_Q8: the row itself attends them as read back, as every later row will). */
 static void qkv_out(void *arg, int i, int n) {
     struct pass *p = arg;
     const struct model *m = p->m;
@@ -384,10 +386,15 @@ static void qkv_out(void *arg, int i, int n) {
         rope(k, kvh, hd, p->rot + (size_t)t * hd, m->rope_neox);
         struct kv *c = &b->caches[b->seq[t]];
         for (int g = 0; g < kvh; g++) {
-            uint16_t *kd = c->data + kv_at(m, c, p->layer, 0, g, p->slot[t]);
-            uint16_t *vd = c->data + kv_at(m, c, p->layer, 1, g, p->slot[t]);
-            m->fops->to_f16(k + g * hd, kd, hd);
-            m->fops->to_f16(v + g * hd, vd, hd);
+            uint8_t *kd = c->data + kv_at(m, c, p->layer, 0, g, p->slot[t]);
+            uint8_t *vd = c->data + kv_at(m, c, p->layer, 1, g, p->slot[t]);
+            if (m->kv_type == KV_Q8) {
+                kv_q8_row(k + g * hd, hd, kd);
+                kv_q8_row(v + g * hd, hd, vd);
+            } else {
+                m->fops->to_f16(k + g * hd, (uint16_t *)kd, hd);
+                m->fops->to_f16(v + g * hd, (uint16_t *)vd, hd);
+            }
         }
     }
 }

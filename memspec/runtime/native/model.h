@@ -32,12 +32,15 @@ struct model {
     const struct dot_isa *isa;
     const struct attn_isa *attn; /* attention's loops on the same path as isa */
     const struct float_isa *fops; /* the softmax's and SiLU's exponentials on the same path */
+    int kv_type;                  /* the caches' format: KV_F16 or KV_Q8 (attention.h) */
     struct pool *pool;
 };
 
-/* One sequence's KV cache: float16, [layer][K, V][kv head][capacity][head_dim]. */
+/* One sequence's KV cache: [layer][K, V][kv head][capacity] rows of the model's kv_type
+ * (attention.h: head_dim float16s, or head_dim int8s and their scale).  A row is written once, when
+ * its position is fed, from that row's values alone. */
 struct kv {
-    uint16_t *data;
+    uint8_t *data;
     int capacity;
 };
 

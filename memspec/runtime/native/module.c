@@ -386,13 +386,18 @@ static const char *const LAYER_TENSORS[12] = {"attn_norm.weight", "attn_q.weight
 
 static int model_init(ModelObject *self, PyObject *args, PyObject *kw) {
     static char *kwlist[] = {"file", "config", "embd", "out_norm", "output", "layers", "threads", "isa",
-                             "release_packed", NULL};
+                             "release_packed", "kv", NULL};
     PyObject *file, *config, *embd, *out_norm, *output, *layers;
     int threads = 1, release = 0;
-    const char *isa_name = NULL;
-    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|i$zp", kwlist, &file, &config, &embd, &out_norm, &output,
-                                     &layers, &threads, &isa_name, &release))
+    const char *isa_name = NULL, *kv = "f16";
+    if (!PyArg_ParseTupleAndKeywords(args, kw, "OOOOOO|i$zps", kwlist, &file, &config, &embd, &out_norm, &output,
+                                     &layers, &threads, &isa_name, &release, &kv))
         return -1;
+    if (strcmp(kv, "f16") != 0 && strcmp(kv, "q8") != 0) {
+        PyErr_Format(PyExc_ValueError, "kv='%s' is not a KV cache format; the engine stores \"f16\" or \"q8\"", kv);
+        return -1;
+    }
+    self->m.kv_type = strcmp(kv, "q8") == 0 ? KV_Q8 : KV_F16;
     pthread_mutex_init(&self->lock, NULL);
     if (PyObject_GetBuffer(file, &self->file, PyBUF_SIMPLE) != 0) return -1;
     self->have_file = 1;
@@ -484,8 +489,8 @@ static int get_ints(PyObject *obj, Py_buffer *b, const char *what, Py_ssize_t n)
 PyDoc_STRVAR(forward_doc,
 "forward(caches, capacities, ids, pos, seq, keep, logits, parent=None, features=None, feature_index=None)\n\n"
 "One pass: row t feeds ids[t] of sequence seq[t] at position pos[t] (int32 arrays of T), its key and\n"
-"value written into caches[seq[t]] (writable float16 buffers of n_layers*2*n_kv_heads*capacity*head_dim\n"
-"values); logits (len(keep), vocab) float32 receives the rows keep[j].  The GIL is released while it\n"
+"value written into caches[seq[t]] (writable buffers of n_layers*2*n_kv_heads*capacity rows of\n"
+"kv_row_bytes: head_dim float16s, or for kv \"q8\" head_dim int8s and a float32 scale); logits (len(keep), vocab) float32 receives the rows keep[j].  The GIL is released while it\n"
 "runs.  parent (int32 of T, optional): a token tree, each row's parent row or -1 (model.h's struct\n"
 "batch).  features (float32 (len(keep), len(feature_index) * hidden)) and feature_index (int32, each\n"
 "in 0..n_layers), both or neither: each kept row's hidden states, numbered as a Hugging Face model's\n"
@@ -529,7 +534,7 @@ static PyObject *model_forward_py(ModelObject *self, PyObject *args) {
             PyErr_Format(PyExc_ValueError, "cache %d must be a writable buffer with a positive capacity", held);
             goto done;
         }
-        size_t need = (size_t)m->n_layers * 2 * m->n_kv_heads * (size_t)capacity * m->head_dim * 2;
+        size_t need = (size_t)m->n_layers * 2 * m->n_kv_heads * (size_t)capacity * kv_row_bytes(m->kv_type, m->head_dim);
         if ((size_t)bufs[held].len < need) {
             PyErr_Format(PyExc_ValueError, "cache %d holds %zd bytes; a capacity of %ld needs %zu", held,
                          bufs[held].len, capacity, need);
@@ -599,6 +604,21 @@ static PyMethodDef model_methods[] = {
     {NULL, NULL, 0, NULL},
 };
 
+static PyObject *model_kv(ModelObject *self, void *unused) {
+    return PyUnicode_FromString(self->m.kv_type == KV_Q8 ? "q8" : "f16");
+}
+
+static PyObject *model_kv_row_bytes(ModelObject *self, void *unused) {
+    return PyLong_FromSize_t(kv_row_bytes(self->m.kv_type, self->m.head_dim));
+}
+
+static PyGetSetDef model_getset[] = {
+    {"kv", (getter)model_kv, NULL, "the KV cache's format: \"f16\" or \"q8\" (attention.h)", NULL},
+    {"kv_row_bytes", (getter)model_kv_row_bytes, NULL,
+     "bytes of one cache row (a position's key or value for one KV head): 2*head_dim, or head_dim + 4 for q8", NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMemberDef model_members[] = {
     {"packed_bytes", T_PYSSIZET, offsetof(ModelObject, packed_bytes), READONLY,
      "bytes of the matrices repacked at load for the path's interleaved kernels (pack.h), 0 if none"},
@@ -611,14 +631,16 @@ static PyTypeObject ModelType = {
     PyVarObject_HEAD_INIT(NULL, 0).tp_name = "memspec.runtime._native.Model",
     .tp_basicsize = sizeof(ModelObject),
     .tp_flags = Py_TPFLAGS_DEFAULT,
-    .tp_doc = "Model(file, config, embd, out_norm, output, layers, threads=1, *, isa=None, release_packed=False): a "
-              "llama/qwen2 decoder over a mapped GGUF (memspec.runtime.native_target builds it).  release_packed: "
-              "file is a shared mapping of the GGUF, whose pages under the matrices repacked at load may be dropped.",
+    .tp_doc = "Model(file, config, embd, out_norm, output, layers, threads=1, *, isa=None, release_packed=False, kv='f16'): "
+              "a llama/qwen2 decoder over a mapped GGUF (memspec.runtime.native_target builds it).  release_packed: "
+              "file is a shared mapping of the GGUF, whose pages under the matrices repacked at load may be dropped.  "
+              "kv: the caches' format, 'f16' or 'q8' (int8 with a scale per position and head).",
     .tp_new = PyType_GenericNew,
     .tp_init = (initproc)model_init,
     .tp_dealloc = (destructor)model_dealloc,
     .tp_methods = model_methods,
     .tp_members = model_members,
+    .tp_getset = model_getset,
 };
 
 static PyMethodDef methods[] = {
