@@ -99,21 +99,10 @@ def fit_context(config: Config, store, name: str, manifest, session, with_drafts
 def load_pool(store, target_name: str, target_vocab: int, config=None, names: list[str] | None = None,
               limits=None, suffix_bytes: int = 0, tokenizer=None) -> dict:
     """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
-    in the store made for `target_name` (or only `names`): the fixed pool's proposers by name.
-    `tokenizer`: the target's, which a draft with a tokenizer of its own needs (textdraft)."""
-    from memspec.speculation.config import DraftLimits
-    from memspec.speculation.drafts import PROMPT_LOOKUP, PromptLookup, runnable_drafts, say_left_out, target_drafts
-    from memspec.speculation.textdraft import load_draft
-    from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
+    in the store made for `target_name` (or only `names`), loaded now: the fixed pool's proposers by
+    name, made as the scheduler makes them (memspec.speculation.sources.DraftMaker).  `tokenizer`:
+    the target's, which a draft with a tokenizer of its own needs (textdraft)."""
+    from memspec.speculation.sources import DraftMaker
 
-    from memspec.runtime.config import SessionConfig
-
-    config, limits = config or SessionConfig(), limits or DraftLimits()
-    pool = {PROMPT_LOOKUP: PromptLookup(target_vocab, loop_tokens=limits.loop_tokens)}
-    if suffix_bytes:
-        pool[SUFFIX] = SuffixDraft(SuffixIndex(suffix_bytes), target_vocab, loop_tokens=limits.loop_tokens)
-    drafts, left = runnable_drafts(target_drafts(store, target_name, names), config)
-    say_left_out(left, config)
-    for m in drafts:
-        pool[m.name] = load_draft(store, m.name, target_vocab, config, limits, tokenizer)
-    return pool
+    return DraftMaker.for_target(store, target_name, target_vocab, config, limits, names, suffix_bytes,
+                                 tokenizer).make_all()

@@ -68,3 +68,39 @@ def test_pinned_drafts_are_reported_and_can_be_unloaded(pool):
     assert pool.unload("model") == 7 and "model" not in pool and pool.unload("model") is None
     with pool.reserve_kv(1 << 40, lambda: False):  # no budget: nothing to wait for
         pass
+
+
+def test_the_fixed_pool_and_the_scheduler_make_the_same_drafts_in_one_place(model_store, monkeypatch):
+    """memspec.build.load_pool and the scheduler's loader (from_store) both make their drafts through
+    DraftMaker: the same names, each the same kind of proposer, and a draft the maker does not know
+    is refused by both alike."""
+    from memspec.build import load_pool
+    from memspec.runtime.config import SessionConfig
+    from memspec.runtime.target import load_target
+    from memspec.scheduling.config import SchedulerConfig
+    from memspec.scheduling.scheduler import draft_names, from_store
+    from memspec.speculation.config import DraftLimits
+    from memspec.speculation.sources import DraftMaker
+
+    config = SessionConfig(max_context=256)
+    maker = DraftMaker.for_target(model_store, "smollm2-135m", 49152, config, DraftLimits(), suffix_bytes=1 << 20)
+    assert maker.names[:2] == ["prompt-lookup", "suffix"] and {"draft-code", "draft-chat"} <= set(maker.names)
+    assert draft_names(model_store, "smollm2-135m", session_config=config) == maker.names
+    made = []
+    real_make = DraftMaker.make
+    monkeypatch.setattr(DraftMaker, "make", lambda self, name: made.append(name) or real_make(self, name))
+    pool = load_pool(model_store, "smollm2-135m", 49152, config, suffix_bytes=1 << 20)
+    assert list(pool) == maker.names == made
+    target = load_target(model_store, "smollm2-135m", None, config)
+    sched = from_store(SchedulerConfig(policy="bandit", pressure_floor_mb=0), model_store, target, config,
+                       DraftLimits(), suffix_bytes=1 << 20)
+    try:
+        assert sorted(sched.drafts) == sorted(maker.names)
+        made.clear()
+        lease = sched.ws.lease("draft-code", wait=True)
+        assert made == ["draft-code"] and type(lease.proposer) is type(pool["draft-code"])
+        lease.release()
+    finally:
+        sched.close()
+    with pytest.raises(ValueError, match="no draft 'draft-none'"):
+        maker.make("draft-none")

@@ -300,9 +300,9 @@ def draft_names(store, target_name: str, suffix: bool = True, session_config=Non
     `[speculative] suffix_mb` keeps one) and every draft made for it (that runs here under
     `session_config`, where given: memspec.speculation.drafts.runnable_drafts)."""
     from memspec.speculation.drafts import target_drafts
+    from memspec.speculation.sources import DraftMaker
 
-    return [PROMPT_LOOKUP, *([SUFFIX] if suffix else []),
-            *(m.name for m in target_drafts(store, target_name, config=session_config))]
+    return DraftMaker.names_for(target_drafts(store, target_name, config=session_config), suffix)
 
 
 def draft_footprints(drafts: list, suffix_bytes: int = 0) -> dict[str, int]:
@@ -359,23 +359,16 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     `process_bytes` where given (the process as a budget was set from: several schedulers made one
     after another in one process then book the same, however its heap grew in between)."""
     from memspec.runtime.memory import PsutilProbe, planned_draft_footprint
-    from memspec.speculation.drafts import PromptLookup, runnable_drafts, say_left_out, target_drafts
-    from memspec.speculation.textdraft import load_draft
-    from memspec.speculation.suffix import SuffixIndex
+    from memspec.speculation.sources import DraftMaker
 
-    vocab = target.vocab_size
-    drafts, left = runnable_drafts(target_drafts(store, target.name, names), session_config)
-    say_left_out(left, session_config)
+    maker = DraftMaker.for_target(store, target.name, target.vocab_size, session_config, draft_limits, names,
+                                  suffix_bytes, target.tokenizer)
+    drafts = maker.manifests
     sizes = draft_footprints(drafts, suffix_bytes)
 
     def loader(name: str):
-        if name == PROMPT_LOOKUP:
-            return PromptLookup(vocab, loop_tokens=draft_limits.loop_tokens), 0
-        if name == SUFFIX:
-            d = SuffixDraft(SuffixIndex(suffix_bytes), vocab, loop_tokens=draft_limits.loop_tokens)
-            return d, d.nbytes
-        d = load_draft(store, name, vocab, session_config, draft_limits, target.tokenizer)
-        return d, planned_draft_footprint(d.nbytes, d.variant)
+        d = maker.make(name)  # prompt lookup and the suffix draft hold what they say; a model draft as planned
+        return d, d.nbytes if name in (PROMPT_LOOKUP, SUFFIX) else planned_draft_footprint(d.nbytes, d.variant)
 
     probe = probe or PsutilProbe()
     # the target is pinned at what the process holds now: the runtime, Python and the target

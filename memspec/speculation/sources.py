@@ -16,9 +16,9 @@ from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Protocol
 
 from memspec.request import NO_DRAFT, GenerationRequest, unknown_draft, unknown_policy
-from memspec.speculation.drafts import Proposer
+from memspec.speculation.drafts import PROMPT_LOOKUP, PromptLookup, Proposer
 from memspec.speculation.speculative import DraftSelector, FixedDraft
-from memspec.speculation.suffix import SUFFIX, SuffixDraft
+from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
 
 KVSizer = Callable[[int], int]  # tokens -> resident bytes of one cache holding that many
 
@@ -71,6 +71,63 @@ class DraftSource(Protocol):
     def report(self) -> SourceStatus: ...
 
     def close(self) -> None: ...  # stop background work and drop the drafts (idempotent)
+
+
+@dataclass(frozen=True)
+class DraftMaker:
+    """The one place each kind of draft is made for a target: prompt lookup, the suffix draft, and
+    the drafts in the store made for it (in the target's tokens, or in their own: textdraft).  The
+    fixed pool (memspec.build.load_pool) makes every one up front; the scheduler
+    (memspec.scheduling.scheduler.from_store) makes each when its working set loads it.  A new kind
+    of draft is added here, and both have it."""
+
+    store: object  # the ModelStore the drafts are loaded from
+    target_vocab: int  # the target's vocabulary: every draft proposes ids below it
+    manifests: list  # the store's drafts made for the target that this machine runs
+    config: object  # SessionConfig: how a model draft runs (engine, threads, context)
+    limits: object  # DraftLimits: how far a draft proposes, and its n-gram shortcuts
+    suffix_bytes: int = 0  # the suffix draft's index (0: no suffix draft)
+    tokenizer: object = None  # the target's: a draft in its own tokens reads the context as text through it
+
+    @classmethod
+    def for_target(cls, store, target_name: str, target_vocab: int, config=None, limits=None,
+                   names: list[str] | None = None, suffix_bytes: int = 0, tokenizer=None) -> "DraftMaker":
+        """The drafts for `target_name` (only `names` of the store's, where given) that this machine
+        runs; those it cannot are logged once (drafts.say_left_out)."""
+        from memspec.runtime.config import SessionConfig
+        from memspec.speculation.config import DraftLimits
+        from memspec.speculation.drafts import runnable_drafts, say_left_out, target_drafts
+
+        config, limits = config or SessionConfig(), limits or DraftLimits()
+        drafts, left = runnable_drafts(target_drafts(store, target_name, names), config)
+        say_left_out(left, config)
+        return cls(store, target_vocab, drafts, config, limits, suffix_bytes, tokenizer)
+
+    @property
+    def names(self) -> list[str]:
+        """Every draft it makes: prompt lookup, the suffix draft where it has an index, the store's."""
+        return self.names_for(self.manifests, self.suffix_bytes > 0)
+
+    @staticmethod
+    def names_for(manifests: list, suffix: bool) -> list[str]:
+        """The drafts a maker over `manifests` makes (with a suffix draft, where `suffix`), by name."""
+        return [PROMPT_LOOKUP, *([SUFFIX] if suffix else []), *(m.name for m in manifests)]
+
+    def make(self, name: str) -> Proposer:
+        """The draft `name`, loaded (a model draft's weights are read here)."""
+        if name == PROMPT_LOOKUP:
+            return PromptLookup(self.target_vocab, loop_tokens=self.limits.loop_tokens)
+        if name == SUFFIX and self.suffix_bytes:
+            return SuffixDraft(SuffixIndex(self.suffix_bytes), self.target_vocab, loop_tokens=self.limits.loop_tokens)
+        if any(m.name == name for m in self.manifests):
+            from memspec.speculation.textdraft import load_draft
+
+            return load_draft(self.store, name, self.target_vocab, self.config, self.limits, self.tokenizer)
+        raise ValueError(f"no draft {name!r} is made here; the drafts are {', '.join(self.names)}")
+
+    def make_all(self) -> dict[str, Proposer]:
+        """Every draft, loaded now, by name."""
+        return {name: self.make(name) for name in self.names}
 
 
 class DraftPool(Mapping[str, Proposer]):

@@ -73,11 +73,26 @@ def best_gamma(alpha: float, verify_cost: list[float], draft_cost: float, gamma_
 
 
 class CostController:
-    """Per request and per draft: acceptance and draft cost seen so far -> next gamma."""
+    """Per request and per draft: acceptance and draft cost seen so far -> next gamma.
+
+    Where no draft length pays (best_gamma 0) the steps run target-only, as Ollama's adaptive draft
+    controller falls back to plain decoding, and a probe of one token checks now and then whether
+    the draft has started to pay: one step in PROBE_EVERY, each rejected probe doubling the wait
+    before the next, an accepted one starting the waits over.  A probe costs more than its token and
+    row: the draft first catches up on every token committed since it last ran (a model draft's
+    K/V), so probing forever would cost that catch-up on every token of the request; once the probe
+    after the longest wait (PROBE_MAX steps) is rejected too, about 120 plain steps after drafting
+    stopped paying, the draft is not tried again in this request.  A draft that never agrees so
+    costs its first steps (the prior), four probes and their catch-ups: a few percent of target-only
+    on 160 tokens, less on longer answers (tests/test_controller.py).
+
+    The same draft in another request starts over: what did not pay on one prompt may on the next.
+    """
 
     PRIOR = (1.2, 0.8)  # pseudo-counts (accepted, rejected): alpha starts at 0.6
     DECAY = 0.9  # weight of the past per step: recent acceptance counts most
-    PROBE_EVERY = 8  # while drafting does not pay, still try one token this often ...
+    PROBE_EVERY = 8  # while drafting does not pay, still try one token after this many steps ...
+    PROBE_MAX = 64  # ... twice as many after each probe that failed, up to this many (then no more) ...
     PROBE_ALPHA = 0.9  # ... where it would pay at this acceptance
 
     def __init__(self, cfg: SpecConfig, verify_cost: list[float], target_step_s: float):
@@ -86,7 +101,9 @@ class CostController:
         self.target_step_s = target_step_s
         self.accepted, self.rejected = self.PRIOR
         self.draft_cost = 0.05  # until measured
-        self.idle_steps = 0
+        self.idle_steps = 0  # target-only steps since drafting last paid or was probed
+        self.probe_every = self.PROBE_EVERY  # steps the next probe waits for (past PROBE_MAX: no probe)
+        self.probing = False  # the step asked for last is a probe
 
     @property
     def alpha(self) -> float:
@@ -94,11 +111,15 @@ class CostController:
 
     def next(self) -> int:
         g = best_gamma(self.alpha, self.verify_cost, self.draft_cost, self.cfg.gamma_max)
-        if g == 0:
-            self.idle_steps += 1
-            if self.idle_steps % self.PROBE_EVERY == 0 and self._worth_probing():
-                return 1
-        return g
+        self.probing = False
+        if g > 0:  # drafting pays: probes start again from the shortest wait when it stops paying
+            self.idle_steps, self.probe_every = 0, self.PROBE_EVERY
+            return g
+        self.idle_steps += 1
+        if self.idle_steps >= self.probe_every <= self.PROBE_MAX and self._worth_probing():
+            self.idle_steps, self.probing = 0, True
+            return 1
+        return 0
 
     def _worth_probing(self) -> bool:
         """A probe re-measures acceptance, at the price of a draft token and a wider pass: worth it
@@ -126,6 +147,8 @@ class CostController:
         self.rejected = self.DECAY * self.rejected + (1 if n_accepted < n_drafted else 0)
         per_token = draft_s / n_drafted / max(self.target_step_s, 1e-9)
         self.draft_cost = 0.7 * self.draft_cost + 0.3 * per_token
+        if self.probing:  # a rejected probe: wait twice as long for the next; an accepted one: the shortest wait
+            self.probe_every = 2 * self.probe_every if n_accepted < n_drafted else self.PROBE_EVERY
 
 
 class TargetPass(Protocol):

@@ -665,6 +665,20 @@ STOPWORDS = frozenset(
     "how why when where do does did your you me my i we our us by with from at as into than then so if can could "
     "would should will about some any each every there their they them he she his her has have had not no".split())
 NEAR_SHARE = 0.6  # a prompt holding this share of a measured prompt's content words is a near copy of it
+NGRAM = 8  # a prompt sharing this many words in a row with a measured prompt holds a copy of part of it
+
+
+def ngram_words(text: str) -> list[str]:
+    """The words of `text` as the n-gram test reads them: runs of letters or digits, lower-cased,
+    every number the one word "#" (a prompt that differs from another in its numbers only is the
+    same prompt: "What is 5 multiplied by 24?" against "17 multiplied by 24")."""
+    return ["#" if w[0].isdigit() else w for w in re.findall(r"[a-z]+|[0-9]+", text.lower())]
+
+
+def ngrams(text: str, n: int = NGRAM) -> set[tuple[str, ...]]:
+    """Every run of `n` consecutive words of `text` (ngram_words); none where it has fewer."""
+    words = ngram_words(text)
+    return {tuple(words[i:i + n]) for i in range(len(words) - n + 1)}
 
 
 def content_words(text: str) -> frozenset[str]:
@@ -674,16 +688,34 @@ def content_words(text: str) -> frozenset[str]:
                      for w in words if w not in STOPWORDS)
 
 
+def copied_runs(measured, prompts) -> list[tuple[str, str, str, str]]:
+    """(source, prompt, measured prompt, the shared words) for each (source, prompt) of `prompts`
+    that holds NGRAM words in a row of a prompt of `measured`: a benchmark no prompt of `prompts`
+    was trained near has none."""
+    owner = {g: m for m in measured for g in ngrams(m)}
+    hits = []
+    for source, prompt in prompts:
+        words = ngram_words(prompt)
+        first = next((g for g in (tuple(words[i:i + NGRAM]) for i in range(len(words) - NGRAM + 1)) if g in owner),
+                     None)
+        if first:
+            hits.append((source, prompt, owner[first], " ".join(first)))
+    return hits
+
+
 class NearCopies:
     """Whether a prompt is one of `measured` or a near copy of one: it holds at least NEAR_SHARE of
     that prompt's content words (all of them where it has fewer than three: "What is the capital of
-    France?" is {capital, france}).  So "Write a JavaScript function to check whether two strings
-    are anagrams." is a near copy of "Write a Python function that checks whether two strings are
-    anagrams.", and "What is 5 multiplied by 24? Show your work step by step." of "What is 17
-    multiplied by 24? ...", while "Write a Python function to reverse a string." is neither."""
+    France?" is {capital, france}), or NGRAM of its words in a row (a passage, a function or a
+    traceback copied out of a long prompt, whatever words surround it).  So "Write a JavaScript
+    function to check whether two strings are anagrams." is a near copy of "Write a Python function
+    that checks whether two strings are anagrams.", and "What is 5 multiplied by 24? Show your work
+    step by step." of "What is 17 multiplied by 24? ...", while "Write a Python function to reverse
+    a string." is neither."""
 
     def __init__(self, measured):
         self.prompts = frozenset(measured)  # a prompt of stopwords only is caught as itself
+        self.grams = frozenset(g for m in measured for g in ngrams(m))
         self.need: list[int] = []
         self.sets: list[frozenset[str]] = []
         self.by_word: dict[str, list[int]] = {}
@@ -698,7 +730,7 @@ class NearCopies:
                 self.by_word.setdefault(w, []).append(i)
 
     def __call__(self, prompt: str) -> bool:
-        if prompt in self.prompts:
+        if prompt in self.prompts or not self.grams.isdisjoint(ngrams(prompt)):
             return True
         words = content_words(prompt)
         shared: dict[int, int] = {}

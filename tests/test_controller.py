@@ -1,0 +1,134 @@
+"""Never slower than no draft: the cost controller (memspec.speculation.speculative.CostController)
+stops drafting where drafting does not pay and probes again later, less often each time a probe
+fails (as Ollama's adaptive draft controller falls back to plain decoding).
+
+A request's speed is counted here in target passes, each priced by the verification curve the
+controller reads (a row beside the first at 0.2 of a step: SmolLM2 and the 1.5B on 2 cores), plus
+the draft's seconds priced in target steps by the controller's own clock: not wall time, which on
+a shared machine moves by more than what is measured.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from memspec.request import SamplingParams
+from memspec.runtime import kernels
+from memspec.runtime.costs import LiveCosts
+from memspec.speculation.config import SpecConfig
+from memspec.speculation.drafts import FEED_MIN_TOKENS, Proposal
+from memspec.speculation.logits import IDENTITY
+from memspec.speculation.metrics import SpecMetrics
+from memspec.speculation.speculative import CostController, FixedDraft, NoDraft, speculative_steps
+
+STEP_S = 0.02  # a target step on the controller's clock
+CURVE = [0.0] + [1.0 + 0.2 * (k - 1) for k in range(1, 12)]  # a pass over k tokens, in steps
+DRAFT_COST = 0.15  # a draft token, in steps (SmolLM2 drafting text for the 1.5B: 0.11)
+FEED_COST = 0.03  # a token of a draft's catch-up, in steps (the 0.5B's on the 1.5B: 1.5 against 5 ms of prefill)
+TOKENS = 256
+
+
+class NeverAgrees:
+    """A draft (the DraftState interface) whose every token is `wrong`, one the target never
+    outputs on this prompt.  On `clock` each token it proposes takes DRAFT_COST of a step, and first
+    it catches up on the tokens committed since it last proposed at FEED_COST a token, reported as
+    a one-time cost (Proposal.setup_s) where they are FEED_MIN_TOKENS or more, as a model draft
+    does: a probe after idle steps pays that catch-up too."""
+
+    def __init__(self, wrong: int, clock: list[float]):
+        self.wrong, self.clock, self.seen = wrong, clock, 0
+
+    def propose(self, context, k, params, rng, shaper=IDENTITY, alternatives=False) -> Proposal:
+        if k <= 0:
+            return Proposal([], None, [])
+        feed, self.seen = len(context) - self.seen, len(context)
+        setup = FEED_COST * STEP_S * feed
+        self.clock[0] += setup + DRAFT_COST * STEP_S * k
+        return Proposal([self.wrong] * k, None, [0.0] * k, setup if feed >= FEED_MIN_TOKENS else 0.0)
+
+    def close(self) -> None:
+        pass
+
+
+def priced_run(target, prompt: list[int], select, clock: list[float]) -> tuple[list[int], float, SpecMetrics]:
+    """(tokens, the request's cost in target steps, metrics) for TOKENS tokens after the first (the
+    prefill's, alike for every draft): each pass at CURVE[rows], the draft's seconds over a step."""
+    metrics, rows = SpecMetrics(), []
+    steps = speculative_steps(target, target.new_cache(len(prompt) + TOKENS + 16), prompt, select, SamplingParams(),
+                              np.random.default_rng(0), SpecConfig(), metrics, clock=lambda: clock[0],
+                              verify_cost_s=LiveCosts([c * STEP_S for c in CURVE]),
+                              on_pass=lambda n, s: rows.append(n))
+    out = list(next(steps))
+    while len(out) < TOKENS + 1:
+        out.extend(next(steps))
+    steps.close()
+    return out[:TOKENS + 1], sum(CURVE[n] for n in rows) + metrics.draft_s / STEP_S, metrics
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)
+def test_a_draft_that_never_agrees_leaves_the_request_within_a_few_percent_of_target_only(gguf_path, monkeypatch):
+    """SmolLM2 verifies a draft that is never right: its cost counted in passes and priced draft
+    time is within 3% of target-only's (2.5%: the prior's first steps, four probes and the draft's
+    catch-ups before them).  The controller that probed every 8 steps however often the probes
+    failed, as it did before the backoff, is 7% slower than no draft on the same request."""
+    from memspec.runtime.native_target import NativeTarget
+
+    target = NativeTarget(gguf_path, threads=1, max_context=TOKENS + 64)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 19161, 260, 8297, 282]
+    alone, alone_cost, _ = priced_run(target, prompt, NoDraft(), [0.0])
+    assert alone_cost == TOKENS  # one pass of one row a token
+    wrong = next(t for t in range(1000, target.vocab_size) if t not in alone)
+
+    def with_draft():
+        clock = [0.0]
+        return priced_run(target, prompt, FixedDraft("never", NeverAgrees(wrong, clock)), clock)
+
+    got, cost, metrics = with_draft()
+    assert got == alone and metrics.num_accepted_tokens == 0 and metrics.num_draft_tokens > 0
+    assert alone_cost / cost > 0.97, (cost, metrics.to_dict())
+
+    class EveryEight(CostController):  # the probe schedule before the backoff
+        def observe(self, *args, **kwargs):
+            super().observe(*args, **kwargs)
+            self.probe_every = self.PROBE_EVERY
+
+    monkeypatch.setattr("memspec.speculation.speculative.CostController", EveryEight)
+    _, cost_every_8, flat = with_draft()
+    assert flat.num_drafts > 4 * metrics.num_drafts and alone_cost / cost_every_8 < 0.95, (cost_every_8, cost)
+
+
+def test_failed_probes_back_off_then_stop_and_a_paying_draft_starts_the_waits_again():
+    ctl = CostController(SpecConfig(gamma_max=8), CURVE, target_step_s=STEP_S)
+    asked = []
+    for _ in range(300):  # nothing is ever accepted
+        g = ctl.next()
+        asked.append(g)
+        ctl.observe(g, 0, DRAFT_COST * STEP_S * g, verify_s=CURVE[g + 1] * STEP_S)
+    stop = asked.index(0)
+    assert stop <= 4 and all(g > 0 for g in asked[:stop])  # the prior's steps, then it stops
+    probes = [i - stop for i, g in enumerate(asked) if i > stop and g > 0]
+    assert np.diff([0, *probes]).tolist() == [7, 16, 32, 64], probes  # one step in 8, 16, 32, 64; then none
+    for _ in range(10):  # verifying gets cheap (the machine's other work ended): drafting pays at once ...
+        ctl.verify_cost = [0.0] + [1.0] * 11
+        ctl.observe(4, 4, DRAFT_COST * STEP_S * 4)
+    assert ctl.next() >= 2 and ctl.probe_every == CostController.PROBE_EVERY  # ... and the waits start over
+
+
+def test_a_draft_that_agrees_again_is_probed_at_the_shortest_wait_until_it_drafts_again():
+    """After a spell of rejections (the waits at 32 steps) the draft starts to agree: each accepted
+    probe starts the waits over, and once its acceptance pays it drafts every step again."""
+    ctl = CostController(SpecConfig(gamma_max=8), CURVE, target_step_s=STEP_S)
+    for _ in range(40):
+        g = ctl.next()
+        ctl.observe(g, 0, DRAFT_COST * STEP_S * g)
+    assert ctl.probe_every == 4 * CostController.PROBE_EVERY
+    asked = []
+    for _ in range(120):  # from here every token it drafts is right
+        g = ctl.next()
+        asked.append(g)
+        ctl.observe(g, g, DRAFT_COST * STEP_S * g)
+    probes = [i for i, g in enumerate(asked) if g > 0]
+    assert probes and ctl.probe_every == CostController.PROBE_EVERY
+    again = next(i for i in range(len(asked)) if all(g > 0 for g in asked[i:]))  # drafting every step from here
+    assert again <= probes[0] + 4 * CostController.PROBE_EVERY, asked
