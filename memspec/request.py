@@ -46,7 +46,7 @@ class SamplingParams:
     temperature: float = 0.0  # 0 = greedy; otherwise in (0, 2]
     top_k: int = 0  # 0 = off; otherwise keep the k most likely tokens
     top_p: float = 1.0  # nucleus mass in (0, 1]
-    seed: int | None = None  # seeds the request's own generator
+    seed: int | None = None  # a sampled answer's randomness (0..2^64-1); None: the engine draws one and reports it
     min_p: float = 0.0  # in [0, 1]; after temperature, drop tokens below min_p x the top probability
     # the logits controls (memspec.speculation.logits applies them at every position, drafts included):
     frequency_penalty: float = 0.0  # [-2, 2]; logit -= this x times the token was generated
@@ -442,3 +442,5 @@ class Completion:
     finish_reason: str  # one of FINISH_REASONS
     timings: Timings = field(default_factory=Timings)
     stats: SpecStats = field(default_factory=SpecStats)  # what speculation did
+    seed: int | None = None  # the seed a sampled answer was drawn with (the request's, or one drawn for it:
+    #                          sent back as the request's seed, it gives this answer again); None: greedy

@@ -21,6 +21,9 @@ class DraftLimits:
     #                         tokens agree with a request the daemon saw, what followed there (0: never)
 
 
+SAMPLING_SCHEMES = ("coupled", "standard")
+
+
 @dataclass(frozen=True)
 class SpecConfig:
     """How long draft proposals are ([speculative] in the config; [scheduler] picks the draft)."""
@@ -48,6 +51,13 @@ class SpecConfig:
     #                    engine runs (memspec.speculation.confidence); false: every proposed token
     suffix_mb: int = 4  # the suffix draft's index of recent prompts and answers, per target, counted in the
     #                     memory budget (memspec.speculation.suffix); 0 = no suffix draft
+    sampling: str = "coupled"  # how a sampled request draws: "coupled" (noise keyed by seed, position and token:
+    #                            a seed gives the target-only answer whatever the draft; memspec.speculation.
+    #                            sampling) or "standard" (one stream a request, the speculative-sampling rule)
+
+    def __post_init__(self):
+        if self.sampling not in SAMPLING_SCHEMES:
+            raise ValueError(f"[speculative] sampling: {self.sampling!r} is not one of {', '.join(SAMPLING_SCHEMES)}")
 
     def draft_limits(self) -> DraftLimits:
         """What a draft model reads of this config: when it stops proposing, and when it copies."""

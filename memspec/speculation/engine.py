@@ -11,6 +11,7 @@ timing lives here, once, for both.
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
 import time
 from typing import Callable, Iterator
@@ -37,6 +38,7 @@ from memspec.speculation.speculative import NoDraft, speculative_steps
 from memspec.speculation.stopping import StopMatcher
 
 Clock = Callable[[], float]
+FRESH_SEED_BITS = 53  # a seed drawn for a request without one is below 2^53: exact as a double (JSON, JS)
 TREE_ROWS = 4  # rows a token tree may add to the longest chain: the cost curve is measured that far
 log = logging.getLogger(__name__)
 
@@ -188,7 +190,7 @@ class Engine:
         return req.constraint
 
     # -- decode loops ------------------------------------------------------------
-    def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: np.random.Generator,
+    def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: sampling.Randomness,
               metrics: SpecMetrics, cancelled: Callable[[], bool] = lambda: False,
               on_rows: Callable[[np.ndarray], None] | None = None,
               grammar: GrammarMask | None = None) -> Iterator[list[int]]:
@@ -280,7 +282,8 @@ class Engine:
                 prompt: list[int]) -> Iterator[Chunk | Completion]:
         cache = self.target.session.new_cache()
         cached = self.prefixes.fill(cache, prompt) if self.prefixes is not None else 0  # only the rest is computed
-        rng = np.random.default_rng(req.sampling.seed)
+        seed = self.seed_of(req)
+        rng = self.randomness(seed, len(prompt))
         detok = self.target.tokenizer.detokenizer()
         stops = StopMatcher(req.stop)
         out: list[int] = []
@@ -326,7 +329,23 @@ class Engine:
         yield Completion(
             prompt_token_ids=prompt, token_ids=out, text="".join(text), finish_reason=finish,
             timings=self._timings(t0, t_first, t_end, len(prompt), len(out), cached), stats=metrics.freeze(),
+            seed=seed,
         )
+
+    @staticmethod
+    def seed_of(req: GenerationRequest) -> int | None:
+        """The seed a request samples with: its own, else a fresh one (FRESH_SEED_BITS, so that it
+        survives a JSON number anywhere), reported on its Completion; None for a greedy request."""
+        if req.sampling.greedy:
+            return None
+        return req.sampling.seed if req.sampling.seed is not None else secrets.randbits(FRESH_SEED_BITS)
+
+    def randomness(self, seed: int | None, prompt_len: int) -> sampling.Randomness:
+        """What a request's sampled tokens are drawn with (memspec.speculation.sampling): noise keyed
+        by (seed, answer position, token), or, under `[speculative] sampling = "standard"`, one stream."""
+        if self.spec.sampling == "coupled" and seed is not None:
+            return sampling.Coupled(seed, prompt_len)
+        return np.random.default_rng(seed)
 
     def _logprobs(self, rows: np.ndarray, tokens: list[int], k: int) -> list[TokenLogprob]:
         """Each shown token's log-probability and the k most likely at its position."""

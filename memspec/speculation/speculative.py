@@ -181,7 +181,7 @@ class FixedDraft:
 
 
 def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, context: list[int], k: int,
-             params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics,
+             params: SamplingParams, rng: sampling.Randomness, metrics: SpecMetrics,
              shaper: LogitsShaper, alternatives: bool = False) -> Proposal:
     """The draft's proposal of k tokens; none when there is no draft, or when it raises (a broken
     draft must not fail the request: the selector gives it up and the request goes on target-only,
@@ -200,20 +200,25 @@ def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, 
         return Proposal([], None, [])
 
 
-def _verify_chain(target: TargetPass, cache: KVCache, last: int, proposal: Proposal, params: SamplingParams,
-                  rng: np.random.Generator, shaper: LogitsShaper) -> tuple[list[int], int, np.ndarray]:
-    """One target pass over [last, *proposal.tokens]: the committed tokens (the accepted run and the
-    recovered or bonus token), how many were accepted, and the raw rows; the cache keeps `last` and
-    the accepted tokens, the shaper (when there is one) is settled."""
+def _verify_chain(target: TargetPass, cache: KVCache, context: list[int], proposal: Proposal, params: SamplingParams,
+                  rng: sampling.Randomness, shaper: LogitsShaper) -> tuple[list[int], int, np.ndarray]:
+    """One target pass over [context[-1], *proposal.tokens]: the committed tokens (the accepted run
+    and the recovered or bonus token), how many were accepted, and the raw rows; the cache keeps
+    the last token and the accepted ones, the shaper (when there is one) is settled."""
     shaped = not is_identity(shaper)
-    feed = [last, *proposal.tokens]
+    at = len(context)  # row 0 predicts the token after the whole context
+    feed = [context[-1], *proposal.tokens]
     rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)
     decide = verify_rows(shaper, rows, proposal.tokens) if shaped else rows  # (k+1, V)
+    draft = np.asarray(proposal.tokens, dtype=np.int64)
     if params.greedy:
-        n, nxt = sampling.verify_greedy(decide.argmax(axis=-1), np.asarray(proposal.tokens, dtype=np.int64))
+        n, nxt = sampling.verify_greedy(decide.argmax(axis=-1), draft)
     else:
         p = sampling.TargetRows(decide, params.temperature, params.top_k, params.top_p, params.min_p)
-        n, nxt = sampling.verify_sampled(p, proposal.q, np.asarray(proposal.tokens, dtype=np.int64), rng)
+        if sampling.coupled(rng):  # the greedy rule on the perturbed rows: the target-only answer
+            n, nxt = sampling.verify_coupled(p, draft, rng, at)
+        else:
+            n, nxt = sampling.verify_sampled(p, proposal.q, draft, rng)
     if shaped:  # once per token: the rejected drafts come off, the recovered or bonus token goes on
         settle(shaper, len(proposal.tokens), n, nxt)
     cache.truncate(cache.length - len(feed) + 1 + n)  # keep `last` and the accepted drafts
@@ -221,7 +226,7 @@ def _verify_chain(target: TargetPass, cache: KVCache, last: int, proposal: Propo
 
 
 def _forced_step(target: TargetPass, cache: KVCache, context: list[int], tokens: list[int], vocab: int,
-                 params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics, clock, t0: float,
+                 params: SamplingParams, rng: sampling.Randomness, metrics: SpecMetrics, clock, t0: float,
                  on_rows, shaper: LogitsShaper) -> list[int]:
     """A step whose proposal is what the grammar forces (memspec.speculation.logits.forced), verified
     like a draft's: a one-hot q where sampling (the masked target gives the forced token all its
@@ -229,7 +234,7 @@ def _forced_step(target: TargetPass, cache: KVCache, context: list[int], tokens:
     committed tokens."""
     prop = deterministic_proposal(tokens, vocab, params, shaper)
     t1 = clock()
-    committed, n, rows = _verify_chain(target, cache, context[-1], prop, params, rng, shaper)
+    committed, n, rows = _verify_chain(target, cache, context, prop, params, rng, shaper)
     context.extend(committed)
     metrics.record_step(None, 0, 0, len(committed), t1 - t0, clock() - t1)
     metrics.record_forced(len(prop.tokens), n)
@@ -239,7 +244,7 @@ def _forced_step(target: TargetPass, cache: KVCache, context: list[int], tokens:
 
 
 def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], select: DraftSelector,
-                      params: SamplingParams, rng: np.random.Generator, cfg: SpecConfig, metrics: SpecMetrics,
+                      params: SamplingParams, rng: sampling.Randomness, cfg: SpecConfig, metrics: SpecMetrics,
                       clock: Callable[[], float] = time.perf_counter,
                       verify_cost_s: list[float] | Callable[[], list[float]] | None = None,
                       on_rows: Callable[[np.ndarray], None] | None = None,
@@ -269,7 +274,7 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     logits = target.forward(cache, prompt[cache.length:], keep=1)[-1]  # a cache may start with a reused prefix
     context = list(prompt)
     first = sampling.pick(shaper.shape(logits) if shaped else logits, params.temperature, params.top_k,
-                          params.top_p, rng, params.min_p)
+                          params.top_p, rng, params.min_p, at=len(context))
     if shaped:
         shaper.push(first)
     context.append(first)
@@ -314,7 +319,7 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         branches = planner.choose(draft_name, prop, ctl.alpha, ctl.verify_cost, ctl.draft_cost,
                                   cache.capacity - cache.length) if planner and ctl else []
         if branches:  # the chain and its branches in one pass (memspec.speculation.tree)
-            step = tree.verify(target, cache, context[-1], prop, branches, params, rng)
+            step = tree.verify(target, cache, context, prop, branches, params, rng)
             t2 = clock()
             committed = step.committed
             context.extend(committed)
@@ -333,7 +338,7 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
                 on_rows(step.rows)
             yield committed
             continue
-        committed, n, rows = _verify_chain(target, cache, context[-1], prop, params, rng, shaper)
+        committed, n, rows = _verify_chain(target, cache, context, prop, params, rng, shaper)
         t2 = clock()
         context.extend(committed)
         if planner is not None and draft_name is not None:
