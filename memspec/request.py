@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import secrets
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -39,6 +40,14 @@ class Limits:
         text = max(self.max_prompt_chars, self.max_chat_chars + self.max_messages * 16)  # 16: a role
         text += self.max_prompt_chars  # a schema or grammar (Constraint) is held to a prompt's length
         return 4 * (text + self.max_stop * self.max_stop_chars + 2 * self.max_name_chars) + 64 * 1024
+
+
+FRESH_SEED_BITS = 53  # a seed drawn for a request without one is below 2^53: exact as a double (JSON, JS)
+
+
+def fresh_seed() -> int:
+    """A seed for a sampled request that names none (reported back, so that its answer replays)."""
+    return secrets.randbits(FRESH_SEED_BITS)
 
 
 @dataclass(frozen=True)

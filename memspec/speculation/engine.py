@@ -11,7 +11,6 @@ timing lives here, once, for both.
 from __future__ import annotations
 
 import logging
-import secrets
 import threading
 import time
 from typing import Callable, Iterator
@@ -21,7 +20,7 @@ import numpy as np
 from memspec.errors import ContextOverflowError, InvalidRequestError
 from memspec.models import tools
 from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, Limits, Timings, TokenLogprob,
-                             check_logit_bias, validate)
+                             check_logit_bias, fresh_seed, validate)
 from memspec.runtime.contracts import BatchedPass, TargetModel  # noqa: F401 (TargetModel: re-exported)
 from memspec.runtime.costs import CostCache, LiveCosts, pass_costs
 from memspec.runtime.memory import request_kv_bytes
@@ -38,7 +37,6 @@ from memspec.speculation.speculative import NoDraft, speculative_steps
 from memspec.speculation.stopping import StopMatcher
 
 Clock = Callable[[], float]
-FRESH_SEED_BITS = 53  # a seed drawn for a request without one is below 2^53: exact as a double (JSON, JS)
 TREE_ROWS = 4  # rows a token tree may add to the longest chain: the cost curve is measured that far
 log = logging.getLogger(__name__)
 
@@ -334,11 +332,11 @@ class Engine:
 
     @staticmethod
     def seed_of(req: GenerationRequest) -> int | None:
-        """The seed a request samples with: its own, else a fresh one (FRESH_SEED_BITS, so that it
-        survives a JSON number anywhere), reported on its Completion; None for a greedy request."""
+        """The seed a request samples with: its own, else a fresh one (memspec.request.fresh_seed),
+        reported on its Completion; None for a greedy request."""
         if req.sampling.greedy:
             return None
-        return req.sampling.seed if req.sampling.seed is not None else secrets.randbits(FRESH_SEED_BITS)
+        return req.sampling.seed if req.sampling.seed is not None else fresh_seed()
 
     def randomness(self, seed: int | None, prompt_len: int) -> sampling.Randomness:
         """What a request's sampled tokens are drawn with (memspec.speculation.sampling): noise keyed
