@@ -183,25 +183,38 @@ def noise_key(seed: int, position: int) -> int:
     return _mix64((_mix64((seed + _GOLDEN) & _M64) + (position + 1) * _GOLDEN) & _M64)
 
 
-def gumbel(seed: int, position: int, ids: np.ndarray) -> np.ndarray:
-    """(n,) float64 standard Gumbel noise of token ids `ids` (n,) at answer `position` under `seed`:
-    each value a function of (seed, position, id) alone (a counter-based hash, no stream), so any
-    subset of a row can be computed by itself and every caller sees the same numbers."""
+def exponentials(seed: int, position: int, ids: np.ndarray) -> np.ndarray:
+    """(n,) float64 standard exponential noise E = -log U of token ids `ids` (n,) at answer
+    `position` under `seed`: each value a function of (seed, position, id) alone (a counter-based
+    hash, no stream), so any subset of a row can be computed by itself and every caller sees the
+    same numbers.  U = (the hash's top 53 bits + 1/2) / 2^53, in (0, 1), never 0 or 1."""
     x = np.asarray(ids, dtype=np.uint64) * _TOKEN_STRIDE
     x += np.uint64(noise_key(seed, position))
-    u = ((_mix64_array(x) >> np.uint64(11)).astype(np.float64) + 0.5) * 2.0 ** -53  # in (0, 1), never 0 or 1
-    return -np.log(-np.log(u))
+    x = _mix64_array(x)
+    x >>= np.uint64(11)
+    u = x.astype(np.float64)
+    u += 0.5
+    u *= 2.0 ** -53
+    np.log(u, out=u)
+    u *= -1.0
+    return u
+
+
+def gumbel(seed: int, position: int, ids: np.ndarray) -> np.ndarray:
+    """(n,) float64 standard Gumbel noise G = -log E of token ids `ids` at answer `position` under
+    `seed` (exponentials())."""
+    return -np.log(exponentials(seed, position, ids))
 
 
 def gumbel_argmax(p: np.ndarray, seed: int, position: int, ids: np.ndarray | None = None) -> int:
     """The index j of a (V,) distribution p maximising log p_j + G(seed, position, ids[j]): a draw
     from p (Gumbel-max), repeatable from (seed, position).  ids: (V,) the token id of each entry for
     the noise (a draft's row in its own vocabulary: its target ids); None: the entry's own index.
-    Only the entries within GUMBEL_SPAN of the top log-probability can win, so only theirs are
-    computed (the same argmax as over the whole row)."""
+    Computed as the argmax of p_j / E_j (the same: log p - log E), one logarithm a token; only the
+    entries within GUMBEL_SPAN of the top log-probability can win, so only theirs are computed."""
     cand = np.flatnonzero(p >= p.max() * math.exp(-GUMBEL_SPAN))
-    noise = gumbel(seed, position, cand if ids is None else np.asarray(ids)[cand])
-    return int(cand[np.argmax(np.log(p[cand]) + noise)])
+    e = exponentials(seed, position, cand if ids is None else np.asarray(ids)[cand])
+    return int(cand[np.argmax(p[cand] / e)])
 
 
 class Coupled:
