@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memspec.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DraftLimits:
@@ -57,7 +59,7 @@ class SpecConfig:
 
     def __post_init__(self):
         if self.sampling not in SAMPLING_SCHEMES:
-            raise ValueError(f"[speculative] sampling: {self.sampling!r} is not one of {', '.join(SAMPLING_SCHEMES)}")
+            raise ConfigError(f"[speculative] sampling: {self.sampling!r} is not one of {', '.join(SAMPLING_SCHEMES)}")
 
     def draft_limits(self) -> DraftLimits:
         """What a draft model reads of this config: when it stops proposing, and when it copies."""
