@@ -132,3 +132,30 @@ def test_the_scheduler_and_batched_passes_keep_the_seeds_answer(model_store):
         assert sum(n for b, n in e.batch.stats.rows.items() if b > 1) > 0  # passes were shared
     finally:
         e.close()
+
+
+def test_20_seeds_on_the_1_5b_give_its_target_only_answer_with_prompt_lookup_and_trees(qwen_store):
+    """The real-sized target (151,936 ids, token trees on the native engine): prompt lookup's
+    proposals (with its alternatives as branches) and the suffix draft's after it saw the answer."""
+    from memspec.build import load_pool
+    from memspec.runtime.target import load_target
+    from memspec.speculation.engine import Engine
+    from memspec.speculation.sources import DraftPool
+
+    from conftest import QWEN
+
+    cfg = SessionConfig(max_context=256)
+    target = load_target(qwen_store, QWEN, "q4", cfg)
+    pool = load_pool(qwen_store, QWEN, target.session.vocab_size, cfg, names=[], suffix_bytes=1 << 20,
+                     tokenizer=target.tokenizer)
+    e = Engine(target, drafts=DraftPool(pool), spec=SpecConfig(trees=True, controller="step", gamma=4),
+               prefix_cache_bytes=16 << 20)
+    try:
+        for seed in range(20):
+            req = dataclasses.replace(request(seed, 500 + seed, "none", 8),
+                                      prompt="Write a Python function that returns the sum of a list of numbers.")
+            alone = e.generate(req).token_ids
+            draft = ("prompt-lookup", "suffix")[seed % 2]
+            assert e.generate(dataclasses.replace(req, draft=draft)).token_ids == alone, (seed, draft)
+    finally:
+        e.close()
