@@ -268,7 +268,7 @@ def _run(args, req, engine=None):
         print(json.dumps({
             "prompt_token_ids": result.prompt_token_ids, "token_ids": result.token_ids, "text": result.text,
             "finish_reason": result.finish_reason, "timings": result.timings.to_dict(), "stats": result.stats.to_dict(),
-            "model": model, "variant": variant,
+            "model": model, "variant": variant, "seed": result.seed,  # --seed SEED gives a sampled answer again
         }), flush=True)
     else:
         sys.stdout.write("\n")

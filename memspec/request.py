@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
+import secrets
 import typing
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -41,12 +42,20 @@ class Limits:
         return 4 * (text + self.max_stop * self.max_stop_chars + 2 * self.max_name_chars) + 64 * 1024
 
 
+FRESH_SEED_BITS = 53  # a seed drawn for a request without one is below 2^53: exact as a double (JSON, JS)
+
+
+def fresh_seed() -> int:
+    """A seed for a sampled request that names none (reported back, so that its answer replays)."""
+    return secrets.randbits(FRESH_SEED_BITS)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 = greedy; otherwise in (0, 2]
     top_k: int = 0  # 0 = off; otherwise keep the k most likely tokens
     top_p: float = 1.0  # nucleus mass in (0, 1]
-    seed: int | None = None  # seeds the request's own generator
+    seed: int | None = None  # a sampled answer's randomness (0..2^64-1); None: the engine draws one and reports it
     min_p: float = 0.0  # in [0, 1]; after temperature, drop tokens below min_p x the top probability
     # the logits controls (memspec.speculation.logits applies them at every position, drafts included):
     frequency_penalty: float = 0.0  # [-2, 2]; logit -= this x times the token was generated
@@ -463,3 +472,5 @@ class Completion:
     finish_reason: str  # one of FINISH_REASONS
     timings: Timings = field(default_factory=Timings)
     stats: SpecStats = field(default_factory=SpecStats)  # what speculation did
+    seed: int | None = None  # the seed a sampled answer was drawn with (the request's, or one drawn for it:
+    #                          sent back as the request's seed, it gives this answer again); None: greedy

@@ -218,23 +218,40 @@ def _bench_module(name: str):
     return module
 
 
-# -- bench/sampling.py: what the sampling filters cost ----------------------------------------------
-def test_sampling_bench_prices_each_filter_against_unfiltered_target_only(model_store, capsys):
+# -- bench/sampling.py: the sampling schemes and filters, per category ------------------------------
+def sampling_rows(out: str) -> list[list[str]]:
+    """The table's rows (T, filters, scheme, policy, category, tok/s, ratio, accept, same)."""
+    lines = out.splitlines()
+    end = next((i for i, line in enumerate(lines) if line.startswith("coupled tok/s")), len(lines))
+    return [line.split() for line in lines[2:end]]
+
+
+def test_sampling_bench_prices_each_scheme_and_filter_per_category(model_store, capsys):
     bench = _bench_module("sampling")
     assert bench.parse_filters("top_p=0.9,top_k=40;min_p=0.05;") == [{"top_p": 0.9, "top_k": 40}, {"min_p": 0.05}, {}]
     with pytest.raises(SystemExit, match="'top_q=1' is not"):
         bench.parse_filters("top_q=1")
-    assert bench.main(["--drafts", "prompt-lookup", "--filters", "top_p=1.0;top_p=0.9,top_k=20", "--max-tokens", "4",
-                       "--rounds", "1"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [(r[0], r[1]) for r in rows] == [("top_p=1.0", "none"), ("top_p=1.0", "prompt-lookup"),
-                                            ("top_p=0.9,top_k=20", "none"), ("top_p=0.9,top_k=20", "prompt-lookup")]
-    assert rows[0][3] == "1.00x" and all(float(r[2]) > 0 for r in rows)
+    with pytest.raises(SystemExit, match="--scheme: 'coupled,fancy'"):
+        bench.main(["--scheme", "coupled,fancy"])
+    assert bench.main(["--drafts", "draft-code", "--filters", "top_p=0.9,top_k=20", "--max-tokens", "6",
+                       "--rounds", "1", "--temperature", "0.7,1.0"]) == 0
+    out = capsys.readouterr().out
+    rows = sampling_rows(out)
+    alls = [r for r in rows if r[4] == "all"]
+    assert [(r[0], r[1], r[2], r[3]) for r in alls] == [
+        (t, "top_p=0.9,top_k=20", s, p) for t in ("0.7", "1.0") for s in ("coupled", "standard")
+        for p in ("none", "draft-code")]
+    assert all(float(r[5]) > 0 for r in rows)
+    assert all(r[6] == "1.00x" and r[8] == "1.00" for r in rows if r[3] == "none")
+    assert all(r[8] == "1.00" for r in rows if r[2] == "coupled")  # the guarantee: a seed's target-only answer
+    assert len({r[4] for r in rows}) == 7  # the built-in workload's six categories and all
+    assert "coupled tok/s over standard tok/s" in out
     with pytest.raises(SystemExit, match="draft 'nope' is not in the pool"):
         bench.main(["--drafts", "nope", "--max-tokens", "1", "--rounds", "1"])
 
 
-def test_sampling_bench_runs_the_scheduler_beside_a_named_draft(model_store, capsys, monkeypatch):
+def test_sampling_bench_reads_a_workload_and_runs_the_scheduler_beside_a_named_draft(model_store, capsys,
+                                                                                     monkeypatch, tmp_path):
     """`scheduled`: requests that name no draft, the scheduler picking as the daemon does, its suffix
     index emptied before each (the same prompt ran under the other policies just before)."""
     from memspec.scheduling.scheduler import Scheduler
@@ -242,11 +259,18 @@ def test_sampling_bench_runs_the_scheduler_beside_a_named_draft(model_store, cap
     bench = _bench_module("sampling")
     forgot = []
     monkeypatch.setattr(Scheduler, "forget", lambda self: forgot.append(1))
+    work = tmp_path / "w.jsonl"
+    work.write_text('{"prompt": "Write a haiku about rain.", "category": "poem"}\n'
+                    '{"prompt": "Sort [3, 1, 2] in Python.", "category": "code"}\n'
+                    '{"prompt": "Another poem, on snow.", "category": "poem"}\n')
     assert bench.main(["--drafts", "scheduled,prompt-lookup", "--filters", "top_k=20", "--max-tokens", "4",
-                       "--rounds", "1", "--limit", "1"]) == 0
-    rows = [line.split() for line in capsys.readouterr().out.splitlines()[2:]]
-    assert [r[1] for r in rows] == ["none", "scheduled", "prompt-lookup"] and all(float(r[2]) > 0 for r in rows)
-    assert len(forgot) == 6  # one a scheduled request: 6 prompts (one a category), one filter set
+                       "--rounds", "1", "--limit", "1", "--workload", str(work), "--scheme", "coupled"]) == 0
+    out = capsys.readouterr().out
+    rows = sampling_rows(out)
+    assert [(r[3], r[4]) for r in rows] == [(p, c) for p in ("none", "scheduled", "prompt-lookup")
+                                           for c in ("code", "poem", "all")]
+    assert all(float(r[5]) > 0 and r[8] == "1.00" for r in rows) and "coupled tok/s over" not in out
+    assert len(forgot) == 2  # one a scheduled request: 2 prompts (one a category), one filter set
     with pytest.raises(SystemExit, match="draft 'nope' is not in the pool: .*scheduled"):
         bench.main(["--drafts", "scheduled,nope", "--max-tokens", "1", "--rounds", "1"])
 

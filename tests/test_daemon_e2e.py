@@ -199,7 +199,7 @@ def test_cli_json_has_the_same_keys_local_and_daemon(daemon, capsys):
     assert main([*args, "--local"]) == 0
     local = json.loads(capsys.readouterr().out)
     assert list(remote) == list(local) == ["prompt_token_ids", "token_ids", "text", "finish_reason", "timings",
-                                           "stats", "model", "variant"]
+                                           "stats", "model", "variant", "seed"]
     assert remote["timings"].keys() == local["timings"].keys() and remote["stats"].keys() == local["stats"].keys()
     assert (remote["token_ids"], remote["text"]) == (local["token_ids"], local["text"])
 

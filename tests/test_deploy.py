@@ -180,3 +180,12 @@ def test_the_unit_and_the_readme_install_the_same_package():
     readme, unit = (REPO / "README.md").read_text(), UNIT.read_text()
     assert '/opt/memspec/venv/bin/pip install "/path/to/memspec[cpu]"' in readme
     assert '/opt/memspec/venv/bin/pip install "/path/to/memspec[cpu]"' in unit
+
+
+def test_a_sampling_scheme_memspec_does_not_know_is_a_config_error(tmp_path):
+    from memspec.errors import ConfigError
+
+    bad = tmp_path / "s.toml"
+    bad.write_text('[speculative]\nsampling = "fancy"\n')
+    with pytest.raises(ConfigError, match="sampling: 'fancy' is not one of coupled, standard"):
+        load_config(bad)

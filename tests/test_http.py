@@ -293,8 +293,12 @@ def test_seeded_choices_sample_with_the_seed_plus_their_index():
     assert api.choice(2) == replace(api.request, sampling=replace(api.request.sampling, seed=9))
     top = openai.parse_completion({"prompt": "a", "n": 2, "seed": 2**64 - 1}, 50)
     assert top.choice(1).sampling.seed == 0  # mod 2^64: still a valid seed
-    unseeded = openai.parse_chat(chat(n=2, temperature=1), 50)
-    assert unseeded.choice(1) is unseeded.request  # no seed: each draws from fresh entropy
+    unseeded = openai.parse_chat(chat(n=2, temperature=1), 50)  # no seed: given one, so that the response replays
+    s = unseeded.request.sampling.seed
+    assert s is not None and 0 <= s < 2**53 and unseeded.choice(1).sampling.seed == s + 1
+    assert openai.parse_chat(chat(n=2, temperature=1), 50).request.sampling.seed != s  # a fresh one each time
+    assert openai.parse_chat(chat(n=1, temperature=1), 50).request.sampling.seed is None  # the engine draws it
+    assert openai.parse_chat(chat(n=2), 50).request.sampling.seed is None  # greedy: no randomness
 
 
 def test_each_choice_reaches_the_engine_with_its_own_seed(f):

@@ -3,6 +3,7 @@ SDK, curl and raw sockets, side by side with the gRPC client on the same daemon.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import shutil
@@ -108,6 +109,60 @@ def test_a_seeded_sampling_request_repeats_exactly(sdk):
     other = [sdk.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=20, temperature=1.0,
                                          top_p=0.95, seed=s).choices[0].message.content for s in (1, 2, 3)]
     assert any(o != first for o in other)  # the seed matters
+
+
+ASK = [{"role": "user", "content": "Write a Python function that checks whether a word is a palindrome."}]
+
+
+def test_a_seed_gives_the_target_only_answer_whatever_the_draft_through_the_sdk_and_grpc(sdk, grpc_client):
+    """Issue 68: the same seeded request with the daemon's defaults (the scheduler picks), a named
+    draft or prompt lookup is the target-only answer for that seed, through HTTP (n = 1 and 3)
+    and gRPC; the response reports the seed."""
+    def ask(seed, draft, n=1):
+        extra = {"memspec": {"draft": draft}} if draft else {}
+        out = sdk.chat.completions.create(model=MODEL, messages=ASK, max_tokens=16, temperature=0.9, top_p=0.95,
+                                          seed=seed, n=n, extra_body=extra)
+        return [c.message.content for c in out.choices], out.model_extra["memspec"]
+
+    drafted = 0
+    for seed in range(6):
+        (alone,), ext = ask(seed, "none")
+        assert ext["seed"] == seed
+        for draft in (None, "draft-code", "prompt-lookup"):
+            (got,), ext = ask(seed, draft)
+            assert got == alone, (seed, draft)
+            drafted += ext["num_draft_tokens"]
+    assert drafted > 0
+    three, ext = ask(40, "draft-code", n=3)
+    assert three == [ask(40 + i, "none")[0][0] for i in range(3)] and len(set(three)) > 1
+    assert ext["seed"] == 40 and [c["seed"] for c in ext["choices"]] == [40, 41, 42]
+    req = GenerationRequest(messages=(("user", ASK[0]["content"]),), max_tokens=16, draft="draft-code",
+                            sampling=SamplingParams(temperature=0.9, top_p=0.95, seed=3))
+    final = [i for i in grpc_client.stream(req) if isinstance(i, Completion)][0]
+    assert final.text == ask(3, "none")[0][0] and final.seed == 3
+
+
+def test_an_unseeded_sampled_request_reports_a_seed_that_replays_it(sdk, grpc_client):
+    kw = dict(model=MODEL, messages=ASK, max_tokens=16, temperature=1.0)
+    out = sdk.chat.completions.create(**kw)
+    seed = out.model_extra["memspec"]["seed"]
+    assert isinstance(seed, int) and 0 <= seed < 2**53
+    again = sdk.chat.completions.create(**kw, seed=seed, extra_body={"memspec": {"draft": "none"}})
+    assert again.choices[0].message.content == out.choices[0].message.content
+    many = sdk.chat.completions.create(**kw, n=3)
+    s = many.model_extra["memspec"]["seed"]
+    assert [c["seed"] for c in many.model_extra["memspec"]["choices"]] == [s, s + 1, s + 2]
+    replay = sdk.chat.completions.create(**kw, n=3, seed=s)
+    assert [c.message.content for c in replay.choices] == [c.message.content for c in many.choices]
+    req = GenerationRequest(messages=(("user", ASK[0]["content"]),), max_tokens=16,
+                            sampling=SamplingParams(temperature=1.0))
+    final = [i for i in grpc_client.stream(req) if isinstance(i, Completion)][0]
+    assert final.seed is not None
+    replayed = [i for i in grpc_client.stream(dataclasses.replace(
+        req, sampling=SamplingParams(temperature=1.0, seed=final.seed))) if isinstance(i, Completion)][0]
+    assert replayed.token_ids == final.token_ids
+    greedy = sdk.chat.completions.create(model=MODEL, messages=ASK, max_tokens=2)
+    assert greedy.model_extra["memspec"]["seed"] is None
 
 
 @pytest.mark.skipif(shutil.which("curl") is None, reason="curl is not installed")

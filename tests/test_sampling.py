@@ -220,3 +220,75 @@ def test_probabilities_are_the_float64_softmax_bit_for_bit():
     row = z.copy()  # a float64 row (a shaped one) is the caller's: left as it was
     sampling.probabilities(row, 0.7, top_k=7, top_p=0.9, min_p=0.2)
     np.testing.assert_array_equal(row, z)
+
+
+# -- coupled sampling: Gumbel-max with noise keyed by (seed, position, token) -------------------
+def test_gumbel_noise_is_a_function_of_seed_position_and_token_alone():
+    ids = np.arange(5000)
+    row = sampling.gumbel(7, 3, ids)
+    assert np.array_equal(sampling.gumbel(7, 3, ids[[4999, 2, 17]]), row[[4999, 2, 17]])  # any subset, any order
+    assert np.array_equal(sampling.gumbel(7, 3, ids), row)  # and again: no state
+    for other in (sampling.gumbel(8, 3, ids), sampling.gumbel(7, 4, ids)):  # the next seed, the next position
+        assert abs(np.corrcoef(row, other)[0, 1]) < 0.05
+    # standard Gumbel: mean Euler's gamma, variance pi^2 / 6; and the CDF exp(-exp(-x)) (Kolmogorov-Smirnov)
+    from scipy.stats import kstest
+
+    big = sampling.gumbel(123, 0, np.arange(200_000))
+    assert abs(big.mean() - 0.5772) < 0.01 and abs(big.var() - np.pi ** 2 / 6) < 0.03
+    assert kstest(big, "gumbel_r").pvalue > 1e-3
+    assert np.isfinite(big).all() and big.min() > -3.7 and big.max() < 37.5  # GUMBEL_SPAN bounds it
+    with pytest.raises(ValueError, match="seed"):
+        sampling.noise_key(-1, 0)
+
+
+P_LITERAL = np.array([0.05, 0.3, 0.0, 0.15, 0.4, 0.1])
+
+
+def test_the_gumbel_argmax_over_many_seeds_is_a_draw_from_p():
+    counts = np.bincount([sampling.gumbel_argmax(P_LITERAL, s, 0) for s in range(6000)], minlength=6)
+    assert chi_square_p(counts, P_LITERAL) > 1e-3
+    # over positions of one seed too (the tokens of one answer)
+    counts = np.bincount([sampling.gumbel_argmax(P_LITERAL, 5, i) for i in range(6000)], minlength=6)
+    assert chi_square_p(counts, P_LITERAL) > 1e-3
+
+
+def test_noise_keyed_by_position_alone_is_caught():
+    """The test above can fail: noise that ignores the seed gives every seed the same token."""
+    counts = np.bincount([sampling.gumbel_argmax(P_LITERAL, 0, 0) for _ in range(6000)], minlength=6)
+    assert chi_square_p(counts, P_LITERAL) < 1e-6
+
+
+def test_the_gumbel_argmax_sees_only_what_can_win_and_maps_a_drafts_ids():
+    rng = np.random.default_rng(0)
+    p = sampling.probabilities(rng.normal(0, 6, 3000).astype(np.float32), 1.0)
+    for s in range(50):  # the candidates within GUMBEL_SPAN: the argmax over the whole row
+        whole = int(np.argmax(np.log(np.maximum(p, 1e-300)) + sampling.gumbel(s, 2, np.arange(3000))))
+        assert sampling.gumbel_argmax(p, s, 2) == whole
+    ids = np.array([10, 3, 7, 42, 5, 1])  # a draft's row: its entries stand for these target ids
+    full = np.zeros(50)
+    full[ids] = P_LITERAL
+    for s in range(50):  # the same noise as the target's row over the target's ids
+        assert ids[sampling.gumbel_argmax(P_LITERAL, s, 4, ids)] == sampling.gumbel_argmax(full, s, 4)
+
+
+def test_coupled_verification_is_the_greedy_rule_on_the_perturbed_rows():
+    rows = np.array([[0.5, 0.5, 0.0], [0.2, 0.3, 0.5], [0.9, 0.05, 0.05], [1 / 3, 1 / 3, 1 / 3]])
+    noise = sampling.Coupled(99, origin=10)
+    want = [noise.argmax(rows[i], 12 + i) for i in range(4)]  # the target alone, token by token
+    for k in range(4):
+        for wrong_at in range(k + 1):
+            draft = np.array(want[:k])
+            if wrong_at < k:
+                draft[wrong_at] = (want[wrong_at] + 1) % 3
+            n, nxt = sampling.verify_coupled(rows, draft, noise, at=12)
+            assert (n, nxt) == (wrong_at, want[wrong_at]) if wrong_at < k else (k, want[k])
+    with pytest.raises(ValueError, match="before the answer"):
+        noise.position(9)
+
+
+def test_draw_takes_a_stream_or_coupled_noise():
+    rng = np.random.default_rng(0)
+    assert sampling.draw(np.array([0.0, 1.0, 0.0]), rng, 0) == 1
+    noise = sampling.Coupled(3, 4)
+    assert sampling.draw(P_LITERAL, noise, 9) == sampling.gumbel_argmax(P_LITERAL, 3, 5)
+    assert sampling.coupled(noise) and not sampling.coupled(rng) and not sampling.coupled(None)

@@ -765,3 +765,96 @@ def test_the_gate_keeps_greedy_and_sampled_acceptance_apart(tiny):
                                    gate=gate):
             pass
     assert set(gate._bins) == {"d", "d (sampled)"}
+
+
+# -- coupled sampling: a seed's answer is the target-only one, whatever the draft ---------------
+COUPLED_CONTROLS = {
+    0.7: SamplingParams(temperature=0.7, top_k=10, top_p=0.9, min_p=0.05, frequency_penalty=0.5),
+    1.0: SamplingParams(temperature=1.0, top_k=12, top_p=0.95, min_p=0.02, repetition_penalty=1.3),
+}
+
+
+def coupled_answer(tiny, params, seed, draft=True, n=12, gamma=3, noise=None):
+    """n tokens of the loop (with the tiny draft or target-only) under the request's shaper and
+    coupled noise for `seed`."""
+    from memspec.speculation.logits import for_sampling
+    from memspec.speculation.speculative import NoDraft
+
+    target, d = tiny
+    select = FixedDraft("d", d.begin(64)) if draft else NoDraft()
+    out = []
+    steps = speculative_steps(target, target.new_cache(), PROMPT, select, params,
+                              noise or sampling.Coupled(seed, len(PROMPT)), SpecConfig(gamma=gamma, adaptive=False),
+                              SpecMetrics(), shaper=for_sampling(params, PROMPT))
+    for committed in steps:
+        out.extend(committed)
+        if len(out) >= n:
+            break
+    steps.close()
+    return out[:n]
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_coupled_sampling_with_a_draft_is_the_target_only_answer_for_every_seed(tiny, temperature):
+    params = COUPLED_CONTROLS[temperature]
+    answers = set()
+    for seed in range(100):
+        alone = coupled_answer(tiny, params, seed, draft=False)
+        for gamma in (1, 4):
+            assert coupled_answer(tiny, params, seed, gamma=gamma) == alone, (seed, gamma)
+        answers.add(tuple(alone))
+    assert len(answers) > 90  # the seed matters
+
+
+def exact_first_two(target, params):
+    """P(t1, t2) under the request's shaper, (V, V), from target-only forwards."""
+    from memspec.speculation.logits import for_sampling
+
+    def probs(row, shaper):
+        return sampling.probabilities(shaper.shape(row), params.temperature, params.top_k, params.top_p, params.min_p)
+
+    shaper, c = for_sampling(params, PROMPT), target.new_cache()
+    p1 = probs(target.forward(c, PROMPT, keep=1)[-1], shaper)
+    joint = np.zeros((V, V))
+    for t1 in np.nonzero(p1)[0]:
+        c.truncate(len(PROMPT))
+        shaper.push(int(t1))
+        joint[t1] = p1[t1] * probs(target.forward(c, [int(t1)], keep=1)[-1], shaper)
+        shaper.pop(1)
+    return joint
+
+
+def coupled_first_two_counts(tiny, params, seeds=2000, noise=sampling.Coupled):
+    counts = np.zeros((V, V), dtype=np.int64)
+    for s in range(seeds):
+        t1, t2 = coupled_answer(tiny, params, s, n=2, noise=noise(s, len(PROMPT)))
+        counts[t1, t2] += 1
+    return counts
+
+
+@pytest.mark.parametrize("temperature", [0.7, 1.0])
+def test_coupled_sampling_with_a_draft_draws_the_shaped_targets_first_two_tokens(tiny, temperature):
+    """Over seeds, (t1, t2) (t2 the first token a draft-and-verify step commits) is distributed as
+    the shaped target's P(t1) P(t2 | t1): the first token, and the second's marginal, with them."""
+    params = COUPLED_CONTROLS[temperature]
+    joint = exact_first_two(tiny[0], params)
+    counts = coupled_first_two_counts(tiny, params)
+    assert chi_square_p(counts.sum(axis=1), joint.sum(axis=1)) > 1e-3  # the first token
+    assert chi_square_p(counts.sum(axis=0), joint.sum(axis=0)) > 1e-3  # the second
+    cells = joint.ravel() * counts.sum() >= 5  # the joint, over the cells the test can judge
+    assert chi_square_p(counts.ravel()[cells], joint.ravel()[cells]) > 1e-3
+
+
+class NoiseOfTheSeedAlone(sampling.Coupled):
+    """Deliberately wrong: one noise row for every position of an answer (a shared stream, reread)."""
+
+    def position(self, at: int) -> int:
+        return 0
+
+
+def test_noise_shared_by_every_position_fails_the_joint_test(tiny):
+    params = COUPLED_CONTROLS[1.0]
+    joint = exact_first_two(tiny[0], params)
+    counts = coupled_first_two_counts(tiny, params, noise=NoiseOfTheSeedAlone)
+    cells = joint.ravel() * counts.sum() >= 5
+    assert chi_square_p(counts.ravel()[cells], joint.ravel()[cells]) < 1e-6

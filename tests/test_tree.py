@@ -168,7 +168,7 @@ def test_a_walk_that_takes_the_branches_unchecked_fails_that_test(tiny_native, j
     """The test above can fail: a walk that goes down the last child of each node (a branch where
     there is one) without drawing from the target is caught."""
 
-    def take_branches(t, rows, q, params, rng):
+    def take_branches(t, rows, q, params, rng, at=0):
         node, path = 0, [0]
         while t.children(node):
             node = t.children(node)[-1]

@@ -11,8 +11,8 @@ The builders below make the responses and the streamed chunks.
 OpenAI's `n` asks for n choices: n independent generations of the same request,
 each its own request to the daemon (`ApiRequest.choice`).  With a seed s, choice
 i samples with seed (s + i) mod 2^64 (vLLM's rule), so choice 0 is the n = 1
-answer and the whole response repeats; without one each draws from fresh
-entropy.  Greedy choices are all the same answer.
+answer and the whole response repeats; without one the request is given a fresh
+seed (`seeded`), which the `memspec` object reports.  Greedy choices are all the same answer.
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ from typing import Any
 from memspec.errors import INTERNAL, InvalidRequestError, status_of
 from memspec.models.tools import ToolCall, call_text, parse_calls
 from memspec.request import (MAX_TOP_LOGPROBS, TOOL_CHOICES, Constraint, GenerationRequest, PolicyName, SamplingParams,
-                             Tool, parse_keep_alive, quote)
+                             Tool, fresh_seed, parse_keep_alive, quote)
 
 EXTENSION = "memspec"  # the object that carries memspec's own options: draft, policy, top_k
 FINISH = {"stop": "stop", "eos": "stop", "length": "length", "cancelled": "stop"}  # memspec -> OpenAI
@@ -63,12 +63,22 @@ class ApiRequest:
 
     def choice(self, index: int) -> GenerationRequest:
         """Choice `index`'s request: `request` itself, but with a seed s sampled with seed
-        (s + index) mod 2^64, so that seeded choices draw differently and repeat; unseeded ones
-        each draw from fresh entropy, greedy ones are all the same answer."""
+        (s + index) mod 2^64, so that seeded choices draw differently and repeat (a sampled request
+        of several choices without a seed was given one: `seeded`); greedy ones are all the same answer."""
         seed = self.request.sampling.seed
         if index == 0 or seed is None:
             return self.request
         return replace(self.request, sampling=replace(self.request.sampling, seed=(seed + index) % SEEDS))
+
+
+def seeded(api: ApiRequest) -> ApiRequest:
+    """A sampled request of several choices without a seed gets one (memspec.request.fresh_seed), so
+    that choice i draws with seed + i and the response reports a seed that replays every choice
+    (the engine draws one for a request of one choice itself)."""
+    s = api.request.sampling
+    if api.n == 1 or s.greedy or s.seed is not None:
+        return api
+    return replace(api, request=replace(api.request, sampling=replace(s, seed=fresh_seed())))
 
 
 def _bad(name: str, msg: str) -> InvalidRequestError:
@@ -323,8 +333,8 @@ def parse_chat(body: Any, max_tokens_limit: int) -> ApiRequest:
     tools, choice = _tools(body)
     req = GenerationRequest(messages=tuple(turns), logprobs=logprobs, tools=tools, tool_choice=choice,
                             **_sampling_and_options(body, max_tokens_limit))
-    return ApiRequest("chat", model, req, stream, include_usage, logprobs, ignored, bool(tools) and choice != "none",
-                      _choices(body))
+    return seeded(ApiRequest("chat", model, req, stream, include_usage, logprobs, ignored,
+                             bool(tools) and choice != "none", _choices(body)))
 
 
 def _tools(body: dict) -> tuple[tuple[Tool, ...], str]:
@@ -403,7 +413,7 @@ def parse_completion(body: Any, max_tokens_limit: int) -> ApiRequest:
         raise _bad("logprobs", f"{logprobs} is out of range; allowed 0..{MAX_TOP_LOGPROBS}")
     req = GenerationRequest(prompt=prompt, raw=True, logprobs=logprobs,
                             **_sampling_and_options(body, max_tokens_limit))
-    return ApiRequest("text", model, req, stream, include_usage, logprobs, ignored, n=_choices(body))
+    return seeded(ApiRequest("text", model, req, stream, include_usage, logprobs, ignored, n=_choices(body)))
 
 
 # -- llama-server's /tokenize and /detokenize ----------------------------------------------------
@@ -500,6 +510,8 @@ def _stats(final) -> dict:
         "tok_per_s": round(c.timings.tok_per_s, 3),
         # tokens a schema or grammar forced, proposed without a draft (memspec.speculation.logits.forced)
         "forced_tokens": st.forced_tokens, "forced_accepted": st.forced_accepted,
+        # the seed a sampled answer was drawn with (sent back as `seed`, it gives this answer again); null: greedy
+        "seed": c.seed,
     }
 
 
@@ -520,7 +532,7 @@ def memspec_stats(finals: list) -> dict:
         "ttft_ms": min(s["ttft_ms"] for s in each), "queue_ms": max(s["queue_ms"] for s in each),
         "tok_per_s": round(sum(s["tok_per_s"] for s in each), 3),
         "forced_tokens": sum(s["forced_tokens"] for s in each),
-        "forced_accepted": sum(s["forced_accepted"] for s in each), "choices": each,
+        "forced_accepted": sum(s["forced_accepted"] for s in each), "seed": each[0]["seed"], "choices": each,
     }
 
 

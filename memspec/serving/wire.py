@@ -302,7 +302,7 @@ def final_to_pb(c: Completion, model: str, variant: str, queue_s: float):
     stats.engine_stats.update(_plain(st.to_dict()))
     return pb2.GenerateResponse(
         finish_reason=c.finish_reason, stats=stats, prompt_token_ids=c.prompt_token_ids,
-        completion_token_ids=c.token_ids, model=model, variant=variant,
+        completion_token_ids=c.token_ids, model=model, variant=variant, seed=c.seed,
     )
 
 
@@ -333,6 +333,7 @@ def completion_from_pb(final, text: str) -> RemoteCompletion:
         finish_reason=final.finish_reason, timings=Timings.from_dict(final.stats.timings),
         stats=SpecStats.from_dict(json_format.MessageToDict(final.stats.engine_stats)),
         model=final.model, variant=final.variant, queue_ms=final.stats.queue_ms,
+        seed=final.seed if final.HasField("seed") else None,
     )
 
 

@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memspec.errors import ConfigError
+
 
 @dataclass(frozen=True)
 class DraftLimits:
@@ -19,6 +21,9 @@ class DraftLimits:
     lookup_ngram: int = 2  # ... or one whose last n >= this many tokens occurred before, what followed (0: never)
     recall_tokens: int = 8  # ... or, where the scheduler holds the suffix draft, one whose last n >= this many
     #                         tokens agree with a request the daemon saw, what followed there (0: never)
+
+
+SAMPLING_SCHEMES = ("coupled", "standard")
 
 
 @dataclass(frozen=True)
@@ -48,6 +53,13 @@ class SpecConfig:
     #                    engine runs (memspec.speculation.confidence); false: every proposed token
     suffix_mb: int = 4  # the suffix draft's index of recent prompts and answers, per target, counted in the
     #                     memory budget (memspec.speculation.suffix); 0 = no suffix draft
+    sampling: str = "coupled"  # how a sampled request draws: "coupled" (noise keyed by seed, position and token:
+    #                            a seed gives the target-only answer whatever the draft; memspec.speculation.
+    #                            sampling) or "standard" (one stream a request, the speculative-sampling rule)
+
+    def __post_init__(self):
+        if self.sampling not in SAMPLING_SCHEMES:
+            raise ConfigError(f"[speculative] sampling: {self.sampling!r} is not one of {', '.join(SAMPLING_SCHEMES)}")
 
     def draft_limits(self) -> DraftLimits:
         """What a draft model reads of this config: when it stops proposing, and when it copies."""

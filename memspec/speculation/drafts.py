@@ -76,7 +76,9 @@ class Proposal:
 class DraftState(Protocol):
     # under the request's shaper, left as found; alternatives: also offer Proposal.alternatives (token
     # trees on, no shaper): they cost extra work, so a draft computes them only when asked
-    def propose(self, context: list[int], k: int, params: SamplingParams, rng: np.random.Generator,
+    # rng: the request's randomness (sampling.Randomness: a stream, or coupled noise keyed by the
+    # answer position, len(context) + i for the i-th proposed token)
+    def propose(self, context: list[int], k: int, params: SamplingParams, rng: sampling.Randomness,
                 shaper: LogitsShaper = IDENTITY, alternatives: bool = False) -> Proposal: ...
 
     def close(self) -> None: ...
@@ -385,7 +387,7 @@ class ModelDraftState:
             return prop
         logits, setup = self._catch_up(context)
         if not is_identity(shaper):
-            return self._propose_shaped(logits, setup, k, params, rng, shaper)
+            return self._propose_shaped(logits, setup, len(context), k, params, rng, shaper)
         tokens, qs, ents, alts = [], [], [], []
         for i in range(k):
             summary = params.greedy and not alternatives  # the token and its confidence: no distribution built
@@ -397,11 +399,12 @@ class ModelDraftState:
                 ent, top = float(-(probs * np.log(np.maximum(probs, 1e-30))).sum()), float(probs.max())
             if i > 0 and (top < self.d.limits.p_min or ent > self.d.limits.max_entropy):
                 break  # the draft is unsure: stop and let the target verify what we have
-            if not summary:
-                did = int(np.argmax(probs)) if params.greedy else sampling.sample(probs, rng)
+            if not summary:  # coupled noise is keyed by the target's ids: the draft's argmax is the target's
+                did = (int(np.argmax(probs)) if params.greedy
+                       else sampling.draw(probs, rng, len(context) + i, self.d.to_target))
             tokens.append(int(self.d.to_target[did]))
             ents.append(ent)
-            if not params.greedy:
+            if not params.greedy and not sampling.coupled(rng):  # the speculative-sampling rule reads q
                 qs.append(probs)
             if alternatives and i < ALT_POSITIONS:  # its next choices here, for a token tree
                 alts.append([[int(self.d.to_target[a])] for a in top_alternatives(probs, did)])
@@ -410,11 +413,12 @@ class ModelDraftState:
                 self.cached.append(tokens[-1])
         return Proposal(tokens, sampling.DraftRows(np.stack(qs), self.d.to_target) if qs else None, ents, setup, alts)
 
-    def _propose_shaped(self, logits: np.ndarray, setup: float, k: int, params: SamplingParams,
-                        rng: np.random.Generator, shaper: LogitsShaper) -> Proposal:
+    def _propose_shaped(self, logits: np.ndarray, setup: float, at: int, k: int, params: SamplingParams,
+                        rng: sampling.Randomness, shaper: LogitsShaper) -> Proposal:
         """propose() under a shaper: each draft row is put in the target's vocabulary (-inf where the
         draft has no token) and shaped with the tokens proposed before it, so that q is the
-        distribution each token was really drawn from.  The pushed tokens are popped at the end."""
+        distribution each token was really drawn from.  The pushed tokens are popped at the end.
+        at: the context's length (coupled noise: token i is the one after at + i tokens)."""
         tokens, qs, ents = [], [], []
         row = np.full(self.d.target_vocab, -np.inf, dtype=np.float32)
         try:
@@ -428,11 +432,11 @@ class ModelDraftState:
                 ent = float(-(probs * np.log(np.maximum(probs, 1e-30))).sum())
                 if i > 0 and (probs.max() < self.d.limits.p_min or ent > self.d.limits.max_entropy):
                     break  # the draft is unsure: stop and let the target verify what we have
-                tid = int(np.argmax(probs)) if params.greedy else sampling.sample(probs, rng)
+                tid = int(np.argmax(probs)) if params.greedy else sampling.draw(probs, rng, at + i)
                 shaper.push(tid)
                 tokens.append(tid)
                 ents.append(ent)
-                if not params.greedy:
+                if not params.greedy and not sampling.coupled(rng):  # the speculative-sampling rule reads q
                     qs.append(probs[self.d.to_target])  # 0 on every other id: the row is -inf there
                 if i + 1 < k:
                     logits = self.d.session.forward(self.cache, [int(self.d.to_draft[tid])], keep=1)[-1]

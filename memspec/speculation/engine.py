@@ -22,7 +22,7 @@ import numpy as np
 from memspec.errors import InsufficientMemoryError, InvalidRequestError
 from memspec.models import tools
 from memspec.request import (Chunk, Completion, Constraint, GenerationRequest, Limits, Timings, TokenLogprob,
-                             check_logit_bias, new_tokens, validate)
+                             check_logit_bias, fresh_seed, new_tokens, validate)
 from memspec.runtime.contracts import BatchedPass, TargetModel  # noqa: F401 (TargetModel: re-exported)
 from memspec.runtime.costs import CostCache, LiveCosts, pass_costs
 from memspec.runtime.memory import request_kv_bytes
@@ -193,7 +193,7 @@ class Engine:
         return req.constraint
 
     # -- decode loops ------------------------------------------------------------
-    def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: np.random.Generator,
+    def steps(self, cache: KVCache, prompt: list[int], req: GenerationRequest, rng: sampling.Randomness,
               metrics: SpecMetrics, cancelled: Callable[[], bool] = lambda: False,
               on_rows: Callable[[np.ndarray], None] | None = None,
               grammar: GrammarMask | None = None,
@@ -315,7 +315,8 @@ class Engine:
                 prompt: list[int], progress: Callable[[str], None] | None = None) -> Iterator[Chunk | Completion]:
         cache = self.target.session.new_cache()
         cached = self.prefixes.fill(cache, prompt) if self.prefixes is not None else 0  # only the rest is computed
-        rng = np.random.default_rng(req.sampling.seed)
+        seed = self.seed_of(req)
+        rng = self.randomness(seed, len(prompt))
         detok = self.target.tokenizer.detokenizer()
         stops = StopMatcher(req.stop)
         out: list[int] = []
@@ -361,7 +362,23 @@ class Engine:
         yield Completion(
             prompt_token_ids=prompt, token_ids=out, text="".join(text), finish_reason=finish,
             timings=self._timings(t0, t_first, t_end, len(prompt), len(out), cached), stats=metrics.freeze(),
+            seed=seed,
         )
+
+    @staticmethod
+    def seed_of(req: GenerationRequest) -> int | None:
+        """The seed a request samples with: its own, else a fresh one (memspec.request.fresh_seed),
+        reported on its Completion; None for a greedy request."""
+        if req.sampling.greedy:
+            return None
+        return req.sampling.seed if req.sampling.seed is not None else fresh_seed()
+
+    def randomness(self, seed: int | None, prompt_len: int) -> sampling.Randomness:
+        """What a request's sampled tokens are drawn with (memspec.speculation.sampling): noise keyed
+        by (seed, answer position, token), or, under `[speculative] sampling = "standard"`, one stream."""
+        if self.spec.sampling == "coupled" and seed is not None:
+            return sampling.Coupled(seed, prompt_len)
+        return np.random.default_rng(seed)
 
     def _logprobs(self, rows: np.ndarray, tokens: list[int], k: int) -> list[TokenLogprob]:
         """Each shown token's log-probability and the k most likely at its position."""

@@ -1,8 +1,23 @@
-"""Pure NumPy sampling maths.  No ONNX Runtime here; the generator is passed in."""
+"""Pure NumPy sampling maths.  No ONNX Runtime here; the randomness is passed in.
+
+Two kinds of randomness draw a sampled token (`draw`):
+
+- a np.random.Generator: the standard scheme.  One stream per request, a draw from p with one
+  uniform; speculative verification then uses the speculative-sampling rule (verify_sampled).
+  How many numbers a step consumes depends on what was drafted, so the answer for a seed depends
+  on the draft.
+- a Coupled: position-keyed Gumbel noise (Daliri, Musco and Suresh 2024, "Coupling without
+  communication and drafter-invariant speculative decoding").  The token at answer position i is
+  argmax_j (log p_j + G(seed, i, j)): a draw from p (the Gumbel-max trick) whose noise depends on
+  the seed, the position and the token id only.  A draft proposes the argmax of its own row plus
+  the same noise, and verification is the greedy rule on the target's perturbed rows
+  (verify_coupled), so the answer for a seed is the target-only answer, whatever the draft.
+"""
 
 from __future__ import annotations
 
 import math
+from typing import Union
 
 import numpy as np
 
@@ -100,12 +115,13 @@ def nucleus(p: np.ndarray, top_p: float) -> np.ndarray:
     return order[: int(np.searchsorted(np.cumsum(p[order]), top_p, side="left")) + 1]
 
 
-def pick(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: np.random.Generator,
-         min_p: float = 0.0) -> int:
-    """The next token from a (V,) row: argmax when temperature is 0, else a draw from the filtered distribution."""
+def pick(logits: np.ndarray, temperature: float, top_k: int, top_p: float, rng: "Randomness",
+         min_p: float = 0.0, at: int = 0) -> int:
+    """The next token from a (V,) row: argmax when temperature is 0, else a draw from the filtered
+    distribution (draw(): `at` is the context length before it, for coupled noise)."""
     if temperature == 0.0:
         return greedy(logits)
-    return sample(probabilities(logits, temperature, top_k, top_p, min_p), rng)
+    return draw(probabilities(logits, temperature, top_k, top_p, min_p), rng, at)
 
 
 def greedy_summary(logits: np.ndarray) -> tuple[int, float, float]:
@@ -131,6 +147,111 @@ def sample(p: np.ndarray, rng: np.random.Generator) -> int:
     """Draw one index from the (V,) distribution p (inverse CDF, one uniform)."""
     c = np.cumsum(p)
     return int(min(np.searchsorted(c, rng.random() * c[-1], side="right"), p.shape[-1] - 1))
+
+
+# -- coupled sampling: Gumbel-max with noise keyed by (seed, position, token) --------------
+_M64 = (1 << 64) - 1
+_GOLDEN = 0x9E3779B97F4A7C15  # splitmix64's increment
+_TOKEN_STRIDE = np.uint64(0xD1B54A32D192ED03)  # an odd multiplier: token ids spread over 64 bits
+# G = -log(-log u) with u in [2^-54, 1 - 2^-54] (gumbel()) lies in [-3.63, 37.43]: a token whose
+# log-probability is more than their difference below the top one's never wins, whatever its noise
+GUMBEL_SPAN = 41.1
+
+
+def _mix64(x: int) -> int:
+    """splitmix64's finaliser on one Python int (mod 2^64)."""
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _M64
+    return x ^ (x >> 31)
+
+
+def _mix64_array(x: np.ndarray) -> np.ndarray:
+    """splitmix64's finaliser over a uint64 array (wrapping products), in place."""
+    x ^= x >> np.uint64(30)
+    x *= np.uint64(0xBF58476D1CE4E5B9)
+    x ^= x >> np.uint64(27)
+    x *= np.uint64(0x94D049BB133111EB)
+    x ^= x >> np.uint64(31)
+    return x
+
+
+def noise_key(seed: int, position: int) -> int:
+    """The 64-bit key of answer position `position` under `seed` (two rounds of splitmix64: nearby
+    seeds and positions give unrelated keys)."""
+    if not 0 <= seed <= _M64 or position < 0:
+        raise ValueError(f"noise_key: seed {seed} must be in 0..2^64-1 and position {position} >= 0")
+    return _mix64((_mix64((seed + _GOLDEN) & _M64) + (position + 1) * _GOLDEN) & _M64)
+
+
+def exponentials(seed: int, position: int, ids: np.ndarray) -> np.ndarray:
+    """(n,) float64 standard exponential noise E = -log U of token ids `ids` (n,) at answer
+    `position` under `seed`: each value a function of (seed, position, id) alone (a counter-based
+    hash, no stream), so any subset of a row can be computed by itself and every caller sees the
+    same numbers.  U = (the hash's top 53 bits + 1/2) / 2^53, in (0, 1), never 0 or 1."""
+    x = np.asarray(ids, dtype=np.uint64) * _TOKEN_STRIDE
+    x += np.uint64(noise_key(seed, position))
+    x = _mix64_array(x)
+    x >>= np.uint64(11)
+    u = x.astype(np.float64)
+    u += 0.5
+    u *= 2.0 ** -53
+    np.log(u, out=u)
+    u *= -1.0
+    return u
+
+
+def gumbel(seed: int, position: int, ids: np.ndarray) -> np.ndarray:
+    """(n,) float64 standard Gumbel noise G = -log E of token ids `ids` at answer `position` under
+    `seed` (exponentials())."""
+    return -np.log(exponentials(seed, position, ids))
+
+
+def gumbel_argmax(p: np.ndarray, seed: int, position: int, ids: np.ndarray | None = None) -> int:
+    """The index j of a (V,) distribution p maximising log p_j + G(seed, position, ids[j]): a draw
+    from p (Gumbel-max), repeatable from (seed, position).  ids: (V,) the token id of each entry for
+    the noise (a draft's row in its own vocabulary: its target ids); None: the entry's own index.
+    Computed as the argmax of p_j / E_j (the same: log p - log E), one logarithm a token; only the
+    entries within GUMBEL_SPAN of the top log-probability can win, so only theirs are computed."""
+    cand = np.flatnonzero(p >= p.max() * math.exp(-GUMBEL_SPAN))
+    e = exponentials(seed, position, cand if ids is None else np.asarray(ids)[cand])
+    return int(cand[np.argmax(p[cand] / e)])
+
+
+class Coupled:
+    """One request's coupled randomness (module docstring): its seed, and `origin`, the context
+    length at which its answer starts (the prompt's), so that `position(at)` is the answer position
+    of the token drawn after `at` tokens of context."""
+
+    def __init__(self, seed: int, origin: int):
+        if not 0 <= seed <= _M64:
+            raise ValueError(f"seed {seed} is out of range; allowed 0..2^64-1")
+        self.seed, self.origin = seed, origin
+
+    def position(self, at: int) -> int:
+        if at < self.origin:
+            raise ValueError(f"a token drawn after {at} tokens of context comes before the answer, "
+                             f"which starts after {self.origin}")
+        return at - self.origin
+
+    def argmax(self, p: np.ndarray, at: int, ids: np.ndarray | None = None) -> int:
+        return gumbel_argmax(p, self.seed, self.position(at), ids)
+
+
+Randomness = Union[np.random.Generator, Coupled]
+
+
+def coupled(rng) -> bool:
+    """Whether `rng` is position-keyed noise (else a stream, or None where nothing is sampled)."""
+    return isinstance(rng, Coupled)
+
+
+def draw(p: np.ndarray, rng: Randomness, at: int, ids: np.ndarray | None = None) -> int:
+    """One sampled index of the (V,) distribution p: the token after `at` tokens of context.
+    Coupled: the Gumbel argmax at that position (ids: the noise's token id of each entry); a stream:
+    one draw from it (at and ids unused)."""
+    if isinstance(rng, Coupled):
+        return rng.argmax(p, at, ids)
+    return sample(p, rng)
 
 
 # -- speculative verification ------------------------------------------------------
@@ -234,6 +355,19 @@ def verify_sampled(p, q: DraftRows, draft: np.ndarray, rng: np.random.Generator)
         if not accepted:
             return i, token
     return k, sample(p[k], rng)
+
+
+def verify_coupled(p, draft: np.ndarray, noise: Coupled, at: int) -> tuple[int, int]:
+    """The greedy rule on perturbed rows: draft token i is accepted while it is the Gumbel argmax
+    of the target's row i (p[i], the token after at + i tokens of context), which is the token the
+    target alone would sample there; the first that is not is replaced by it (the recovered token),
+    and after k accepted the bonus token is row k's.  p: (k+1, V) rows or a TargetRows (the rows
+    after the first rejection are never built).  The committed tokens are the target-only answer's."""
+    for i in range(len(draft) + 1):
+        token = noise.argmax(p[i], at + i)
+        if i == len(draft) or token != int(draft[i]):
+            return i, token
+    raise AssertionError("unreachable")
 
 
 def speculative_draw(p: np.ndarray, q: DraftRows, i: int, token: int, rng: np.random.Generator) -> tuple[int, bool]:

@@ -3,7 +3,9 @@
 Per step, with the target cache holding every committed token but the last:
 
     feed   = [last, d1 .. dk]                  one target forward, k+1 logits rows
-    accept = verify_greedy / verify_sampled     (memspec.speculation.sampling, pure NumPy)
+    accept = verify_greedy / verify_coupled     (memspec.speculation.sampling, pure NumPy: the argmax
+             / verify_sampled                   of each row, plus the position's noise when sampling;
+                                                 the standard scheme's rule under [speculative] sampling)
     commit = d1 .. dn + [recovered | bonus]
     target cache -> committed length - 1       (rollback is a truncation)
 
@@ -26,6 +28,7 @@ from __future__ import annotations
 
 import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Iterator, Protocol
 
 import numpy as np
@@ -204,7 +207,7 @@ class FixedDraft:
 
 
 def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, context: list[int], k: int,
-             params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics,
+             params: SamplingParams, rng: sampling.Randomness, metrics: SpecMetrics,
              shaper: LogitsShaper, alternatives: bool = False) -> Proposal:
     """The draft's proposal of k tokens; none when there is no draft, or when it raises (a broken
     draft must not fail the request: the selector gives it up and the request goes on target-only,
@@ -223,46 +226,91 @@ def _propose(select: DraftSelector, name: str | None, draft: DraftState | None, 
         return Proposal([], None, [])
 
 
-def _verify_chain(target: TargetPass, cache: KVCache, last: int, proposal: Proposal, params: SamplingParams,
-                  rng: np.random.Generator, shaper: LogitsShaper) -> tuple[list[int], int, np.ndarray]:
-    """One target pass over [last, *proposal.tokens]: the committed tokens (the accepted run and the
-    recovered or bonus token), how many were accepted, and the raw rows; the cache keeps `last` and
-    the accepted tokens, the shaper (when there is one) is settled."""
-    shaped = not is_identity(shaper)
-    feed = [last, *proposal.tokens]
-    rows = target.forward(cache, feed, keep=len(feed))  # (k+1, V)
-    decide = verify_rows(shaper, rows, proposal.tokens) if shaped else rows  # (k+1, V)
-    if params.greedy:
-        n, nxt = sampling.verify_greedy(decide.argmax(axis=-1), np.asarray(proposal.tokens, dtype=np.int64))
-    else:
-        p = sampling.TargetRows(decide, params.temperature, params.top_k, params.top_p, params.min_p)
-        n, nxt = sampling.verify_sampled(p, proposal.q, np.asarray(proposal.tokens, dtype=np.int64), rng)
-    if shaped:  # once per token: the rejected drafts come off, the recovered or bonus token goes on
-        settle(shaper, len(proposal.tokens), n, nxt)
-    cache.truncate(cache.length - len(feed) + 1 + n)  # keep `last` and the accepted drafts
-    return [*proposal.tokens[:n], nxt], n, rows
+@dataclass
+class _Request:
+    """One request's side of the loop: what every step reads, and the hooks it reports to."""
 
+    target: TargetPass
+    cache: KVCache  # holds every committed token but the last
+    context: list[int]  # (n,) the prompt and every committed token
+    params: SamplingParams
+    rng: sampling.Randomness
+    shaper: LogitsShaper  # IDENTITY: no output controls, never called
+    metrics: SpecMetrics
+    clock: Callable[[], float]
+    on_rows: Callable[[np.ndarray], None] | None  # the rows that predicted each step's committed tokens
+    on_pass: Callable[[int, float], None] | None  # (rows, seconds) of each verification pass
 
-def _forced_step(target: TargetPass, cache: KVCache, context: list[int], tokens: list[int], vocab: int,
-                 params: SamplingParams, rng: np.random.Generator, metrics: SpecMetrics, clock, t0: float,
-                 on_rows, shaper: LogitsShaper) -> list[int]:
-    """A step whose proposal is what the grammar forces (memspec.speculation.logits.forced), verified
-    like a draft's: a one-hot q where sampling (the masked target gives the forced token all its
-    mass, so it is accepted unless the target spells the same bytes in other tokens).  Returns the
-    committed tokens."""
-    prop = deterministic_proposal(tokens, vocab, params, shaper)
-    t1 = clock()
-    committed, n, rows = _verify_chain(target, cache, context[-1], prop, params, rng, shaper)
-    context.extend(committed)
-    metrics.record_step(None, 0, 0, len(committed), t1 - t0, clock() - t1)
-    metrics.record_forced(len(prop.tokens), n)
-    if on_rows is not None:
-        on_rows(rows[:n + 1])
-    return committed
+    def verify(self, proposal: Proposal) -> tuple[list[int], int, np.ndarray]:
+        """One target pass over [context[-1], *proposal.tokens] and the verify rule: the committed
+        tokens (the accepted run and the recovered or bonus token), how many were accepted, and the
+        raw rows; the cache keeps the last token and the accepted ones, the shaper is settled.
+
+        The rule: greedy, a draft token stands while it is the argmax of the target's (shaped) row;
+        coupled sampling, the same on the rows plus the position's noise, which makes the answer the
+        target-only one; the standard scheme, the speculative-sampling rule on q."""
+        shaped = not is_identity(self.shaper)
+        feed = [self.context[-1], *proposal.tokens]
+        rows = self.target.forward(self.cache, feed, keep=len(feed))  # (k+1, V)
+        decide = verify_rows(self.shaper, rows, proposal.tokens) if shaped else rows  # (k+1, V)
+        draft, params = np.asarray(proposal.tokens, dtype=np.int64), self.params
+        if params.greedy:
+            n, nxt = sampling.verify_greedy(decide.argmax(axis=-1), draft)
+        else:
+            p = sampling.TargetRows(decide, params.temperature, params.top_k, params.top_p, params.min_p)
+            if sampling.coupled(self.rng):  # row 0 predicts the token after the whole context
+                n, nxt = sampling.verify_coupled(p, draft, self.rng, len(self.context))
+            else:
+                n, nxt = sampling.verify_sampled(p, proposal.q, draft, self.rng)
+        if shaped:  # once per token: the rejected drafts come off, the recovered or bonus token goes on
+            settle(self.shaper, len(proposal.tokens), n, nxt)
+        self.cache.truncate(self.cache.length - len(feed) + 1 + n)  # keep `last` and the accepted drafts
+        return [*proposal.tokens[:n], nxt], n, rows
+
+    def commit(self, committed: list[int], rows: np.ndarray) -> list[int]:
+        """The step's tokens join the context; rows[i] predicted committed[i] (on_rows)."""
+        self.context.extend(committed)
+        if self.on_rows is not None:
+            self.on_rows(rows)
+        return committed
+
+    def forced_step(self, tokens: list[int], vocab: int, t0: float) -> list[int]:
+        """A step whose proposal is what the grammar forces (memspec.speculation.logits.forced),
+        verified like a draft's (the masked target gives the forced token all its mass, so it is
+        accepted unless the target spells the same bytes in other tokens)."""
+        prop = deterministic_proposal(tokens, vocab, self.params, self.shaper)
+        t1 = self.clock()
+        committed, n, rows = self.verify(prop)
+        self.metrics.record_step(None, 0, 0, len(committed), t1 - t0, self.clock() - t1)
+        self.metrics.record_forced(len(prop.tokens), n)
+        return self.commit(committed, rows[:n + 1])
+
+    def chain_step(self, name: str | None, prop: Proposal, t0: float, t1: float) -> tuple[list[int], int, float]:
+        """The draft's chain verified in one pass: (committed tokens, drafts accepted, the pass's seconds)."""
+        committed, n, rows = self.verify(prop)
+        t2 = self.clock()
+        self.metrics.record_step(name, len(prop.tokens), n, len(committed), t1 - t0, t2 - t1)
+        if self.on_pass is not None:
+            self.on_pass(len(prop.tokens) + 1, t2 - t1)
+        return self.commit(committed, rows[:n + 1]), n, t2 - t1
+
+    def tree_step(self, name: str, prop: Proposal, branches: list[tree.Branch], t0: float,
+                  t1: float) -> tuple[list[int], int, tuple[float, int]]:
+        """The chain and its branches in one pass (memspec.speculation.tree): (committed tokens,
+        main-chain drafts accepted, (the pass's seconds, the rows it fed))."""
+        step = tree.verify(self.target, self.cache, self.context, prop, branches, self.params, self.rng)
+        t2 = self.clock()
+        committed, g = step.committed, len(prop.tokens)
+        rows_fed = g + 1 + sum(len(b.tokens) for b in branches)
+        self.metrics.record_step(name, g, len(committed) - 1, len(committed), t1 - t0, t2 - t1)
+        self.metrics.record_tree(rows_fed - g - 1, len(committed) - 1 - step.main)
+        if self.on_pass is not None:
+            self.on_pass(rows_fed, t2 - t1)
+        return self.commit(committed, step.rows), step.main, (t2 - t1, rows_fed)
 
 
 def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], select: DraftSelector,
-                      params: SamplingParams, rng: np.random.Generator, cfg: SpecConfig, metrics: SpecMetrics,
+                      params: SamplingParams, rng: sampling.Randomness, cfg: SpecConfig, metrics: SpecMetrics,
                       clock: Callable[[], float] = time.perf_counter,
                       verify_cost_s: list[float] | Callable[[], list[float]] | None = None,
                       on_rows: Callable[[np.ndarray], None] | None = None,
@@ -292,13 +340,14 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     logits = target.forward(cache, prompt[cache.length:], keep=1)[-1]  # a cache may start with a reused prefix
     context = list(prompt)
     first = sampling.pick(shaper.shape(logits) if shaped else logits, params.temperature, params.top_k,
-                          params.top_p, rng, params.min_p)
+                          params.top_p, rng, params.min_p, at=len(context))
     if shaped:
         shaper.push(first)
     context.append(first)
     if on_rows is not None:
         on_rows(logits[None, :])
     yield [first]
+    req = _Request(target, cache, context, params, rng, shaper, metrics, clock, on_rows, on_pass)
     gamma = cfg.gamma
     controllers: dict[str, CostController] = {}  # per draft: acceptance differs from draft to draft
     use_cost = cfg.adaptive and cfg.controller == "cost" and verify_cost is not None
@@ -314,7 +363,7 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         # where the request's grammar admits one way on, its tokens are the proposal: no draft runs
         ff = forced(shaper, min(cfg.gamma_max, cache.capacity - cache.length - 1)) if shaped else []
         if ff:
-            yield _forced_step(target, cache, context, ff, vocab, params, rng, metrics, clock, t0, on_rows, shaper)
+            yield req.forced_step(ff, vocab, t0)
             continue
         draft_name, draft = select(context, metrics)
         ctl = None
@@ -336,42 +385,21 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         t1 = clock()
         branches = planner.choose(draft_name, prop, ctl.alpha, ctl.verify_cost, ctl.draft_cost,
                                   cache.capacity - cache.length) if planner and ctl else []
-        if branches:  # the chain and its branches in one pass (memspec.speculation.tree)
-            step = tree.verify(target, cache, context[-1], prop, branches, params, rng)
-            t2 = clock()
-            committed = step.committed
-            context.extend(committed)
-            planner.observe(draft_name, prop, step.main, committed[step.main])
-            metrics.record_step(draft_name, len(prop.tokens), len(committed) - 1, len(committed), t1 - t0, t2 - t1)
-            metrics.record_tree(sum(len(b.tokens) for b in branches), len(committed) - 1 - step.main)
-            rows_fed, g = len(prop.tokens) + 1 + sum(len(b.tokens) for b in branches), len(prop.tokens)
-            ctl.observe(drafted, step.main, max(t1 - t0 - prop.setup_s, 0.0),  # the pass's seconds as a chain's
-                        None if live is not None else (t2 - t1) * ctl.verify_cost[g + 1] / ctl.verify_cost[rows_fed],
-                        rows=g + 1)
-            if gated:
-                gate.observe(gate_key(draft_name), prop.entropy, step.main)
-            if on_pass is not None:
-                on_pass(rows_fed, t2 - t1)
-            if on_rows is not None:
-                on_rows(step.rows)
-            yield committed
-            continue
-        committed, n, rows = _verify_chain(target, cache, context[-1], prop, params, rng, shaper)
-        t2 = clock()
-        context.extend(committed)
-        if planner is not None and draft_name is not None:
-            planner.observe(draft_name, prop, n, committed[-1])  # what the draft's alternatives would have won
-        metrics.record_step(draft_name, len(prop.tokens), n, len(committed), t1 - t0, t2 - t1)
-        if on_pass is not None:
-            on_pass(len(prop.tokens) + 1, t2 - t1)
+        g = len(prop.tokens)
+        if branches:
+            committed, n, (verify_s, rows_fed) = req.tree_step(draft_name, prop, branches, t0, t1)
+            verify_s *= ctl.verify_cost[g + 1] / ctl.verify_cost[rows_fed]  # the pass's seconds as a chain's
+            planner.observe(draft_name, prop, n, committed[n])
+        else:
+            committed, n, verify_s = req.chain_step(draft_name, prop, t0, t1)
+            if planner is not None and draft_name is not None:
+                planner.observe(draft_name, prop, n, committed[-1])  # what the draft's alternatives would have won
         if ctl is not None:  # a long catch-up (the draft's prefill) is no cost of the tokens it drafts
             ctl.observe(drafted, n, max(t1 - t0 - prop.setup_s, 0.0),
-                        None if live is not None else t2 - t1,  # a batched pass is not this request's alone
-                        rows=len(prop.tokens) + 1)
+                        None if live is not None else verify_s,  # a batched pass is not this request's alone
+                        rows=g + 1)
             if gated:
                 gate.observe(gate_key(draft_name), prop.entropy, n)
         else:
-            gamma = next_gamma(cfg, gamma, len(prop.tokens), n)
-        if on_rows is not None:
-            on_rows(rows[:n + 1])  # rows[i] predicted committed[i]: the accepted drafts, then nxt
+            gamma = next_gamma(cfg, gamma, g, n)
         yield committed

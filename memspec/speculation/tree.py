@@ -81,9 +81,10 @@ class TreeStep:
 
 
 def walk(tree: Tree, rows: np.ndarray, q: sampling.DraftRows | None, params: SamplingParams,
-         rng: np.random.Generator) -> tuple[list[int], int, int]:
+         rng: sampling.Randomness, at: int = 0) -> tuple[list[int], int, int]:
     """(path, next token, main-chain tokens accepted) for a tree's rows (n, V) (module doc).
-    q: the draft distributions of the main chain's tokens (sampling only)."""
+    q: the draft distributions of the main chain's tokens (sampling only); at: the context length
+    before the root's row's token (coupled noise: a node at depth d draws the token after at + d)."""
     node, path, main = 0, [0], 0
     while True:
         kids = tree.children(node)
@@ -92,7 +93,9 @@ def walk(tree: Tree, rows: np.ndarray, q: sampling.DraftRows | None, params: Sam
             x = int(np.argmax(rows[node]))
         else:
             p = sampling.probabilities(rows[node], params.temperature, params.top_k, params.top_p, params.min_p)
-            if on_chain:  # the draft's token stands, or the residual's draw replaces it
+            if sampling.coupled(rng):  # greedy on the perturbed row: the token the target alone draws there
+                x = rng.argmax(p, at + len(path) - 1)
+            elif on_chain:  # the draft's token stands, or the residual's draw replaces it
                 x, _ = sampling.speculative_draw(p, q, node, tree.tokens[node + 1], rng)
             else:
                 x = sampling.sample(p, rng)
@@ -105,13 +108,14 @@ def walk(tree: Tree, rows: np.ndarray, q: sampling.DraftRows | None, params: Sam
         path.append(node)
 
 
-def verify(target, cache: KVCache, last: int, prop: Proposal, branches: list[Branch], params: SamplingParams,
-           rng: np.random.Generator) -> TreeStep:
-    """One tree pass (target.forward_tree) and its walk; the cache keeps the committed path."""
-    tree = Tree.build(last, prop.tokens, branches)
+def verify(target, cache: KVCache, context: list[int], prop: Proposal, branches: list[Branch],
+           params: SamplingParams, rng: sampling.Randomness) -> TreeStep:
+    """One tree pass (target.forward_tree) after `context` and its walk; the cache keeps the
+    committed path."""
+    tree = Tree.build(context[-1], prop.tokens, branches)
     start = cache.length
     rows = target.forward_tree(cache, tree.tokens, tree.parents)  # (n, V)
-    path, nxt, main = walk(tree, rows, prop.q, params, rng)
+    path, nxt, main = walk(tree, rows, prop.q, params, rng, len(context))
     cache.keep_path(start, path)
     return TreeStep(path, [*(tree.tokens[i] for i in path[1:]), nxt], main, rows[path])
 
