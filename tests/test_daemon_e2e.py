@@ -7,6 +7,7 @@ starts its own to kill -9, restart and SIGTERM it.  Requests are kept small
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import json
 import os
@@ -14,6 +15,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -115,6 +117,22 @@ class Daemon:
             self.proc.wait(30)
         self._stop.set()
         self._notify.close()
+
+
+@contextlib.contextmanager
+def http_daemon(home: Path, prefix: str, name: str):
+    """A daemon serving HTTP on a free loopback port, in a short-named folder (socket paths are
+    limited); yields its base URL, `http://HOST:PORT`."""
+    with tempfile.TemporaryDirectory(prefix=prefix) as d:
+        dm = Daemon(Path(d), home, name=name)
+        dm.args = ["--http", "127.0.0.1:0"]
+        dm.start()
+        try:
+            with dm.client(timeout=60) as c:
+                listen = c.status()["http_listen"]
+            yield f"http://{listen}"
+        finally:
+            dm.stop()
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import re
 import shlex
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 from urllib.request import Request, urlopen
 
@@ -28,7 +27,7 @@ import pytest
 import yaml
 from openai import OpenAI
 
-from test_daemon_e2e import Daemon
+from test_daemon_e2e import http_daemon
 
 from memspec.cli import build_parser
 from memspec.config import load_config
@@ -43,14 +42,8 @@ def blocks(lang: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def base(model_store):
-    with tempfile.TemporaryDirectory(prefix="ms-int-") as d:
-        dm = Daemon(Path(d), model_store.home, name="i")
-        dm.args = ["--http", "127.0.0.1:0"]
-        dm.start()
-        with dm.client(timeout=60) as c:
-            listen = c.status()["http_listen"]
-        yield f"http://{listen}"
-        dm.stop()
+    with http_daemon(model_store.home, "ms-int-", "i") as url:
+        yield url
 
 
 def here(text: str, base: str) -> str:

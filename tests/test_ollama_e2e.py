@@ -8,15 +8,13 @@ answer does not depend on which draft ran."""
 from __future__ import annotations
 
 import json
-import tempfile
-from pathlib import Path
 from urllib.request import urlopen
 
 import ollama
 import pytest
 from openai import OpenAI
 
-from test_daemon_e2e import Daemon
+from test_daemon_e2e import http_daemon
 from test_http_e2e import metrics, post
 
 MODEL = "smollm2-135m"
@@ -31,14 +29,8 @@ WEATHER = {"type": "function", "function": {
 
 @pytest.fixture(scope="module")
 def base(model_store):
-    with tempfile.TemporaryDirectory(prefix="ms-oll-") as d:  # short: socket paths are limited
-        dm = Daemon(Path(d), model_store.home, name="o")
-        dm.args = ["--http", "127.0.0.1:0"]
-        dm.start()
-        with dm.client(timeout=60) as c:
-            listen = c.status()["http_listen"]
-        yield f"http://{listen}"
-        dm.stop()
+    with http_daemon(model_store.home, "ms-oll-", "o") as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

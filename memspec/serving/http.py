@@ -289,19 +289,22 @@ class Api:
     def _detokenize(self, model: str | None, tokens: list[int]) -> dict:
         return openai.detokenize(self.backend.tokenizer(model), tokens)
 
+    async def _json(self, request: Request, limit: int) -> Any:
+        """The body, within `limit` bytes, read as JSON; a named error otherwise."""
+        body = await self._body(request, limit)
+        if body is None:
+            raise RequestTooLargeError(f"body: larger than {limit} bytes")
+        try:
+            return json.loads(body)
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise InvalidRequestError(f"body: is not valid JSON ({exc})") from None
+
     async def _tokens(self, request: Request, answer: Callable[[Any], dict]) -> JSONResponse:
         """A /tokenize or /detokenize call: auth, the body as JSON within the request limit, then answer(body)."""
         limit = body_limit(self.backend.config.limits)
         try:
             self._authorize(request)
-            body = await self._body(request, limit)
-            if body is None:
-                raise RequestTooLargeError(f"body: larger than {limit} bytes")
-            try:
-                data = json.loads(body)
-            except (UnicodeDecodeError, ValueError) as exc:
-                raise InvalidRequestError(f"body: is not valid JSON ({exc})") from None
-            return JSONResponse(await asyncio.to_thread(answer, data))
+            return JSONResponse(await asyncio.to_thread(answer, await self._json(request, limit)))
         except ClientDisconnect:
             return Response(status_code=499)
         except MemspecError as exc:
@@ -483,15 +486,7 @@ class Api:
         limit = body_limit(self.backend.config.limits)
         try:
             self._authorize(request)
-            data = None
-            if body:
-                raw = await self._body(request, limit)
-                if raw is None:
-                    raise RequestTooLargeError(f"body: larger than {limit} bytes")
-                try:
-                    data = json.loads(raw)
-                except (UnicodeDecodeError, ValueError) as exc:
-                    raise InvalidRequestError(f"body: is not valid JSON ({exc})") from None
+            data = await self._json(request, limit) if body else None
             out = await asyncio.to_thread(answer, data)
         except ClientDisconnect:
             return Response(status_code=499)
