@@ -15,8 +15,7 @@ from typing import Any
 
 from memspec.errors import ConfigError
 from memspec.request import Limits
-from memspec.runtime.config import SessionConfig
-from memspec.runtime.context import check_setting
+from memspec.runtime.config import SessionConfig, check_setting
 from memspec.scheduling.config import SchedulerConfig
 from memspec.speculation.config import SpecConfig
 

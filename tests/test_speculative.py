@@ -5,6 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from memspec.errors import ContextOverflowError
 from memspec.speculation import sampling
 from memspec.speculation.config import DraftLimits, SpecConfig
 from memspec.speculation.drafts import DraftModel, PromptLookup, loop_continuation, ngram_continuation
@@ -399,11 +400,13 @@ def test_context_limit_mid_run(model_store):
                                                             DraftLimits(0.0, np.inf))}),
                spec=SpecConfig(controller="step"))
     prompt = "Tell me a long story about dragons."
-    base = e.generate(GenerationRequest(prompt=prompt, max_tokens=200, draft="none"))
-    r = e.generate(GenerationRequest(prompt=prompt, max_tokens=200, draft="self"))
+    with pytest.raises(ContextOverflowError, match="do not fit the context of 48 tokens"):
+        e.generate(GenerationRequest(prompt=prompt, max_tokens=200, draft="self"))  # asked for more than fits
+    base = e.generate(GenerationRequest(prompt=prompt, draft="none"))  # no max_tokens: to the context's end
+    r = e.generate(GenerationRequest(prompt=prompt, draft="self"))
     assert base.finish_reason == r.finish_reason == "length"
     assert r.token_ids == base.token_ids
-    assert len(base.prompt_token_ids) + len(base.token_ids) == 48 + 1  # the last token is never fed
+    assert len(base.prompt_token_ids) + len(base.token_ids) == 48  # prompt and answer fill the context
 
 
 def test_every_draft_is_exact_where_onnx_runtime_runs_it(fp32_engine, model_store, tmp_path):

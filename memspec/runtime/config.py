@@ -8,6 +8,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from memspec.errors import ConfigError
+
+AUTO = "auto"  # max_context: the model's trained context, within the memory (memspec.runtime.context)
+
 
 LARGE_DRAFT_BYTES = 64 * 2**20  # a draft this large runs on every core when draft_threads = 0
 GPU_PROVIDERS = ("TensorrtExecutionProvider", "CUDAExecutionProvider")  # ONNX Runtime's, in `providers`
@@ -63,7 +67,13 @@ class SessionConfig:
 
     def __post_init__(self):
         if self.kv not in KV_FORMATS:
-            from memspec.errors import ConfigError
-
             raise ConfigError(f"[runtime] kv: {self.kv!r} is not a KV cache format; choose one of "
                               f"{', '.join(KV_FORMATS)}")
+
+
+def check_setting(value: object, where: str) -> int | str:
+    """A max_context setting as the config gives it: "auto" or a whole number of tokens >= 16."""
+    if value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 16):
+        return value
+    raise ConfigError(f"{where} must be \"auto\" (the model's trained context, within the memory) or a number of "
+                      f"tokens of at least 16, got {value!r}")

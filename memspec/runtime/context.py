@@ -18,21 +18,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from memspec.errors import ConfigError
-
-AUTO = "auto"
 ROUND = 256  # a context capped by memory is a multiple of this many tokens ...
 FLOOR = 256  # ... and never fewer (a request that cannot fit the memory then is refused with a 507)
 UNKNOWN_TRAINED = 2048  # a model whose trained context is not recorded (the former default)
 MiB = 1 << 20
-
-
-def check_setting(value: object, where: str) -> int | str:
-    """A max_context setting as the config gives it: "auto" or a whole number of tokens >= 16."""
-    if value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 16):
-        return value
-    raise ConfigError(f"{where} must be \"auto\" (the model's trained context, within the memory) or a number of "
-                      f"tokens of at least 16, got {value!r}")
 
 
 def setting_for(max_context: int | str, per_model: tuple[tuple[str, int | str], ...], model: str) -> int | str:
