@@ -190,6 +190,25 @@ def test_a_call_the_answer_makes_is_read_out_whole_and_streamed(f):
     assert out["choices"][0]["finish_reason"] == "length"
 
 
+def test_an_answer_that_is_one_bare_json_call_is_a_call_whole_and_streamed(f):
+    """An answer that is nothing but {"name": ..., "arguments": ...} naming an offered tool (as
+    Qwen2.5-Coder writes a call it is not forced to make) comes back as tool_calls."""
+    ask = chat(json.dumps({"name": "f", "arguments": {"a": 1}}, separators=(",", ":")), max_tokens=1,
+               tools=[{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}])
+    status, _, out = f.post(ask)
+    assert status == 200, out
+    choice = out["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert choice["message"]["tool_calls"][0]["function"] == {"name": "f", "arguments": '{"a": 1}'}
+    events = sse_events(read_all(raw_stream(f.port, {**ask, "stream": True})).partition(b"\r\n\r\n")[2])
+    chunks = [json.loads(e)["choices"][0] for e in events[:-1]]
+    deltas = [d for c in chunks for d in c["delta"].get("tool_calls", [])]
+    assert "".join(d["function"].get("name", "") for d in deltas) == "f"
+    assert "".join(d["function"]["arguments"] for d in deltas) == '{"a": 1}'
+    assert "".join(c["delta"].get("content") or "" for c in chunks) == ""
+    assert chunks[-1]["finish_reason"] == "tool_calls"
+
+
 def test_a_stream_without_include_usage_has_no_usage_chunk(f):
     events = sse_events(read_all(raw_stream(f.port, {"prompt": "a b", "max_tokens": 2, "stream": True},
                                             path="/v1/completions")).partition(b"\r\n\r\n")[2])

@@ -125,6 +125,21 @@ def test_a_call_comes_back_as_tool_calls_with_arguments_as_an_object_whole_and_s
     assert turns[-2][0] == "assistant" and '"arguments": {"a": 1}' in turns[-2][1] and turns[-1] == ("tool", "2")
 
 
+def test_an_answer_that_is_one_bare_json_call_is_a_call_whole_and_streamed(client, f):
+    """Qwen2.5-Coder, not forced, answers a call as bare JSON: Ollama reads that as a call, and so
+    does memspec (the fake engine echoes the one word)."""
+    messages = ask(json.dumps({"name": "f", "arguments": {"a": 1}}, separators=(",", ":")))
+    whole = client.chat(model="tiny", messages=messages, tools=[TOOL], options={"num_predict": 1})
+    assert whole.message.content == "" and [(c.function.name, c.function.arguments)
+                                            for c in whole.message.tool_calls] == [("f", {"a": 1})]
+    parts = list(client.chat(model="tiny", messages=messages, tools=[TOOL], options={"num_predict": 1}, stream=True))
+    calls = [c for p in parts for c in (p.message.tool_calls or [])]
+    assert [(c.function.name, c.function.arguments) for c in calls] == [("f", {"a": 1})]
+    assert "".join(p.message.content for p in parts) == "" and parts[-1].done
+    plain = client.chat(model="tiny", messages=messages, options={"num_predict": 1})  # no tools: text
+    assert plain.message.content.startswith('{"name"') and not plain.message.tool_calls
+
+
 def test_list_ps_version_and_pull_answer_from_the_store_and_the_loaded_set(client, f):
     names = {m.model for m in client.list().models}
     assert names == {"tiny:latest", "other:latest"}  # targets only, tagged as Ollama lists them

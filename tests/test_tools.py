@@ -106,3 +106,35 @@ def test_tool_requests_are_checked_at_the_boundary():
             validate(GenerationRequest(**{**ask, **bad}))
     with pytest.raises(InvalidRequestError, match="^tool_choice: 'required' needs tools"):
         validate(GenerationRequest(messages=(("user", "hi"),), tool_choice="required"))
+
+
+BARE = '```json\n{\n  "name": "get_weather",\n  "arguments": {\n    "city": "Paris"\n  }\n}\n```'
+
+
+@pytest.mark.parametrize("answer", [BARE, '{"name": "get_weather", "arguments": {"city": "Paris"}}',
+                                    '  ```\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```\n'])
+def test_an_answer_that_is_one_bare_call_of_an_offered_tool_is_that_call(answer):
+    """Qwen2.5-Coder, not forced, writes a call as bare or fenced JSON (as Ollama reads it too)."""
+    call = tools.ToolCall("get_weather", '{"city": "Paris"}')
+    assert tools.parse_calls(answer, {"get_weather"}) == ("", [call])
+    assert tools.parse_calls(answer) == (answer, [])  # no tools offered: text
+    assert tools.parse_calls(answer, {"get_time"}) == (answer, [])  # a tool not offered: text
+    for size in (1, 4, 1000):
+        stream = tools.CallStream({"get_weather"})
+        held = [x for i in range(0, len(answer), size) for x in stream.feed(answer[i:i + size])]
+        assert held == [] and stream.finish() == [call] and stream.calls == 1
+
+
+@pytest.mark.parametrize("answer", ['```python\nprint("hi")\n```', '{"city": "Paris"} is the JSON.',
+                                    BARE + "\nThat is the call.", "Sure: " + BARE, "```\nls -l\n```"])
+def test_other_answers_stream_as_they_are_with_tools_offered(answer):
+    """Text that is not one bare call comes back whole; a code fence of another language is not
+    held back past its first line."""
+    for size in (1, 3, 1000):
+        stream = tools.CallStream({"get_weather"})
+        items = [x for i in range(0, len(answer), size) for x in stream.feed(answer[i:i + size])]
+        items += stream.finish()
+        assert "".join(items) == answer and stream.calls == 0
+        assert tools.parse_calls(answer, {"get_weather"}) == (answer, [])
+    stream = tools.CallStream({"get_weather"})
+    assert stream.feed('```python\nprint("hi")\n')  # released once the fence's first line shows it is code

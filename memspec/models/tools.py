@@ -13,7 +13,10 @@ does not (SmolLM2's) `prompt_turns` writes the same text into plain system and u
 
 `call_grammar` is the Lark grammar (llguidance's, with %json) of a forced call: one call block,
 its name one of the tools and its arguments valid against that tool's parameters schema.
-`parse_calls` and `CallStream` read calls back out of an answer, whole or as it streams.
+`parse_calls` and `CallStream` read calls back out of an answer, whole or as it streams.  Given the
+offered tools' names, they also read an answer that is nothing but a call written as bare JSON,
+fenced or not (```json {"name": ..., "arguments": {...}} ```): Qwen2.5-Coder writes calls so when
+it is not forced, and Ollama reads such an answer as a call too.
 """
 
 from __future__ import annotations
@@ -110,9 +113,25 @@ def _call(body: str) -> ToolCall | None:
     return ToolCall(obj["name"], json.dumps(args, ensure_ascii=False))
 
 
-def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
+_FENCE = re.compile(r"\A```(?:json)?[ \t]*\n(.*?)\n?```\Z", re.DOTALL)
+
+
+def bare_call(text: str, names: frozenset[str] | set[str]) -> ToolCall | None:
+    """The call an answer makes when the whole answer is one JSON object, fenced or not, naming
+    one of the offered tools (`names`); None otherwise."""
+    body = text.strip()
+    fenced = _FENCE.match(body)
+    call = _call(fenced.group(1).strip() if fenced else body) if body else None
+    return call if call is not None and call.name in names else None
+
+
+def parse_calls(text: str, names: frozenset[str] | set[str] = frozenset()) -> tuple[str, list[ToolCall]]:
     """(the text outside the call blocks, the calls) of an answer; a block that is not a call
-    (no JSON object with a name) stays in the text."""
+    (no JSON object with a name) stays in the text.  names: the offered tools, for an answer that
+    is one bare call (bare_call)."""
+    call = bare_call(text, names) if OPEN not in text else None
+    if call is not None:
+        return "", [call]
     calls, kept, pos = [], [], 0
     for m in _CALL.finditer(text):
         call = _call(m.group(1))
@@ -127,14 +146,33 @@ def parse_calls(text: str) -> tuple[str, list[ToolCall]]:
 
 class CallStream:
     """Splits streamed text into content and calls: text that may begin a call block is held
-    back until the block closes (a call) or proves not to be one (content)."""
+    back until the block closes (a call) or proves not to be one (content).  Given the offered
+    tools' names, an answer that begins as bare JSON ("{", or a fence of ```json or ```) is held
+    whole until the end, where finish() reads it as one call (bare_call) or gives it back."""
 
-    def __init__(self):
+    def __init__(self, names: frozenset[str] | set[str] = frozenset()):
         self.pending = ""
         self.calls = 0  # calls found so far
+        self.names = names
+        self.holding = bool(names)  # still at the answer's start: it may be one bare call
+
+    def _may_be_bare(self) -> bool:
+        head = self.pending.lstrip()
+        if OPEN in self.pending or not head:
+            return OPEN not in self.pending
+        if head.startswith("{"):
+            return True
+        line = head.split("\n", 1)[0].rstrip()
+        if "\n" not in head:  # the fence's first line is not whole yet
+            return "```json".startswith(line) or line.startswith("```json") and line[7:].strip() == ""
+        return line in ("```", "```json")
 
     def feed(self, text: str) -> list[str | ToolCall]:
         self.pending += text
+        if self.holding:
+            if self._may_be_bare():
+                return []
+            self.holding = False
         out: list[str | ToolCall] = []
         while self.pending:
             start = self.pending.find(OPEN)
@@ -165,3 +203,17 @@ class CallStream:
         """What is still held back at the end (an unclosed block): content after all."""
         rest, self.pending = self.pending, ""
         return rest
+
+    def finish(self) -> list[str | ToolCall]:
+        """At the end: an answer held whole that is one bare call, as that call; else what is
+        still held back, as content."""
+        if self.holding:
+            self.holding = False
+            call = bare_call(self.pending, self.names)
+            if call is not None:
+                self.pending = ""
+                self.calls += 1
+                return [call]
+            return [p for p in self.feed("") + [self.flush()] if p]
+        rest = self.flush()
+        return [rest] if rest else []

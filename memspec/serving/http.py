@@ -682,7 +682,7 @@ class Reply:
 
     async def _events(self):
         api, model, n = self.api, self.fields.get("model", ""), self.api.n
-        calls = [CallStream() if api.tools else None for _ in range(n)]  # text that may be a call is held whole
+        calls = [CallStream(api.tool_names) if api.tools else None for _ in range(n)]  # a call's text is held whole
         finals = [None] * n
         try:
             if api.kind == "chat":
@@ -698,9 +698,8 @@ class Reply:
                         raise self._ended_early()
                     finish = openai.finish_reason(c)
                     if calls[index] is not None:
-                        rest = calls[index].flush()
-                        if rest:
-                            yield _sse(openai.chunk(api, self.id, self.created, model, rest, index=index))
+                        for data in self._split(calls[index], index, None, model):
+                            yield data
                         finish = openai.TOOL_CALLS if calls[index].calls else finish
                     yield _sse(openai.chunk(api, self.id, self.created, item.model, None, finish=finish, index=index))
                     finals[index] = item
@@ -720,12 +719,13 @@ class Reply:
         yield b"data: [DONE]\n\n"
 
     def _split(self, calls: CallStream, index: int, item, model: str) -> Iterator[bytes]:
-        """A chunk of choice `index`'s answer that may call tools: its content (and logprobs), then
-        each call it completes."""
-        pieces = calls.feed(item.text)
+        """A chunk of choice `index`'s answer that may call tools (None: its end, what was held
+        back): its content (and logprobs), then each call it completes."""
+        pieces = calls.feed(item.text) if item is not None else calls.finish()  # None: the answer's end
         text = "".join(p for p in pieces if isinstance(p, str))
-        if text or item.logprobs:
-            yield _sse(openai.chunk(self.api, self.id, self.created, model, text, self._logprobs(item), index=index))
+        if text or (item is not None and item.logprobs):
+            logprobs = self._logprobs(item) if item is not None else None
+            yield _sse(openai.chunk(self.api, self.id, self.created, model, text, logprobs, index=index))
         found = [p for p in pieces if not isinstance(p, str)]
         for k, call in enumerate(found, start=calls.calls - len(found)):  # calls: found so far, these too
             for c in openai.tool_call_chunks(self.api, self.id, self.created, model, k, call, index):
@@ -758,11 +758,11 @@ class OllamaReply(Reply):
             self.choices.cancel.set()
             return Api._error(self._ended_early(), wire=ollama)
         text = "".join(texts)
-        content, calls = parse_calls(text) if self.api.tools else (text, [])
+        content, calls = parse_calls(text, self.api.tool_names) if self.api.tools else (text, [])
         return JSONResponse(self._final(final, content, calls))
 
     async def _events(self):
-        calls = CallStream() if self.api.tools else None
+        calls = CallStream(self.api.tool_names) if self.api.tools else None
         try:
             async for _, item in self.items():
                 if isinstance(item, Progress):  # Ollama's stream is silent while its model loads
@@ -770,7 +770,13 @@ class OllamaReply(Reply):
                 if isinstance(item, Final):
                     if item.completion.finish_reason == "cancelled":
                         raise self._ended_early()
-                    yield _ndjson(self._final(item, calls.flush() if calls is not None else "", []))
+                    pieces = calls.finish() if calls is not None else []  # what was held back
+                    text = "".join(p for p in pieces if isinstance(p, str))
+                    found = [p for p in pieces if not isinstance(p, str)]
+                    if found:  # the answer was one bare call: it goes out before the last line
+                        yield _ndjson(ollama.chunk(self.api, text, found))
+                        text = ""
+                    yield _ndjson(self._final(item, text, []))
                     return
                 pieces = calls.feed(item.text) if calls is not None else [item.text]
                 text = "".join(p for p in pieces if isinstance(p, str))

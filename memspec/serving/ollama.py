@@ -82,6 +82,10 @@ class OllamaRequest:
     def tools(self) -> bool:
         return self.api.tools
 
+    @property
+    def tool_names(self) -> frozenset[str]:
+        return self.api.tool_names
+
     def choice(self, index: int):
         return self.api.choice(index)
 

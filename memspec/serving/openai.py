@@ -61,6 +61,11 @@ class ApiRequest:
     tools: bool = False  # the answer may call tools: calls are read out of it (memspec.models.tools)
     n: int = 1  # choices: independent generations of `request`, each run as a request of its own
 
+    @property
+    def tool_names(self) -> frozenset[str]:
+        """The offered tools' names: an answer that is one bare JSON call of one of them is a call."""
+        return frozenset(t.name for t in self.request.tools or ())
+
     def choice(self, index: int) -> GenerationRequest:
         """Choice `index`'s request: `request` itself, but with a seed s sampled with seed
         (s + index) mod 2^64, so that seeded choices draw differently and repeat (a sampled request
@@ -547,7 +552,7 @@ def _choice(api: ApiRequest, rid: str, index: int, final, text: str, logprobs: l
                 "logprobs": text_logprobs(logprobs) if logprobs is not None else None,
                 "finish_reason": finish_reason(c)}
     message, finish = {"role": "assistant", "content": text}, finish_reason(c)
-    content, calls = parse_calls(text) if api.tools else (text, [])
+    content, calls = parse_calls(text, api.tool_names) if api.tools else (text, [])
     if calls:
         message = {"role": "assistant", "content": content or None,
                    "tool_calls": [tool_call(rid, i, call, index) for i, call in enumerate(calls)]}
