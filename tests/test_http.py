@@ -76,6 +76,7 @@ def make(tmp_path):
     made = []
 
     def factory(**kw):
+        (tmp_path / str(len(made))).mkdir(exist_ok=True)
         f = Front(tmp_path / str(len(made)), **kw)
         made.append(f)
         return f

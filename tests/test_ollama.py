@@ -10,33 +10,13 @@ import json
 import ollama
 import pytest
 
-from test_http import Front
+from test_http import f, make  # noqa: F401 (fixtures: the in-process front of test_http)
 
 from memspec.config import HttpConfig, load_config
 from memspec.errors import ConfigError
 from memspec.serving.ollama import model_name
 
 KEY = "sk-test-key"
-
-
-@pytest.fixture
-def make(tmp_path):
-    made = []
-
-    def factory(**kw):
-        (tmp_path / str(len(made))).mkdir()
-        f = Front(tmp_path / str(len(made)), **kw)
-        made.append(f)
-        return f
-
-    yield factory
-    for f in made:
-        f.close()
-
-
-@pytest.fixture
-def f(make):
-    return make()
 
 
 @pytest.fixture
