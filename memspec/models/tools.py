@@ -157,15 +157,15 @@ class CallStream:
         self.holding = bool(names)  # still at the answer's start: it may be one bare call
 
     def _may_be_bare(self) -> bool:
+        if OPEN in self.pending:
+            return False
         head = self.pending.lstrip()
-        if OPEN in self.pending or not head:
-            return OPEN not in self.pending
-        if head.startswith("{"):
+        if not head or head.startswith("{"):
             return True
-        line = head.split("\n", 1)[0].rstrip()
-        if "\n" not in head:  # the fence's first line is not whole yet
-            return "```json".startswith(line) or line.startswith("```json") and line[7:].strip() == ""
-        return line in ("```", "```json")
+        first, newline, _ = head.partition("\n")
+        first = first.rstrip()
+        # a fence's first line not whole yet may still become ```json; a whole one must be it
+        return first in ("```", "```json") if newline else "```json".startswith(first)
 
     def feed(self, text: str) -> list[str | ToolCall]:
         self.pending += text
