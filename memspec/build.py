@@ -53,10 +53,12 @@ def build_engine(config: Config, variant: str | None = None, drafts: str = "sche
         from memspec.scheduling.scheduler import from_store
 
         source = from_store(config.scheduler, store, target, runtime, limits, suffix_bytes=spec.suffix_mb << 20,
-                            batched_bytes=batched.weight_bytes if batched is not None else 0)
+                            batched_bytes=batched.weight_bytes if batched is not None else 0,
+                            corpus=spec.suffix_corpus)
     elif drafts == "pool":
         source = DraftPool(load_pool(store, target.name, target.vocab_size, runtime, limits=limits,
-                                     suffix_bytes=spec.suffix_mb << 20, tokenizer=target.tokenizer))
+                                     suffix_bytes=spec.suffix_mb << 20, tokenizer=target.tokenizer,
+                                     corpus=spec.suffix_corpus))
     else:
         source = DraftPool()
     return Engine(target, config.limits, drafts=source, spec=spec, costs=CostCache(store.home / COSTS),
@@ -97,7 +99,7 @@ def fit_context(config: Config, store, name: str, manifest, session, with_drafts
 
 
 def load_pool(store, target_name: str, target_vocab: int, config=None, names: list[str] | None = None,
-              limits=None, suffix_bytes: int = 0, tokenizer=None) -> dict:
+              limits=None, suffix_bytes: int = 0, tokenizer=None, corpus: bool = True) -> dict:
     """Prompt lookup, the suffix draft over an index of `suffix_bytes` (0: none), and every draft
     in the store made for `target_name` (or only `names`), loaded now: the fixed pool's proposers by
     name, made as the scheduler makes them (memspec.speculation.sources.DraftMaker).  `tokenizer`:
@@ -105,4 +107,4 @@ def load_pool(store, target_name: str, target_vocab: int, config=None, names: li
     from memspec.speculation.sources import DraftMaker
 
     return DraftMaker.for_target(store, target_name, target_vocab, config, limits, names, suffix_bytes,
-                                 tokenizer).make_all()
+                                 tokenizer, corpus).make_all()

@@ -632,6 +632,7 @@ DEV_COMMANDS = {  # what --help says of each; its module (NumPy, ONNX Runtime, .
     "write-prompts": "have the target write prompts to train drafts on",
     "profile": "record draft traces for `memspec train-predictor`",
     "train-predictor": "fit the draft predictor on `memspec profile` traces",
+    "build-corpus": "have the target answer training prompts for the suffix draft's corpus",
 }
 
 
@@ -657,6 +658,10 @@ def _add_dev_command(sub, common: argparse.ArgumentParser, name: str) -> None:
         from memspec.training import profile
 
         _model_option(profile.add_profile_parser(sub))
+    elif name == "build-corpus":
+        from memspec.training import corpus
+
+        corpus.add_build_corpus_parser(sub)
     else:
         from memspec.training import predictor_fit
 

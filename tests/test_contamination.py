@@ -4,7 +4,8 @@ Every prompt any shipped draft or predictor learned from is gathered from where 
 none may share NGRAM (8) words in a row with a prompt of the workload (numbers read as one word,
 case and punctuation ignored: memspec.training.prompts.ngrams):
 
-* each draft's data sets, as its manifest records them (provenance.data: domain, seed): a built-in
+* each draft's data sets, as its manifest records them (provenance.data: domain, seed), and each
+  suffix draft corpus's prompts, as its file records them (models/corpus-*.npz): a built-in
   domain's prompts are drawn again from its generator (memspec.training.prompts), every draw
   domain_prompts could have made for that seed, so the near-copy filter and earlier seeds' prompts
   are no help to a prompt that slipped in; a --prompts file must ship in the checkout (or be one of
@@ -27,6 +28,7 @@ from collections import Counter
 from pathlib import Path
 
 from memspec.bench.policies import load_workload
+from memspec.speculation.corpus import Corpus
 from memspec.training.prompts import _MAKERS, DOMAINS, NGRAM, copied_runs, ngrams
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -93,6 +95,12 @@ def _draft_streams() -> tuple[dict[tuple[str, int], int], list[tuple[str, str]]]
                 found = [p for p in ROOT.rglob(f"{name}.jsonl") if ".git" not in p.parts]
                 assert found, f"{path.parent.name} was trained on --prompts {name}.jsonl, which is not in the checkout"
                 files += [(f"{path.parent.name}: {found[0].name}", w["prompt"]) for w in load_workload(str(found[0]))]
+    for path in sorted(ROOT.glob("models/corpus-*.npz")):  # the suffix draft's corpora: answers to drawn prompts
+        meta = Corpus.load(path).meta
+        for domain in meta["domains"]:
+            assert domain in DOMAINS, f"{path.name}: answers to prompts of {domain!r}, which no generator draws"
+            k = (domain, meta["seed"])
+            streams[k] = max(streams.get(k, 0), meta["per_domain"])
     return streams, files
 
 

@@ -565,3 +565,64 @@ def test_schedulers_made_one_after_another_book_the_process_they_are_given(smoll
         assert measured.ws.used_bytes() >= target.file_bytes and measured.ws.used_bytes() != given
     finally:
         measured.close()
+
+
+# -- the corpus: the target's own answers, shipped (memspec.speculation.corpus) -------------------
+def test_the_corpus_proposes_is_never_forgotten_nor_evicted_and_is_counted():
+    from memspec.speculation.suffix import corpus_index, corpus_max_bytes
+
+    answer = list(range(100, 130))
+    corpus = corpus_index([np.asarray(answer), np.asarray(list(range(300, 340)))])
+    draft = SuffixDraft(SuffixIndex(4 * KiB), V, corpus=corpus)
+    assert corpus.nbytes == index_nbytes(corpus_max_bytes([30, 40]))
+    assert draft.nbytes == draft.index.nbytes + corpus.nbytes
+    assert proposal(draft, [7, 100, 101, 102, 103], 4) == [104, 105, 106, 107]
+    draft.forget()  # a benchmark round starts over: what was learned goes, the corpus stays
+    assert proposal(draft, [7, 100, 101, 102, 103], 4) == [104, 105, 106, 107]
+    for i in range(200):  # far more than the learned index holds: it evicts its own, never the corpus
+        draft.learn([1000 + i] * 3 + list(range(2000, 2010)))
+    assert draft.index.stats.evicted > 0 and corpus.sequences == 2 and corpus.stats.evicted == 0
+    assert proposal(draft, [7, 100, 101, 102, 103], 4) == [104, 105, 106, 107]
+
+
+def test_what_the_daemon_served_wins_a_tie_with_the_corpus_and_a_longer_corpus_match_wins():
+    from memspec.speculation.suffix import corpus_index
+
+    corpus = corpus_index([np.asarray([5, 6, 7, 8, 9, 40, 41, 42])])
+    draft = SuffixDraft(SuffixIndex(16 * KiB), V, corpus=corpus)
+    draft.learn([1, 2, 8, 9, 50, 51, 52])
+    assert proposal(draft, [3, 8, 9], 2) == [50, 51]  # both agree 2 tokens back: the served one is newer
+    assert proposal(draft, [6, 7, 8, 9], 2) == [40, 41]  # the corpus agrees 4 back, the served one 2
+
+
+def test_a_corpus_file_round_trips_and_is_refused_for_another_target(tmp_path):
+    from memspec.speculation.corpus import Corpus
+
+    meta = {"target": "t", "vocab": 50, "domains": ["code"], "per_domain": 2, "seed": 0, "max_new": 8}
+    path = Corpus([np.arange(10), np.arange(5, 20)], meta).save(tmp_path / "corpus-t.npz")
+    back = Corpus.load(path, "t", 50)
+    assert [s.tolist() for s in back.sequences] == [list(range(10)), list(range(5, 20))] and back.meta == meta
+    with pytest.raises(ValueError, match="'t''s answers, not 'u''s"):
+        Corpus.load(path, "u", 50)
+    with pytest.raises(ValueError, match="token id 19, the target's vocabulary has 19"):
+        Corpus.load(path, "t", 19)
+
+
+def test_the_draft_maker_starts_the_suffix_draft_from_the_shipped_corpus(tmp_path, caplog):
+    from memspec.models.store import ModelStore
+    from memspec.speculation.corpus import Corpus, corpus_path
+    from memspec.speculation.sources import DraftMaker
+
+    shipped = tmp_path / "models"
+    store = ModelStore(tmp_path / "home", shipped=shipped)
+    meta = {"target": "t", "vocab": V, "domains": ["code"], "per_domain": 1, "seed": 0, "max_new": 8}
+    Corpus([np.asarray([3, 4, 5, 6, 7, 8])], meta).save(corpus_path(shipped, "t"))
+    maker = DraftMaker.for_target(store, "t", V, suffix_bytes=64 * KiB)
+    draft = maker.make(SUFFIX)
+    assert draft.corpus is not None and proposal(draft, [9, 4, 5], 3) == [6, 7]
+    assert draft.nbytes == maker.suffix_nbytes() > index_nbytes(64 * KiB)  # what the budget plans is what it holds
+    assert DraftMaker.for_target(store, "t", V, suffix_bytes=64 * KiB, corpus=False).make(SUFFIX).corpus is None
+    assert DraftMaker.for_target(store, "other", V, suffix_bytes=64 * KiB).corpus is None  # none shipped for it
+    corpus_path(shipped, "t").write_bytes(b"not a corpus")
+    assert DraftMaker.for_target(store, "t", V, suffix_bytes=64 * KiB).corpus is None  # a bad file: a warning
+    assert "corpus for t is not used" in caplog.text

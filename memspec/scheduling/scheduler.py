@@ -352,9 +352,10 @@ def load_overlap(session_config, target) -> float:
 
 def from_store(config: SchedulerConfig, store, target, session_config, draft_limits, probe: MemoryProbe | None = None,
                names: list[str] | None = None, suffix_bytes: int = 0, batched_bytes: int = 0,
-               process_bytes: int | None = None, **kwargs) -> Scheduler:
+               process_bytes: int | None = None, corpus: bool = True, **kwargs) -> Scheduler:
     """A scheduler over every draft in the store made for `target` (a loaded TargetModel), plus prompt
-    lookup and the suffix draft over an index of `suffix_bytes` (0: none); the target is pinned with
+    lookup and the suffix draft over an index of `suffix_bytes` (0: none; with `corpus`, starting from
+    the target's shipped corpus where there is one); the target is pinned with
     `batched_bytes` more where its batched pass holds a second copy of its weights, or at
     `process_bytes` where given (the process as a budget was set from: several schedulers made one
     after another in one process then book the same, however its heap grew in between)."""
@@ -362,9 +363,11 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     from memspec.speculation.sources import DraftMaker
 
     maker = DraftMaker.for_target(store, target.name, target.vocab_size, session_config, draft_limits, names,
-                                  suffix_bytes, target.tokenizer)
+                                  suffix_bytes, target.tokenizer, corpus)
     drafts = maker.manifests
     sizes = draft_footprints(drafts, suffix_bytes)
+    if SUFFIX in sizes:  # its corpus too
+        sizes[SUFFIX] = maker.suffix_nbytes()
 
     def loader(name: str):
         d = maker.make(name)  # prompt lookup and the suffix draft hold what they say; a model draft as planned

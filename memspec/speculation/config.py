@@ -53,6 +53,9 @@ class SpecConfig:
     #                    engine runs (memspec.speculation.confidence); false: every proposed token
     suffix_mb: int = 4  # the suffix draft's index of recent prompts and answers, per target, counted in the
     #                     memory budget (memspec.speculation.suffix); 0 = no suffix draft
+    suffix_corpus: bool = True  # the suffix draft also proposes from the target's own answers to training prompts
+    #                             where models/ ships them (corpus-TARGET.npz, memspec build-corpus), in an index
+    #                             of their own, never evicted, counted with the draft's bytes
     sampling: str = "coupled"  # how a sampled request draws: "coupled" (noise keyed by seed, position and token:
     #                            a seed gives the target-only answer whatever the draft; memspec.speculation.
     #                            sampling) or "standard" (one stream a request, the speculative-sampling rule)

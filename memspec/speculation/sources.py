@@ -11,6 +11,7 @@ scheduler; memspec.build puts the two together.
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Callable, ContextManager, Iterator, Protocol
@@ -18,7 +19,10 @@ from typing import Callable, ContextManager, Iterator, Protocol
 from memspec.request import NO_DRAFT, GenerationRequest, unknown_draft, unknown_policy
 from memspec.speculation.drafts import PROMPT_LOOKUP, PromptLookup, Proposer
 from memspec.speculation.speculative import DraftSelector, FixedDraft
-from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex
+from memspec.speculation.corpus import Corpus, corpus_path
+from memspec.speculation.suffix import SUFFIX, SuffixDraft, SuffixIndex, corpus_index, corpus_max_bytes, index_nbytes
+
+log = logging.getLogger(__name__)
 
 KVSizer = Callable[[int], int]  # tokens -> resident bytes of one cache holding that many
 
@@ -88,12 +92,15 @@ class DraftMaker:
     limits: object  # DraftLimits: how far a draft proposes, and its n-gram shortcuts
     suffix_bytes: int = 0  # the suffix draft's index (0: no suffix draft)
     tokenizer: object = None  # the target's: a draft in its own tokens reads the context as text through it
+    corpus: Corpus | None = None  # the target's own answers the suffix draft starts with (speculation.corpus)
 
     @classmethod
     def for_target(cls, store, target_name: str, target_vocab: int, config=None, limits=None,
-                   names: list[str] | None = None, suffix_bytes: int = 0, tokenizer=None) -> "DraftMaker":
+                   names: list[str] | None = None, suffix_bytes: int = 0, tokenizer=None,
+                   corpus: bool = True) -> "DraftMaker":
         """The drafts for `target_name` (only `names` of the store's, where given) that this machine
-        runs; those it cannot are logged once (drafts.say_left_out)."""
+        runs; those it cannot are logged once (drafts.say_left_out).  With `corpus`, the suffix draft
+        starts from the target's shipped corpus (models/corpus-TARGET.npz), where there is one."""
         from memspec.runtime.config import SessionConfig
         from memspec.speculation.config import DraftLimits
         from memspec.speculation.drafts import runnable_drafts, say_left_out, target_drafts
@@ -101,7 +108,21 @@ class DraftMaker:
         config, limits = config or SessionConfig(), limits or DraftLimits()
         drafts, left = runnable_drafts(target_drafts(store, target_name, names), config)
         say_left_out(left, config)
-        return cls(store, target_vocab, drafts, config, limits, suffix_bytes, tokenizer)
+        found = None
+        shipped = getattr(store, "shipped", None)
+        if corpus and suffix_bytes and shipped is not None and corpus_path(shipped, target_name).is_file():
+            try:
+                found = Corpus.load(corpus_path(shipped, target_name), target_name, target_vocab)
+            except (OSError, ValueError, KeyError) as exc:  # a bad file costs the corpus, not the daemon
+                log.warning("the suffix draft's corpus for %s is not used: %s", target_name, exc)
+        return cls(store, target_vocab, drafts, config, limits, suffix_bytes, tokenizer, found)
+
+    def suffix_nbytes(self) -> int:
+        """The suffix draft's bytes: its index of what the daemon serves, and its corpus's (0: none)."""
+        if not self.suffix_bytes:
+            return 0
+        corpus = corpus_max_bytes(len(s) for s in self.corpus.sequences) if self.corpus is not None else 0
+        return index_nbytes(self.suffix_bytes) + (index_nbytes(corpus) if corpus else 0)
 
     @property
     def names(self) -> list[str]:
@@ -118,7 +139,9 @@ class DraftMaker:
         if name == PROMPT_LOOKUP:
             return PromptLookup(self.target_vocab, loop_tokens=self.limits.loop_tokens)
         if name == SUFFIX and self.suffix_bytes:
-            return SuffixDraft(SuffixIndex(self.suffix_bytes), self.target_vocab, loop_tokens=self.limits.loop_tokens)
+            corpus = corpus_index(self.corpus.sequences) if self.corpus is not None else None
+            return SuffixDraft(SuffixIndex(self.suffix_bytes), self.target_vocab, loop_tokens=self.limits.loop_tokens,
+                               corpus=corpus)
         if any(m.name == name for m in self.manifests):
             from memspec.speculation.textdraft import load_draft
 

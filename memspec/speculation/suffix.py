@@ -64,6 +64,22 @@ def index_layout(max_bytes: int) -> tuple[int, int, int]:
     return slots, buckets, max(slots // SEQ_SLOTS_PER, 1)
 
 
+def corpus_max_bytes(lengths) -> int:
+    """The max_bytes of an index that holds sequences of these lengths and never evicts one."""
+    kept = [n for n in lengths if n > KEY]
+    slots = max(sum(n + 1 for n in kept) + 1, 4 * MAX_MATCH, SEQ_SLOTS_PER * (len(kept) + 1))
+    return (slots + 1) * SLOT_BYTES
+
+
+def corpus_index(sequences) -> SuffixIndex:
+    """An index holding exactly `sequences` (token id arrays), as the suffix draft's corpus: sized
+    for them, so none is ever evicted, and never written again."""
+    index = SuffixIndex(corpus_max_bytes([len(s) for s in sequences]))
+    for s in sequences:
+        index.add(s)
+    return index
+
+
 def index_nbytes(max_bytes: int) -> int:
     """What an index of at most `max_bytes` holds: its arrays, allocated whole at the start."""
     slots, buckets, starts = index_layout(max_bytes)
@@ -275,16 +291,17 @@ class SuffixDraft:
     session = None  # no model, no KV cache
 
     def __init__(self, index: SuffixIndex, target_vocab: int, loop_tokens: int = DraftLimits.loop_tokens,
-                 min_prob: float = MIN_PROB, spec_factor: float = SPEC_FACTOR):
+                 min_prob: float = MIN_PROB, spec_factor: float = SPEC_FACTOR, corpus: "SuffixIndex | None" = None):
         self.index = index
         self.target_vocab = target_vocab
         self.loop_tokens = loop_tokens  # a context ending in a loop this long continues it (0: never)
         self.min_prob = min_prob
         self.spec_factor = spec_factor
+        self.corpus = corpus  # the target's own answers (memspec.training.corpus): never evicted nor forgotten
 
     @property
     def nbytes(self) -> int:
-        return self.index.nbytes
+        return self.index.nbytes + (self.corpus.nbytes if self.corpus is not None else 0)
 
     def begin(self, capacity: int) -> "SuffixState":
         return SuffixState(self)
@@ -328,10 +345,12 @@ class SuffixState:
             return loop
         ctx = np.asarray(context, dtype=np.int64)
         seen, own = self.d.index.find(ctx[-MAX_MATCH:], k), own_match(ctx, k)
-        length = max(seen.length, own.length)
+        corpus = self.d.corpus.find(ctx[-MAX_MATCH:], k) if self.d.corpus is not None else NO_MATCH
+        length = max(seen.length, own.length, corpus.length)
         if not length:
             return []
-        both = [m for m in (own, seen) if m.length == length]  # the request's own tokens first: newest
+        # the request's own tokens first (newest), then what the daemon served, then the corpus
+        both = [m for m in (own, seen, corpus) if m.length == length]
         match = Match(length, np.concatenate([m.rows for m in both]), np.concatenate([m.valid for m in both]))
         return vote(match, min(k, max(1, int(self.d.spec_factor * length))), self.d.min_prob)
 
