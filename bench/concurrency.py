@@ -176,13 +176,9 @@ WARM = 4  # of them, kept apart to warm each server on before a run
 def prompts(n: int, target=None) -> list[dict]:
     """n prompts of the built-in workload, taking each category in turn; with `target` (a store
     manifest), each with its token ids under that model's chat template (what llama-server is sent)."""
-    from memspec.bench.policies import load_workload
+    from memspec.bench.policies import load_workload, spread
 
-    by_cat: dict[str, list[str]] = {}
-    for item in load_workload(None):
-        by_cat.setdefault(item["category"], []).append(item["prompt"])
-    cats = sorted(by_cat)
-    items = [{"prompt": by_cat[cats[i % len(cats)]][i // len(cats)]} for i in range(n)]
+    items = [{"prompt": item["prompt"]} for item in spread(load_workload(None), n)]
     if target is not None:
         from engines import chat_ids
 

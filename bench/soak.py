@@ -54,10 +54,12 @@ EXPECTED = {  # what each kind of call may end with
 }
 
 
-def start_daemon(folder: Path, config: str | None) -> tuple[subprocess.Popen, Path]:
+def start_daemon(folder: Path, config: str | None, args: tuple[str, ...] = ()) -> tuple[subprocess.Popen, Path]:
+    """`memspec serve` on a socket in `folder` (with more serve options `args`), once it serves;
+    its log is folder/daemon.log."""
     sock = folder / "soak.sock"
     cmd = [sys.executable, "-m", "memspec.cli", *(["--config", config] if config else []),
-           "serve", "--listen", str(sock)]
+           "serve", "--listen", str(sock), *args]
     log = open(folder / "daemon.log", "ab")
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=log)
     from memspec.serving.client import wait_until_serving

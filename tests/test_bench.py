@@ -12,7 +12,7 @@ import os
 
 import pytest
 
-from memspec.bench.policies import default_budget_mb, draft_room
+from memspec.bench.policies import default_budget_mb, draft_room, spread
 from memspec.errors import InvalidRequestError
 
 MiB = 1 << 20
@@ -678,3 +678,10 @@ def test_a_memspec_worker_forgets_what_it_learned_when_told(model_store):
         e.close()
     assert first["ids"] == again["ids"] == fresh["ids"]
     assert [r["spec"]["draft"] == "suffix" for r in (first, again, fresh)] == [False, True, False]
+
+
+def test_spread_takes_each_category_in_turn_and_skips_one_that_runs_out():
+    items = [{"category": c, "prompt": p} for c, p in (("b", "b1"), ("a", "a1"), ("b", "b2"), ("b", "b3"), ("a", "a2"))]
+    assert [i["prompt"] for i in spread(items, 4)] == ["a1", "b1", "a2", "b2"]
+    assert [i["prompt"] for i in spread(items, 99)] == ["a1", "b1", "a2", "b2", "b3"]
+    assert spread([], 3) == []

@@ -71,6 +71,33 @@ def test_options_reach_the_request_under_memspec_names(client, f):
     assert req.max_tokens == f.h.backend.config.limits.max_tokens and req.sampling.seed is None
 
 
+def test_a_sampled_answer_reports_its_seed_and_that_seed_replays_it_whole_and_streamed(f):
+    """Issue 68: options.seed unset or -1 draws a fresh seed, reported in the `memspec` object (the
+    last line, streamed); sent back as options.seed it gives the same answer.  Greedy: null."""
+    def piece(line):
+        return line["message"]["content"] if "message" in line else line["response"]
+
+    def answer(path, options, stream):
+        """(the answer, the seed its memspec object reports), over raw HTTP: the client drops `memspec`."""
+        asked = {"messages": ask("a b c d e f g")} if path == "/api/chat" else {"prompt": "a b c d e f g"}
+        body = {"model": "tiny", "stream": stream, "options": {"num_predict": 5, **options}, **asked}
+        if not stream:
+            out = f.post(body, path=path)[2]
+            return piece(out), out["memspec"]["seed"]
+        lines = [json.loads(line) for line in f.request("POST", path, body)[2].splitlines()]
+        return "".join(piece(x) for x in lines), lines[-1]["memspec"]["seed"]
+
+    for path in ("/api/chat", "/api/generate"):
+        for stream in (False, True):
+            for unset in ({}, {"seed": -1}):
+                text, seed = answer(path, {"temperature": 0.8, **unset}, stream)
+                assert isinstance(seed, int) and 0 <= seed < 2**53, seed
+                assert answer(path, {"temperature": 0.8, "seed": seed}, stream) == (text, seed)
+                assert f.h.engine.requests[-1].sampling.seed == seed
+            assert answer(path, {"temperature": 0.8, "seed": 42}, stream)[1] == 42
+            assert answer(path, {}, stream)[1] is None  # greedy: no randomness
+
+
 def test_format_json_and_a_schema_constrain_the_answer(client, f):
     client.chat(model="tiny", messages=ask(), format="json", options={"num_predict": 1})
     c = f.h.engine.requests[-1].constraint

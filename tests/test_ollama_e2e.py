@@ -72,6 +72,22 @@ def test_a_seeded_sampled_answer_repeats_and_is_the_openai_routes(client, sdk):
     assert oa.choices[0].message.content == first
 
 
+def test_an_unseeded_sampled_answer_reports_a_seed_that_replays_it(client, base):
+    """Issue 68: options.seed unset (or -1) draws a fresh seed, reported in the `memspec` object;
+    sent back through the ollama client, it gives the same answer, on /api/chat and /api/generate."""
+    opts = {"temperature": 0.9, "top_p": 0.95, "num_predict": 12}
+    status, out = post(base, "/api/chat", {"model": MODEL, "messages": QUESTION, "stream": False,
+                                           "options": dict(opts, seed=-1)})
+    seed = out["memspec"]["seed"]
+    assert status == 200 and isinstance(seed, int) and 0 <= seed < 2**53
+    again = client.chat(model=MODEL, messages=QUESTION, options=dict(opts, seed=seed))
+    assert again.message.content == out["message"]["content"]
+    status, out = post(base, "/api/generate", {"model": MODEL, "prompt": "Name a color.", "stream": False,
+                                               "options": opts})
+    again = client.generate(model=MODEL, prompt="Name a color.", options=dict(opts, seed=out["memspec"]["seed"]))
+    assert status == 200 and again.response == out["response"]
+
+
 def test_format_with_a_schema_gives_json_that_matches_it(client):
     schema = {"type": "object", "properties": {"city": {"type": "string"}, "country": {"type": "string"}},
               "required": ["city", "country"], "additionalProperties": False}

@@ -38,6 +38,7 @@ from memspec.serving.status import DraftStatus, Status
 from memspec.serving.server import MemSpecServicer, create_server
 from memspec.speculation.sources import DraftPool, DraftRow, SourceStatus
 from memspec.runtime.invariance import WARNING, RowCheck
+from memspec.speculation.engine import Engine
 
 KV_PER_TOKEN = 1000
 CONTEXT = 64
@@ -46,7 +47,8 @@ MiB = 1 << 20
 
 # -- a fake engine ------------------------------------------------------------------------
 class FakeEngine:
-    """Answers with the prompt's words reversed, one per step, `step_s` apart."""
+    """Answers with the prompt's words reversed, one per step, `step_s` apart; a sampled request
+    starts at word (seed mod the word count) and reports its seed, drawn as the engine draws one."""
 
     def __init__(self, name: str, variant: str, limits: Limits, step_s: float = 0.0):
         session = SimpleNamespace(layout="gqa", max_context=CONTEXT, device="cpu", providers=["CPUExecutionProvider"],
@@ -100,20 +102,22 @@ class FakeEngine:
         words = (req.prompt or req.messages[-1][1]).split()[::-1]
         req = dataclasses.replace(req, max_tokens=self.max_new(req, prompt))
         self.requests.append(req)
+        seed = Engine.seed_of(req)
+        start = seed % len(words) if seed is not None else 0
         self.open += 1
         out, finish = [], "length"
         try:
             for i in range(req.max_tokens):
                 time.sleep(self.step_s)
                 out.append(i)
-                yield Chunk(words[i % len(words)] + " ", [i])
+                yield Chunk(words[(start + i) % len(words)] + " ", [i])
                 if cancel is not None and cancel.is_set():
                     finish = "cancelled"
                     break
         finally:
             self.open -= 1
         yield Completion(prompt, out, "", finish, Timings(prompt_tokens=len(prompt), completion_tokens=len(out),
-                                                          ttft_ms=1.0, tok_per_s=2.0, total_ms=3.0))
+                                                          ttft_ms=1.0, tok_per_s=2.0, total_ms=3.0), seed=seed)
 
 
 class FakeStore:

@@ -20,6 +20,7 @@ preloaded, decode tok/s per prompt.
 
 from __future__ import annotations
 
+import itertools
 import json
 import random
 import statistics
@@ -109,6 +110,17 @@ def load_workload(path: str | None) -> list[dict]:
     if not items:
         raise InvalidRequestError(f"workload {where} holds no prompts")
     return items
+
+
+def spread(items: list[dict], n: int) -> list[dict]:
+    """n of a workload's items, spread over its categories: each category (sorted) in turn, its
+    items in file order, a category that runs out skipped."""
+    by_cat: dict[str, list[dict]] = {}
+    for item in items:
+        by_cat.setdefault(item["category"], []).append(item)
+    rows = [by_cat[c] for c in sorted(by_cat)]
+    turns = (row[i] for i in range(max(map(len, rows), default=0)) for row in rows if i < len(row))
+    return list(itertools.islice(turns, n))
 
 
 def policy_draft(policy: str, pool) -> str:

@@ -17,7 +17,9 @@ what only Ollama has is read here:
 
 Fields memspec cannot honour (images, suffix, template, context, think) are refused naming the
 field.  Answers carry Ollama's counts and durations (nanoseconds) and memspec's speculation
-statistics in an extra field, "memspec".  Errors leave as {"error": "..."}.
+statistics in an extra field, "memspec", with the seed a sampled answer was drawn with (the
+OpenAI route's object: sent back as options.seed, it gives the answer again).  Errors leave as
+{"error": "..."}.
 """
 
 from __future__ import annotations
