@@ -422,7 +422,8 @@ def cmd_ps(args) -> int:
         print(json.dumps([t for t in raw.get("targets", []) if t["state"] != "unloaded"], indent=2))
         return 0
     st = Status.from_dict(raw)
-    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'CONTEXT':>8}  {'KV':<4} {'STATE':<9} {'UNLOADS':<16} RESIDENT DRAFTS")
+    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'CONTEXT':>8}  {'KV':<4} {'STATE':<9} {'UNLOADS':<16} "
+          "RESIDENT DRAFTS")
     for line in _targets(st):
         print(line)
     budget = _mib(st.budget_bytes) if st.budget_bytes else "none"
