@@ -133,7 +133,10 @@ def test_a_prompt_alone_is_fed_the_whole_bound_a_pass():
     s = loop.join()
     told: list[int] = []
     s.progress = lambda done, total: told.append(done)
+    assert "prompt_token_ms" not in loop.report()
     s.forward(FakeCache(), list(range(200)), keep=1)
     assert told == [64, 128, 192]
+    rep = loop.report()  # what sizes chunks, in GetStatus's batch map
+    assert rep["step_ms"] == 10.0 and rep["prompt_token_ms"] > 0
     s.leave()
     loop.close()

@@ -300,7 +300,11 @@ class BatchLoop:
 
     def report(self) -> dict:
         with self._cond:
-            return self.stats.to_dict(self.slots, len(self._members))
+            out = self.stats.to_dict(self.slots, len(self._members))
+            for key, s in (("step_ms", self.pace.step_s), ("prompt_token_ms", self.pace.token_s)):
+                if s is not None:  # what sizes a long prompt's chunks (PrefillPace), once timed
+                    out[key] = round(s * 1e3, 3)
+            return out
 
     def close(self) -> None:
         with self._cond:
