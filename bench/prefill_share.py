@@ -1,15 +1,19 @@
 """A second client's inter-token latency while a long prompt prefills, by [runtime] prefill_chunk.
 
     flock /tmp/memspec-bench.lock python bench/prefill_share.py --model smollm2-135m \\
-        --prompt-tokens 2000 --chunks 0,512,128,32 [--short-tokens 96] [--rounds 1] [--threads 0]
+        --prompt-tokens 4000 --chunks 0,fixed:512,512 [--short-tokens 256] [--floor 32] [--rounds 1] [--threads 0]
 
-One target on the native engine, loaded once; for each chunk setting (0: the whole prompt in one
-pass) an engine with two batch slots.  Client B streams a short greedy answer; once it has 4
-tokens, client A sends a prompt of --prompt-tokens tokens (a document of the repository's own text)
-and waits for its first token.  Reported per setting: B's inter-token latency while A prefilled
-(median, p99, max, tokens B got meanwhile), B's median before A came, and A's time to first token
-and prefill tok/s.  Issue 69's bar: p99 at most 3x the median while an 8k prompt prefills.  On a
-shared machine treat the figures as rough: run it where nothing else runs.
+One target on the native engine, loaded once; for each chunk setting an engine with two batch
+slots: N, chunks sized by time (batching.PrefillPace) of at most N tokens, as the daemon runs;
+fixed:N, every chunk N tokens (the loop before chunks were sized by time); 0, the whole prompt in
+one pass.  Client B streams a greedy answer of --short-tokens tokens (ask for enough that B is
+still streaming when A's prefill ends); once it has 4 tokens, client A sends a prompt of
+--prompt-tokens tokens (a document of the repository's own text) and waits for its first token.
+Reported per setting: B's inter-token latency while A prefilled (median, p99, max, tokens B got
+meanwhile), B's median before A came, p99 over the median during and over the median before, the
+chunks A was fed in, and A's time to first token and prefill tok/s.  Issue 69's bar: p99 at most
+3x the median while an 8k prompt prefills.  On a shared machine treat the figures as rough: run
+it where nothing else runs.
 """
 
 from __future__ import annotations
@@ -25,6 +29,7 @@ import numpy as np
 from memspec.config import Config
 from memspec.request import Chunk, Completion, GenerationRequest
 from memspec.runtime.config import SessionConfig
+from memspec.speculation.batching import PREFILL_FLOOR, PrefillPace
 
 DOCS = ("docs/architecture.md", "docs/serving.md", "docs/models.md", "docs/jetson.md")
 
@@ -69,19 +74,41 @@ def one_run(engine, long_req: GenerationRequest, short_req: GenerationRequest) -
     during = gaps[(t[1:] > a_window["start"]) & (t[:-1] < a_window["first"])]
     before = gaps[t[1:] <= a_window["start"]]
     ttft = a_window["first"] - a_window["start"]
-    return {"itl_during_ms": {"p50": float(np.median(during) * 1e3) if len(during) else None,
-                              "p99": float(np.percentile(during, 99) * 1e3) if len(during) else None,
+    p50 = float(np.median(during)) if len(during) else None
+    p99 = float(np.percentile(during, 99)) if len(during) else None
+    before_p50 = float(np.median(before)) if len(before) else None
+    return {"itl_during_ms": {"p50": p50 and p50 * 1e3, "p99": p99 and p99 * 1e3,
                               "max": float(during.max() * 1e3) if len(during) else None, "tokens": int(len(during))},
-            "itl_before_p50_ms": float(np.median(before) * 1e3) if len(before) else None,
+            "itl_before_p50_ms": before_p50 and before_p50 * 1e3,
+            "p99_over_p50": p99 / p50 if p50 else None, "p99_over_before_p50": p99 / before_p50 if before_p50 else None,
+            "b_streamed_through": bool(t[-1] >= a_window["first"]),  # else B ended first: A went on alone
             "a_ttft_s": ttft, "a_prefill_tok_s": a_window["prompt"] / ttft, "a_prompt_tokens": a_window["prompt"]}
+
+
+def logged(observe, fed: list[int]):
+    """The pace's observe, also noting the prompt tokens of each pass that fed some."""
+    def wrapped(steps: bool, prompt_tokens: int, seconds: float) -> None:
+        if prompt_tokens:
+            fed.append(prompt_tokens)
+        observe(steps, prompt_tokens, seconds)
+    return wrapped
+
+
+def chunk_summary(fed: list[int]) -> dict:
+    """The chunks of the passes that fed prompt tokens (B's own prompt included, first)."""
+    if not fed:
+        return {}
+    return {"passes": len(fed), "min": min(fed), "median": float(np.median(fed)), "max": max(fed)}
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--prompt-tokens", type=int, default=2000)
-    p.add_argument("--chunks", default="0,512,128,32", help="prefill_chunk settings; 0 = one pass")
-    p.add_argument("--short-tokens", type=int, default=96, help="tokens client B asks for")
+    p.add_argument("--chunks", default="0,fixed:512,512",
+                   help="prefill_chunk settings: N (sized by time, at most N), fixed:N, 0 (one pass)")
+    p.add_argument("--short-tokens", type=int, default=256, help="tokens client B asks for")
+    p.add_argument("--floor", type=int, default=PREFILL_FLOOR, help="fewest tokens in a chunk sized by time")
     p.add_argument("--rounds", type=int, default=1)
     p.add_argument("--threads", type=int, default=0)
     args = p.parse_args()
@@ -95,11 +122,17 @@ def main() -> None:
     long_req = GenerationRequest(prompt=long_prompt(target.tokenizer, args.prompt_tokens), raw=True, max_tokens=1)
     short_req = GenerationRequest(prompt="1, 2, 3, 4, 5,", raw=True, max_tokens=args.short_tokens)
     for r in range(args.rounds):
-        for chunk in (int(c) for c in args.chunks.split(",")):
+        for setting in args.chunks.split(","):
+            chunk = int(setting.removeprefix("fixed:"))
             engine = Engine(target, batched=open_batched(target.session, 2), prefill_chunk=chunk or 10**9)
+            fixed = setting.startswith("fixed:") or not chunk
+            engine.batch.pace = PrefillPace(floor=10**9 if fixed else args.floor)  # fixed: never under the bound
+            fed: list[int] = []
+            engine.batch.pace.observe = logged(engine.batch.pace.observe, fed)
             out = one_run(engine, long_req, short_req)
             engine.close()
-            print(json.dumps({"model": args.model, "round": r, "prefill_chunk": chunk, **out}), flush=True)
+            print(json.dumps({"model": args.model, "round": r, "prefill_chunk": setting, **out,
+                              "a_chunks": chunk_summary(fed)}), flush=True)
 
 
 if __name__ == "__main__":

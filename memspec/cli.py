@@ -408,7 +408,7 @@ def _targets(st: Status) -> list[str]:
         if t.state != "unloaded":
             drafts = ", ".join(t.drafts) or "none yet (a draft loads when a request first wants it)"
             context = f"{t.context:,}" if t.context else "-"
-            out.append(f"{t.name:<24} {t.variant:<6} {_mib(t.bytes):>11}  {context:>8}  {t.state:<9} "
+            out.append(f"{t.name:<24} {t.variant:<6} {_mib(t.bytes):>11}  {context:>8}  {t.kv or '-':<4} {t.state:<9} "
                        f"{_until(t) if t.state == 'loaded' else '':<16} resident drafts: {drafts}")
     return out
 
@@ -422,7 +422,8 @@ def cmd_ps(args) -> int:
         print(json.dumps([t for t in raw.get("targets", []) if t["state"] != "unloaded"], indent=2))
         return 0
     st = Status.from_dict(raw)
-    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'CONTEXT':>8}  {'STATE':<9} {'UNLOADS':<16} RESIDENT DRAFTS")
+    print(f"{'NAME':<24} {'VAR':<6} {'SIZE':>11}  {'CONTEXT':>8}  {'KV':<4} {'STATE':<9} {'UNLOADS':<16} "
+          "RESIDENT DRAFTS")
     for line in _targets(st):
         print(line)
     budget = _mib(st.budget_bytes) if st.budget_bytes else "none"

@@ -30,7 +30,8 @@ meaning bumps "schema"):
                      processes used meanwhile; past 0.25 a warning says the figure reads low)}
     default_target  {name, variant, engine (null: none can run it), pulled, footprint_bytes, context (tokens the
                      daemon would give it: [runtime] max_context, "auto" within the memory; null: it did not
-                     load), context_reason}
+                     load), context_reason, kv (its KV cache's format: [runtime] kv on the native engine,
+                     the graph's own on ONNX Runtime; null: it did not load)}
     targets         [{name, default, engine, variant, bytes_per_token, limit_tok_per_s, error}] per pulled target
     exactness       [{engine, variant, exact, pad_rows, max_diff, reason, load_s, error}] per engine, default target
     speed           null without --speed; else {engine, variant, tokens, tok_per_s, limit_tok_per_s, share_of_limit,
@@ -353,7 +354,7 @@ def examine(config: Config, speed: bool = False, probe_seconds: float | None = N
     report["warnings"] += busy_warnings(report)
     report["default_target"] = {"name": name, "variant": config.model.variant, "engine": None,
                                 "pulled": manifest is not None, "footprint_bytes": None,
-                                "context": None, "context_reason": None}
+                                "context": None, "context_reason": None, "kv": None}
     report["targets"], report["exactness"] = [], []
     if report["kernels"]["built"] and report["kernels"]["error"]:  # they do not load: no engine is chosen
         report["problems"].append(f"the native kernels do not load: {report['kernels']['error']}")
@@ -401,7 +402,7 @@ def check_default(report: dict, store, manifest, config: Config, speed: bool) ->
         from memspec.build import fit_context
 
         choice = fit_context(config, store, name, manifest, served[0])
-        default.update(context=choice.tokens, context_reason=choice.reason)
+        default.update(context=choice.tokens, context_reason=choice.reason, kv=served[0].kv)
     if default["engine"] and served is None:
         why = "; ".join(f"{r['engine']}: {r['error']}" for r in report["exactness"] if r["error"])
         problems.append(f"{name} does not load on the {default['engine']} engine ([runtime] backend = "
@@ -504,7 +505,7 @@ def _target_lines(r: dict) -> list[str]:
         out.append(f"exactness   {name} on {e['engine']}: {verdict}")
     d = r["default_target"]
     if d.get("context"):
-        out.append(f"context     {name}: {d['context']:,} tokens ({d['context_reason']})")
+        out.append(f"context     {name}: {d['context']:,} tokens ({d['context_reason']}), KV {d['kv']}")
     sp = r["speed"]
     if sp:
         share = (f", {sp['share_of_limit']:.0%} of the {sp['limit_tok_per_s']:.1f} tok/s limit"

@@ -93,3 +93,55 @@ def test_another_stream_keeps_getting_tokens_while_a_long_prompt_prefills_and_bo
     first = got["messages"][0]
     assert first.startswith(f"prefill: {CHUNK} of {len(got['long'].prompt_token_ids)} prompt tokens")
     assert any("prefill: " in r.getMessage() for r in caplog.records)  # the log says how far it is
+
+
+class ScriptedPace:
+    """Chunks of uneven sizes, as the time-sized pace gives them (batching.PrefillPace), in a fixed
+    order: the rows' exactness must not depend on where a chunk ends."""
+
+    def __init__(self, sizes: list[int]):
+        self.sizes, self.given = sizes, []
+
+    def observe(self, steps: bool, prompt_tokens: int, seconds: float) -> None:
+        pass
+
+    def chunk(self, most: int, others: bool) -> int:
+        n = self.sizes[len(self.given) % len(self.sizes)] if others else most
+        self.given.append(n)
+        return n
+
+
+def test_chunks_sized_by_time_beside_another_stream_keep_both_answers(engine):
+    long_req = GenerationRequest(prompt=LONG, max_tokens=8)
+    alone = {"long": ALONE.get("long") or engine.generate(long_req).token_ids,
+             "short": engine.generate(SHORT).token_ids}
+    got: dict[str, Completion] = {}
+    short_started, long_done = threading.Event(), threading.Event()
+    chunks: list[int] = []
+    short_tokens_during: list[int] = [0]
+
+    def short() -> None:
+        for item in engine.stream(SHORT):
+            if isinstance(item, Chunk) and item.token_ids:
+                short_started.set()
+                if chunks and not long_done.is_set():
+                    short_tokens_during[0] += 1
+            elif isinstance(item, Completion):
+                got["short"] = item
+
+    pace, engine.batch.pace = engine.batch.pace, ScriptedPace([3, 16, 7, 11, 1])
+    try:
+        t_short = threading.Thread(target=short)
+        t_short.start()
+        assert short_started.wait(60)
+        for item in engine.stream(long_req, progress=lambda m: chunks.append(1)):
+            if isinstance(item, Completion):
+                got["long"] = item
+        long_done.set()
+        t_short.join(120)
+        given = engine.batch.pace.given
+    finally:
+        engine.batch.pace = pace
+    assert got["long"].token_ids == alone["long"] and got["short"].token_ids == alone["short"]
+    assert {3, 16, 7, 11, 1} <= set(given)  # the prompt went in those uneven chunks
+    assert short_tokens_during[0] >= 1

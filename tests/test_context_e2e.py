@@ -75,13 +75,13 @@ def test_ps_status_and_models_show_the_context_the_target_has(daemon, client, ba
     from memspec.cli import main
 
     row = next(t for t in client.status()["targets"] if t["name"] == MODEL)
-    assert row["context"] == CONTEXT
+    assert row["context"] == CONTEXT and row["kv"] == "f16"  # [runtime] kv's default
     assert main(["ps", "--address", str(daemon.sock)]) == 0
     line = next(ln for ln in capsys.readouterr().out.splitlines() if ln.startswith(MODEL))
-    assert line.split()[4:6] == [str(CONTEXT), "loaded"]
+    assert line.split()[4:7] == [str(CONTEXT), "f16", "loaded"]
     with urllib.request.urlopen(f"{base}/v1/models/{MODEL}", timeout=30) as r:
         ext = json.loads(r.read())["memspec"]
-    assert (ext["max_context"], ext["trained_context"]) == (CONTEXT, 8192)
+    assert (ext["max_context"], ext["trained_context"], ext["kv"]) == (CONTEXT, 8192, "f16")
     assert f"context of {CONTEXT} tokens (max_context = {CONTEXT})" in daemon.log.read_text()  # logged at load
 
 

@@ -24,7 +24,8 @@ SECTION_KEYS = {  # the schema memspec/doctor.py documents
     "gpu": {"found", "name", "memory_bytes", "source", "variant", "pulled", "note"},
     "memory": {"total_bytes", "available_bytes", "cgroup_limit_bytes", "budget_bytes", "budget_from"},
     "bandwidth": {"bytes_per_s", "buffer_bytes", "passes", "threads", "seconds", "others_cpu_share"},
-    "default_target": {"name", "variant", "engine", "pulled", "footprint_bytes", "context", "context_reason"},
+    "default_target": {"name", "variant", "engine", "pulled", "footprint_bytes", "context", "context_reason",
+                       "kv"},
 }
 TARGET_KEYS = {"name", "default", "engine", "variant", "bytes_per_token", "limit_tok_per_s", "error"}
 EXACTNESS_KEYS = {"engine", "variant", "exact", "pad_rows", "max_diff", "reason", "load_s", "error"}
@@ -303,6 +304,7 @@ def test_the_report_on_this_machine(gguf_only_home, capsys, monkeypatch, quick):
     # the context the daemon would give it: "auto", SmolLM2's trained 8,192 within the available memory
     d = r["default_target"]
     assert 0 < d["context"] <= 8192 and d["context_reason"].startswith("auto: the model's trained context 8192")
+    assert d["kv"] == "f16"  # [runtime] kv's default, shown with the context
 
     rc, text, _ = run(capsys, home=gguf_only_home, monkeypatch=monkeypatch)
     assert rc == 0
@@ -310,7 +312,7 @@ def test_the_report_on_this_machine(gguf_only_home, capsys, monkeypatch, quick):
     assert {"system", "cpu", "kernels", "onnxruntime", "gpu", "memory", "bandwidth", "target", "exactness",
             "verdict"} <= lines
     assert f"path {kernels.isa()} " in text and "smollm2-135m on native: exact" in text
-    assert f"context     smollm2-135m: {d['context']:,} tokens (auto: " in text
+    assert f"context     smollm2-135m: {d['context']:,} tokens (auto: " in text and "), KV f16" in text
     assert "speed" not in lines  # without --speed
 
 

@@ -237,6 +237,7 @@ def test_models_list_the_store_targets_and_say_which_is_resident(f):
     # the context a loaded target has (its engine's), and the one each was trained for (the manifest's)
     assert rows["tiny"]["memspec"]["max_context"] == CONTEXT and rows["other"]["memspec"]["max_context"] == 0
     assert rows["other"]["memspec"]["trained_context"] == 4 * CONTEXT
+    assert (rows["tiny"]["memspec"]["kv"], rows["other"]["memspec"]["kv"]) == ("q8", "")  # its KV's format, loaded
     assert f.request("GET", "/v1/models/tiny")[2]["id"] == "tiny"
     status, _, body = f.request("GET", "/v1/models/a-draft")
     assert status == 404 and body["error"]["code"] == "model_not_found"

@@ -51,7 +51,8 @@ class FakeEngine:
     starts at word (seed mod the word count) and reports its seed, drawn as the engine draws one."""
 
     def __init__(self, name: str, variant: str, limits: Limits, step_s: float = 0.0):
-        session = SimpleNamespace(layout="gqa", max_context=CONTEXT, device="cpu", providers=["CPUExecutionProvider"],
+        session = SimpleNamespace(layout="gqa", max_context=CONTEXT, kv="q8", device="cpu",
+                                  providers=["CPUExecutionProvider"],
                                   kv_bytes_per_token=lambda: KV_PER_TOKEN,
                                   cache_nbytes=lambda tokens: min(tokens, CONTEXT) * KV_PER_TOKEN,
                                   rows=RowCheck(exact=True, pad_rows=1, max_diff=0.0, reason=""))
@@ -1018,10 +1019,10 @@ def test_a_request_names_its_target_and_keep_alive_and_ps_shows_them(h, capsys):
     assert (rows["other"]["state"], rows["other"]["loads"], rows["other"]["active"]) == ("loaded", 1, 0)
     assert main(["ps", "--address", str(h.path)]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].split() == ["NAME", "VAR", "SIZE", "CONTEXT", "STATE", "UNLOADS", "RESIDENT", "DRAFTS"]
+    assert out[0].split() == ["NAME", "VAR", "SIZE", "CONTEXT", "KV", "STATE", "UNLOADS", "RESIDENT", "DRAFTS"]
     assert out[1].split()[0] == "other" and "in 600 s" in out[1] and "resident drafts: none yet" in out[1]
-    assert out[1].split()[4:6] == [str(CONTEXT), "loaded"]  # the context the engine has, in tokens
-    assert rows["other"]["context"] == CONTEXT
+    assert out[1].split()[4:7] == [str(CONTEXT), "q8", "loaded"]  # the context the engine has, in tokens, and its KV
+    assert rows["other"]["context"] == CONTEXT and rows["other"]["kv"] == "q8"
     assert out[2].split()[0] == "tiny" and "never (kept)" in out[2]
     with pytest.raises(ModelNotFoundError, match="model: 'nope' is not in the store; the pulled targets are ") as err:
         list(h.client.generate("a", model="nope"))

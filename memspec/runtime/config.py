@@ -48,8 +48,9 @@ class SessionConfig:
     #                                  memory (memspec.runtime.context)
     model_max_context: tuple[tuple[str, int | str], ...] = ()  # per target: ((store name, tokens or "auto"),
     #                                  ...); in the config file a table, { "qwen2.5-coder-1.5b" = 8192 }
-    prefill_chunk: int = 512  # prompt tokens per batched pass: a long prompt is fed in chunks between the
-    #                           other requests' decode steps, so that their tokens keep coming (batching on)
+    prefill_chunk: int = 512  # most prompt tokens per batched pass: a long prompt is fed in chunks beside the
+    #                           other requests' decode steps, so that their tokens keep coming (batching on);
+    #                           a chunk beside them costs about one of their steps (batching.PrefillPace)
     kv: str = "f16"  # the native engine's KV cache: "f16", or "q8" (int8 with a float32 scale per
     #                  position and KV head: about half the bytes; memspec.runtime.native_target)
     prefix_cache_mb: int = 64  # K/V of recent prompts kept for the next prompt that starts the same way

@@ -56,6 +56,7 @@ class Target(Protocol):
     providers: list[str]  # what computes it: ONNX Runtime's execution providers, or "memspec-native (isa)"
     vocab_size: int | None  # rows of its logits (None: not known before a pass)
     max_context: int  # a new cache's capacity in tokens
+    kv: str  # its KV cache's format: the native engine's [runtime] kv ("f16", "q8"), a graph's own ("f32", "f16")
     threads: int  # CPU threads a pass runs on
     rows: RowCheck  # the self-check at load: is a row's result the same at any row count?
     prefix_reuse: bool  # may a prompt start from another's stored K/V (memspec.runtime.prefixes)?

@@ -166,6 +166,7 @@ class DecoderSession:
             raise ModelFormatError(f"{self.path.name}: KV cache of type {kv_type}; memspec runs "
                                    f"{' and '.join(KV_TYPES)}")
         self.kv_dtype = KV_TYPES[kv_type]
+        self.kv = "f16" if self.kv_dtype == np.float16 else "f32"  # the graph's own ([runtime] kv: native only)
         logits_shape = self.session.get_outputs()[outputs.index("logits")].shape
         self.vocab_size = int(logits_shape[-1]) if isinstance(logits_shape[-1], int) else None
         self.n_layers = len(self.past_names) // 2

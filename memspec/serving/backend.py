@@ -267,6 +267,7 @@ class EngineBackend:
         engines = self.targets.engines()
         resident = {m["name"]: m["variant"] for _, e in engines for m in _resident(e)}
         contexts = {name: e.target.session.max_context for name, e in engines}
+        kvs = {name: e.target.session.kv for name, e in engines}
         return [{
             "name": m.name, "role": m.role, "variants": self.store.runnable(m),
             "source": m.provenance.get("source", ""), "resident": m.name in resident,
@@ -274,6 +275,7 @@ class EngineBackend:
             "architecture": dict(m.architecture), "provenance": dict(m.provenance),
             # the context it has while loaded (memspec.runtime.context), and the one it was trained for
             "context": contexts.get(m.name, 0), "trained_context": trained_context(m.architecture) or 0,
+            "kv": kvs.get(m.name, ""),  # its KV cache's format while loaded ([runtime] kv on the native engine)
         } for m in self.store.list()]
 
     def tokenizer(self, name: str | None) -> Tokenizer:
@@ -335,7 +337,8 @@ class EngineBackend:
     def status(self) -> ModelsStatus:
         engines = self.targets.engines()  # most recently used first
         # a loaded target's variant as its engine runs it ("gguf" on the native engine), as "resident" says
-        runs = {name: dict(variant=e.target.variant, context=e.target.session.max_context) for name, e in engines}
+        runs = {name: dict(variant=e.target.variant, context=e.target.session.max_context, kv=e.target.session.kv)
+                for name, e in engines}
         targets = [dict(r, **runs[r["name"]]) if r["name"] in runs else r for r in self.targets.status()]
         drafts: dict[str, DraftStatus] = {}
         for _, engine in engines:  # a draft every target has (prompt lookup) is listed once: counters are by name

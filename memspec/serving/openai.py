@@ -632,4 +632,5 @@ def model(row: dict, created: int) -> dict:
             EXTENSION: {"resident": row["resident"], "variant": row["resident_variant"],
                         "variants": sorted(row["variants"]),
                         # tokens of prompt + answer while loaded (0: not loaded), and what it was trained for
-                        "max_context": row.get("context", 0), "trained_context": row.get("trained_context", 0)}}
+                        "max_context": row.get("context", 0), "trained_context": row.get("trained_context", 0),
+                        "kv": row.get("kv", "")}}  # its KV cache's format while loaded; "" = not loaded

@@ -71,6 +71,7 @@ class TargetStatus:
     failed_loads: int = 0
     refused: int = 0  # loads refused: it did not fit the memory
     context: int = 0  # its context in tokens while loaded (memspec.runtime.context); 0 = not loaded
+    kv: str = ""  # its KV cache's format while loaded ([runtime] kv on the native engine); "" = not loaded
 
 
 @dataclass(frozen=True)

@@ -16,10 +16,13 @@ the loop is the one owner of the target; the slots are plain state.
 
 A row's logits are its solo logits bit for bit, whatever else is in the pass (bench/batch_pass.py
 measures it; memspec.runtime.batch says why), so batching changes no request's output.
-Prompts longer than `prefill_chunk` tokens ([runtime] prefill_chunk) are fed in chunks, one per
-pass, each pass shared with the other rows' decode steps: a long prompt does not stall the other
-requests for its whole prefill (vLLM's chunked prefill), and its rows are what one pass would give
-them, so no answer changes.  A slot's `progress(done, total)` hears of each chunk.
+A long prompt is fed in chunks, one per pass, each pass shared with the other rows' decode steps:
+it does not stall the other requests for its whole prefill (vLLM's chunked prefill), and its rows
+are what one pass would give them, so no answer changes.  A chunk is sized by time (PrefillPace):
+while other requests are in the loop, about as many prompt tokens as cost one of their decode
+steps, so that each of their tokens waits about two steps, not a 512-token pass; alone, a prompt
+is fed `prefill_chunk` tokens a pass ([runtime] prefill_chunk, also the bound on a shared chunk).
+A slot's `progress(done, total)` hears of each chunk.
 """
 
 from __future__ import annotations
@@ -37,6 +40,12 @@ from memspec.runtime.contracts import BatchedPass
 from memspec.runtime.kvcache import KVCache
 
 Clock = Callable[[], float]
+PREFILL_FLOOR = 32  # fewest prompt tokens in a chunk shared with other rows: below that a pass's fixed
+#                     cost (reading the weights once) buys too little prefill
+PREFILL_SHARE = 1.0  # a shared chunk's own cost, in the other rows' decode steps: their pass then takes
+#                      about 1 + this steps (issue 69's bar: inter-token p99 within 3x the median)
+PACE_WEIGHT = 0.5  # weight of the newest pass in the running estimates (a prompt token costs more as
+#                    the context it attends to grows, so the estimate must follow)
 
 
 @dataclass
@@ -74,6 +83,49 @@ class BatchStats:
         return out
 
 
+@dataclass
+class PrefillPace:
+    """Sizes a long prompt's chunks by time, from the passes the loop has timed.
+
+    A pass's seconds are modelled as (its step rows' cost) + (its prompt tokens) x token_s, where a
+    step row is a decode step or a verification (a logits row per token) and a prompt row is the
+    rest.  A chunk shared with other requests gets share x step_s / token_s tokens, between `floor`
+    and the bound; alone, or before any step was timed (nobody is streaming yet), the bound."""
+
+    floor: int = PREFILL_FLOOR
+    share: float = PREFILL_SHARE
+    step_s: float | None = None  # seconds of a pass with step rows only (the others' decode steps)
+    token_s: float | None = None  # seconds a prompt token adds to a pass
+
+    def observe(self, steps: bool, prompt_tokens: int, seconds: float) -> None:
+        """One timed pass: whether it had step rows, how many prompt tokens it fed, how long it took."""
+        if not prompt_tokens:
+            if steps:
+                self.step_s = _blend(self.step_s, seconds)
+            return
+        extra = seconds - (self.step_s or 0.0) if steps else seconds
+        if extra > 0:  # else noise hid the chunk's cost: keep the last estimate
+            self.token_s = _blend(self.token_s, extra / prompt_tokens)
+
+    def chunk(self, most: int, others: bool) -> int:
+        """Prompt tokens for the next chunk, at most `most` ([runtime] prefill_chunk)."""
+        if not others or self.step_s is None:
+            return most
+        if self.token_s is None:  # the floor first: its pass measures what a token costs
+            return min(self.floor, most)
+        return min(most, max(self.floor, round(self.share * self.step_s / self.token_s)))
+
+
+def _blend(old: float | None, new: float) -> float:
+    return new if old is None else (1 - PACE_WEIGHT) * old + PACE_WEIGHT * new
+
+
+def _steps_and_prompt(rows: Sequence[_Row]) -> tuple[bool, int]:
+    """Whether rows hold a step row (a logits row per token), and the prompt tokens the others feed."""
+    steps = any(r.keep == len(r.ids) for r in rows)
+    return steps, sum(len(r.ids) for r in rows if r.keep != len(r.ids))
+
+
 def _bucket(n: int) -> int:
     """Upper bound of the power-of-two bucket n falls in (1, 2, 4, 8, ...)."""
     return 1 << max(n - 1, 0).bit_length()
@@ -99,8 +151,8 @@ class Slot:
         if cache.length + len(ids) > cache.capacity:
             raise ContextOverflowError(
                 f"context overflow: {cache.length} cached + {len(ids)} new tokens > capacity {cache.capacity}")
-        chunk, total, done = self._loop.prefill_chunk, len(ids), 0
-        while len(ids) > chunk:  # a long prompt: one chunk per pass, beside the other rows' steps
+        total, done = len(ids), 0
+        while len(ids) > (chunk := self._loop.chunk(self)):  # a long prompt: a chunk a pass, beside the others' steps
             self._loop.run(self, _Row(cache, ids[:chunk], 1))
             ids, done = ids[chunk:], done + chunk
             if self.progress is not None:
@@ -117,12 +169,13 @@ class BatchLoop:
     """The thread that owns the batched target (module docstring)."""
 
     def __init__(self, target: BatchedPass, max_wait_s: float = 0.02, prefill_chunk: int = 256,
-                 clock: Clock = time.perf_counter):
+                 clock: Clock = time.perf_counter, pace: PrefillPace | None = None):
         if prefill_chunk < 1:
             raise ValueError(f"prefill_chunk: {prefill_chunk} is out of range; at least 1")
         self.target = target
         self.max_wait_s = max_wait_s
-        self.prefill_chunk = prefill_chunk
+        self.prefill_chunk = prefill_chunk  # a chunk's bound, and a lone prompt's chunk
+        self.pace = pace if pace is not None else PrefillPace()  # sizes shared chunks from timed passes
         self.clock = clock
         self.stats = BatchStats()
         self._cond = threading.Condition()
@@ -153,6 +206,11 @@ class BatchLoop:
             self._members.discard(slot)
             self._cond.notify_all()  # the rest may all be queued now
 
+    def chunk(self, slot: Slot) -> int:
+        """Prompt tokens for slot's next chunk: by time while other requests share the loop."""
+        with self._cond:
+            return self.pace.chunk(self.prefill_chunk, others=bool(self._members - {slot}))
+
     def in_use(self) -> int:
         with self._cond:
             return len(self._members)
@@ -176,6 +234,7 @@ class BatchLoop:
             dt = self.clock() - t
             with self._cond:
                 self.stats.count(1, len(row.ids), dt)
+                self.pace.observe(*_steps_and_prompt([row]), dt)
             if self.on_alone is not None and row.keep == len(row.ids):
                 self.on_alone(len(row.ids), dt)
             return out
@@ -234,13 +293,18 @@ class BatchLoop:
         with self._cond:
             self._last_end = self.clock()
             self.stats.count(len(rows), sum(len(r.ids) for r in rows), self._last_end - t)
+            self.pace.observe(*_steps_and_prompt(rows), self._last_end - t)
         for r, logits in zip(rows, out):
             r.logits = logits
             r.done.set()
 
     def report(self) -> dict:
         with self._cond:
-            return self.stats.to_dict(self.slots, len(self._members))
+            out = self.stats.to_dict(self.slots, len(self._members))
+            for key, s in (("step_ms", self.pace.step_s), ("prompt_token_ms", self.pace.token_s)):
+                if s is not None:  # what sizes a long prompt's chunks (PrefillPace), once timed
+                    out[key] = round(s * 1e3, 3)
+            return out
 
     def close(self) -> None:
         with self._cond:

@@ -57,7 +57,8 @@ class Engine:
         weights it holds): concurrent requests share it; None: each request runs its own passes.
         prefix_cache_bytes > 0: keep recent prompts' K/V up to that many bytes, for prompts that
         start the same way (memspec.runtime.prefixes), where the target's rows allow it.
-        prefill_chunk: prompt tokens per batched pass ([runtime] prefill_chunk; memspec.speculation.batching)."""
+        prefill_chunk: most prompt tokens per batched pass ([runtime] prefill_chunk; chunks beside
+        other requests are sized by time: memspec.speculation.batching.PrefillPace)."""
         self.target = target
         self.batch = None
         if batched is not None:
