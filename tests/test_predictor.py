@@ -388,6 +388,25 @@ def test_profile_one_short_request_on_the_real_target(model_store):
     assert X.shape[1:] == (1, len(FEATURES)) and Y.shape[1:] == (1, 2) and len(X) == len(G)
 
 
+def test_the_suffix_draft_is_profiled_from_its_corpus_and_the_request_never_from_another_run(model_store):
+    """The predictor must know the suffix draft (it is the draft that pays on a small target), traced
+    as a daemon that has served nothing runs it: its index learns no policy's run of the prompt."""
+    from memspec.config import Config
+    from memspec.build import build_engine
+    from memspec.speculation.sources import DraftPool
+    from memspec.speculation.suffix import SuffixDraft, SuffixIndex, corpus_index
+    from memspec.training.profile import ProfileConfig, profile_request
+
+    engine = build_engine(Config(), drafts="none")
+    vocab = engine.target.session.vocab_size
+    suffix = SuffixDraft(SuffixIndex(1 << 16), vocab, corpus=corpus_index([np.arange(100, 140)]))
+    engine.drafts = DraftPool({"suffix": suffix})
+    item = {"prompt": "Repeat exactly: one two three four five six seven eight", "category": "rewriting"}
+    tr = profile_request(engine, item, 0, [NONE, "suffix"], ProfileConfig(max_tokens=16, segment_tokens=8))
+    assert tr["requests"]["suffix"]["mismatch_at"] is None and tr["requests"]["suffix"]["drafted"] > 0
+    assert suffix.index.stats.added == 0 and suffix.corpus.sequences == 1
+
+
 def test_train_predictor_saves_the_chosen_default_and_margin(tmp_path, capsys):
     """`memspec train-predictor` stores the single best policy as the default and the held-out margin."""
     import argparse

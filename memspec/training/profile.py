@@ -32,7 +32,6 @@ import numpy as np
 
 from memspec.speculation.drafts import PROMPT_LOOKUP, Proposal
 from memspec.speculation.logits import IDENTITY
-from memspec.speculation.suffix import SUFFIX
 from memspec.scheduling.features import TAIL_CHARS, generation_context, request_text
 from memspec.speculation.metrics import SpecMetrics
 from memspec.scheduling.predictor import NONE
@@ -223,10 +222,10 @@ def run_profile(args) -> int:
             kept.setdefault(w["category"], []).append(w)
         workload = [w for group in kept.values() for w in group[: args.limit]]
     engine = build_engine(args.config, args.variant, drafts="pool")
-    # not the suffix draft unless named: its index learns every policy's run, so each prompt would be
-    # traced finding its own answer, which no predictor should learn from
-    names = sorted(set(engine.drafts) - {SUFFIX}) if not args.drafts else \
-        [d.strip() for d in args.drafts.split(",") if d.strip()]
+    # every draft, the suffix draft too: run_policy never teaches its index (forgotten before each
+    # prompt besides), so it proposes as in a daemon that has served nothing, from the request itself
+    # and the target's shipped corpus, never from this prompt's answer under another policy
+    names = sorted(engine.drafts) if not args.drafts else [d.strip() for d in args.drafts.split(",") if d.strip()]
     for d in names:
         if d not in engine.drafts:
             raise unknown_draft(d, engine.drafts, "--drafts")
@@ -236,6 +235,7 @@ def run_profile(args) -> int:
     t0 = time.perf_counter()
     with open(args.out, "w") as f:
         for i, item in enumerate(workload):
+            engine.drafts.forget()
             tr = profile_request(engine, item, i, policies, cfg)
             f.write(json.dumps(tr) + "\n")
             f.flush()
