@@ -132,3 +132,50 @@ def test_a_draft_that_agrees_again_is_probed_at_the_shortest_wait_until_it_draft
     assert probes and ctl.probe_every == CostController.PROBE_EVERY
     again = next(i for i in range(len(asked)) if all(g > 0 for g in asked[i:]))  # drafting every step from here
     assert again <= probes[0] + 4 * CostController.PROBE_EVERY, asked
+
+
+def test_a_probes_catch_up_is_counted_as_its_cost_and_the_prompts_prefill_is_not():
+    """Regression: the loop left every long catch-up (Proposal.setup_s) out of the draft's cost,
+    the probe's too, which pays it because the draft sat idle: a probe after 64 plain steps looked
+    as cheap as a token of a draft that runs every step.  The first proposal's prefill stays out."""
+    prefill, catch_up = 2.0 * STEP_S, FEED_COST * STEP_S * 65  # 65 tokens committed while it sat idle
+    ctl = CostController(SpecConfig(gamma_max=8), CURVE, target_step_s=STEP_S)
+    g = ctl.next()
+    ctl.observe(g, 0, prefill + DRAFT_COST * STEP_S * g, setup_s=prefill)
+    assert ctl.draft_cost == pytest.approx(0.7 * 0.05 + 0.3 * DRAFT_COST)  # the prefill: no cost of its tokens
+    while ctl.next() > 0:  # drafting stops paying
+        ctl.observe(1, 0, DRAFT_COST * STEP_S)
+    before = ctl.draft_cost
+    while ctl.next() == 0:
+        ctl.observe(0, 0, 0.0)
+    assert ctl.probing
+    ctl.observe(1, 0, catch_up + DRAFT_COST * STEP_S, setup_s=catch_up)
+    assert ctl.draft_cost == pytest.approx(0.7 * before + 0.3 * (DRAFT_COST + FEED_COST * 65))
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)
+def test_the_loop_hands_the_controller_each_catch_up_and_a_probe_pays_its_own(gguf_path, monkeypatch):
+    """The decode loop (under live costs, as the batched path runs it) passes each proposal's
+    setup_s to CostController.observe: SmolLM2 and a draft that never agrees, each step's draft
+    cost as the controller took it.  The prefill of the 18-token prompt is left out of the first
+    step's; every probe's is its catch-up (FEED_MIN_TOKENS or more tokens) and its token."""
+    from memspec.runtime.native_target import NativeTarget
+
+    seen = []
+
+    class Recording(CostController):
+        def observe(self, n_drafted, *args, **kwargs):
+            before, probing = self.draft_cost, self.probing
+            super().observe(n_drafted, *args, **kwargs)
+            if n_drafted:  # the cost of a drafted token this step counted, in target steps
+                seen.append((probing, (self.draft_cost - 0.7 * before) / 0.3))
+
+    monkeypatch.setattr("memspec.speculation.speculative.CostController", Recording)
+    target = NativeTarget(gguf_path, threads=1, max_context=TOKENS + 64)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 19161, 260, 8297, 282]
+    clock = [0.0]
+    _, _, metrics = priced_run(target, prompt, FixedDraft("never", NeverAgrees(10_000, clock)), clock)
+    assert metrics.num_accepted_tokens == 0 and seen[0] == (False, pytest.approx(DRAFT_COST))
+    probes = [cost for probing, cost in seen if probing]
+    assert len(probes) == 4, seen
+    assert all(cost >= DRAFT_COST + FEED_COST * FEED_MIN_TOKENS - 1e-9 for cost in probes), probes

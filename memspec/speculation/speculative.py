@@ -107,6 +107,7 @@ class CostController:
         self.idle_steps = 0  # target-only steps since drafting last paid or was probed
         self.probe_every = self.PROBE_EVERY  # steps the next probe waits for (past PROBE_MAX: no probe)
         self.probing = False  # the step asked for last is a probe
+        self.after_idle = False  # ... or follows steps that drafted nothing (its catch-up is its own cost)
 
     @property
     def alpha(self) -> float:
@@ -114,7 +115,7 @@ class CostController:
 
     def next(self) -> int:
         g = best_gamma(self.alpha, self.verify_cost, self.draft_cost, self.cfg.gamma_max)
-        self.probing = False
+        self.probing, self.after_idle = False, self.idle_steps > 0
         if g > 0:  # drafting pays: probes start again from the shortest wait when it stops paying
             self.idle_steps, self.probe_every = 0, self.PROBE_EVERY
             return g
@@ -132,14 +133,21 @@ class CostController:
         return best_gamma(self.PROBE_ALPHA, self.verify_cost, self.draft_cost, self.cfg.gamma_max) > 0
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float | None = None,
-                rows: int | None = None) -> None:
+                rows: int | None = None, setup_s: float = 0.0) -> None:
         """A step's outcome: tokens drafted and accepted, the seconds drafting took and, where the
         pass was this request's alone, the seconds verifying took (a pass of `rows` tokens; default
         all the drafted ones and the last).  The pass's seconds over its relative cost keep the
         target's step time as the machine runs now: another process on the cores slows the draft
         and the target alike, and their ratio is what the draft length needs (a draft timed on a
         busy machine against a target timed on an idle one never pays).  Drafted tokens the gate
-        left unverified (memspec.speculation.confidence) count as drafted and not accepted."""
+        left unverified (memspec.speculation.confidence) count as drafted and not accepted.
+
+        setup_s: the part of draft_s that was a long catch-up (Proposal.setup_s).  The draft's first
+        one, the prompt's prefill, is spent once and is no cost of the tokens it drafts; one after
+        steps that drafted nothing (a probe's, or drafting's again) is what coming back costs, every
+        time: left out, a probe would look as cheap as a step of a draft that runs every step."""
+        if not self.after_idle:
+            draft_s = max(draft_s - setup_s, 0.0)
         rows = n_drafted + 1 if rows is None else rows
         if verify_s is not None and rows < len(self.verify_cost):
             step = verify_s / max(self.verify_cost[rows], 1e-9)
@@ -394,10 +402,10 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
             committed, n, verify_s = req.chain_step(draft_name, prop, t0, t1)
             if planner is not None and draft_name is not None:
                 planner.observe(draft_name, prop, n, committed[-1])  # what the draft's alternatives would have won
-        if ctl is not None:  # a long catch-up (the draft's prefill) is no cost of the tokens it drafts
-            ctl.observe(drafted, n, max(t1 - t0 - prop.setup_s, 0.0),
+        if ctl is not None:  # the controller decides what of a long catch-up (setup_s) the step cost
+            ctl.observe(drafted, n, t1 - t0,
                         None if live is not None else verify_s,  # a batched pass is not this request's alone
-                        rows=g + 1)
+                        rows=g + 1, setup_s=prop.setup_s)
             if gated:
                 gate.observe(gate_key(draft_name), prop.entropy, n)
         else:
