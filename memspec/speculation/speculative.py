@@ -89,7 +89,8 @@ class CostController:
     costs its first steps (the prior), four probes and their catch-ups: a few percent of target-only
     on 160 tokens, less on longer answers (tests/test_controller.py).
 
-    The same draft in another request starts over: what did not pay on one prompt may on the next.
+    The same draft in another request starts over: what did not pay on one prompt may on the next;
+    so does a draft the scheduler's switcher takes again later in the request (a new DraftState).
     """
 
     PRIOR = (1.2, 0.8)  # pseudo-counts (accepted, rejected): alpha starts at 0.6
@@ -357,7 +358,9 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     yield [first]
     req = _Request(target, cache, context, params, rng, shaper, metrics, clock, on_rows, on_pass)
     gamma = cfg.gamma
-    controllers: dict[str, CostController] = {}  # per draft: acceptance differs from draft to draft
+    # per draft: acceptance differs from draft to draft; a draft taken again (a new state: the scheduler's
+    # switcher left it and came back, where the text may have changed) starts over, as in a new request
+    controllers: dict[str, tuple[DraftState, CostController]] = {}
     use_cost = cfg.adaptive and cfg.controller == "cost" and verify_cost is not None
     # token trees where the target takes them (its own word: the loop does not know the engine)
     # (a request with output controls runs chains: the tree walk does not shape its rows)
@@ -376,9 +379,10 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         draft_name, draft = select(context, metrics)
         ctl = None
         if use_cost and draft is not None:
-            ctl = controllers.get(draft_name)
-            if ctl is None:
-                ctl = controllers[draft_name] = CostController(cfg, verify_cost, verify_cost_s1)
+            held, ctl = controllers.get(draft_name, (None, None))
+            if held is not draft:
+                ctl = CostController(cfg, verify_cost, verify_cost_s1)
+                controllers[draft_name] = draft, ctl
             if live is not None:  # the pass this step joins
                 now = live()
                 ctl.verify_cost, ctl.target_step_s = [c / now[1] for c in now], now[1]
