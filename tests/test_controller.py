@@ -132,3 +132,107 @@ def test_a_draft_that_agrees_again_is_probed_at_the_shortest_wait_until_it_draft
     assert probes and ctl.probe_every == CostController.PROBE_EVERY
     again = next(i for i in range(len(asked)) if all(g > 0 for g in asked[i:]))  # drafting every step from here
     assert again <= probes[0] + 4 * CostController.PROBE_EVERY, asked
+
+
+def test_a_probes_catch_up_is_counted_as_its_cost_and_the_prompts_prefill_is_not():
+    """Regression: the loop left every long catch-up (Proposal.setup_s) out of the draft's cost,
+    the probe's too, which pays it because the draft sat idle: a probe after 64 plain steps looked
+    as cheap as a token of a draft that runs every step.  The first proposal's prefill stays out."""
+    prefill, catch_up = 2.0 * STEP_S, FEED_COST * STEP_S * 65  # 65 tokens committed while it sat idle
+    ctl = CostController(SpecConfig(gamma_max=8), CURVE, target_step_s=STEP_S)
+    g = ctl.next()
+    ctl.observe(g, 0, prefill + DRAFT_COST * STEP_S * g, setup_s=prefill)
+    assert ctl.draft_cost == pytest.approx(0.7 * 0.05 + 0.3 * DRAFT_COST)  # the prefill: no cost of its tokens
+    while ctl.next() > 0:  # drafting stops paying
+        ctl.observe(1, 0, DRAFT_COST * STEP_S)
+    before = ctl.draft_cost
+    while ctl.next() == 0:
+        ctl.observe(0, 0, 0.0)
+    assert ctl.probing
+    ctl.observe(1, 0, catch_up + DRAFT_COST * STEP_S, setup_s=catch_up)
+    assert ctl.draft_cost == pytest.approx(0.7 * before + 0.3 * (DRAFT_COST + FEED_COST * 65))
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)
+def test_the_loop_hands_the_controller_each_catch_up_and_a_probe_pays_its_own(gguf_path, monkeypatch):
+    """The decode loop (under live costs, as the batched path runs it) passes each proposal's
+    setup_s to CostController.observe: SmolLM2 and a draft that never agrees, each step's draft
+    cost as the controller took it.  The prefill of the 18-token prompt is left out of the first
+    step's; every probe's is its catch-up (FEED_MIN_TOKENS or more tokens) and its token."""
+    from memspec.runtime.native_target import NativeTarget
+
+    seen = []
+
+    class Recording(CostController):
+        def observe(self, n_drafted, *args, **kwargs):
+            before, probing = self.draft_cost, self.probing
+            super().observe(n_drafted, *args, **kwargs)
+            if n_drafted:  # the cost of a drafted token this step counted, in target steps
+                seen.append((probing, (self.draft_cost - 0.7 * before) / 0.3))
+
+    monkeypatch.setattr("memspec.speculation.speculative.CostController", Recording)
+    target = NativeTarget(gguf_path, threads=1, max_context=TOKENS + 64)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 19161, 260, 8297, 282]
+    clock = [0.0]
+    _, _, metrics = priced_run(target, prompt, FixedDraft("never", NeverAgrees(10_000, clock)), clock)
+    assert metrics.num_accepted_tokens == 0 and seen[0] == (False, pytest.approx(DRAFT_COST))
+    probes = [cost for probing, cost in seen if probing]
+    assert len(probes) == 4, seen
+    assert all(cost >= DRAFT_COST + FEED_COST * FEED_MIN_TOKENS - 1e-9 for cost in probes), probes
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)
+def test_a_draft_taken_again_gets_a_new_controller(gguf_path):
+    """The scheduler's switcher may leave a draft and take it again later in the request (a new
+    state: memspec.scheduling.selector); its cost controller starts over, as in a new request.
+    Regression: the loop kept one controller per draft name, so a draft whose probes had stopped
+    (about 120 plain steps) was never asked for a token again: the retry ran target-only."""
+    from memspec.runtime.native_target import NativeTarget
+
+    target = NativeTarget(gguf_path, threads=1, max_context=TOKENS + 64)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 19161, 260, 8297, 282]
+    clock, asked, step = [0.0], [], [0]
+
+    class Asked(NeverAgrees):  # the loop asks a state for a proposal only where it drafts
+        def propose(self, context, k, params, rng, shaper=IDENTITY, alternatives=False):
+            asked.append((self, step[0]))
+            return super().propose(context, k, params, rng, shaper, alternatives)
+
+    first, again = Asked(10_000, clock), Asked(10_000, clock)
+
+    class TakenAgain(NoDraft):  # the first state for 200 steps, then a new one of the same draft
+        def __call__(self, context, metrics):
+            step[0] += 1
+            return "never", first if step[0] <= 200 else again
+
+    priced_run(target, prompt, TakenAgain(), clock)
+    assert max(at for s, at in asked if s is first) < 140  # its probes had stopped
+    assert min((at for s, at in asked if s is again), default=None) == 201  # the new state drafts at once
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)
+def test_a_request_the_switcher_leaves_a_draft_in_stays_near_target_only(gguf_path):
+    """The scheduler's switcher (memspec) over a draft that never agrees, on SmolLM2, priced in
+    passes and draft time.  Its prediction steady, the request leaves the draft after 16 steps and
+    does not take it again: within 3% of target-only, as with the cost controller alone.  With a
+    predictor that keeps raising it (the worst case), the request tries it again after 8, 16, 32
+    and 64 steps without it, each time a new state that catches up on the whole context (most of
+    what a retry costs) and a new controller that drafts at its prior, then no more: within 8%."""
+    from memspec.runtime.native_target import NativeTarget
+    from test_scheduler import Rising, StandInPredictor, make, req
+
+    target = NativeTarget(gguf_path, threads=1, max_context=TOKENS + 64)
+    prompt = [1, 9690, 198, 2683, 359, 253, 5356, 5646, 11173, 2, 198, 1, 4093, 198, 19161, 260, 8297, 282]
+    alone, alone_cost, _ = priced_run(target, prompt, NoDraft(), [0.0])
+    wrong = next(t for t in range(1000, target.vocab_size) if t not in alone)
+    rates = {"draft-chat": 32.0, "draft-code": 5.0, "draft-math": 5.0, "prompt-lookup": 5.0, "none": 30.0}
+    for predictor, taken, bound in ((StandInPredictor(rates), 1, 0.97), (Rising(rates), 5, 0.92)):
+        sched, loader, *_ = make("memspec", budget_mb=0, predictor=predictor)
+        sched.ws.lease("draft-chat").release()
+        clock, states = [0.0], []
+        loader.proposers["draft-chat"].begin = lambda capacity: states.append(NeverAgrees(wrong, clock)) or states[-1]
+        sel = sched.selector(req("tell me about cats", max_tokens=1024), prompt, TOKENS + 64)
+        got, cost, metrics = priced_run(target, prompt, sel, clock)
+        sel.close()
+        assert got == alone and len(states) == taken, (len(states), cost)
+        assert alone_cost / cost > bound, (cost, metrics.num_drafts)

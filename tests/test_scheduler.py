@@ -447,6 +447,69 @@ def test_memspec_stays_target_only_when_no_draft_is_predicted_faster():
     sel.close()
 
 
+def on_chat_then_left(predictor, steps, fence_at=None):
+    """A request started on draft-chat (resident), which drafts 3 tokens a step and none is ever
+    accepted (a step priced at 0.1 s: 10 tok/s, below target-only's 30), its answer opening a code
+    block at step `fence_at`: the draft each of its `steps` steps ran with."""
+    sched, *_ = make("memspec", budget_mb=0, predictor=predictor)
+    sched.ws.lease("draft-chat").release()
+    sel = sched.selector(req("tell me about cats", max_tokens=1024), [1, 2, 3, 4], 2048)
+    m, context, used = SpecMetrics(), [1, 2, 3, 4, 1], []
+    for i in range(steps):
+        name, state = sel(context, m)
+        used.append(name)
+        n = len(state.propose(context, 3, None, None).tokens) if state else 0
+        m.record_step(name, n, 0, 1, 0.05, 0.05)
+        context += [FENCE] if i == fence_at else [1]
+    sel.close()
+    return used
+
+
+def test_memspec_tries_a_left_draft_again_when_the_text_changes():
+    """Regression: once a request left a draft (here for target-only, its steps having accepted
+    nothing), those steps held it at their rate for the rest of the request, whatever the text
+    became: a code block where the predictor expects draft-chat at 80 tok/s ran target-only to the
+    end.  Now the left draft's steps are set aside 8 steps after it was left (the cost controller's
+    first probe wait) where its prediction rose since (RequestSelector.set_aside), and the draft is
+    judged by what is predicted for the text now; where it did not rise, its steps still stand."""
+    rates = {"draft-chat": 32.0, "draft-code": 5.0, "draft-math": 5.0, "prompt-lookup": 5.0, "none": 30.0}
+    code = dict(rates, **{"draft-chat": 80.0})
+    # the switcher asks every 8 steps: it leaves draft-chat at step 16 (15 measured at 10 tok/s)
+    plain = on_chat_then_left(StandInPredictor(rates, code), 64)
+    assert plain[:15] == ["draft-chat"] * 15 and plain[15:] == [None] * 49
+    coded = on_chat_then_left(StandInPredictor(rates, code), 64, fence_at=20)
+    assert coded[:15] == ["draft-chat"] * 15 and coded[15:23] == [None] * 8
+    assert coded[23] == "draft-chat", coded  # the switcher's first ask after the code block opened
+
+
+class Rising(StandInPredictor):
+    """Predicts draft-chat 25% faster every 8 tokens: the text keeps seeming to change in its favour."""
+
+    def predict(self, prompt_text, ctx=None):
+        out = super().predict(prompt_text, ctx)
+        out["draft-chat"] *= 1.25 ** ((ctx.position if ctx is not None else 0) / 8)
+        return out
+
+
+def test_memspec_retries_a_left_draft_on_the_cost_controllers_backoff_then_no_more():
+    """Where the predictor keeps favouring more and more a draft that never pays (measured at 10
+    tok/s against target-only's 30), the request tries it again after 8, 16, 32 and 64 steps without
+    it (CostController.PROBE_EVERY doubling up to PROBE_MAX), each time for as long as it takes to
+    measure it again, and then no more: 5 spells in all, whatever the request's length."""
+    rates = {"draft-chat": 32.0, "draft-code": 5.0, "draft-math": 5.0, "prompt-lookup": 5.0, "none": 30.0}
+    used = on_chat_then_left(Rising(rates), 600)
+    spells, start = [], None
+    for i, name in enumerate(used + [None]):
+        if name == "draft-chat" and start is None:
+            start = i
+        elif name != "draft-chat" and start is not None:
+            spells.append((start, i))
+            start = None
+    assert [b[0] - a[1] for a, b in zip(spells, spells[1:])] == [8, 16, 32, 64], spells
+    assert spells[0] == (0, 15) and all(end - begin == 8 for begin, end in spells[1:]), spells
+    assert used.count("draft-chat") == 15 + 4 * 8 and set(used[spells[-1][1]:]) == {None}
+
+
 # -- leases and pressure ------------------------------------------------------------------------------
 def test_pressure_mid_request_drops_the_draft_and_goes_target_only():
     sched, loader, clock, probe = make("fixed:draft-chat", floor_mb=100)

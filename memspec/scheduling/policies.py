@@ -332,10 +332,12 @@ class Memspec(Policy):
         # The drafts this request ran long enough (the one it runs and the ones it left, so that it
         # does not go back and forth) are worth what their steps here accepted, priced as the rest's
         # predictions are: a fast or slow spell of the machine moves none of them against the others.
+        # A draft it left is judged by its prediction again once the text changed (RequestSelector.set_aside).
         measured = set()
         for d in sel.window:
             mal, drafted, steps = sel.recent_quantities(d)
-            if d in pred and d != NO_DRAFT and steps >= SWITCH_EVIDENCE_STEPS:
+            if (d in pred and d != NO_DRAFT and steps >= SWITCH_EVIDENCE_STEPS
+                    and not sel.set_aside(d, pred[d], sched.config.switch_margin)):
                 pred[d] = self.predictor.rate(d, mal, drafted)
                 measured.add(d)
         if current not in measured:  # target-only (or a draft not measured yet) doing better in this

@@ -5,7 +5,13 @@ memspec.speculation.speculative).  It holds at most one draft lease from the
 working set at a time and releases it when the request ends, however it ends (the
 engine closes the selector on completion, cancellation and exceptions).  Under
 memory pressure it drops its draft and the request goes on target-only; with a
-`switcher` (the memspec policy) it reconsiders every few steps.  With a `recall` (the
+`switcher` (the memspec policy) it reconsiders every few steps.  What a draft's steps showed stands
+for it while the request runs without it (so that it does not go back and forth), but not for the
+rest of the request: the text may change character (a code block, a passage quoted from the prompt),
+so the switcher may set it aside (`set_aside`) once the request has run `PROBE_EVERY` steps without
+the draft, twice as long after each time it left the draft again, up to `PROBE_MAX` (then it stands),
+the backoff of the cost controller's probes.  A draft taken again starts over: a new state, a new
+cost controller in the decode loop, and its steps counted afresh.  With a `recall` (the
 scheduler's, where it holds the suffix draft), a step whose text's end agrees long with a
 request the daemon saw proposes what followed there instead (memspec.speculation.suffix.Recall),
 whichever draft the request holds, and that step counts as the suffix draft's.
@@ -21,11 +27,13 @@ from memspec.request import NO_DRAFT, GenerationRequest
 from memspec.scheduling.workingset import Lease, WorkingSet
 from memspec.speculation.logits import IDENTITY
 from memspec.speculation.metrics import SpecMetrics
+from memspec.speculation.speculative import CostController
 from memspec.speculation.suffix import SUFFIX
 
 log = logging.getLogger("memspec.scheduler")
 WINDOW_STEPS = 16  # steps of each draft's (drafted, accepted) a request keeps (`window`); memspec leaves a
 #                   draft that drafted nothing in all of them
+PROBE_EVERY, PROBE_MAX = CostController.PROBE_EVERY, CostController.PROBE_MAX  # a left draft's steps stand this long
 
 
 class _Watched:
@@ -67,6 +75,8 @@ class RequestSelector:
         self._last = (0, 0, 0, 0.0)  # metrics totals at the previous step
         self._ran: str | None = None  # the draft the previous step ran with
         self.broken: set[str] = set()  # drafts that raised in this request: never taken again by it
+        # draft -> (the step the request left it at, steps its window stands for it, its prediction then)
+        self.left: dict[str, tuple[int, int, float]] = {}
         self.closed = False
         self.recall = None  # a memspec.speculation.suffix.Recall, set by the scheduler (None: no recall)
         if lease is not None:
@@ -91,6 +101,7 @@ class RequestSelector:
             self._give_up(lease.name, exc)
             return
         self.lease, self.state = lease, _Watched(state, self.entropies)
+        self.window.pop(lease.name, None)  # a new state (and cost controller) starts over: so do its steps
 
     def failed(self, name: str, exc: Exception) -> None:
         """The draft raised mid-request: drop it; the rest of the request runs without it."""
@@ -108,8 +119,22 @@ class RequestSelector:
             self.state.close()
             self.state = None
         if self.lease is not None:
+            name = self.lease.name
             self.lease.release()
             self.lease = None
+            _, holds, _ = self.left.get(name, (0, PROBE_EVERY // 2, 0.0))
+            self.left[name] = (self.steps, 2 * holds, self.predicted.get(name, 0.0))
+
+    def set_aside(self, name: str, predicted: float, margin: float) -> bool:
+        """Whether the steps `name` ran in this request no longer stand for it: the request left it
+        long enough ago (the module's docstring: 8, 16, 32, 64 steps, then never) and its prediction
+        for the text now, `predicted`, is above the one it was left with by more than `margin` (the
+        text changed character; a prediction that stayed where it was says nothing new, and a
+        request where no draft pays does not pay a draft's catch-up again and again)."""
+        if name == self.name or name not in self.left:
+            return False
+        at, holds, then = self.left[name]
+        return holds <= PROBE_MAX and self.steps - at >= holds and predicted > then * (1 + margin)
 
     def switch_to(self, lease: Lease, why: str) -> None:
         if lease.name in self.broken:  # it failed in this request: stay on the current one

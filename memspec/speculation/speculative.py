@@ -89,7 +89,8 @@ class CostController:
     costs its first steps (the prior), four probes and their catch-ups: a few percent of target-only
     on 160 tokens, less on longer answers (tests/test_controller.py).
 
-    The same draft in another request starts over: what did not pay on one prompt may on the next.
+    The same draft in another request starts over: what did not pay on one prompt may on the next;
+    so does a draft the scheduler's switcher takes again later in the request (a new DraftState).
     """
 
     PRIOR = (1.2, 0.8)  # pseudo-counts (accepted, rejected): alpha starts at 0.6
@@ -107,6 +108,7 @@ class CostController:
         self.idle_steps = 0  # target-only steps since drafting last paid or was probed
         self.probe_every = self.PROBE_EVERY  # steps the next probe waits for (past PROBE_MAX: no probe)
         self.probing = False  # the step asked for last is a probe
+        self.after_idle = False  # ... or follows steps that drafted nothing (its catch-up is its own cost)
 
     @property
     def alpha(self) -> float:
@@ -114,7 +116,7 @@ class CostController:
 
     def next(self) -> int:
         g = best_gamma(self.alpha, self.verify_cost, self.draft_cost, self.cfg.gamma_max)
-        self.probing = False
+        self.probing, self.after_idle = False, self.idle_steps > 0
         if g > 0:  # drafting pays: probes start again from the shortest wait when it stops paying
             self.idle_steps, self.probe_every = 0, self.PROBE_EVERY
             return g
@@ -132,14 +134,21 @@ class CostController:
         return best_gamma(self.PROBE_ALPHA, self.verify_cost, self.draft_cost, self.cfg.gamma_max) > 0
 
     def observe(self, n_drafted: int, n_accepted: int, draft_s: float, verify_s: float | None = None,
-                rows: int | None = None) -> None:
+                rows: int | None = None, setup_s: float = 0.0) -> None:
         """A step's outcome: tokens drafted and accepted, the seconds drafting took and, where the
         pass was this request's alone, the seconds verifying took (a pass of `rows` tokens; default
         all the drafted ones and the last).  The pass's seconds over its relative cost keep the
         target's step time as the machine runs now: another process on the cores slows the draft
         and the target alike, and their ratio is what the draft length needs (a draft timed on a
         busy machine against a target timed on an idle one never pays).  Drafted tokens the gate
-        left unverified (memspec.speculation.confidence) count as drafted and not accepted."""
+        left unverified (memspec.speculation.confidence) count as drafted and not accepted.
+
+        setup_s: the part of draft_s that was a long catch-up (Proposal.setup_s).  The draft's first
+        one, the prompt's prefill, is spent once and is no cost of the tokens it drafts; one after
+        steps that drafted nothing (a probe's, or drafting's again) is what coming back costs, every
+        time: left out, a probe would look as cheap as a step of a draft that runs every step."""
+        if not self.after_idle:
+            draft_s = max(draft_s - setup_s, 0.0)
         rows = n_drafted + 1 if rows is None else rows
         if verify_s is not None and rows < len(self.verify_cost):
             step = verify_s / max(self.verify_cost[rows], 1e-9)
@@ -349,7 +358,9 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
     yield [first]
     req = _Request(target, cache, context, params, rng, shaper, metrics, clock, on_rows, on_pass)
     gamma = cfg.gamma
-    controllers: dict[str, CostController] = {}  # per draft: acceptance differs from draft to draft
+    # per draft: acceptance differs from draft to draft; a draft taken again (a new state: the scheduler's
+    # switcher left it and came back, where the text may have changed) starts over, as in a new request
+    controllers: dict[str, tuple[DraftState, CostController]] = {}
     use_cost = cfg.adaptive and cfg.controller == "cost" and verify_cost is not None
     # token trees where the target takes them (its own word: the loop does not know the engine)
     # (a request with output controls runs chains: the tree walk does not shape its rows)
@@ -368,9 +379,10 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
         draft_name, draft = select(context, metrics)
         ctl = None
         if use_cost and draft is not None:
-            ctl = controllers.get(draft_name)
-            if ctl is None:
-                ctl = controllers[draft_name] = CostController(cfg, verify_cost, verify_cost_s1)
+            held, ctl = controllers.get(draft_name, (None, None))
+            if held is not draft:
+                ctl = CostController(cfg, verify_cost, verify_cost_s1)
+                controllers[draft_name] = draft, ctl
             if live is not None:  # the pass this step joins
                 now = live()
                 ctl.verify_cost, ctl.target_step_s = [c / now[1] for c in now], now[1]
@@ -394,10 +406,10 @@ def speculative_steps(target: TargetPass, cache: KVCache, prompt: list[int], sel
             committed, n, verify_s = req.chain_step(draft_name, prop, t0, t1)
             if planner is not None and draft_name is not None:
                 planner.observe(draft_name, prop, n, committed[-1])  # what the draft's alternatives would have won
-        if ctl is not None:  # a long catch-up (the draft's prefill) is no cost of the tokens it drafts
-            ctl.observe(drafted, n, max(t1 - t0 - prop.setup_s, 0.0),
+        if ctl is not None:  # the controller decides what of a long catch-up (setup_s) the step cost
+            ctl.observe(drafted, n, t1 - t0,
                         None if live is not None else verify_s,  # a batched pass is not this request's alone
-                        rows=g + 1)
+                        rows=g + 1, setup_s=prop.setup_s)
             if gated:
                 gate.observe(gate_key(draft_name), prop.entropy, n)
         else:
