@@ -2,6 +2,10 @@
 
     python bench/target.py [--model NAME] [--variant q4 --variant fp32] [--threads 2] [--json out.json]
                            [--native-isa avx2,avx512] [--no-llama-cpp] [--no-onnx]
+                           [--prompt-tokens 512] [--decode-tokens 128]
+
+A long prompt (--prompt-tokens 8000: decode after a long document) repeats the text, and every
+engine gets a context that holds it.
 
 Per engine (each ONNX variant through ONNX Runtime, and memspec's native engine on the GGUF
 itself, `native`): load time and RSS, prefill tok/s and time to first token, decode
@@ -48,7 +52,7 @@ import numpy as np
 import llama_cpp
 from llama_cpp import Llama
 cfg = json.loads(sys.argv[1])
-llm = Llama(cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=512,
+llm = Llama(cfg["gguf"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=512,
             verbose=False, use_extra_bufts=False)  # AMX weight buffers SIGILL on some VMs
 ids = cfg["prompt"]
 n_vocab = llm.n_vocab()
@@ -66,7 +70,7 @@ for _ in range(cfg["repeats"]):
     out["decode_s"].append(time.perf_counter() - t)
 del llm
 # cost(k): one pass over k tokens after 256 cached ones, every row's logits kept, as verification needs
-llm = Llama(cfg["gguf"], n_ctx=2048, n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=512,
+llm = Llama(cfg["gguf"], n_ctx=cfg["n_ctx"], n_threads=cfg["threads"], n_threads_batch=cfg["threads"], n_batch=512,
             verbose=False, use_extra_bufts=False, logits_all=True)
 llm.eval(ids[:256])
 out["cost_s"] = {}
@@ -131,9 +135,9 @@ def bench_engine(load, prompt: list[int], args) -> dict:
     return res
 
 
-def bench_llama_cpp(gguf: Path, prompt: list[int], args) -> dict | None:
+def bench_llama_cpp(gguf: Path, prompt: list[int], args, context: int = 2048) -> dict | None:
     cfg = {"gguf": str(gguf), "threads": args.threads, "prompt": prompt, "repeats": args.repeats,
-           "decode": args.decode_tokens, "max_k": args.max_k}
+           "decode": args.decode_tokens, "max_k": args.max_k, "n_ctx": context}
     proc = subprocess.run([sys.executable, "-c", LLAMA_CPP_SCRIPT, json.dumps(cfg)], capture_output=True, text=True)
     if proc.returncode != 0:
         print(f"llama.cpp run failed (exit {proc.returncode}): {proc.stderr.strip()[-400:]}", file=sys.stderr)
@@ -195,12 +199,14 @@ def main(argv=None) -> int:
         return 2
     variants = [] if args.no_onnx else args.variant or [v for v in ("q4", "fp32") if v in m.variants]
     tok = Tokenizer.from_file(m.folder / "tokenizer.json", m.folder / "tokenizer_config.json")
-    prompt = tok.encode(TEXT)[: args.prompt_tokens]
+    text = TEXT * (1 + args.prompt_tokens // 900)  # TEXT is about 1,100 tokens: long prompts repeat it
+    prompt = tok.encode(text)[: args.prompt_tokens]
+    context = max(2048, len(prompt) + args.decode_tokens + args.max_k + 16)  # the engines' context: room for it all
     gguf = store.gguf_path(m)
     if gguf is None or not gguf.is_file():
         print(f"target: no GGUF for {m.name} in the store ({gguf}); memspec pull {m.name} fetches it", file=sys.stderr)
         return 2
-    loaders = {v: (lambda v=v: DecoderSession(m.variant_path(v), SessionConfig(max_context=2048,
+    loaders = {v: (lambda v=v: DecoderSession(m.variant_path(v), SessionConfig(max_context=context,
                                                                            intra_op_threads=args.threads)))
                for v in variants}
     if not args.no_native and kernels.available():  # memspec's native engine on the GGUF itself
@@ -210,14 +216,14 @@ def main(argv=None) -> int:
             ap.error(f"--native-isa {','.join(unknown)}: this CPU runs {', '.join(kernels.isas())}")
         for isa in isas:
             name = f"native-{isa}" if isa else "native"
-            loaders[name] = lambda isa=isa: NativeTarget(gguf, threads=args.threads, max_context=2048, isa=isa)
+            loaders[name] = lambda isa=isa: NativeTarget(gguf, threads=args.threads, max_context=context, isa=isa)
     rounds: dict[str, list[dict]] = {name: [] for name in loaders}
     rounds["llama.cpp"] = []
     for r in range(args.rounds):
         for name, load in loaders.items():
             rounds[name].append(bench_engine(load, prompt, args))
         if not args.no_llama_cpp:
-            lc = bench_llama_cpp(gguf, prompt, args)
+            lc = bench_llama_cpp(gguf, prompt, args, context)
             if lc:
                 rounds["llama.cpp"].append(lc)
     results = {name: _median_of(runs) for name, runs in rounds.items() if runs}
