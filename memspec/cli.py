@@ -633,7 +633,7 @@ DEV_COMMANDS = {  # what --help says of each; its module (NumPy, ONNX Runtime, .
     "write-prompts": "have the target write prompts to train drafts on",
     "profile": "record draft traces for `memspec train-predictor`",
     "train-predictor": "fit the draft predictor on `memspec profile` traces",
-    "build-corpus": "have the target answer training prompts for the suffix draft's corpus",
+    "build-corpus": "the target's answers, the suffix draft's corpus",
 }
 
 

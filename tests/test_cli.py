@@ -78,7 +78,7 @@ def test_help_lists_developer_commands_apart():
 
     assert listed(user) == {"COMMAND", "pull", "models", "generate", "chat", "serve", "status", "ps", "load",
                             "unload", "doctor"}
-    assert listed(dev) == {"bench", "profile", "train-draft", "train-predictor", "write-prompts"}
+    assert listed(dev) == {"bench", "build-corpus", "profile", "train-draft", "train-predictor", "write-prompts"}
 
 
 @pytest.mark.parametrize("command, option", [("bench", "--policies"), ("profile", "--segment-tokens"),

@@ -52,7 +52,7 @@ def build_corpus(gguf: Path, target: str, per_domain: int = PER_DOMAIN, max_new:
 
 
 def add_build_corpus_parser(sub) -> argparse.ArgumentParser:
-    p = sub.add_parser("build-corpus", help="have the target answer training prompts for the suffix draft's corpus",
+    p = sub.add_parser("build-corpus", help="the target's answers, the suffix draft's corpus",
                        description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="smollm2-135m", help="the target (a pulled model with a GGUF)")
     p.add_argument("--per-domain", type=int, default=PER_DOMAIN, help="prompts of each domain")
