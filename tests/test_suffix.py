@@ -498,8 +498,16 @@ def test_a_scheduled_engine_teaches_its_suffix_draft_whichever_draft_runs(smollm
     from memspec.speculation.engine import Engine
 
     target = smollm[0].target
+    with_corpus = from_store(SchedulerConfig(policy="bandit", pressure_floor_mb=0), model_store, target, None,
+                             DraftLimits(), names=[], suffix_bytes=1 << 20)
+    try:  # SmolLM2's shipped corpus: planned and held beside the index, in the suffix draft's bytes
+        planned, held = with_corpus.drafts[SUFFIX], with_corpus.report().drafts[1]
+        assert planned > 2 * index_nbytes(1 << 20)  # SmolLM2's corpus (2.6 MB of index) beside 1 MiB
+        assert held.name == SUFFIX and held.resident and held.bytes >= planned
+    finally:
+        with_corpus.close()
     sched = from_store(SchedulerConfig(policy="bandit", pressure_floor_mb=0), model_store, target, None,
-                       DraftLimits(), names=[], suffix_bytes=1 << 20)
+                       DraftLimits(), names=[], suffix_bytes=1 << 20, corpus=False)
     engine = Engine(target, drafts=sched, spec=SpecConfig(controller="step"))
     try:
         assert set(sched.drafts) == {"prompt-lookup", SUFFIX}
