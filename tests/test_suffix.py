@@ -250,7 +250,7 @@ def test_the_scheduler_holds_the_suffix_index_in_its_budget():
         made.append(SuffixDraft(SuffixIndex(cap), 16))
         return made[-1], made[-1].nbytes
 
-    sizes = draft_footprints([], cap)
+    sizes = draft_footprints([], index_nbytes(cap))
     assert sizes == {"prompt-lookup": 0, SUFFIX: index_nbytes(cap)}
     sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=1, pressure_floor_mb=0), loader, sizes,
                       FakeProbe(rss=0), target=("t", 512 * KiB))
@@ -360,7 +360,7 @@ def recall_scheduler(recall_tokens: int, policy: str = "bandit", cap: int = 64 *
         return PromptLookup(100), 0
 
     return Scheduler(SchedulerConfig(policy=policy, budget_mb=1, pressure_floor_mb=0), loader,
-                     draft_footprints([], cap), FakeProbe(rss=0), target=("t", 512 * KiB), recall_tokens=recall_tokens)
+                     draft_footprints([], index_nbytes(cap)), FakeProbe(rss=0), target=("t", 512 * KiB), recall_tokens=recall_tokens)
 
 
 def test_a_scheduled_step_recalls_what_followed_where_the_text_matches_the_index_long():
@@ -435,7 +435,7 @@ def test_the_pool_forgets_what_its_suffix_draft_learned():
 def test_a_suffix_index_too_big_for_the_budget_is_left_out():
     sched = Scheduler(SchedulerConfig(policy="bandit", budget_mb=1, pressure_floor_mb=0),
                       lambda name: (SuffixDraft(SuffixIndex(2 << 20), 16), index_nbytes(2 << 20)),
-                      draft_footprints([], 2 << 20), FakeProbe(rss=0), target=("t", 512 * KiB))
+                      draft_footprints([], index_nbytes(2 << 20)), FakeProbe(rss=0), target=("t", 512 * KiB))
     try:
         assert SUFFIX not in sched.ws.resident()
         sched.learn([1, 2, 3])  # nothing holds it: a no-op
@@ -634,3 +634,18 @@ def test_the_draft_maker_starts_the_suffix_draft_from_the_shipped_corpus(tmp_pat
     corpus_path(shipped, "t").write_bytes(b"not a corpus")
     assert DraftMaker.for_target(store, "t", V, suffix_bytes=64 * KiB).corpus is None  # a bad file: a warning
     assert "corpus for t is not used" in caplog.text
+
+
+def test_memspec_bench_plans_the_suffix_draft_with_its_corpus(model_store):
+    """`memspec bench` sets its default budget from the drafts' planned bytes: the suffix draft's
+    shipped corpus is in them, as the scheduler plans and holds it (it was not: 2.6 MB under)."""
+    from types import SimpleNamespace
+
+    from memspec.bench.policies import draft_sizes
+    from memspec.speculation.sources import DraftMaker
+
+    smollm2 = SimpleNamespace(name="smollm2-135m", vocab_size=49152)
+    planned = draft_sizes(model_store, smollm2, 1 << 20)[SUFFIX]
+    assert planned == DraftMaker.for_target(model_store, "smollm2-135m", 49152, suffix_bytes=1 << 20).suffix_nbytes()
+    assert planned > 2 * index_nbytes(1 << 20)
+    assert draft_sizes(model_store, smollm2, 1 << 20, corpus=False)[SUFFIX] == index_nbytes(1 << 20)

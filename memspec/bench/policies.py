@@ -283,13 +283,15 @@ class PolicyRun:
 ROUND_COUNTS = ("stalls", "stall_ms", "loads", "evictions", "hits", "misses", "preloads", "switches")
 
 
-def draft_sizes(store, target, suffix_bytes: int = 0) -> dict[str, int]:
+def draft_sizes(store, target, suffix_bytes: int = 0, corpus: bool = True) -> dict[str, int]:
     """Every draft made for the target, with its planned RSS footprint (prompt lookup: 0; the
-    suffix draft, when suffix_bytes > 0: its index's bytes)."""
+    suffix draft, when suffix_bytes > 0: its index's bytes, and with `corpus` its shipped corpus's)."""
     from memspec.speculation.drafts import target_drafts
+    from memspec.speculation.sources import shipped_corpus, suffix_nbytes
     from memspec.scheduling.scheduler import draft_footprints
 
-    return draft_footprints(target_drafts(store, target.name), suffix_bytes)
+    held = shipped_corpus(store, target.name, target.vocab_size) if corpus and suffix_bytes else None
+    return draft_footprints(target_drafts(store, target.name), suffix_nbytes(suffix_bytes, held))
 
 
 def draft_room(sizes: dict[str, int], held: tuple[str, ...] = ()) -> int:
@@ -456,7 +458,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
     target = load_target(store, config.model.target, args.variant or config.model.variant, config.runtime)
     engine = Engine(target, config.limits, spec=spec, costs=CostCache(store.home / COSTS))  # as build_engine
     suffix_bytes = spec.suffix_mb << 20  # each policy's scheduler starts its own index: none sees another's runs
-    sizes = draft_sizes(store, target, suffix_bytes)
+    sizes = draft_sizes(store, target, suffix_bytes, spec.suffix_corpus)
     target_bytes = target.file_bytes
     budget = args.budget_mb or 0  # set below when not given, once the process is warm
     process: int | None = None  # the warm process, measured below: what every policy books from then on
@@ -475,7 +477,7 @@ def run_bench_stream(args, policies: list[str], workload: list[dict], spec) -> t
         # every policy books the process the budget was set from: not what its heap grew to under the
         # policies run before it (which left the 0.5B sibling no room in the later ones)
         return from_store(cfg, store, target, config.runtime, limits, predictor=predictor, oracle_table=oracle_table,
-                          suffix_bytes=suffix_bytes, process_bytes=process)
+                          suffix_bytes=suffix_bytes, process_bytes=process, corpus=spec.suffix_corpus)
 
     for p in policies:  # refused before anything runs
         name = PolicyName.parse(p, "policies")

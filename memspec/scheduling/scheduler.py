@@ -305,14 +305,14 @@ def draft_names(store, target_name: str, suffix: bool = True, session_config=Non
     return DraftMaker.names_for(target_drafts(store, target_name, config=session_config), suffix)
 
 
-def draft_footprints(drafts: list, suffix_bytes: int = 0) -> dict[str, int]:
+def draft_footprints(drafts: list, suffix_nbytes: int = 0) -> dict[str, int]:
     """Every draft (manifests) with the RSS footprint budgets plan it at, plus prompt lookup (0)
-    and, when `suffix_bytes` > 0, the suffix draft at its index's bytes."""
+    and, when `suffix_nbytes` > 0, the suffix draft at those bytes (its index's and its corpus's:
+    memspec.speculation.sources.suffix_nbytes)."""
     from memspec.runtime.memory import planned_draft_footprint
     from memspec.speculation.drafts import draft_variant
-    from memspec.speculation.suffix import index_nbytes
 
-    suffix = {SUFFIX: index_nbytes(suffix_bytes)} if suffix_bytes else {}
+    suffix = {SUFFIX: suffix_nbytes} if suffix_nbytes else {}
     planned = {m.name: planned_draft_footprint(m.total_bytes, draft_variant(m)) for m in drafts}
     return {PROMPT_LOOKUP: 0, **suffix, **planned}
 
@@ -365,9 +365,7 @@ def from_store(config: SchedulerConfig, store, target, session_config, draft_lim
     maker = DraftMaker.for_target(store, target.name, target.vocab_size, session_config, draft_limits, names,
                                   suffix_bytes, target.tokenizer, corpus)
     drafts = maker.manifests
-    sizes = draft_footprints(drafts, suffix_bytes)
-    if SUFFIX in sizes:  # its corpus too
-        sizes[SUFFIX] = maker.suffix_nbytes()
+    sizes = draft_footprints(drafts, maker.suffix_nbytes())
 
     def loader(name: str):
         d = maker.make(name)  # prompt lookup and the suffix draft hold what they say; a model draft as planned

@@ -108,21 +108,12 @@ class DraftMaker:
         config, limits = config or SessionConfig(), limits or DraftLimits()
         drafts, left = runnable_drafts(target_drafts(store, target_name, names), config)
         say_left_out(left, config)
-        found = None
-        shipped = getattr(store, "shipped", None)
-        if corpus and suffix_bytes and shipped is not None and corpus_path(shipped, target_name).is_file():
-            try:
-                found = Corpus.load(corpus_path(shipped, target_name), target_name, target_vocab)
-            except (OSError, ValueError, KeyError) as exc:  # a bad file costs the corpus, not the daemon
-                log.warning("the suffix draft's corpus for %s is not used: %s", target_name, exc)
+        found = shipped_corpus(store, target_name, target_vocab) if corpus and suffix_bytes else None
         return cls(store, target_vocab, drafts, config, limits, suffix_bytes, tokenizer, found)
 
     def suffix_nbytes(self) -> int:
         """The suffix draft's bytes: its index of what the daemon serves, and its corpus's (0: none)."""
-        if not self.suffix_bytes:
-            return 0
-        corpus = corpus_max_bytes(len(s) for s in self.corpus.sequences) if self.corpus is not None else 0
-        return index_nbytes(self.suffix_bytes) + (index_nbytes(corpus) if corpus else 0)
+        return suffix_nbytes(self.suffix_bytes, self.corpus)
 
     @property
     def names(self) -> list[str]:
@@ -151,6 +142,28 @@ class DraftMaker:
     def make_all(self) -> dict[str, Proposer]:
         """Every draft, loaded now, by name."""
         return {name: self.make(name) for name in self.names}
+
+
+def shipped_corpus(store, target_name: str, target_vocab: int) -> Corpus | None:
+    """The corpus models/ ships for the target (speculation.corpus), or None: none ships, or its file
+    is bad (a warning: a bad file costs the corpus, not the daemon)."""
+    shipped = getattr(store, "shipped", None)
+    if shipped is None or not corpus_path(shipped, target_name).is_file():
+        return None
+    try:
+        return Corpus.load(corpus_path(shipped, target_name), target_name, target_vocab)
+    except (OSError, ValueError, KeyError) as exc:
+        log.warning("the suffix draft's corpus for %s is not used: %s", target_name, exc)
+        return None
+
+
+def suffix_nbytes(suffix_bytes: int, corpus: Corpus | None) -> int:
+    """The bytes of a suffix draft over an index of `suffix_bytes` (0: no suffix draft) and `corpus`:
+    what the memory budget plans it at, and what it holds."""
+    if not suffix_bytes:
+        return 0
+    held = corpus_max_bytes(len(s) for s in corpus.sequences) if corpus is not None else 0
+    return index_nbytes(suffix_bytes) + (index_nbytes(held) if held else 0)
 
 
 class DraftPool(Mapping[str, Proposer]):
