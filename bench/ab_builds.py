@@ -74,7 +74,7 @@ def main(argv=None) -> int:
         t = NativeTarget(gguf, threads=args.threads, isa=args.isa)
         caches = []
         for q in range(max(args.seqs, 1)):
-            c = t.new_cache()
+            c = t.new_cache(args.context + max(rows_list) + args.prefill + 8)
             t.forward(c, [100 + (i + 13 * q) % 1000 for i in range(args.context)], keep=1)
             caches.append(c)
         builds.append((t, caches))

@@ -250,7 +250,7 @@ static int check_attention(const struct dot_isa *isa, int type) {
     static const int dims[] = {8, 64, 80, 128, 520}, counts[] = {1, 3, 4, 5, 37, 70};
     enum { MAXN = 74, MAXD = 520, MAXQ = 5 };
     static uint8_t kv[2][MAXN * (MAXD * 2)];
-    static float q[MAXQ][MAXD], w[MAXQ][MAXN + 8], out[MAXQ][MAXD], w1[MAXN + 8], out1[MAXD], x[MAXD];
+    static float q[MAXQ][MAXD], w[MAXQ][MAXN + ATTN_PAD], out[MAXQ][MAXD], w1[MAXN + ATTN_PAD], out1[MAXD], x[MAXD];
     uint64_t h = 0xcbf29ce484222325ull;
     int bad = 0;
     for (size_t d = 0; d < sizeof(dims) / sizeof(dims[0]); d++)

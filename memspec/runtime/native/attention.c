@@ -85,6 +85,9 @@ struct tiles {
     void (*scores)(const float *q, const float *kf, int nk, int hd, float scale, float *w);
     /* out += sum_{j < m} w[j] * vf row j, each output summed over j in order */
     void (*mix)(const float *w, const float *vf, int m, int hd, float *out);
+    /* keys for `scores` in the path's own layout, rows nk .. padded zeros, and (KV_Q8) their scales;
+     * NULL: rows of hd as load_tile writes them */
+    void (*keys_f32)(const uint8_t *rows, int type, int nk, int padded, int hd, float *kf, float *ks);
 };
 
 /* n rows as float32 rows of hd in f, and (KV_Q8) their scales in s. */
@@ -99,16 +102,21 @@ static void load_tile(const struct tiles *t, const uint8_t *rows, int type, int 
 
 static void scores_tiled(const struct tiles *t, const struct attn_query *qs, int nq, const uint8_t *keys, int type,
                          int hd, float scale) {
-    float kf[TILE_FLOATS] __attribute__((aligned(32))), ks[TILE_FLOATS / 8];
-    int rows = (TILE_FLOATS / hd) & ~7, n = longest(qs, nq), q8 = type == KV_Q8;
-    if (rows < 8) { /* a head too wide for a tile of 8 keys (none the engine has met): the reference */
+    float kf[TILE_FLOATS] __attribute__((aligned(64))), ks[TILE_FLOATS / 8];
+    int group = t->keys > 8 ? t->keys : 8, rows = (TILE_FLOATS / hd) / group * group, n = longest(qs, nq), q8 = type == KV_Q8;
+    if (rows < group) { /* a head too wide for a tile of a group of keys (none the engine has met): the reference */
         scores_scalar(qs, nq, keys, type, hd, scale);
         return;
     }
     for (int j0 = 0; j0 < n; j0 += rows) {
         int nk = n - j0 < rows ? n - j0 : rows, padded = (nk + t->keys - 1) / t->keys * t->keys;
-        load_tile(t, keys + (size_t)j0 * kv_row_bytes(type, hd), type, nk, hd, kf, ks);
-        memset(kf + (size_t)nk * hd, 0, sizeof(float) * (size_t)(padded - nk) * hd); /* scores past n: never read */
+        const uint8_t *at = keys + (size_t)j0 * kv_row_bytes(type, hd);
+        if (t->keys_f32) {
+            t->keys_f32(at, type, nk, padded, hd, kf, ks);
+        } else {
+            load_tile(t, at, type, nk, hd, kf, ks);
+            memset(kf + (size_t)nk * hd, 0, sizeof(float) * (size_t)(padded - nk) * hd); /* scores past n: never read */
+        }
         for (int i = 0; i < nq; i++) {
             if (qs[i].n <= j0) continue;
             int m = qs[i].n - j0 < nk ? qs[i].n - j0 : nk;
@@ -122,7 +130,7 @@ static void scores_tiled(const struct tiles *t, const struct attn_query *qs, int
 
 static void mix_tiled(const struct tiles *t, const struct attn_query *qs, int nq, const uint8_t *vals, int type,
                       int hd) {
-    float vf[TILE_FLOATS] __attribute__((aligned(32))), vs[TILE_FLOATS / 8], ws[TILE_FLOATS / 8];
+    float vf[TILE_FLOATS] __attribute__((aligned(64))), vs[TILE_FLOATS / 8], ws[TILE_FLOATS / 8];
     int rows = TILE_FLOATS / hd, n = longest(qs, nq);
     if (rows < 1) { /* a head wider than a tile: the reference */
         mix_scalar(qs, nq, vals, type, hd);
@@ -214,7 +222,7 @@ AVX2 static void mix_avx2(const float *w, const float *vf, int m, int hd, float 
     if (d0 < hd) mix_block(w, vf, m, hd, d0, (hd - d0) / 8, out);
 }
 
-static const struct tiles TILES_AVX2 = {8, to_f32_avx2, q8_to_f32_avx2, scores_avx2, mix_avx2};
+static const struct tiles TILES_AVX2 = {8, to_f32_avx2, q8_to_f32_avx2, scores_avx2, mix_avx2, NULL};
 static void scores_tiles_avx2(const struct attn_query *qs, int nq, const uint8_t *keys, int type, int hd, float scale) {
     scores_tiled(&TILES_AVX2, qs, nq, keys, type, hd, scale);
 }
@@ -222,6 +230,109 @@ static void mix_tiles_avx2(const struct attn_query *qs, int nq, const uint8_t *v
     mix_tiled(&TILES_AVX2, qs, nq, vals, type, hd);
 }
 static const struct attn_isa ATTN_AVX2 = {"avx2", scores_tiles_avx2, mix_tiles_avx2};
+
+/* AVX-512: sixteen keys at a time, two in a register.  The keys' tile interleaves pairs: for keys
+ * 2p and 2p+1, each block of 8 dimensions of 2p then the same of 2p+1 (16 floats), so one load
+ * holds both keys' 8 lanes and each lane adds the products the reference's lane adds, in its order;
+ * the lanes of each key are then added as the AVX2 path adds them (lanes_tree8).  mix keeps 16
+ * dimensions a register, each output a chain of multiplies and adds over j in order. */
+#define AVX512A __attribute__((target("avx512f,avx512vl,avx2,f16c")))
+
+AVX512A static void to_f32_avx512(const uint16_t *h, int count, float *f) {
+    int i = 0;
+    for (; i + 16 <= count; i += 16) _mm512_storeu_ps(f + i, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(h + i))));
+    for (; i < count; i += 8) _mm256_storeu_ps(f + i, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(h + i))));
+}
+
+AVX512A static void q8_to_f32_avx512(const uint8_t *rows, int n, int hd, float *f) {
+    for (int j = 0; j < n; j++, rows += hd + 4, f += hd) {
+        int d = 0;
+        for (; d + 16 <= hd; d += 16)
+            _mm512_storeu_ps(f + d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(rows + d)))));
+        for (; d < hd; d += 8)
+            _mm256_storeu_ps(f + d, _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(rows + d)))));
+    }
+}
+
+/* 8 dimensions of a row from d on, as 8 float16s (KV_Q8: converted from int8 exactly; F16: as they are). */
+AVX512A static inline __m256 row8_avx512(const uint8_t *row, int type, int d) {
+    if (type == KV_Q8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64((const __m128i *)(row + d))));
+    return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(row + 2 * (size_t)d)));
+}
+
+AVX512A static void keys_f32_avx512(const uint8_t *rows, int type, int nk, int padded, int hd, float *kf, float *ks) {
+    size_t rb = kv_row_bytes(type, hd);
+    for (int j = 0; j < padded; j += 2) {
+        const uint8_t *a = rows + (size_t)j * rb, *b = a + rb;
+        float *f = kf + (size_t)j * hd;
+        for (int d = 0; d < hd; d += 8) {
+            __m256 x = j < nk ? row8_avx512(a, type, d) : _mm256_setzero_ps();
+            __m256 y = j + 1 < nk ? row8_avx512(b, type, d) : _mm256_setzero_ps();
+            _mm256_storeu_ps(f + 2 * d, x);
+            _mm256_storeu_ps(f + 2 * d + 8, y);
+        }
+        if (type == KV_Q8) {
+            if (j < nk) ks[j] = row_scale(a, hd);
+            if (j + 1 < nk) ks[j + 1] = row_scale(b, hd);
+        }
+    }
+}
+
+AVX512A static void scores_avx512(const float *q, const float *kf, int nk, int hd, float scale, float *w) {
+    __m256 sc = _mm256_set1_ps(scale);
+    for (int u0 = 0; u0 < nk; u0 += 16) {
+        const float *k = kf + (size_t)u0 * hd;
+        __m512 a[8];
+        for (int p = 0; p < 8; p++) a[p] = _mm512_setzero_ps();
+        for (int d = 0; d < hd; d += 8) {
+            __m512 qv = _mm512_castpd_ps(_mm512_broadcast_f64x4(_mm256_castps_pd(_mm256_loadu_ps(q + d))));
+#pragma GCC unroll 8
+            for (int p = 0; p < 8; p++) /* no FMA: the reference rounds twice */
+                a[p] = _mm512_add_ps(a[p], _mm512_mul_ps(qv, _mm512_loadu_ps(k + (size_t)p * 2 * hd + 2 * d)));
+        }
+        for (int half = 0; half < 2; half++) {
+            __m256 b[8];
+            for (int p = 0; p < 4; p++) {
+                b[2 * p] = _mm512_castps512_ps256(a[4 * half + p]);
+                b[2 * p + 1] = _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(a[4 * half + p]), 1));
+            }
+            _mm256_storeu_ps(w + u0 + 8 * half, _mm256_mul_ps(lanes_tree8(b), sc));
+        }
+    }
+}
+
+AVX512A static inline __attribute__((always_inline)) void mix_block512(const float *w, const float *vf, int n, int hd,
+                                                                       int d0, const int nv, float *out) {
+    __m512 o[8];
+    for (int u = 0; u < nv; u++) o[u] = _mm512_loadu_ps(out + d0 + 16 * u);
+    for (int j = 0; j < n; j++) {
+        const float *v = vf + (size_t)j * hd + d0;
+        __m512 wj = _mm512_set1_ps(w[j]);
+#pragma GCC unroll 8
+        for (int u = 0; u < nv; u++) o[u] = _mm512_add_ps(o[u], _mm512_mul_ps(wj, _mm512_loadu_ps(v + 16 * u)));
+    }
+    for (int u = 0; u < nv; u++) _mm512_storeu_ps(out + d0 + 16 * u, o[u]);
+}
+
+/* 128 dimensions at a time (8 registers), then 16 at a time, then a last 8 on the AVX2 path's block. */
+AVX512A static void mix_avx512(const float *w, const float *vf, int m, int hd, float *out) {
+    int d0 = 0;
+    for (; d0 + 128 <= hd; d0 += 128) mix_block512(w, vf, m, hd, d0, 8, out);
+    if (d0 + 16 <= hd) {
+        mix_block512(w, vf, m, hd, d0, (hd - d0) / 16, out);
+        d0 += (hd - d0) / 16 * 16;
+    }
+    if (d0 < hd) mix_block(w, vf, m, hd, d0, 1, out);
+}
+
+static const struct tiles TILES_AVX512 = {16, to_f32_avx512, q8_to_f32_avx512, scores_avx512, mix_avx512, keys_f32_avx512};
+static void scores_tiles_avx512(const struct attn_query *qs, int nq, const uint8_t *keys, int type, int hd, float scale) {
+    scores_tiled(&TILES_AVX512, qs, nq, keys, type, hd, scale);
+}
+static void mix_tiles_avx512(const struct attn_query *qs, int nq, const uint8_t *vals, int type, int hd) {
+    mix_tiled(&TILES_AVX512, qs, nq, vals, type, hd);
+}
+static const struct attn_isa ATTN_AVX512 = {"avx512", scores_tiles_avx512, mix_tiles_avx512};
 #endif
 
 #if defined(__aarch64__)
@@ -288,7 +399,7 @@ static void mix_neon(const float *w, const float *vf, int m, int hd, float *out)
     if (d0 < hd) mix_block_neon(w, vf, m, hd, d0, (hd - d0) / 4, out);
 }
 
-static const struct tiles TILES_NEON = {4, to_f32_neon, q8_to_f32_neon, scores_neon, mix_neon};
+static const struct tiles TILES_NEON = {4, to_f32_neon, q8_to_f32_neon, scores_neon, mix_neon, NULL};
 static void scores_tiles_neon(const struct attn_query *qs, int nq, const uint8_t *keys, int type, int hd, float scale) {
     scores_tiled(&TILES_NEON, qs, nq, keys, type, hd, scale);
 }
@@ -301,6 +412,9 @@ static const struct attn_isa ATTN_NEON = {"neon", scores_tiles_neon, mix_tiles_n
 const struct attn_isa *attn_isa_for(const char *dot_isa_name) {
 #if defined(__x86_64__)
     __builtin_cpu_init();
+    if (strcmp(dot_isa_name, "avx512") == 0 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512vl") &&
+        __builtin_cpu_supports("f16c"))
+        return &ATTN_AVX512;
     if (strcmp(dot_isa_name, "scalar") != 0 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c"))
         return &ATTN_AVX2;
 #elif defined(__aarch64__)

@@ -23,7 +23,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-#define ATTN_PAD 8 /* w has room for n rounded up to a multiple of this (scores may fill it) */
+#define ATTN_PAD 16 /* w has room for n rounded up to a multiple of this (scores may fill it: AVX-512 16 keys a time) */
 
 struct attn_query {
     const float *q; /* hd floats */

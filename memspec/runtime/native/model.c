@@ -205,28 +205,49 @@ static int stage(struct pass *p, void (*row)(struct pass *, int), const float *x
 
 /* Attention runs in units: some rows of one sequence and some query heads of one KV head, so
  * that each cached key and value is converted once for all of their queries (attention.h).  A
- * unit holds at most UNIT_QUERIES queries; units shrink (fewer rows, then fewer heads) until there
- * are two for each thread, and threads take them in turn.  A query's arithmetic is the same in any
- * unit, on any thread: the same bits. */
+ * unit holds at most UNIT_QUERIES queries; threads take units in turn.  Smaller units share the
+ * work out more evenly but convert the same keys and values more often, and at long context that
+ * conversion (the cache's bytes read) costs about UNIT_READ queries' arithmetic: the plan is the
+ * shape, of those halving the rows and then the heads, whose units the threads finish first by
+ * that measure (plan_cost).  A query's arithmetic is the same in any unit, on any thread: the
+ * same bits. */
 #define UNIT_QUERIES 24
+#define UNIT_READ 4 /* a unit's cost: its positions x (UNIT_READ + its queries) (bench/attention_harness.c) */
 
 struct unit {
     int r0, r1, g, h0, h1; /* rows order[r0..r1) of one sequence, KV head g, query heads [h0, h1) */
 };
 
 /* Units of up to `rows` rows of a sequence and `heads` heads of a group, written to p->units if it is
- * set; their count either way. */
-static int plan_units(struct pass *p, int rows, int heads) {
+ * set; their count either way.  cost (if set): the time threads taking them in turn end at, by the
+ * measure above. */
+static int plan_units(struct pass *p, int rows, int heads, int threads, double *cost) {
     const struct model *m = p->m;
     int group = m->n_heads / m->n_kv_heads, count = 0, T = p->b->t;
+    double busy[64] = {0};
+    threads = threads < 1 ? 1 : threads > 64 ? 64 : threads;
     for (int r0 = 0; r0 < T;) {
-        int end = r0;
-        while (end < T && p->b->seq[p->order[end]] == p->b->seq[p->order[r0]] && end - r0 < rows) end++;
+        int end = r0, longest = 0;
+        while (end < T && p->b->seq[p->order[end]] == p->b->seq[p->order[r0]] && end - r0 < rows) {
+            int n = p->b->pos[p->order[end]] + 1;
+            longest = n > longest ? n : longest;
+            end++;
+        }
         for (int g = 0; g < m->n_kv_heads; g++)
-            for (int h = 0; h < group; h += heads, count++)
-                if (p->units)
-                    p->units[count] = (struct unit){r0, end, g, g * group + h, g * group + (h + heads < group ? h + heads : group)};
+            for (int h = 0; h < group; h += heads, count++) {
+                int h1 = h + heads < group ? h + heads : group;
+                if (p->units) p->units[count] = (struct unit){r0, end, g, g * group + h, g * group + h1};
+                if (cost) { /* the next unit goes to the thread free first */
+                    int free = 0;
+                    for (int i = 1; i < threads; i++) free = busy[i] < busy[free] ? i : free;
+                    busy[free] += (double)longest * (UNIT_READ + (end - r0) * (h1 - h));
+                }
+            }
         r0 = end;
+    }
+    if (cost) {
+        *cost = 0;
+        for (int i = 0; i < threads; i++) *cost = busy[i] > *cost ? busy[i] : *cost;
     }
     return count;
 }
@@ -240,13 +261,18 @@ static int plan_attention(struct pass *p, int threads) {
         for (int t = 0; t < T; t++)
             if (b->seq[t] == s) p->order[at++] = t;
     int heads = group < UNIT_QUERIES ? group : UNIT_QUERIES, rows = UNIT_QUERIES / heads;
-    while (plan_units(p, rows, heads) < 2 * threads && (rows > 1 || heads > 1)) {
+    int best_rows = rows, best_heads = heads;
+    double best, cost;
+    plan_units(p, rows, heads, threads, &best);
+    while (rows > 1 || heads > 1) { /* halve the rows, then the heads; the first of equal costs (larger units) */
         if (rows > 1) rows = (rows + 1) / 2;
         else heads = (heads + 1) / 2;
+        plan_units(p, rows, heads, threads, &cost);
+        if (cost < best) best = cost, best_rows = rows, best_heads = heads;
     }
-    p->n_units = plan_units(p, rows, heads);
+    p->n_units = plan_units(p, best_rows, best_heads, threads, NULL);
     if (!(p->units = malloc(sizeof(struct unit) * (size_t)p->n_units))) return -1;
-    plan_units(p, rows, heads);
+    plan_units(p, best_rows, best_heads, threads, NULL);
     return 0;
 }
 
