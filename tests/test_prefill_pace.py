@@ -10,7 +10,7 @@ import threading
 import numpy as np
 import pytest
 
-from memspec.speculation.batching import BatchLoop, PrefillPace
+from memspec.speculation.batching import PREFILL_FLOOR, PREFILL_PROBE, BatchLoop, PrefillPace
 
 V = 8
 
@@ -19,7 +19,7 @@ def test_a_shared_chunk_costs_about_one_step_between_the_floor_and_the_bound():
     pace = PrefillPace(floor=32, share=1.0)
     assert pace.chunk(512, others=True) == 512  # no step timed yet: nobody is streaming
     pace.observe(steps=True, prompt_tokens=0, seconds=0.1)  # another request's decode step
-    assert pace.chunk(512, others=True) == 32  # a prompt token's cost unknown: the floor measures it
+    assert pace.chunk(512, others=True) == 32  # a prompt token's cost unknown: a probe measures it
     assert pace.chunk(512, others=False) == 512  # alone: the whole bound
     pace.observe(steps=True, prompt_tokens=32, seconds=0.1 + 32 * 0.001)  # a step and a 32-token chunk
     assert pace.token_s == pytest.approx(0.001)
@@ -31,6 +31,21 @@ def test_a_shared_chunk_costs_about_one_step_between_the_floor_and_the_bound():
     pace.observe(steps=True, prompt_tokens=0, seconds=0.0)
     assert pace.chunk(512, others=True) == 32  # but never under the floor
     assert pace.chunk(16, others=True) == 16  # ... unless the bound is
+
+
+def test_the_default_floor_lets_a_dear_model_share_one_step_and_probes_first():
+    """The 1.5B on 2 cores: a decode step 70 ms, a prompt token 9.5 ms more in its pass.  At 32 tokens
+    a chunk (the old floor) the other client's pass took 5.3 steps (issue 69's bar: p99 within 3x the
+    median); the default floor gives it the tokens of one step, after a first probe of 32."""
+    pace = PrefillPace()
+    pace.observe(steps=True, prompt_tokens=0, seconds=0.070)
+    assert pace.chunk(512, others=True) == PREFILL_PROBE == 32
+    pace.observe(steps=True, prompt_tokens=32, seconds=0.070 + 32 * 0.0095)
+    n = pace.chunk(512, others=True)
+    assert n == 7 and (0.070 + n * 0.0095) / 0.070 < 2.0
+    pace.observe(steps=True, prompt_tokens=0, seconds=0.070)
+    pace.observe(steps=True, prompt_tokens=n, seconds=0.070 + n * 0.1)  # a token got very dear
+    assert pace.chunk(512, others=True) == PREFILL_FLOOR == 4  # the prompt still moves
 
 
 def test_a_pass_whose_time_noise_hides_its_chunk_keeps_the_last_estimate():

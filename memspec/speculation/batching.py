@@ -40,8 +40,11 @@ from memspec.runtime.contracts import BatchedPass
 from memspec.runtime.kvcache import KVCache
 
 Clock = Callable[[], float]
-PREFILL_FLOOR = 32  # fewest prompt tokens in a chunk shared with other rows: below that a pass's fixed
-#                     cost (reading the weights once) buys too little prefill
+PREFILL_FLOOR = 4  # fewest prompt tokens in a chunk shared with other rows (the others' step reads the
+#                    weights anyway: a few prompt rows ride on it at their own cost, so the floor only
+#                    keeps the prompt moving where a token costs more than `share` steps)
+PREFILL_PROBE = 32  # the first shared chunk, before a prompt token's cost is known: enough rows that
+#                     its pass measures it above the noise of a step
 PREFILL_SHARE = 1.0  # a shared chunk's own cost, in the other rows' decode steps: their pass then takes
 #                      about 1 + this steps (issue 69's bar: inter-token p99 within 3x the median)
 PACE_WEIGHT = 0.5  # weight of the newest pass in the running estimates (a prompt token costs more as
@@ -90,10 +93,12 @@ class PrefillPace:
     A pass's seconds are modelled as (its step rows' cost) + (its prompt tokens) x token_s, where a
     step row is a decode step or a verification (a logits row per token) and a prompt row is the
     rest.  A chunk shared with other requests gets share x step_s / token_s tokens, between `floor`
-    and the bound; alone, or before any step was timed (nobody is streaming yet), the bound."""
+    and the bound (the first, before token_s is known, `probe` tokens); alone, or before any step was
+    timed (nobody is streaming yet), the bound."""
 
     floor: int = PREFILL_FLOOR
     share: float = PREFILL_SHARE
+    probe: int = PREFILL_PROBE
     step_s: float | None = None  # seconds of a pass with step rows only (the others' decode steps)
     token_s: float | None = None  # seconds a prompt token adds to a pass
 
@@ -111,8 +116,8 @@ class PrefillPace:
         """Prompt tokens for the next chunk, at most `most` ([runtime] prefill_chunk)."""
         if not others or self.step_s is None:
             return most
-        if self.token_s is None:  # the floor first: its pass measures what a token costs
-            return min(self.floor, most)
+        if self.token_s is None:  # a probe first: its pass measures what a token costs
+            return min(max(self.probe, self.floor), most)
         return min(most, max(self.floor, round(self.share * self.step_s / self.token_s)))
 
 
