@@ -65,6 +65,33 @@ def assert_rows_exact(t, native, threads):
             assert np.array_equal(got, want)
 
 
+def test_a_long_feed_goes_in_passes_of_at_most_pass_rows_with_the_same_rows(gguf_path, monkeypatch):
+    """forward feeds a long prompt in passes of PASS_ROWS rows (a pass's activations stay small): the
+    kept rows, the features and the cache are those of one pass, and a feed that cannot fit commits
+    nothing."""
+    from memspec.runtime import native_target
+    from memspec.runtime.native_target import NativeTarget
+
+    t = NativeTarget(gguf_path, threads=2, max_context=64)
+    ids = IDS[:40]
+    one = t.new_cache()
+    want, want_h = t.forward(one, ids, keep=12, features=[-1])
+    passes = []
+    real = t.forward_batch
+    monkeypatch.setattr(native_target, "PASS_ROWS", 16)
+    monkeypatch.setattr(t, "forward_batch", lambda c, f, k, x=None: passes.append(len(f[0])) or real(c, f, k, x))
+    split = t.new_cache()
+    got, got_h = t.forward(split, ids, keep=12, features=[-1])
+    assert passes == [16, 8, 16]  # the last pass holds the kept rows and at least PASS_ROWS of them
+    assert np.array_equal(got, want) and np.array_equal(got_h, want_h)
+    assert split.length == one.length == 40 and np.array_equal(split.data, one.data)
+    full = t.new_cache()
+    t.forward(full, ids[:30])
+    with pytest.raises(ContextOverflowError):
+        t.forward(full, ids)  # 30 + 40 > 64: refused before a pass
+    assert full.length == 30
+
+
 TREES = [  # parents of each node, node 0 the root: the shapes a verify pass takes, and odd ones
     [-1, 0, 1, 2, 0],  # a chain of 3 drafts and an alternative to the first
     [-1, 0, 1, 2, 3, 0, 1, 2],  # an alternative at each of the first three positions

@@ -42,6 +42,7 @@ LAYER_TENSORS = ("attn_norm.weight", "attn_q.weight", "attn_k.weight", "attn_v.w
                  "attn_q.bias", "attn_k.bias", "attn_v.bias", "ffn_norm.weight", "ffn_gate.weight",
                  "ffn_up.weight", "ffn_down.weight")  # the order memspec.runtime._native.Model reads them in
 OPTIONAL = {"attn_q.bias", "attn_k.bias", "attn_v.bias"}  # qwen2 has them, llama not
+PASS_ROWS = 512  # most rows of one pass that forward feeds a long single feed in (llama.cpp's n_batch)
 NEOX_ROPE = {"qwen2"}  # architectures whose rotary pairs are (i, i + d/2); llama's GGUF rows pair (2i, 2i+1)
 def kv_row_bytes(kv: str, head_dim: int) -> int:
     """Bytes of one position's key or value for one KV head: head_dim float16s, or (q8) head_dim
@@ -193,8 +194,17 @@ class NativeTarget:
                 features: Sequence[int] | None = None) -> np.ndarray | tuple[np.ndarray, np.ndarray]:
         """Feed `ids` after the committed tokens; return the logits of the last `keep` positions,
         (keep, V) float32.  cache.length advances by len(ids).  features (feature_index): return
-        (logits, hidden), hidden (keep, len(features), H) float32 the same rows' hidden states."""
-        return self.forward_batch([cache], [ids], [keep], features)[0]
+        (logits, hidden), hidden (keep, len(features), H) float32 the same rows' hidden states.
+
+        A long feed (a prompt fed alone) goes in passes of at most PASS_ROWS rows, the last holding
+        the kept ones: each row's result is the same in any pass, and a pass's activations (about
+        75 KB a row for the 1.5B) stay a few tens of MB, in cache, not a GB."""
+        n, keep = len(ids), min(max(keep, 1), max(len(ids), 1))
+        cache.check_room(n)  # before any pass commits a row
+        head = max(0, n - max(keep, PASS_ROWS))  # rows fed before the last pass, whose logits nobody reads
+        for at in range(0, head, PASS_ROWS):
+            self.forward_batch([cache], [ids[at:min(at + PASS_ROWS, head)]], [1])
+        return self.forward_batch([cache], [ids[head:]], [keep], features)[0]
 
     def forward_batch(self, caches: Sequence[NativeCache], feeds: Sequence[Sequence[int]],
                       keeps: Sequence[int], features: Sequence[int] | None = None) -> list:
