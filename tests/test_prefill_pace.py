@@ -155,3 +155,23 @@ def test_a_prompt_alone_is_fed_the_whole_bound_a_pass():
     assert rep["step_ms"] == 10.0 and rep["prompt_token_ms"] > 0
     s.leave()
     loop.close()
+
+
+def test_a_feed_that_keeps_more_rows_than_a_chunk_holds_gets_every_kept_row():
+    """A verification (a logits row per token) longer than the chunk the pace gives: the rows before the
+    kept ones go in chunks, the kept ones in the last pass.  (With the floor at 4 a 6-token
+    verification beside another stream got 2 rows back, and sampled verification indexed past them.)"""
+    target = FakeTarget(0.01, 0.001)
+    loop = BatchLoop(target, max_wait_s=0.0, prefill_chunk=64, clock=target.clock,
+                     pace=PrefillPace(floor=4, probe=4, step_s=0.01))
+    a, b = loop.join(), loop.join()  # b is another member: a's chunks are sized by the pace
+    try:
+        cache = FakeCache()
+        rows = a.forward(cache, list(range(6)), keep=6)
+        assert rows.shape == (6, V) and cache.length == 6
+        rows = a.forward(cache, list(range(10)), keep=6)  # 4 rows first, then the 6 kept
+        assert rows.shape == (6, V) and cache.length == 16
+        assert [p for p in target.passes[-2:]] == [[4], [6]]
+    finally:
+        a.leave(), b.leave()
+        loop.close()

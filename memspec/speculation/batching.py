@@ -157,7 +157,9 @@ class Slot:
             raise ContextOverflowError(
                 f"context overflow: {cache.length} cached + {len(ids)} new tokens > capacity {cache.capacity}")
         total, done = len(ids), 0
-        while len(ids) > (chunk := self._loop.chunk(self)):  # a long prompt: a chunk a pass, beside the others' steps
+        keep = min(max(keep, 1), total)
+        while len(ids) > keep and len(ids) > (chunk := self._loop.chunk(self)):  # a long prompt: a chunk a
+            chunk = min(chunk, len(ids) - keep)  # pass, beside the others' steps; the kept rows in the last
             self._loop.run(self, _Row(cache, ids[:chunk], 1))
             ids, done = ids[chunk:], done + chunk
             if self.progress is not None:
