@@ -86,12 +86,13 @@ def test_another_stream_keeps_getting_tokens_while_a_long_prompt_prefills_and_bo
     assert got["long"].token_ids == alone["long"] and got["short"].token_ids == alone["short"]
     chunks = [i for i, e in enumerate(events) if e == "chunk"]
     n_chunks = (len(got["long"].prompt_token_ids) - 1) // CHUNK
-    assert len(chunks) == n_chunks
+    assert len(chunks) >= n_chunks  # chunks of at most CHUNK tokens: fewer while the other streams (the pace)
     # counted in steps: the short request's tokens came between the long prompt's chunks, not after them
     between = events[chunks[0]:chunks[-1]].count("short")
     assert between >= n_chunks // 2, events
     first = got["messages"][0]
-    assert first.startswith(f"prefill: {CHUNK} of {len(got['long'].prompt_token_ids)} prompt tokens")
+    fed = int(first.split()[1])  # the first chunk's tokens: at most CHUNK (the pace may give fewer)
+    assert 1 <= fed <= CHUNK and first.startswith(f"prefill: {fed} of {len(got['long'].prompt_token_ids)} prompt tokens")
     assert any("prefill: " in r.getMessage() for r in caplog.records)  # the log says how far it is
 
 
