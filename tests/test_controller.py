@@ -236,3 +236,48 @@ def test_a_request_the_switcher_leaves_a_draft_in_stays_near_target_only(gguf_pa
         sel.close()
         assert got == alone and len(states) == taken, (len(states), cost)
         assert alone_cost / cost > bound, (cost, metrics.num_drafts)
+
+
+ADVICE = "I've been offered a promotion to team lead but I really like writing code. How should I think about the decision?"
+
+
+@pytest.mark.skipif(not kernels.available(), reason=kernels.NOT_BUILT)
+def test_a_request_no_draft_pays_in_stays_near_target_only_under_smollm2s_predictor(gguf_path):
+    """Issue 67's advice prompts on SmolLM2: the shipped predictor expects every draft at 1.15-1.5x
+    target-only (more as the answer grows) and each accepts a quarter.  Here, on the first advice
+    prompt and its real answer, every draft never agrees, priced in passes and draft time: within 5%
+    of target-only (0.957x), two drafts run.  Before, 0.74x with 12 draft states: the predictor
+    priced a draft its cost controller had stopped at its fitted line run down to no draft token,
+    below target-only's step (draft-code: 1.31x target-only, drafting nothing), so the switcher went
+    back to drafts that had failed, and on to every draft it had not run, each a catch-up over the
+    whole context and steps at the controller's prior."""
+    from fakes import FakeClock, FakeLoader, FakeProbe, MiB
+    from test_scheduler import req
+
+    from memspec.models.tokenizer import Tokenizer
+
+    from memspec.models.store import SHIPPED_MODELS
+    from memspec.runtime.native_target import NativeTarget
+    from memspec.scheduling.config import SchedulerConfig
+    from memspec.scheduling.predictor import Predictor
+    from memspec.scheduling.scheduler import Scheduler
+
+    target = NativeTarget(gguf_path, threads=1, max_context=TOKENS + 128)
+    tok = Tokenizer.from_gguf(gguf_path)
+    prompt = tok.encode(tok.apply_chat_template([{"role": "user", "content": ADVICE}]))
+    alone, alone_cost, _ = priced_run(target, prompt, NoDraft(), [0.0])
+    wrong = next(t for t in range(1000, target.vocab_size) if t not in alone)
+    predictor = Predictor.load(SHIPPED_MODELS / "predictor-smollm2-135m-gguf.json")
+    sizes = {d: 6 * MiB for d in predictor.drafts if d != "none"}
+    fake_clock, clock, states = FakeClock(), [0.0], []
+    loader = FakeLoader(sizes, fake_clock)
+    sched = Scheduler(SchedulerConfig(policy="memspec", budget_mb=0, pressure_floor_mb=0), loader, sizes,
+                      FakeProbe(), target=("target", 100 * MiB), clock=fake_clock, predictor=predictor, decode=tok.decode)
+    for d in sizes:  # every draft resident, each state one that never agrees
+        sched.ws.lease(d).release()
+        loader.proposers[d].begin = lambda capacity: states.append(NeverAgrees(wrong, clock)) or states[-1]
+    sel = sched.selector(req(ADVICE, max_tokens=1024), prompt, TOKENS + 128)
+    got, cost, metrics = priced_run(target, prompt, sel, clock)
+    sel.close()
+    assert got == alone and metrics.num_accepted_tokens == 0
+    assert len(states) <= 3 and alone_cost / cost > 0.95, (len(states), cost, metrics.drafts_used)

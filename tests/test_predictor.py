@@ -247,6 +247,27 @@ def test_rate_prices_measured_quantities_as_predict_prices_its_own(synthetic):
     assert pred.rate("draft-code", 3.0, 2.0) == pytest.approx(3.0 / (c["step_s"] + 2.0 * c["per_draft_token_s"]))
 
 
+def test_a_draft_that_drafts_nothing_is_priced_as_target_only():
+    """The profile's steps draft one token or more, so a draft's fitted line holds from there; at no
+    draft token a step it is target-only's step, not the line run down to zero: SmolLM2's shipped line
+    for draft-code meets zero at 0.76 of target-only's step, and a draft its cost controller had
+    stopped (mostly plain steps, a probe now and then) was priced 1.3x target-only, so the switcher
+    went back to drafts that had failed (issue 67: advice at 0.91x).  Between 0 and 1 token a step the
+    price runs straight from one to the other; from 1 on, the line as before."""
+    from memspec.models.store import SHIPPED_MODELS
+
+    pred = Predictor.load(SHIPPED_MODELS / "predictor-smollm2-135m-gguf.json")
+    none = 1.0 / pred.costs[NONE]["step_s"]
+    for d in (d for d in pred.drafts if d != NONE):
+        c = pred.costs[d]
+        one = c["step_s"] + c["per_draft_token_s"]
+        assert pred.rate(d, 1.0, 0.0) == pytest.approx(none), d
+        assert pred.rate(d, 1.0, 0.25) == pytest.approx(1.0 / (0.75 / none + 0.25 * one)), d
+        assert pred.rate(d, 2.0, 3.0) == pytest.approx(2.0 / (c["step_s"] + 3.0 * c["per_draft_token_s"])), d
+    code = pred.costs["draft-code"]
+    assert code["step_s"] < 0.8 * pred.costs[NONE]["step_s"]  # the fitted line's intercept the rule corrects
+
+
 def test_save_load_round_trip_predicts_identically(synthetic, tmp_path):
     _, pred = synthetic
     pred.save(tmp_path / "p.json")

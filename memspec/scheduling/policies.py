@@ -37,6 +37,7 @@ from memspec.scheduling.features import Detokenize, generation_context, request_
 from memspec.scheduling.selector import RequestSelector
 from memspec.scheduling.workingset import WorkingSet
 from memspec.speculation.metrics import SpecMetrics
+from memspec.speculation.suffix import SUFFIX
 
 log = logging.getLogger("memspec.scheduler")
 
@@ -198,6 +199,15 @@ def expected_seconds(tokens: int, tps_now: float, tps_new: float, load_s: float,
     return load_s + catchup_s + (tokens - during) / tps_new
 
 
+def request_trust(ran: Mapping[str, float], predicted: Mapping[str, float]) -> float:
+    """How far the predictor's gains held on this request, in [0, 1]: where two drafts or more ran long
+    enough to be measured (`ran`: their rates here), the best share of a draft's predicted gain over
+    target-only (`predicted`, with NO_DRAFT's) that its measured rate gave, at most 1; else 1."""
+    none = predicted.get(NO_DRAFT, 0.0)
+    shares = [(rate - none) / (predicted[d] - none) for d, rate in ran.items() if predicted.get(d, 0.0) > none]
+    return min(1.0, max(0.0, max(shares))) if len(ran) >= 2 and shares else 1.0
+
+
 def predictor_file(path: str, variant: str = "", target: str = "") -> Path | None:
     """The predictor to use: `path` when set; else the shipped one fitted for the target and its
     variant, models/predictor-TARGET-VARIANT.json, then models/predictor-TARGET.json; else the
@@ -328,18 +338,30 @@ class Memspec(Policy):
         ctx = generation_context(sched.decode, sel.generated, sel.recent_acceptance(), sel.mean_entropy())
         pred = self._predict(request_text(sel.req), ctx)
         self._compare(sel, pred)
+        predicted = dict(pred)
         current = sel.name or NO_DRAFT
         # The drafts this request ran long enough (the one it runs and the ones it left, so that it
         # does not go back and forth) are worth what their steps here accepted, priced as the rest's
         # predictions are: a fast or slow spell of the machine moves none of them against the others.
         # A draft it left is judged by its prediction again once the text changed (RequestSelector.set_aside).
-        measured = set()
+        measured, ran = set(), {}
         for d in sel.window:
             mal, drafted, steps = sel.recent_quantities(d)
-            if (d in pred and d != NO_DRAFT and steps >= SWITCH_EVIDENCE_STEPS
-                    and not sel.set_aside(d, pred[d], sched.config.switch_margin)):
-                pred[d] = self.predictor.rate(d, mal, drafted)
-                measured.add(d)
+            if d in pred and d != NO_DRAFT and steps >= SWITCH_EVIDENCE_STEPS:
+                ran[d] = self.predictor.rate(d, mal, drafted)
+                if not sel.set_aside(d, pred[d], sched.config.switch_margin):
+                    pred[d] = ran[d]
+                    measured.add(d)
+        # Two drafts or more that did worse here than predicted say the prompt misled the predictor (advice
+        # on SmolLM2: every draft predicted 1.15-1.5x target-only, each accepting a quarter), not the draft:
+        # the drafts the request has not run, or left and would take again, are taken at its word as far as
+        # it held here.  One draft that did worse says no more than that the runner-up may do better.
+        if sel.recall is not None:  # the recall's steps (copies of an earlier answer) say nothing of the rest
+            ran.pop(SUFFIX, None)
+        trust, none = request_trust(ran, predicted), pred.get(NO_DRAFT, 0.0)
+        for d in pred:
+            if d not in measured and d not in (NO_DRAFT, current) and pred[d] > none:
+                pred[d] = none + trust * (pred[d] - none)
         if current not in measured:  # target-only (or a draft not measured yet) doing better in this
             # request than predicted keeps its measured rate
             pred[current] = max(pred.get(current, 0.0), sel.observed_rate(current, SWITCH_EVIDENCE_TOKENS))
@@ -348,6 +370,9 @@ class Memspec(Policy):
             # its cost controller (or the gate) has stopped it drafting: here it is worth a plain step,
             # and a draft predicted to beat that may be tried (its catch-up and the margin counted)
             pred[current] = min(pred[current], pred.get(NO_DRAFT, 0.0))
+        margin = sched.config.switch_margin
+        pred = {d: v for d, v in pred.items()  # drafts it has not run wait for their turn (RequestSelector.may_try)
+                if d == NO_DRAFT or not sel.untried(d) or sel.may_try(d, predicted.get(d, v), margin)}
         left = max(min(sel.req.max_tokens - ctx.position, sched.config.expected_tokens), 1)
         best, best_s = self._best(pred, left, current, len(sel.context))
         if best == current or best_s * (1 + sched.config.switch_margin) > left / max(pred[current], 1e-6):
@@ -359,8 +384,12 @@ class Memspec(Policy):
         elif ws.is_resident(best):
             lease = ws.lease(best, wait=False)
             if lease is not None:
+                if sel.untried(best):
+                    sel.tried(predicted)
                 sel.switch_to(lease, f"predicted {pred[best]:.1f} vs {pred.get(current, 0):.1f} tok/s")
         elif sel.pending != best and ws.fetch(best):
+            if sel.untried(best):
+                sel.tried(predicted)
             sel.pending = best
             log.debug("memspec: request %s loads %s to switch to it", id(sel), best)
 

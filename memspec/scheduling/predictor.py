@@ -2,7 +2,7 @@
 
 Speed factors into two parts that behave very differently:
 
-    tok/s(d) = MAL(d) / (step_s(d) + per_draft_token_s(d) * drafted_per_step(d))
+    tok/s(d) = MAL(d) / (step_s(d) + per_draft_token_s(d) * drafted_per_step(d))   (one token a step or more)
 
 * MAL (tokens committed per verification step) and drafted_per_step depend on
   the text only: greedy verification is deterministic, so they are exact labels
@@ -11,7 +11,13 @@ Speed factors into two parts that behave very differently:
   ensemble per (draft, quantity).
 * The per-step costs are two numbers per draft, fitted robustly on the timed
   profiling steps (a line through seconds/step against drafted/step).  On a
-  new device only these need measuring again.
+  new device only these need measuring again.  The profile's steps draft one
+  token or more, so the line holds from one draft token a step on; below it
+  (a draft that the cost controller has mostly stopped) a step is priced
+  between target-only's step (nothing drafted) and the line at one token
+  (`Predictor.step_seconds`), not on the line extrapolated to zero, which
+  lies below target-only's step (SmolLM2's draft-code: 0.76 of it) and so
+  priced a draft that drafts nothing as faster than no draft.
 
 Regressing tok/s directly would put the timing noise of every profiled
 segment into the labels and tie the model to the profiling machine.
@@ -261,10 +267,21 @@ class Predictor:
         mal = np.clip(raw[..., 0], 1.0, drafted + 1.0)
         return mal, drafted
 
+    def step_seconds(self, drafted: np.ndarray, rows: np.ndarray | slice = slice(None)) -> np.ndarray:
+        """Seconds of a step of the modelled drafts `rows` (all: their order in self.drafts less "none")
+        at `drafted` draft tokens a step (broadcast against them): the fitted line from one token a
+        step on; below one, between target-only's step (0 tokens: the draft sat the step out) and
+        the line at one token, as a mean over steps that drafted a token or none at all is."""
+        step_s, token_s = self._step_s[rows], self._token_s[rows]
+        drafted = np.asarray(drafted, dtype=np.float64)
+        idle = self.costs[NONE]["step_s"]
+        one = step_s + token_s  # a step that drafted one token
+        return np.where(drafted >= 1.0, step_s + token_s * drafted, idle + (one - idle) * np.clip(drafted, 0.0, 1.0))
+
     def tok_per_s(self, X: np.ndarray) -> np.ndarray:
         """(n, R, F) inputs -> (n, R + 1) expected tok/s, columns in self.drafts order."""
         mal, drafted = self.quantities(X)
-        tps = mal / (self._step_s + self._token_s * drafted)
+        tps = mal / self.step_seconds(drafted)
         none = np.full((X.shape[0], 1), 1.0 / self.costs[NONE]["step_s"])
         out = np.concatenate([none, tps], axis=1)[:, self._columns]
         if self.default is not None and self.margin:
@@ -276,7 +293,7 @@ class Predictor:
         as predict() prices its own (the fitted step costs, the margin): a request's measured
         quantities weighed against the others' predicted ones, whatever the machine's pace now."""
         i = self._modeled.index(draft)
-        tps = mal / (self._step_s[i] + self._token_s[i] * drafted)
+        tps = mal / float(self.step_seconds(drafted, i))
         return tps / (1.0 if draft == self.default or not self.margin else 1.0 + self.margin)
 
     def predict(self, prompt_text: str, ctx: GenerationContext | None = None) -> dict[str, float]:

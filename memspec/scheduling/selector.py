@@ -11,7 +11,12 @@ rest of the request: the text may change character (a code block, a passage quot
 so the switcher may set it aside (`set_aside`) once the request has run `PROBE_EVERY` steps without
 the draft, twice as long after each time it left the draft again, up to `PROBE_MAX` (then it stands),
 the backoff of the cost controller's probes.  A draft taken again starts over: a new state, a new
-cost controller in the decode loop, and its steps counted afresh.  With a `recall` (the
+cost controller in the decode loop, and its steps counted afresh.  Drafts the request has not run
+yet are tried on the same backoff (`may_try`): the first at once, each further one 16, 32, then 64
+steps after the last, then no more, unless the text changed since the last (its prediction rose by
+more than the margin): where every draft's prediction is too high (advice on SmolLM2: each predicted
+1.15-1.3x target-only, each accepting a quarter), a request does not pay a catch-up over the whole
+context and the cost controller's first steps for one draft after another.  With a `recall` (the
 scheduler's, where it holds the suffix draft), a step whose text's end agrees long with a
 request the daemon saw proposes what followed there instead (memspec.speculation.suffix.Recall),
 whichever draft the request holds, and that step counts as the suffix draft's.
@@ -33,6 +38,8 @@ from memspec.speculation.suffix import SUFFIX
 log = logging.getLogger("memspec.scheduler")
 WINDOW_STEPS = 16  # steps of each draft's (drafted, accepted) a request keeps (`window`); memspec leaves a
 #                   draft that drafted nothing in all of them
+ACCEPTANCE_MIN_TOKENS = 4  # a draft's recent acceptance is told the predictor over at least this many drafted
+#                            tokens: it learnt it over 4 or more (99% of SmolLM2's profiled segments; median 15)
 PROBE_EVERY, PROBE_MAX = CostController.PROBE_EVERY, CostController.PROBE_MAX  # a left draft's steps stand this long
 
 
@@ -77,6 +84,8 @@ class RequestSelector:
         self.broken: set[str] = set()  # drafts that raised in this request: never taken again by it
         # draft -> (the step the request left it at, steps its window stands for it, its prediction then)
         self.left: dict[str, tuple[int, int, float]] = {}
+        # drafts taken for the first time in this request, the step of the last, and every prediction then
+        self.tries, self.tried_at, self.tried_with = 0, 0, {}
         self.closed = False
         self.recall = None  # a memspec.speculation.suffix.Recall, set by the scheduler (None: no recall)
         if lease is not None:
@@ -136,6 +145,24 @@ class RequestSelector:
         at, holds, then = self.left[name]
         return holds <= PROBE_MAX and self.steps - at >= holds and predicted > then * (1 + margin)
 
+    def untried(self, name: str) -> bool:
+        """Whether `name` has not run in this request (neither now nor before)."""
+        return name != self.name and name not in self.window and name not in self.left
+
+    def may_try(self, name: str, predicted: float, margin: float) -> bool:
+        """Whether the switcher may take `name`, a draft the request has not run, now: the first such
+        at any time; each further one once the request has run twice as long as before the last
+        (16, 32, 64 steps, then never: the cost controller's backoff), or where its prediction for the
+        text now is above the one it had at the last first try by more than `margin` (the text changed)."""
+        if self.tries == 0 or predicted > self.tried_with.get(name, 0.0) * (1 + margin):
+            return True
+        wait = PROBE_EVERY << self.tries
+        return wait <= PROBE_MAX and self.steps - self.tried_at >= wait
+
+    def tried(self, predicted: dict[str, float]) -> None:
+        """The switcher takes a draft the request has not run (may_try); `predicted`: every draft's prediction now."""
+        self.tries, self.tried_at, self.tried_with = self.tries + 1, self.steps, dict(predicted)
+
     def switch_to(self, lease: Lease, why: str) -> None:
         if lease.name in self.broken:  # it failed in this request: stay on the current one
             lease.release()
@@ -178,11 +205,14 @@ class RequestSelector:
     def recent_acceptance(self) -> dict[str, float]:
         """Each draft's accepted share of its recent steps' tokens (the predictor's generation context);
         not the recall's steps (counted as the suffix draft's): copies of an earlier answer say
-        nothing of how the drafts the policy picks from would do here."""
+        nothing of how the drafts the policy picks from would do here.  Nor a share of fewer than
+        ACCEPTANCE_MIN_TOKENS tokens: where the cost controller has stopped a draft, its window holds
+        a probe or two, and one accepted probe (1.0) had the predictor expect every draft at twice
+        target-only's speed on SmolLM2's advice prompts, where each accepts a quarter."""
         out = {}
         for name, steps in self.window.items():
             drafted = sum(d for d, _ in steps)
-            if drafted and not (name == SUFFIX and self.recall is not None):
+            if drafted >= ACCEPTANCE_MIN_TOKENS and not (name == SUFFIX and self.recall is not None):
                 out[name] = sum(a for _, a in steps) / drafted
         return out
 
