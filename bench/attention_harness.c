@@ -15,20 +15,11 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "attention.h"
 #include "dot.h"
 #include "floatops.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static uint32_t seed = 1;
-static uint32_t rnd(void) { return (seed = seed * 1664525u + 1013904223u) >> 8; }
+#include "harness.h"
 
 int main(int argc, char **argv) {
     const struct dot_isa *isa = argc > 1 ? dot_isa_named(argv[1]) : dot_isa_best();

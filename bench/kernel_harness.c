@@ -13,21 +13,12 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <time.h>
 
 #include "dot.h"
 #include "dot_x86.h"
 #include "pack.h"
 #include "quants.h"
-
-static double now(void) {
-    struct timespec t;
-    clock_gettime(CLOCK_MONOTONIC, &t);
-    return t.tv_sec + t.tv_nsec * 1e-9;
-}
-
-static uint32_t seed = 1;
-static uint32_t rnd(void) { return (seed = seed * 1664525u + 1013904223u) >> 8; }
+#include "harness.h"
 
 int main(int argc, char **argv) {
     int id = argc > 1 && strcmp(argv[1], "q6_k") == 0 ? TYPE_Q6_K : TYPE_Q4_K;
