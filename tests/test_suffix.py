@@ -375,7 +375,7 @@ def test_a_scheduled_step_recalls_what_followed_where_the_text_matches_the_index
         assert name == SUFFIX and state.propose([1, *SEEN[:8]], 4, GREEDY, None).tokens == SEEN[8:12]
         name, _ = sel([1, *SEEN[:8], 99, 98], sel.metrics)
         assert name == "prompt-lookup"  # the text went its own way: the picked draft again
-        sel.window = {SUFFIX: deque([(4, 4)]), "prompt-lookup": deque([(2, 1)])}
+        sel.window = {SUFFIX: deque([(4, 4)]), "prompt-lookup": deque([(4, 2)])}  # 4 drafted: enough to tell
         assert sel.recent_acceptance() == {"prompt-lookup": 0.5}  # the recall's copies are no draft's evidence
         sel.close()
         # a request that names its draft runs as named
