@@ -321,6 +321,46 @@ def test_memspec_starts_without_stalling_then_switches_when_a_code_block_opens()
     assert all(d["leases"] == 0 for d in sched.ws.status()["drafts"].values())
 
 
+def test_memspec_asks_less_often_where_asking_would_take_over_its_share_of_the_time():
+    """The switcher asks every switch_every_steps steps, unless asking takes over ASK_SHARE of the
+    request's time: with steps of 10 ms and an ask of 1 ms (SmolLM2's case), 5 of them at most a second."""
+    from memspec.scheduling.selector import ASK_SHARE
+
+    pred = StandInPredictor(RATES)
+    sched, _, clock, _ = make("memspec", predictor=pred, switch_every_steps=4)
+    slow = pred.predict
+
+    def predict(text, ctx=None):  # an ask that takes 1 ms of the clock
+        clock.advance(0.001)
+        return slow(text, ctx)
+
+    pred.predict = predict
+    sel = sched.selector(req("tell me about cats"), [1, 2, 3, 4], 256)
+    context, m = [1, 2, 3, 4, 1], SpecMetrics()
+    asked = []
+    for i in range(200):
+        before = len(pred.calls)
+        sel(context, m)
+        if len(pred.calls) > before:
+            asked.append(i + 1)
+        clock.advance(0.010)
+        m.record_step(None, 0, 0, 1, 0.0, 0.010)
+        context.append(1)
+    gaps = [b - a for a, b in zip(asked, asked[1:])]
+    assert ASK_SHARE == 0.02
+    assert asked and min(gaps) >= 5  # 50 ms apart: every 4 steps would be 2.4% of the time
+    assert len(asked) <= 41
+    sel.close()
+
+    fast = StandInPredictor(RATES)  # an ask that takes no time: every 4 steps, as configured
+    sched, _, clock, _ = make("memspec", predictor=fast, switch_every_steps=4)
+    sel = sched.selector(req("tell me about cats"), [1, 2, 3, 4], 256)
+    before = len(fast.calls)
+    run_steps(sel, 40)
+    assert len(fast.calls) - before == 10
+    sel.close()
+
+
 def switch_after_chat(sched, context_len, step_s, steps=8):
     """A request started on draft-chat (resident) with draft-code resident too, whose context is
     `context_len` tokens when its answer opens a code block; each step commits 4 tokens in

@@ -20,7 +20,7 @@ from memspec.scheduling.scheduler import Scheduler, draft_footprints
 from memspec.speculation.config import SpecConfig
 from memspec.speculation.sources import DraftPool, DraftRow
 from memspec.speculation.suffix import (KEY, MAX_CANDIDATES, MAX_MATCH, SUFFIX, Match, Recall, SuffixDraft, SuffixIndex,
-                                        index_layout, index_nbytes, own_match, vote)
+                                        _bucket, _buckets, index_layout, index_nbytes, own_match, vote)
 from test_sampling import chi_square_p
 from test_speculative import V, second_token_counts, tiny  # noqa: F401  (tiny: the fixture)
 
@@ -30,6 +30,15 @@ GREEDY = SamplingParams()
 
 def proposal(draft: SuffixDraft, context: list[int], k: int = 8) -> list[int]:
     return draft.begin(64).propose(context, k, GREEDY, None).tokens
+
+
+def test_one_keys_bucket_is_the_bucket_indexing_gave_it():
+    """find() hashes its one key in Python's integers, add() hashes arrays: the same buckets, or
+    every lookup misses."""
+    rng = np.random.default_rng(0)
+    a, b = rng.integers(0, 1 << 18, 2000), rng.integers(0, 1 << 18, 2000)
+    for bits in (8, 16, 24):
+        assert _buckets(a, b, bits).tolist() == [_bucket(int(x), int(y), bits) for x, y in zip(a, b)]
 
 
 def brute_force(live: list[list[int]], suffix: list[int], k: int) -> tuple[int, list[list[int]], int]:

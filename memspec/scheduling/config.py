@@ -16,7 +16,8 @@ class SchedulerConfig:
     policy: str = "memspec"  # target-only, fixed:<draft>, bandit, memspec or oracle
     budget_mb: int = 0  # target + resident drafts may not exceed this; 0 = no budget
     pressure_floor_mb: int = 256  # below this much available system memory: evict drafts, then target-only; 0 = off
-    switch_every_steps: int = 8  # memspec: ask the predictor again every this many steps
+    switch_every_steps: int = 8  # memspec: ask the predictor again every this many steps (fewer where asking
+    #                              would take over 2% of the time: selector.ASK_SHARE)
     switch_margin: float = 0.15  # memspec: switch only for a predicted gain of at least this fraction
     ucb_c: float = 0.5  # bandit: exploration weight (rewards are scaled to [0, 1])
     bandit_reward: str = "tok_per_s"  # bandit: "tok_per_s" or "acceptance_per_cost"

@@ -323,7 +323,8 @@ class Memspec(Policy):
             if start is not None and pred[start] > pred[NO_DRAFT]:
                 lease = ws.lease(start, wait=False)
         sel = RequestSelector(ws, sched.count, req, prompt, capacity, lease, on_close=self._done,
-                              switcher=self.switch, switch_every=sched.config.switch_every_steps)
+                              switcher=self.switch, switch_every=sched.config.switch_every_steps,
+                              clock=ws.clock)
         sel.pending = pending
         chosen = sel.name or NO_DRAFT
         sel.predicted[chosen] = pred.get(chosen, 0.0)

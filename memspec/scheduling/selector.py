@@ -25,6 +25,7 @@ whichever draft the request holds, and that step counts as the suffix draft's.
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import Callable
 
@@ -41,6 +42,8 @@ WINDOW_STEPS = 16  # steps of each draft's (drafted, accepted) a request keeps (
 ACCEPTANCE_MIN_TOKENS = 4  # a draft's recent acceptance is told the predictor over at least this many drafted
 #                            tokens: it learnt it over 4 or more (99% of SmolLM2's profiled segments; median 15)
 PROBE_EVERY, PROBE_MAX = CostController.PROBE_EVERY, CostController.PROBE_MAX  # a left draft's steps stand this long
+ASK_SHARE = 0.02  # the switcher takes at most this share of a request's time: on SmolLM2 an ask (about 1 ms)
+#                   every 8 steps of 3-4 ms was 3%; on the 1.5B (70 ms steps) it still asks every 8
 
 
 class _Watched:
@@ -63,12 +66,16 @@ class RequestSelector:
 
     def __init__(self, ws: WorkingSet, count: Callable[[str], None], req: GenerationRequest, prompt: list[int],
                  capacity: int, lease: Lease | None, on_close: Callable[["RequestSelector"], None] | None = None,
-                 switcher: Callable[["RequestSelector"], None] | None = None, switch_every: int = 0):
+                 switcher: Callable[["RequestSelector"], None] | None = None, switch_every: int = 0,
+                 clock: Callable[[], float] = time.monotonic):
         """ws: where its leases come from; count: the scheduler's counter; switcher: called every
-        `switch_every` steps to reconsider the draft; on_close: called once when the request ends."""
+        `switch_every` steps to reconsider the draft, and no more often than keeps its own time
+        within ASK_SHARE of the request's (timed on `clock`); on_close: called once when the request ends."""
         self.ws, self.count, self.req, self.capacity = ws, count, req, capacity
         self.n_prompt = len(prompt)
         self.on_close, self.switcher, self.switch_every = on_close, switcher, switch_every
+        self.clock = clock
+        self._asked = (0, clock(), 0.0)  # the step and the time of the last ask, and what asking took
         self.lease: Lease | None = None
         self.state = None
         self.pending: str | None = None  # a draft loading in the background, switched to once resident
@@ -236,13 +243,22 @@ class RequestSelector:
                 self.pending = None
                 if lease is not None:
                     self.switch_to(lease, "its background load finished")
-            if self.switcher is not None and self.steps % self.switch_every == 0:
+            if self.switcher is not None and self._ask_due():
+                t0 = self.clock()
                 self.switcher(self)
+                took = self.clock() - t0
+                self._asked = (self.steps, t0, took if not self._asked[2] else 0.5 * (self._asked[2] + took))
         if self.recall is not None and self.name != SUFFIX and self.recall.check(context):
             self._ran = SUFFIX
             return SUFFIX, self.recall
         self._ran = self.name
         return (self.name, self.state) if self.lease is not None else (None, None)
+
+    def _ask_due(self) -> bool:
+        """Whether the switcher is asked at this step: `switch_every` steps after the last ask, once
+        the time since is at least what an ask takes over ASK_SHARE."""
+        step, at, took = self._asked
+        return self.steps - step >= self.switch_every and self.clock() - at >= took / ASK_SHARE
 
     def close(self) -> None:
         if self.closed:
