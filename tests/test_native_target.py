@@ -494,6 +494,23 @@ def test_every_path_of_this_cpu_gives_the_same_logits(gguf_path, native):
         assert np.array_equal(whole(other, IDS[:20]), whole(native, IDS[:20])), isa
 
 
+def test_one_row_passes_are_the_same_whichever_way_the_weights_are_fetched(gguf_path, native):
+    """Model.fetch_ahead (the loader times both ways and keeps the faster) moves how a one-row pass
+    streams its weights, never a bit of it, on every path of this CPU."""
+    from memspec.runtime.native_target import NativeTarget
+
+    assert isinstance(native.fetch_ahead, bool) and native.model.fetch_ahead == native.fetch_ahead
+    for isa in kernels.isas():
+        t = NativeTarget(gguf_path, threads=2, max_context=128, isa=isa, check_rows=False)
+        got = []
+        for on in (True, False):
+            t.model.fetch_ahead = on
+            c = t.new_cache()
+            got.append(np.concatenate([t.forward(c, [i]) for i in IDS[:12]]))
+        assert np.array_equal(got[0], got[1]), isa
+        assert np.array_equal(got[0], whole(native, IDS[:12])), isa
+
+
 def test_a_cost_curve_is_kept_per_build_of_the_kernels(native):
     """A curve measured with one build of the extension is not reused after a rebuild (a faster
     kernel would otherwise keep the old costs for a day)."""

@@ -59,13 +59,14 @@ static void outputs_rows(const struct dot_isa *isa, const struct tensor *w, cons
 
 /* The interleaved layout: each group of PACK_ROWS outputs applied to tiles of activation rows;
  * an output's float sum is its lane-0 accumulator, taken as lanes_take_used(acc, 1) takes it.  With
- * two rows or more, a path with rows16 for the type takes the groups two at a time (the same bits). */
+ * two rows or more, or one where the kernels fetch ahead (acts.ahead), a path with rows16 for the
+ * type takes the groups two at a time (the same bits). */
 static void outputs_packed(const struct dot_isa *isa, const struct tensor *w, const struct acts *a, float *out,
                            int n0, int n1) {
     float acc[ROW_TILE][2 * PACK_ROWS] __attribute__((aligned(64)));
     size_t gb = pack_bytes(w->t, PACK_ROWS, w->k); /* one group's bytes */
     int m = a->m, n = w->n, g0 = n0 / PACK_ROWS, g1 = n1 / PACK_ROWS;
-    int paired = m > 1 && isa->rows16 && (isa->paired_types >> w->t->id & 1);
+    int paired = (m > 1 || a->ahead) && isa->rows16 && (isa->paired_types >> w->t->id & 1);
     int gtile = gb < WEIGHT_TILE_BYTES ? (int)(WEIGHT_TILE_BYTES / gb) : 1;
     if (paired && gtile % 2) gtile++; /* whole pairs in a tile */
     memset(acc, 0, sizeof(acc));
@@ -75,7 +76,7 @@ static void outputs_packed(const struct dot_isa *isa, const struct tensor *w, co
             int nr = m - r0 < ROW_TILE ? m - r0 : ROW_TILE;
             for (int g = h0; g < h1;) {
                 int two = paired && g + 1 < h1, width = two ? 2 * PACK_ROWS : PACK_ROWS;
-                if (r0 == 0 && m == 1) prefetch_ahead(w->packed + (size_t)g * gb, gb, w->packed + (size_t)g1 * gb);
+                if (r0 == 0 && m == 1 && !a->ahead) prefetch_ahead(w->packed + (size_t)g * gb, gb, w->packed + (size_t)g1 * gb);
                 if (two) isa->rows16(w->t, w->packed + (size_t)g * gb, w->k, a, r0, nr, acc);
                 else isa->rows8(w->t, w->packed + (size_t)g * gb, w->k, a, r0, nr, (float (*)[PACK_ROWS])acc);
                 float *lanes = &acc[0][0];

@@ -180,6 +180,7 @@ static int stage(struct pass *p, void (*row)(struct pass *, int), const float *x
         int kind = t->family == FAM_FLOAT ? 0 : t->block == QK ? 1 : 2;
         if (!z->ready[kind]) {
             failed = acts_alloc(&z->a[kind], t, rows, k) != 0;
+            z->a[kind].ahead = p->m->fetch_ahead;
             z->ready[kind] = !failed;
         }
         p->mm[j] = (struct mm){w[j], &z->a[kind], out[j]};

@@ -33,6 +33,7 @@ struct model {
     const struct attn_isa *attn; /* attention's loops on the same path as isa */
     const struct float_isa *fops; /* the softmax's and SiLU's exponentials on the same path */
     int kv_type;                  /* the caches' format: KV_F16 or KV_Q8 (attention.h) */
+    int fetch_ahead;              /* a one-row pass's kernels fetch their weights ahead (struct acts' ahead) */
     struct pool *pool;
 };
 

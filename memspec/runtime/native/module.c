@@ -398,6 +398,7 @@ static int model_init(ModelObject *self, PyObject *args, PyObject *kw) {
         return -1;
     }
     self->m.kv_type = strcmp(kv, "q8") == 0 ? KV_Q8 : KV_F16;
+    self->m.fetch_ahead = 1;
     pthread_mutex_init(&self->lock, NULL);
     if (PyObject_GetBuffer(file, &self->file, PyBUF_SIMPLE) != 0) return -1;
     self->have_file = 1;
@@ -612,7 +613,26 @@ static PyObject *model_kv_row_bytes(ModelObject *self, void *unused) {
     return PyLong_FromSize_t(kv_row_bytes(self->m.kv_type, self->m.head_dim));
 }
 
+static PyObject *model_fetch_ahead(ModelObject *self, void *unused) { return PyBool_FromLong(self->m.fetch_ahead); }
+
+static int model_set_fetch_ahead(ModelObject *self, PyObject *value, void *unused) {
+    int on = value ? PyObject_IsTrue(value) : -1;
+    if (on < 0) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "fetch_ahead cannot be deleted");
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS /* not under a pass: wait for one to end */
+    pthread_mutex_lock(&self->lock);
+    self->m.fetch_ahead = on;
+    pthread_mutex_unlock(&self->lock);
+    Py_END_ALLOW_THREADS
+    return 0;
+}
+
 static PyGetSetDef model_getset[] = {
+    {"fetch_ahead", (getter)model_fetch_ahead, (setter)model_set_fetch_ahead,
+     "whether a one-row pass's kernels fetch their weights ahead themselves (True) or leave it to the "
+     "matmul driver's bursts (False): the same bits, and which is faster depends on the machine", NULL},
     {"kv", (getter)model_kv, NULL, "the KV cache's format: \"f16\" or \"q8\" (attention.h)", NULL},
     {"kv_row_bytes", (getter)model_kv_row_bytes, NULL,
      "bytes of one cache row (a position's key or value for one KV head): 2*head_dim, or head_dim + 4 for q8", NULL},

@@ -218,6 +218,7 @@ void dequantize_row(const struct type_info *t, const uint8_t *raw, int k, float 
 int acts_alloc(struct acts *a, const struct type_info *t, int m, int k) {
     memset(a, 0, sizeof(*a));
     a->m = m;
+    a->ahead = 1;
     a->kpad = (k + CHUNK - 1) / CHUNK * CHUNK;
     size_t n = (size_t)(m > 0 ? m : 1) * a->kpad;
     if (t->family == FAM_FLOAT) {

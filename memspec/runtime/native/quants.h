@@ -143,6 +143,10 @@ struct acts {
     float *fsum32;  /* (m, kpad / 32): the same sums as float (exact), for small blocks' float updates;
                      * NULL for K-quants */
     float *f;       /* (m, kpad): float types: x as given */
+    int ahead;      /* one row (m == 1): 1, the interleaved kernels fetch the weights ahead themselves, as
+                     * they do with two rows or more, and Q4_K and Q6_K go in pairs of groups (matmul.c);
+                     * 0, the driver asks for them in a burst a group.  The same bits either way; which
+                     * is faster is the machine's (struct model's fetch_ahead; acts_alloc sets 1) */
 };
 
 /* Allocate and fill `a` from x (m, k) float32 for weights of type `t`; 0 on success,
