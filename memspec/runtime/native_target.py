@@ -148,11 +148,17 @@ class NativeTarget:
         except ValueError as exc:  # an unsupported type, a wrong shape, a truncated file
             raise ModelFormatError(f"{self.path.name}: {exc}") from None
         self.file_bytes = self._resident_bytes()
-        self.fetch_ahead = self.model.fetch_ahead = self._faster_fetch()
+        self.model.fetch_ahead = self._faster_fetch()
         self.isa = isa or native.isa()
         self.device = "cpu"
         self.providers = [f"memspec-native ({self.isa})"]  # what computes it, as GetStatus lists engines
         self.rows: RowCheck = check(self) if check_rows else UNCHECKED  # memspec.runtime.invariance
+
+    @property
+    def fetch_ahead(self) -> bool:
+        """How this target's one-row passes fetch their weights (the extension's Model.fetch_ahead,
+        chosen at load by _faster_fetch)."""
+        return self.model.fetch_ahead
 
     def _faster_fetch(self, passes: int = FETCH_PASSES) -> bool:
         """Whether one-row passes run faster with the kernels fetching their weights ahead (the
