@@ -21,19 +21,24 @@ static int longest(const struct attn_query *qs, int nq) {
     return n;
 }
 
-void kv_q8_row(const float *x, int hd, uint8_t *row) {
+/* x - less (less NULL: x) as a KV_Q8 row. */
+static void q8_row_less(const float *x, const float *less, int hd, uint8_t *row) {
     float amax = 0.0f;
     for (int i = 0; i < hd; i++) {
-        float a = fabsf(x[i]);
+        float a = fabsf(less ? x[i] - less[i] : x[i]);
         amax = a > amax ? a : amax; /* a NaN is skipped */
     }
     float id = amax > 0.0f ? 127.0f / amax : 0.0f, s = amax / 127.0f;
     for (int i = 0; i < hd; i++) {
-        float v = (x[i] * id + 12582912.0f) - 12582912.0f; /* round half to even: quants.c's round_even */
+        float v = ((less ? x[i] - less[i] : x[i]) * id + 12582912.0f) - 12582912.0f; /* round half to even: quants.c's round_even */
         row[i] = (uint8_t)(int8_t)(v >= -127.0f && v <= 127.0f ? v : 0.0f);
     }
     memcpy(row + hd, &s, sizeof(s));
 }
+
+void kv_q8_row(const float *x, int hd, uint8_t *row) { q8_row_less(x, NULL, hd, row); }
+
+void kv_q8_key(const float *k, const float *bias, int hd, uint8_t *row) { q8_row_less(k, bias, hd, row); }
 
 /* Element d of a row as a float (exactly), and a KV_Q8 row's scale. */
 static inline float row_at(const uint8_t *row, int type, int d) {

@@ -3,7 +3,8 @@
  * The cache holds a row per position and KV head, of one of two formats (kv_row_bytes):
  *   KV_F16: hd float16s;
  *   KV_Q8:  hd int8s q, then their float32 scale s (x ~= s * q; s = max|x| / 127, kv_q8_row), so
- *           that a row is quantized once, from its own values, when it is written.
+ *           that a row is quantized once, from its own values, when it is written; a key less its
+ *           head's key bias (kv_q8_key).
  *
  * A call takes several queries that read the same keys and values (the query heads of one KV head,
  * and the rows of one sequence in a pass), each with its own count n of positions, so that each
@@ -41,6 +42,14 @@ static inline size_t kv_row_bytes(int type, int hd) { return type == KV_Q8 ? (si
  * of a row of zeros; a NaN's q is 0), as quants.c quantizes activations.  One row's bytes depend on
  * that row alone. */
 void kv_q8_row(const float *x, int hd, uint8_t *row);
+
+/* A rotated key k as a KV_Q8 row: kv_q8_row of k - bias, bias the head's key bias as the model adds
+ * it before the rotation (NULL: a model without one).  A query's scores over every position then
+ * move by the same q . bias, which the softmax cancels, while the bias's large channels no longer
+ * set the row's scale: in Qwen2.5-Coder-1.5B's first layer a key's bias reaches 354 where the rest
+ * of it varies by about 1.4, and a key's int8 step was a third of that spread.  The row depends on
+ * the row and the model alone, as before. */
+void kv_q8_key(const float *k, const float *bias, int hd, uint8_t *row);
 
 /* keys / vals: rows 0..n-1 of format `type`, each kv_row_bytes(type, hd) after the last. */
 struct attn_isa {

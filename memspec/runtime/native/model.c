@@ -416,7 +416,7 @@ static void qkv_out(void *arg, int i, int n) {
             uint8_t *kd = c->data + kv_at(m, c, p->layer, 0, g, p->slot[t]);
             uint8_t *vd = c->data + kv_at(m, c, p->layer, 1, g, p->slot[t]);
             if (m->kv_type == KV_Q8) {
-                kv_q8_row(k + g * hd, hd, kd);
+                kv_q8_key(k + g * hd, L->bk.data ? (const float *)L->bk.data + g * hd : NULL, hd, kd);
                 kv_q8_row(v + g * hd, hd, vd);
             } else {
                 m->fops->to_f16(k + g * hd, (uint16_t *)kd, hd);
