@@ -685,3 +685,21 @@ def test_spread_takes_each_category_in_turn_and_skips_one_that_runs_out():
     assert [i["prompt"] for i in spread(items, 4)] == ["a1", "b1", "a2", "b2"]
     assert [i["prompt"] for i in spread(items, 99)] == ["a1", "b1", "a2", "b2", "b3"]
     assert spread([], 3) == []
+
+
+def test_kv_fidelity_floor_changes_only_the_last_bit_of_finite_float16s():
+    """bench/kv_fidelity.py's floor: f16 KV with each finite element's last bit made random, in place
+    in a view of the cache; infinities and NaNs are left as they are (a flipped bit would make a NaN)."""
+    import numpy as np
+
+    bench = _bench_module("kv_fidelity")
+    cache = np.zeros((2, 3, 64), np.uint16)
+    cache[:] = np.arange(1.0, 7.0, dtype=np.float16).view(np.uint16).reshape(2, 3, 1)
+    cache[0, 0, :2] = np.array([np.inf, np.nan], np.float16).view(np.uint16)
+    before = cache.copy()
+    bench.last_bit(cache[:, 1:], np.random.default_rng(0))  # a view, as the bench passes the fed rows
+    assert np.array_equal(cache[:, 0], before[:, 0])
+    changed = cache[:, 1:] ^ before[:, 1:]
+    assert set(np.unique(changed)) == {0, 1} and 0.3 < changed.mean() < 0.7
+    bench.last_bit(cache, np.random.default_rng(1))
+    assert np.array_equal(cache[0, 0, :2], before[0, 0, :2])
