@@ -13,7 +13,8 @@ case and punctuation ignored: memspec.training.prompts.ngrams):
 * the generators' own string pieces (templates, lists, passages, the write-prompts tasks), so a
   run of words split across two drawn pieces is the only kind the draws must find;
 * each predictor's traces (the file its record names), and the calibration sets they are profiled
-  on: the built-in 48 and bench/fresh_profile.jsonl.
+  on: the built-in 48, bench/fresh_profile.jsonl and bench/profile_kinds.jsonl (the everyday
+  workload's kinds, written apart from it).
 
 The generators have changed since some drafts were trained; what is checked is what they draw now.
 """
@@ -132,7 +133,8 @@ def _predictor_prompts() -> list[tuple[str, str]]:
                 t = json.loads(line)
                 out += [(traces.name, t[k]) for k in ("prompt", "prompt_text") if k in t]
     calibration = [("built-in bench_prompts.jsonl", w["prompt"]) for w in load_workload(None)]
-    fit = [("bench/fresh_profile.jsonl", w["prompt"]) for w in load_workload(str(ROOT / "bench/fresh_profile.jsonl"))]
+    fit = [(f"bench/{name}", w["prompt"]) for name in ("fresh_profile.jsonl", "profile_kinds.jsonl")
+           for w in load_workload(str(ROOT / "bench" / name))]
     return out + calibration + fit
 
 
