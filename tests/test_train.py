@@ -277,7 +277,8 @@ def test_training_prompts_are_distinct_reproducible_and_never_a_benchmark_prompt
     from memspec.training.prompts import DOMAINS, NEAR_SHARE, content_words, domain_prompts, measured_prompts
 
     measured = measured_prompts()
-    assert len(measured) == 48 + 21 + 36 + 48 + 48 and "Write a haiku about autumn leaves." in measured
+    # the built-in 48, then bench/: held-out, fresh, everyday, and the predictor's two calibration sets
+    assert len(measured) == 48 + 21 + 36 + 48 + 48 + 48 and "Write a haiku about autumn leaves." in measured
     bench = [w for w in map(content_words, measured) if w]
     for domain in DOMAINS:
         used: set[str] = set()  # earlier seeds' prompts only: domain_prompts keeps the benchmarks' out itself
